@@ -1,0 +1,105 @@
+"""Small shared helpers: atomic file output, seeding, device selection, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+__all__ = [
+    "atomic_path",
+    "atomic_write_json",
+    "atomic_torch_save",
+    "atomic_write_tiff",
+    "seed_everything",
+    "resolve_device",
+    "progress",
+]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    A crash inside the block leaves any previous ``path`` untouched and no half-written file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON atomically (NaN written as null-free JSON is not guaranteed)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, torch.Tensor):
+        return o.detach().cpu().tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
+    """``torch.save`` atomically (checkpoints survive a kill mid-write)."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def atomic_write_tiff(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write a float32 (or given dtype) TIFF atomically with tifffile."""
+    import tifffile
+
+    with atomic_path(path) as tmp:
+        tifffile.imwrite(tmp, np.ascontiguousarray(array))
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, numpy and torch; return a CPU ``torch.Generator`` seeded with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``/``"auto"`` → CUDA when available else CPU; ``"cuda"`` without CUDA raises a clear error."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "device 'cuda' was requested but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use --device cpu"
+        )
+    return dev
+
+
+def progress(iterable=None, *, total=None, desc: str = "", disable: bool | None = None, **kw):
+    """A tqdm progress bar writing to stderr; silenced when ``CTUQ_NO_PROGRESS=1`` or ``disable``."""
+    from tqdm.auto import tqdm
+
+    if disable is None:
+        disable = os.environ.get("CTUQ_NO_PROGRESS", "") == "1"
+    return tqdm(iterable, total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=False, **kw)
