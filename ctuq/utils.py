@@ -36,6 +36,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp)
     try:
+        # mkstemp creates 0600 files; give the result the permissions a plain open() would (umask applied).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         yield tmp
         os.replace(tmp, path)
     finally:

@@ -1,0 +1,437 @@
+"""Run configuration: nested dataclasses, YAML files, ``--set key.sub=value`` overrides, validation.
+
+Layers, later ones win: dataclass defaults → YAML file → ``--set`` overrides → dedicated CLI flags
+(``--data``, ``--device``, ``--seed``). Every layer is validated as it is applied, so an error names its
+source (file or ``--set``), the full key, and — for unknown keys — the valid keys of that section.
+
+Bundled configs live in ``ctuq/configs/*.yaml`` (package data, so ``pip install .`` ships them); the
+top-level ``configs/`` folder holds symlinks to the same files for browsing. ``--config NAME`` accepts a
+path or the name of a bundled config (``demo``, ``walnut_2d_60``, ...).
+
+Extending: a section is any field of :class:`Config` whose type is a dataclass. To add one (e.g. the
+linearised-inference settings), define a dataclass whose fields use :func:`option` and add
+``uq: UQConfig = dataclasses.field(default_factory=UQConfig)`` to :class:`Config`; loading, overrides,
+validation, error messages and ``to_dict()`` pick it up with no other change. Cross-field checks go in the
+section's ``validate(self)`` method (called after every layer), raising :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "DIPConfig",
+    "FBPConfig",
+    "TVConfig",
+    "OutputConfig",
+    "option",
+    "load_config",
+    "bundled_configs",
+    "resolve_config_path",
+    "parse_override",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file, override or value is invalid; the message names the key and source."""
+
+
+def option(default: Any = None, *, help: str = "", choices: tuple | None = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None, factory=None):
+    """A config field with its documentation and value constraints (checked on every assignment).
+
+    ``choices``: allowed values; ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied to list items).
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------- sections
+@dataclasses.dataclass
+class DataConfig:
+    """Which scan to load and how to subsample it (see ``ctuq.data.load_walnut_slice``)."""
+
+    path: Optional[str] = option(None, help="walnut folder or simulated scan; null: the bundled demo scan")
+    ndim: int = option(2, choices=(2, 3), help="2: one slice (sparse operator), 3: a volume (GPU, ASTRA CUDA)")
+    orbit: int = option(2, choices=(1, 2, 3), help="source orbit (tubeV1..3)")
+    angular_subsampling: int = option(20, ge=1, help="use every k-th of the 1200 angles (20 → 60 angles)")
+    detector_subsampling: int = option(6, ge=1, help="use every k-th detector column (6 → 128 of 768)")
+    slice_index: Optional[int] = option(None, ge=0, help="volume slice; null: the central slice")
+    image_shape: Optional[list[int]] = option(None, ge=1, help="reconstruction grid; null: the loader's default")
+    backend: str = option("auto", choices=("auto", "sparse", "astra_cuda"), help="ray-transform backend")
+
+    def validate(self) -> None:
+        if self.image_shape is not None and len(self.image_shape) != self.ndim:
+            raise ConfigError(
+                f"data.image_shape {self.image_shape} has {len(self.image_shape)} entries but data.ndim is {self.ndim}"
+            )
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The U-Net ``g`` (see ``ctuq.models.unet``)."""
+
+    preset: str = option("small", choices=("walnut", "small", "tiny"), help="architecture preset")
+    channels: Optional[list[int]] = option(None, ge=1, help="channels per scale; null: the preset's")
+    skip_channels: Optional[list[int]] = option(None, ge=0, help="skip widths per scale; null: the preset's")
+    norm_groups: int = option(4, ge=1, help="GroupNorm groups")
+    sigmoid: bool = option(False, help="sigmoid on the output")
+    dropout: float = option(0.0, ge=0.0, lt=1.0, help="channel dropout after every conv (MC dropout)")
+    input: str = option("noise", choices=("noise", "fbp"), help="fixed network input: seeded noise or the FBP")
+    input_std: float = option(0.1, gt=0.0, help="std of the noise input")
+    pretrained: Optional[str] = option(None, help="weights to start from (.pt state dict / DIP checkpoint)")
+
+    def validate(self) -> None:
+        from ctuq.models.unet import PRESETS
+
+        channels = self.channels if self.channels is not None else list(PRESETS[self.preset]["channels"])
+        skips = self.skip_channels if self.skip_channels is not None else list(PRESETS[self.preset]["skip_channels"])
+        if len(channels) != len(skips) or not channels:
+            raise ConfigError(
+                f"model.channels {channels} and model.skip_channels {skips} (preset {self.preset!r} where not set) "
+                f"must have the same, non-zero length (one entry per scale); set both"
+            )
+
+
+@dataclasses.dataclass
+class DIPConfig:
+    """DIP fit (see ``ctuq.reconstruct.dip.fit_dip`` for the objective's exact form)."""
+
+    iterations: int = option(1000, ge=1, help="Adam iterations")
+    lr: float = option(1e-4, gt=0.0, help="Adam learning rate")
+    tv_weight: float = option(6.5e-6, ge=0.0, help="TV weight γ (mean-squared data term, summed TV)")
+    scale: float = option(14.0, gt=0.0, help="data and image are multiplied by this while fitting")
+    clip_grad_norm: Optional[float] = option(1.0, ge=0.0, help="gradient-norm clip; null or 0 disables")
+    checkpoint_every: int = option(100, ge=0, help="checkpoint period in iterations (0: only at the end)")
+
+
+@dataclasses.dataclass
+class FBPConfig:
+    """Filtered back-projection baseline (``ctuq.operators.fbp``)."""
+
+    filter: str = option("Hann", choices=("Ram-Lak", "Shepp-Logan", "Cosine", "Hamming", "Hann"),
+                         help="FBP filter")
+    frequency_scaling: float = option(1.0, gt=0.0, le=1.0, help="relative filter cut-off frequency")
+
+
+@dataclasses.dataclass
+class TVConfig:
+    """TV-regularised baseline with ODL's PDHG (``ctuq.reconstruct.classical``)."""
+
+    enabled: bool = option(False, help="run the TV baseline")
+    weight: float = option(1e-3, gt=0.0, help="λ in ½‖Tx − y‖² + λ TV(x) (original units, sums)")
+    iterations: int = option(300, ge=1, help="PDHG iterations")
+    nonnegative: bool = option(True, help="constrain x ≥ 0")
+    isotropic: bool = option(True, help="isotropic (else anisotropic) TV")
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    """What goes into the run folder besides the images and metrics.json."""
+
+    figure: bool = option(True, help="write the PNG comparison figure")
+    keep_checkpoint: bool = option(True, help="keep dip_checkpoint.pt after a finished run")
+    save_model: bool = option(True, help="write dip_model.pt (best weights, input, architecture)")
+
+
+@dataclasses.dataclass
+class Config:
+    """The full configuration of ``ctuq reconstruct``. Sections: ``data``, ``model``, ``dip``, ``fbp``, ``tv``,
+    ``output``; top level: ``device``, ``seed``."""
+
+    device: str = option("cpu", choices=("cpu", "cuda", "auto"), help="cpu, cuda, or auto")
+    seed: int = option(0, ge=0, help="seed for the network input, initial weights and dropout")
+    data: DataConfig = option(factory=DataConfig)
+    model: ModelConfig = option(factory=ModelConfig)
+    dip: DIPConfig = option(factory=DIPConfig)
+    fbp: FBPConfig = option(factory=FBPConfig)
+    tv: TVConfig = option(factory=TVConfig)
+    output: OutputConfig = option(factory=OutputConfig)
+
+    def validate(self) -> None:
+        if self.data.ndim == 3 and self.device == "cpu":
+            raise ConfigError("data.ndim = 3 (volumes) needs device 'cuda': ASTRA has no 3D projectors on CPU")
+
+    # -------------------------------------------------------------------- conversion
+    def to_dict(self) -> dict:
+        """Plain nested dict (JSON/YAML serialisable): the resolved config written into metrics.json."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "dict") -> "Config":
+        """Defaults updated by the nested dict ``d`` (partial dicts allowed), validated."""
+        cfg = cls()
+        apply_dict(cfg, d, source)
+        return cfg
+
+    def get(self, key: str) -> Any:
+        """Value at a dotted key, e.g. ``cfg.get('dip.lr')``."""
+        obj: Any = self
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+# ----------------------------------------------------------------------------------------------- machinery
+def _is_section(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _hints(obj) -> dict:
+    return typing.get_type_hints(type(obj) if not isinstance(obj, type) else obj)
+
+
+def _valid_keys(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+class _CoerceError(Exception):
+    pass
+
+
+def _coerce(value: Any, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except _CoerceError:
+                pass
+        raise _CoerceError
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _CoerceError
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _CoerceError
+    if tp is int:
+        if isinstance(value, bool):
+            raise _CoerceError
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _CoerceError
+    if tp is float:
+        if isinstance(value, bool):
+            raise _CoerceError
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads '1e-4' (no dot) as a string; accept it as the number it obviously is.
+            try:
+                return float(value)
+            except ValueError:
+                raise _CoerceError from None
+        raise _CoerceError
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _CoerceError
+    if tp is Any:
+        return value
+    raise TypeError(f"config: unsupported field type {tp!r}")
+
+
+def _check_bounds(value: Any, meta: dict, key: str, source: str) -> None:
+    items = value if isinstance(value, list) else [value]
+    choices = meta.get("choices")
+    if choices is not None and value is not None and value not in choices:
+        raise ConfigError(f"{source}: {key} must be one of {list(choices)}, got {value!r}")
+    for v in items:
+        if v is None or not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{source}: {key} must be finite, got {v}")
+        for bound, op, text in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                                ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+            b = meta.get(bound)
+            if b is not None and not op(v, b):
+                raise ConfigError(f"{source}: {key} must be {text} {b}, got {value!r}")
+
+
+def set_value(obj: Any, path: list[str], value: Any, source: str, prefix: str = "") -> None:
+    """Assign ``value`` at ``path`` inside the (section) dataclass ``obj``, checking key, type and bounds.
+
+    A whole section may be assigned a mapping (merged key by key).
+    """
+    name = path[0]
+    full = f"{prefix}{name}"
+    valid = _valid_keys(obj)
+    if name not in valid:
+        where = f"section '{prefix[:-1]}'" if prefix else "the top level"
+        raise ConfigError(
+            f"{source}: unknown config key '{full}'; valid keys of {where}: {', '.join(valid)}"
+        )
+    tp = _hints(obj)[name]
+    if _is_section(tp):
+        section = getattr(obj, name)
+        if len(path) > 1:
+            set_value(section, path[1:], value, source, f"{full}.")
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{source}: '{full}' is a section and needs a mapping of keys "
+                f"({', '.join(_valid_keys(section))}), got {type(value).__name__}"
+            )
+        apply_dict(section, value, source, f"{full}.")
+        return
+    if len(path) > 1:
+        raise ConfigError(f"{source}: '{full}' is a value, not a section, so '{full}.{path[1]}' does not exist")
+    field = next(f for f in dataclasses.fields(obj) if f.name == name)
+    try:
+        coerced = _coerce(value, tp)
+    except _CoerceError:
+        raise ConfigError(
+            f"{source}: {full} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+        ) from None
+    _check_bounds(coerced, dict(field.metadata), full, source)
+    setattr(obj, name, coerced)
+
+
+def _validate_all(obj: Any, source: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _validate_all(value, source)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def apply_dict(obj: Any, d: dict, source: str, prefix: str = "") -> None:
+    """Merge the nested mapping ``d`` into ``obj`` (a :class:`Config` or a section), validating everything."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
+    for key, value in d.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: config keys must be strings, got {key!r}")
+        set_value(obj, [key], value, source, prefix)
+    if not prefix:
+        _validate_all(obj, source)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'dip.lr=1e-3'`` → ``(['dip', 'lr'], 0.001)``; the value is parsed with ``yaml.safe_load``."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set dip.lr=1e-3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: the key {key!r} is empty or has an empty part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value {raw!r} is not valid YAML: {exc}") from None
+    return key.split("."), value
+
+
+def bundled_configs() -> dict[str, Path]:
+    """Names → paths of the YAML configs shipped in ``ctuq/configs``."""
+    root = resources.files("ctuq") / "configs"
+    out = {}
+    for entry in root.iterdir():
+        if entry.name.endswith(".yaml"):
+            out[entry.name[: -len(".yaml")]] = Path(str(entry))
+    return dict(sorted(out.items()))
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """An existing file path, or the path of the bundled config with that name (``'demo'``, ``'demo.yaml'``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    bundled = bundled_configs()
+    stem = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
+    if str(p) in (p.name, f"{stem}.yaml") and stem in bundled:
+        return bundled[stem]
+    raise ConfigError(
+        f"config file {str(name_or_path)!r} does not exist and is not a bundled config; "
+        f"bundled: {', '.join(bundled)}"
+    )
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    **flags: Any,
+) -> Config:
+    """Build the resolved :class:`Config`.
+
+    Parameters
+    ----------
+    path : str or Path, optional
+        YAML file or bundled config name; ``None`` uses the bundled ``demo``.
+    overrides : list of str
+        ``KEY=VALUE`` strings (``--set``), applied in order after the file.
+    **flags
+        Dotted keys with values applied last when not ``None`` (``**{'data.path': ..., 'device': 'cuda'}``).
+
+    Raises
+    ------
+    ConfigError
+        Unknown keys (listing the valid keys of that section), wrong types or out-of-range values, naming
+        the key and where it came from.
+    """
+    cfg_path = resolve_config_path("demo" if path is None else path)
+    try:
+        text = cfg_path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {cfg_path}: cannot read: {exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {cfg_path}: not valid YAML: {exc}") from None
+    cfg = Config()
+    if raw is not None:
+        apply_dict(cfg, raw, f"config file {cfg_path}")
+    applied = []
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        set_value(cfg, keys, value, f"--set {text}")
+        applied.append(f"--set {text}")
+    for key, value in flags.items():
+        if value is None:
+            continue
+        set_value(cfg, key.split("."), value, f"command-line option for {key}")
+        applied.append(f"{key}={value!r}")
+    if applied:
+        # Cross-field checks run once after all overrides: a pair of keys may be changed one at a time.
+        _validate_all(cfg, f"config file {cfg_path} with overrides {', '.join(applied)}")
+    return cfg

@@ -1,0 +1,172 @@
+"""Writing a run folder: float32 TIFFs, the comparison figure, metrics.json, package versions.
+
+Layout of ``ctuq reconstruct``'s ``--out`` folder::
+
+    reconstruction.tif   DIP reconstruction x̃ (float32, original units, (H, W) or (D, H, W))
+    fbp.tif              FBP (or FDK) reconstruction
+    tv.tif               TV reconstruction (only when the TV baseline ran)
+    ground_truth.tif     only when the data came with one
+    reconstruction.png   figure: ground truth | FBP | (TV |) DIP | |DIP − ground truth|, PSNRs in the titles
+    metrics.json         psnr/ssim per method, timings per phase, resolved config, versions, device, seed
+    dip_checkpoint.pt    DIP checkpoint (resume with ``--resume``)
+    dip_model.pt         best DIP weights, fixed input and architecture (what the UQ phase linearises)
+
+All files are written atomically (``ctuq.utils``), so a killed run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from ctuq.utils import atomic_path, atomic_write_json, atomic_write_tiff
+
+__all__ = [
+    "new_run_dir",
+    "to_numpy",
+    "image_metrics",
+    "package_versions",
+    "write_tiff",
+    "write_figure",
+    "write_metrics",
+    "central_slice",
+]
+
+
+def new_run_dir(root: str | os.PathLike = "runs") -> Path:
+    """A fresh folder ``root/<YYYYmmdd-HHMMSS>[-N]`` (created; ``-N`` appended if the second is taken)."""
+    root = Path(root)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {root}")
+
+
+def to_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """float32 numpy copy of an image tensor/array (any device)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def image_metrics(x: torch.Tensor | np.ndarray, ground_truth: torch.Tensor | np.ndarray) -> dict[str, float]:
+    """PSNR (dB) and SSIM of ``x`` against ``ground_truth`` (same shape, 2D or 3D).
+
+    Both use ``skimage.metrics`` with ``data_range = max − min`` of the ground truth (so the numbers do not
+    depend on the reconstruction's own range).
+    """
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    a, gt = to_numpy(x).astype(np.float64), to_numpy(ground_truth).astype(np.float64)
+    if a.shape != gt.shape:
+        raise ValueError(f"image_metrics: reconstruction shape {a.shape} != ground-truth shape {gt.shape}")
+    data_range = float(gt.max() - gt.min())
+    if data_range <= 0:
+        raise ValueError("image_metrics: the ground truth is constant (data range 0); PSNR/SSIM are undefined")
+    psnr = float(peak_signal_noise_ratio(gt, a, data_range=data_range))
+    ssim = float(structural_similarity(gt, a, data_range=data_range))
+    return {"psnr": psnr if math.isfinite(psnr) else None, "ssim": ssim}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of the packages a result depends on (``None`` when a package is missing)."""
+    import importlib.metadata as md
+
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for dist, key in (("torch", "torch"), ("numpy", "numpy"), ("scipy", "scipy"), ("astra-toolbox", "astra"),
+                      ("odl", "odl"), ("scikit-image", "scikit-image"), ("tifffile", "tifffile"), ("ctuq", "ctuq")):
+        try:
+            out[key] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[key] = None
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def write_tiff(path: str | os.PathLike, image: torch.Tensor | np.ndarray) -> Path:
+    """Write ``image`` as a float32 TIFF atomically; returns the path."""
+    path = Path(path)
+    atomic_write_tiff(path, to_numpy(image))
+    return path
+
+
+def central_slice(image: np.ndarray) -> np.ndarray:
+    """2D images unchanged; 3D volumes ``(D, H, W)``: the central ``(H, W)`` slice (for figures)."""
+    return image if image.ndim == 2 else image[image.shape[0] // 2]
+
+
+def write_figure(
+    path: str | os.PathLike,
+    images: Mapping[str, torch.Tensor | np.ndarray],
+    *,
+    ground_truth: torch.Tensor | np.ndarray | None = None,
+    psnrs: Mapping[str, float | None] | None = None,
+    error_of: str | None = "DIP",
+    dpi: int = 120,
+) -> Path:
+    """A one-row PNG: ground truth (if given), each image in ``images`` (titles with their PSNR), and
+    ``|images[error_of] − ground truth|``. Volumes are shown by their central slice. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, np.ndarray, dict]] = []
+    gt = central_slice(to_numpy(ground_truth)) if ground_truth is not None else None
+    arrays = {k: central_slice(to_numpy(v)) for k, v in images.items()}
+    ref = gt if gt is not None else next(iter(arrays.values()))
+    vmin, vmax = float(ref.min()), float(ref.max())
+    if gt is not None:
+        panels.append(("ground truth", gt, {"vmin": vmin, "vmax": vmax, "cmap": "gray"}))
+    for name, arr in arrays.items():
+        p = (psnrs or {}).get(name)
+        title = f"{name}" + (f"\nPSNR {p:.2f} dB" if p is not None else "")
+        panels.append((title, arr, {"vmin": vmin, "vmax": vmax, "cmap": "gray"}))
+    if gt is not None and error_of in arrays:
+        err = np.abs(arrays[error_of] - gt)
+        panels.append((f"|{error_of} − ground truth|", err, {"vmin": 0.0, "vmax": float(err.max()) or 1.0,
+                                                            "cmap": "magma"}))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, arr, kw) in zip(axes[0], panels):
+        im = ax.imshow(arr, **kw)
+        ax.set_title(title, fontsize=10)
+        ax.set_axis_off()
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    plt.close(fig)
+    return path
+
+
+def write_metrics(path: str | os.PathLike, metrics: Mapping) -> Path:
+    """Write ``metrics`` as JSON atomically (non-finite floats become ``null`` so the file is strict JSON)."""
+    path = Path(path)
+    atomic_write_json(path, _finite(metrics))
+    return path
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        return _finite(obj.item())
+    return obj

@@ -1,0 +1,145 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ctuq.config import (
+    Config,
+    ConfigError,
+    DIPConfig,
+    apply_dict,
+    bundled_configs,
+    load_config,
+    option,
+    parse_override,
+    resolve_config_path,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bundled_configs_load_and_match_top_level_folder():
+    names = bundled_configs()
+    assert set(names) == {"demo", "walnut_2d_60", "walnut_2d_120", "walnut_3d"}
+    for name, path in names.items():
+        cfg = load_config(name)
+        assert isinstance(cfg, Config)
+        top = REPO / "configs" / f"{name}.yaml"
+        assert top.read_text() == path.read_text(), f"configs/{name}.yaml differs from the packaged copy"
+    # published settings
+    w60, w120 = load_config("walnut_2d_60"), load_config("walnut_2d_120")
+    assert (w60.dip.lr, w60.dip.tv_weight, w60.dip.iterations, w60.dip.scale) == (1e-4, 6.5e-6, 1500, 14.0)
+    assert (w120.dip.tv_weight, w120.dip.iterations) == (4e-6, 2500)
+    assert w60.model.preset == "walnut" and load_config("walnut_3d").data.ndim == 3
+
+
+def test_default_is_demo_on_cpu():
+    cfg = load_config()
+    assert cfg.device == "cpu" and cfg.model.preset == "small" and cfg.data.path is None
+
+
+def test_overrides_and_flags():
+    cfg = load_config("demo", ["dip.lr=1e-3", "model.channels=[8, 8, 8]", "model.skip_channels=[0, 2, 2]",
+                               "data.slice_index=null", "tv.enabled=false"], seed=7, device="auto")
+    assert cfg.dip.lr == 1e-3 and isinstance(cfg.dip.lr, float)
+    assert cfg.model.channels == [8, 8, 8] and cfg.seed == 7 and cfg.device == "auto"
+    assert cfg.tv.enabled is False
+    assert cfg.get("dip.lr") == 1e-3
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("x=") == (["x"], None)
+
+
+def test_unknown_key_lists_valid_keys_of_its_section():
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", ["dip.learning_rate=1e-3"])
+    msg = str(e.value)
+    assert "dip.learning_rate" in msg
+    for key in ("iterations", "lr", "tv_weight", "scale", "clip_grad_norm", "checkpoint_every"):
+        assert key in msg
+    with pytest.raises(ConfigError, match="valid keys of the top level: device, seed, data, model"):
+        load_config("demo", ["colour=red"])
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("dip:\n  lr: 1.0e-3\n  iters: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(f) in str(e.value) and "dip.iters" in str(e.value) and "iterations" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("dip.lr=-1e-3", "dip.lr must be > 0"),
+        ("dip.lr=fast", "dip.lr must be a number"),
+        ("dip.iterations=2.5", "dip.iterations must be an integer"),
+        ("dip.iterations=0", "dip.iterations must be >= 1"),
+        ("tv.enabled=3", "tv.enabled must be true or false"),
+        ("model.preset=huge", "model.preset must be one of ['walnut', 'small', 'tiny']"),
+        ("model.dropout=1.0", "model.dropout must be < 1.0"),
+        ("model.channels=[8, 8]", "model.channels"),
+        ("device=gpu", "device must be one of"),
+        ("dip=3", "'dip' is a section"),
+        ("dip.lr.x=3", "'dip.lr' is a value"),
+        ("dip.tv_weight=.nan", "dip.tv_weight must be finite"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [override])
+    assert fragment in str(e.value)
+    assert f"--set {override}" in str(e.value) or "overrides" in str(e.value)
+
+
+def test_cross_field_check_runs_after_all_overrides():
+    # Changing both lists one override at a time must not trip the length check in between.
+    cfg = load_config("demo", ["model.channels=[4, 4]", "model.skip_channels=[0, 2]"])
+    assert cfg.model.channels == [4, 4]
+    with pytest.raises(ConfigError, match="needs device 'cuda'"):
+        load_config("demo", ["data.ndim=3", "data.image_shape=[8, 8, 8]"])
+
+
+def test_missing_config_and_malformed_override():
+    with pytest.raises(ConfigError, match="bundled: demo"):
+        resolve_config_path("nonexistent_config")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("dip.lr")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_override("dip.lr=[1,")
+
+
+def test_non_mapping_file(tmp_path):
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(f)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("walnut_2d_60", ["seed=3"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(f) == cfg
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_new_section_needs_only_a_dataclass():
+    @dataclasses.dataclass
+    class ExtraConfig:
+        samples: int = option(16, ge=1)
+
+    @dataclasses.dataclass
+    class Extended(Config):
+        extra: ExtraConfig = option(factory=ExtraConfig)
+
+    cfg = Extended()
+    apply_dict(cfg, {"extra": {"samples": 32}, "dip": {"lr": 1e-3}}, "test")
+    assert cfg.extra.samples == 32 and cfg.dip.lr == 1e-3
+    assert cfg.to_dict()["extra"] == {"samples": 32}
+    with pytest.raises(ConfigError, match="valid keys of section 'extra': samples"):
+        apply_dict(cfg, {"extra": {"n": 1}}, "test")
+    with pytest.raises(ConfigError, match="extra.samples must be >= 1"):
+        apply_dict(cfg, {"extra": {"samples": 0}}, "test")
+    assert isinstance(cfg.dip, DIPConfig)
