@@ -1,19 +1,33 @@
-"""Scan geometries in physical units, convertible to ASTRA geometry dicts.
+"""Scan geometries in physical units, and the one coordinate convention every backend follows.
 
 Lengths are in the unit of the scanner description (mm for walnut data); angles in radians.
 
-A ``VolumeGeometry`` is an axis-aligned grid of square/cubic pixels centred at ``center``.
-Array layout follows ASTRA: a 2D image is ``(rows, cols) = (n_y, n_x)``, a 3D volume is
-``(slices, rows, cols) = (n_z, n_y, n_x)``.
+Coordinate convention (all of ctuq)
+-----------------------------------
+World coordinates are right-handed ``(x, y, z)`` in mm; the rotation axis of circular scans is ``z``.
 
-A ``ProjectionGeometry`` is one of ASTRA's kinds:
+A ``VolumeGeometry`` is an axis-aligned grid of square/cubic pixels centred at ``center``. A 2D image is the
+array ``(rows, cols) = (n_y, n_x)`` and a 3D volume ``(slices, rows, cols) = (n_z, n_y, n_x)``; **every index
+increases with its coordinate**: pixel ``[i, j]`` has its centre at ``x = x_min + (j + ½)·h``,
+``y = y_min + (i + ½)·h`` (3D: ``[k, i, j]`` with ``z = z_min + (k + ½)·h``). So a 2D slice is exactly the
+corresponding ``[k]`` slice of a 3D volume (what the walnut ground truth needs). ASTRA's 3D volumes use this
+convention; ASTRA's *2D* volumes count rows from the top (``y = y_max − (i + ½)·h``), so 2D ASTRA backends
+mirror the geometry in ``y`` (:func:`astra_geometries`) — users never see the difference.
 
-* ``parallel``      2D, ``angles``, ``det_count``, ``det_spacing``
-* ``fanflat``       2D, plus ``source_origin`` and ``origin_det`` distances
-* ``fanflat_vec``   2D, ``vectors`` ``(n_angles, 6)``: source xy, detector centre xy, pixel step u xy
-* ``cone_vec``      3D, ``vectors`` ``(n_angles, 12)``: source xyz, detector centre xyz, u step, v step;
-                    ``det_shape = (n_rows, n_cols)``
+A ``ProjectionGeometry`` is one of ASTRA's kinds (their vector conventions are ASTRA's):
+
+* ``parallel``       2D, ``angles``, ``det_count``, ``det_spacing``
+* ``fanflat``        2D, plus ``source_origin`` and ``origin_det`` distances
+* ``parallel_vec``   2D, ``vectors`` ``(n_angles, 6)``: ray direction xy, detector centre xy, pixel step u xy
+* ``fanflat_vec``    2D, ``vectors`` ``(n_angles, 6)``: source xy, detector centre xy, pixel step u xy
+* ``cone_vec``       3D, ``vectors`` ``(n_angles, 12)``: source xyz, detector centre xyz, u step, v step;
+                     ``det_shape = (n_rows, n_cols)``; u steps along a row (columns), v from row to row
 * ``parallel3d_vec`` 3D, ``vectors`` ``(n_angles, 12)``: ray direction xyz, detector centre, u, v
+* ``cone``, ``parallel3d``: ASTRA's angle-based 3D kinds (converted to vectors with :meth:`to_vectors`)
+
+Detector pixel ``k`` (2D) has its centre at ``d + (k − (n_det − 1)/2)·u``; pixel ``(r, k)`` (3D) at
+``d + (k − (n_cols − 1)/2)·u + (r − (n_rows − 1)/2)·v``. Sinograms are angle-major: ``(n_angles, n_det)`` or
+``(n_angles, n_rows, n_cols)``.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["VolumeGeometry", "ProjectionGeometry", "VEC_COLUMNS"]
+__all__ = ["VolumeGeometry", "ProjectionGeometry", "VEC_COLUMNS", "astra_geometries"]
 
 VEC_COLUMNS = {"fanflat_vec": 6, "cone_vec": 12, "parallel3d_vec": 12, "parallel_vec": 6}
 _2D_KINDS = {"parallel", "fanflat", "fanflat_vec", "parallel_vec"}
@@ -73,8 +87,16 @@ class VolumeGeometry:
             (c - n * self.voxel_size / 2.0, c + n * self.voxel_size / 2.0) for c, n in zip(self.center, sizes)
         ]
 
+    def pixel_centers(self) -> tuple[np.ndarray, ...]:
+        """1D arrays of pixel-centre coordinates (mm) per array axis: ``(y, x)`` or ``(z, y, x)``.
+
+        ``np.meshgrid(*self.pixel_centers(), indexing="ij")`` gives the coordinates of every pixel.
+        """
+        ext = self.extent()[::-1]  # array-axis order: (z,) y, x
+        return tuple(lo + (np.arange(n) + 0.5) * self.voxel_size for (lo, _), n in zip(ext, self.shape))
+
     def to_astra(self) -> dict:
-        """ASTRA volume geometry dict."""
+        """ASTRA volume geometry dict in ASTRA's own convention (see :func:`astra_geometries` for ctuq's)."""
         import astra
 
         ext = self.extent()
@@ -173,8 +195,56 @@ class ProjectionGeometry:
             vectors=None if self.vectors is None else self.vectors[idx],
         )
 
+    @property
+    def is_vector(self) -> bool:
+        """Whether the geometry is given by per-angle vectors."""
+        return self.kind in VEC_COLUMNS
+
+    @property
+    def is_parallel(self) -> bool:
+        """Parallel-beam (rays share a direction per angle) rather than divergent (fan/cone) beam."""
+        return self.kind in ("parallel", "parallel_vec", "parallel3d", "parallel3d_vec")
+
+    def to_vectors(self) -> "ProjectionGeometry":
+        """The same geometry as a vector kind (``parallel_vec``, ``fanflat_vec``, ``cone_vec``,
+        ``parallel3d_vec``), by ASTRA's own conversion (``astra.geom_2vec``); vector kinds return ``self``."""
+        if self.is_vector:
+            return self
+        import astra
+
+        vec = np.asarray(astra.geom_2vec(self.to_astra())["Vectors"], dtype=np.float64)
+        kind = {"parallel": "parallel_vec", "fanflat": "fanflat_vec", "cone": "cone_vec",
+                "parallel3d": "parallel3d_vec"}[self.kind]
+        return ProjectionGeometry(kind, self.det_shape, angles=self.angles, vectors=vec)
+
+    def detector_centers(self) -> np.ndarray:
+        """World coordinates (mm) of every detector pixel centre: ``(n_angles, n_det, 2)`` in 2D,
+        ``(n_angles, n_rows, n_cols, 3)`` in 3D."""
+        vec = self.to_vectors().vectors
+        if self.ndim == 2:
+            d, u = vec[:, 2:4], vec[:, 4:6]
+            k = np.arange(self.det_shape[0]) - (self.det_shape[0] - 1) / 2.0
+            return d[:, None, :] + k[None, :, None] * u[:, None, :]
+        d, u, v = vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]
+        r = np.arange(self.det_shape[0]) - (self.det_shape[0] - 1) / 2.0
+        k = np.arange(self.det_shape[1]) - (self.det_shape[1] - 1) / 2.0
+        return (d[:, None, None, :] + k[None, None, :, None] * u[:, None, None, :]
+                + r[None, :, None, None] * v[:, None, None, :])
+
+    def sources(self) -> np.ndarray:
+        """Source positions ``(n_angles, ndim)`` (mm) of a fan/cone geometry."""
+        if self.is_parallel:
+            raise ValueError(f"ProjectionGeometry({self.kind}) is parallel-beam: it has ray directions, not sources")
+        return self.to_vectors().vectors[:, : self.ndim].copy()
+
+    def ray_directions(self) -> np.ndarray:
+        """Ray direction per angle ``(n_angles, ndim)`` of a parallel-beam geometry (ASTRA's, not normalised)."""
+        if not self.is_parallel:
+            raise ValueError(f"ProjectionGeometry({self.kind}) is divergent-beam: rays differ per pixel")
+        return self.to_vectors().vectors[:, : self.ndim].copy()
+
     def to_astra(self) -> dict:
-        """ASTRA projection geometry dict."""
+        """ASTRA projection geometry dict in ASTRA's own convention (see :func:`astra_geometries`)."""
         import astra
 
         k = self.kind
@@ -197,6 +267,30 @@ class ProjectionGeometry:
             )
         sv, su = _pair(self.det_spacing)
         return astra.create_proj_geom("parallel3d", su, sv, self.det_shape[0], self.det_shape[1], self.angles)
+
+
+def astra_geometries(volume: VolumeGeometry, geometry: ProjectionGeometry) -> tuple[dict, dict]:
+    """ASTRA ``(vol_geom, proj_geom)`` dicts that realise ctuq's coordinate convention (module docstring).
+
+    3D: passed through. 2D: ASTRA counts image rows from the top, so the world is mirrored in ``y`` (the volume
+    centre and every vector's ``y`` component are negated; line integrals are unchanged by a reflection) and
+    the geometry is given in vector form. An array in ctuq's convention can then be handed to ASTRA unchanged.
+    """
+    if volume.ndim != geometry.ndim:
+        raise ValueError(
+            f"volume is {volume.ndim}D (shape {volume.shape}) but the projection geometry {geometry.kind!r} is "
+            f"{geometry.ndim}D"
+        )
+    if volume.ndim == 3:
+        return volume.to_astra(), geometry.to_astra()
+    import astra
+
+    cx, cy = volume.center
+    mirrored_vol = VolumeGeometry(volume.shape, volume.voxel_size, (cx, -cy))
+    vec = geometry.to_vectors().vectors.copy()
+    vec[:, 1::2] *= -1.0  # y components of (source|ray, detector centre, u)
+    kind = geometry.to_vectors().kind
+    return mirrored_vol.to_astra(), astra.create_proj_geom(kind, geometry.det_shape[0], vec)
 
 
 def _pair(v) -> tuple[float, float]:

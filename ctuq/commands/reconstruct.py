@@ -87,6 +87,7 @@ def phase_load(state: RunState) -> None:
         image_shape=None if dc.image_shape is None else tuple(dc.image_shape),
         backend=dc.backend,
         device=state.device,
+        progress=state.progress,
     )
     if dc.ndim == 2:
         d = ctdata.load_walnut_slice(path, slice_index=dc.slice_index, **kwargs)
@@ -109,11 +110,12 @@ def phase_load(state: RunState) -> None:
 
 def phase_fbp(state: RunState) -> None:
     """Filtered back-projection (2D) / FDK (3D) baseline → ``images['fbp']``, ``fbp.tif``."""
-    from ctuq.operators import fbp
+    from ctuq.operators.fbp import fbp, fdk
     from ctuq.outputs import write_tiff
 
     fc = state.cfg.fbp
-    x = fbp(state.data, filter_type=fc.filter, frequency_scaling=fc.frequency_scaling)
+    analytic = fbp if state.op.ndim == 2 else fdk
+    x = analytic(state.op, state.y, filter_type=fc.filter, frequency_scaling=fc.frequency_scaling)
     state.images["fbp"] = x.to(state.device, torch.float32)
     write_tiff(state.out_dir / "fbp.tif", x)
 

@@ -7,7 +7,8 @@ in 2D, ``(n_angles, n_rows, n_cols)`` in 3D). Values are line integrals in the g
 
 Every call accepts a leading batch dimension, and the flat variants work on ``(B, d_x)`` / ``(B, c)``,
 which is what the inference core sees. ``forward`` and ``adjoint`` are differentiable: the backward of
-``T`` is ``Tᵀ`` and vice versa, so ``T`` can sit inside a DIP loss. Backends implement only
+``T`` is ``Tᵀ`` and vice versa, so ``T`` can sit inside a DIP loss; ``torch.func`` transforms work too
+(``vmap`` folds the mapped dimension into the batch dimension: one backend call). Backends implement only
 ``_forward_raw`` and ``_adjoint_raw`` on contiguous ``(B, *shape)`` tensors with no autograd.
 """
 
@@ -47,6 +48,20 @@ class _Project(torch.autograd.Function):
         # T is linear, so its forward-mode derivative is T itself.
         return ctx.op._forward_raw(x_dot.contiguous())
 
+    @staticmethod
+    def vmap(info, in_dims, x, op):
+        # torch.func.vmap: fold the vmapped dimension into the operator's own batch dimension (one call).
+        return _vmap_through(_Project, in_dims[0], x, op)
+
+
+def _vmap_through(fn, x_dim, t, op):
+    if x_dim is None:
+        return fn.apply(t, op), None
+    t = t.movedim(x_dim, 0)
+    v, b = t.shape[0], t.shape[1]
+    out = fn.apply(t.reshape(v * b, *t.shape[2:]).contiguous(), op)
+    return out.reshape(v, b, *out.shape[1:]), 0
+
 
 class _BackProject(torch.autograd.Function):
     """x = Tᵀ y, with grad_y = T grad_x."""
@@ -67,6 +82,10 @@ class _BackProject(torch.autograd.Function):
     def jvp(ctx, y_dot, _op_dot):
         return ctx.op._adjoint_raw(y_dot.contiguous())
 
+    @staticmethod
+    def vmap(info, in_dims, y, op):
+        return _vmap_through(_BackProject, in_dims[0], y, op)
+
 
 class RayTransform(abc.ABC):
     """Abstract ray transform ``T`` (``c × d_x``) with its exact adjoint.
@@ -82,6 +101,10 @@ class RayTransform(abc.ABC):
         about the rotation axis, for information and plotting only).
     device : torch.device
         Where inputs and outputs live.
+    volume : ctuq.geometry.VolumeGeometry
+        The pixel grid (mm) of backends built from geometries (``None`` for ad-hoc test operators).
+    geometry : ctuq.geometry.ProjectionGeometry
+        The acquisition geometry (mm) of backends built from geometries (``None`` otherwise).
     """
 
     image_shape: tuple[int, ...]
@@ -89,6 +112,8 @@ class RayTransform(abc.ABC):
     angles: np.ndarray
     device: torch.device
     dtype: torch.dtype = torch.float32
+    volume = None
+    geometry = None
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -148,6 +173,12 @@ class RayTransform(abc.ABC):
             raise ValueError(
                 f"{type(self).__name__} lives on {self.device}, but the {what} is on {t.device}; "
                 f"move one of them (op.to(device) or tensor.to(device))"
+            )
+        if not t.is_floating_point():
+            # A silent cast would drop the imaginary part of complex data and hide integer/bool mix-ups.
+            raise TypeError(
+                f"{type(self).__name__}: the {what} has dtype {t.dtype}; expected a real floating-point tensor "
+                f"(it is cast to the operator's {self.dtype})"
             )
         if t.dtype != self.dtype:
             t = t.to(self.dtype)

@@ -1,0 +1,487 @@
+"""Cone-beam scan simulator that writes the exact file layout of the walnut data set (DESIGN.md §4).
+
+``simulate_scan(out_dir, params)`` writes, for every orbit ``o`` in ``params.orbits``::
+
+    out_dir/Projections/tubeV{o}/scan_{k:06}.tif        N raw projections (uint16 counts), k = 0 … N−1
+    out_dir/Projections/tubeV{o}/di000000.tif           dark frame
+    out_dir/Projections/tubeV{o}/io000000.tif           flat field (before), io000001.tif (after)
+    out_dir/Projections/tubeV{o}/scan_geom_corrected.geom   N rows × 12: ASTRA cone_vec (source, detector
+                                                            centre, u step, v step; mm)
+    out_dir/Reconstructions/full_AGD_50_{k:06}.tiff     ground-truth slices (float32, mm⁻¹), k ↔ z
+    out_dir/ctuq_simulation.json                        every parameter, the phantom, the GT voxel size
+
+Conventions, chosen so that the real data set's loading rules recover the simulated geometry:
+
+* Geometry row ``k`` of an orbit is the source at angle ``θ_k = 2πk/(N−1)`` about ``z`` (ASTRA's ``cone``
+  orientation: source ``(D_so sin θ, −D_so cos θ, z_o)``, detector centre on the opposite side at distance
+  ``D_sd``, ``u`` along the rows, ``v`` along +z), plus small deterministic per-orbit "corrections" (a detector
+  tilt in its plane and a centre offset). Rows ``0`` and ``N−1`` are the same angle.
+* Files pair with geometry rows in reverse: file ``N−1−k`` ↔ row ``k``.
+* A projection ``P`` (``det_rows × det_cols``, row ``r`` at ``d + (r − (R−1)/2)·v``) is stored as the raw image
+  ``flipud(P.T)`` (``det_cols × det_rows``), so the data set's ``transpose(flipud(raw))`` returns ``P``.
+* Counts: per detector pixel the transmission is the mean of ``exp(−∫μ)`` over ``s × s`` sub-rays spread across
+  the pixel (photons are averaged, not line integrals), times the flat-field counts ``I₀·G`` (a smooth gain
+  pattern ``G``), Poisson noise, plus a dark offset (fixed pattern) and Gaussian read noise, rounded to uint16.
+  Flats and the dark frame are their own noisy images. ``noise=False`` drops every random term (only the
+  rounding to integers remains).
+* Ground truth: pixel (voxel) averages of the phantom, ``(n_y, n_x)`` per slice, slice ``k`` at
+  ``z = (k + ½ − n_z/2)·h``; the grid is centred at the origin (ctuq's convention: index ↔ coordinate).
+
+* Writing: every file goes through :func:`ctuq.utils.atomic_path` (no half-written file after a crash); the
+  sidecar is written first with ``"complete": false`` and rewritten with ``true`` at the very end, and the
+  loader refuses an incomplete scan. A non-empty output folder is refused unless ``overwrite`` (then only the
+  files of an earlier simulated scan are removed). No dates or timings are written, so the same parameters
+  reproduce every file byte for byte.
+
+The phantom is :func:`~ctuq.data.phantom.walnut_phantom` unless another :class:`EllipsoidPhantom` is given; its
+line integrals are exact, so loaded data never share the discretisation of a reconstruction operator (no
+inverse crime).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ctuq.data.phantom import EllipsoidPhantom, walnut_phantom
+from ctuq.utils import atomic_path, atomic_write_json
+from ctuq.utils import progress as _progress_bar
+
+__all__ = [
+    "SimulationParameters",
+    "PRESETS",
+    "ORBIT_CORRECTIONS",
+    "orbit_vectors",
+    "simulate_scan",
+    "projection_file_name",
+    "prepare_output_dir",
+    "estimate_work",
+    "SIDECAR_NAME",
+]
+
+SIDECAR_NAME = "ctuq_simulation.json"
+PROJECTION_PATTERN = "scan_{:06}.tif"
+DARK_NAME = "di000000.tif"
+FLAT_NAMES = ("io000000.tif", "io000001.tif")
+GEOMETRY_NAME = "scan_geom_corrected.geom"
+GT_PATTERN = "full_AGD_50_{:06}.tiff"
+
+# Deterministic per-orbit "calibration corrections": detector tilt in its own plane (degrees) and detector
+# centre offset (in pixels along u and v). Small, like a real corrected geometry, but enough that the vectors
+# are not those of an ideal circular scan.
+ORBIT_CORRECTIONS = {
+    1: {"tilt_deg": 0.12, "offset_u_px": 0.35, "offset_v_px": -0.60},
+    2: {"tilt_deg": -0.08, "offset_u_px": -0.45, "offset_v_px": 0.30},
+    3: {"tilt_deg": 0.05, "offset_u_px": 0.20, "offset_v_px": 0.50},
+}
+
+
+@dataclasses.dataclass
+class SimulationParameters:
+    """Everything that sizes a simulated scan (lengths in mm). Defaults are the real data set's sizes.
+
+    Attributes
+    ----------
+    n_projections : int
+        Projection files per orbit, ``N`` (the last one repeats the first angle): 1201 in the real data.
+    det_rows, det_cols : int
+        Detector size (972 × 768 in the real data).
+    pixel_size : float
+        Detector column pitch ``|u|`` (mm); 0.1496 in the real data.
+    row_pixel_size : float or None
+        Detector row pitch ``|v|`` (mm); ``None``: ``pixel_size``.
+    source_origin, source_detector : float
+        Source–rotation-axis and source–detector distances (mm).
+    orbits : tuple of int
+        Which of the orbits 1, 2, 3 (``tubeV1..3``) to simulate.
+    orbit_height : float
+        Source height (mm) of orbit 1 (``+h``) and orbit 3 (``−h``); orbit 2's source lies in ``z = 0``. The
+        detector stays centred at ``z = 0``.
+    corrections : bool
+        Apply :data:`ORBIT_CORRECTIONS` (detector tilt and offset).
+    gt_shape : (int, int, int)
+        Ground-truth volume ``(n_z, n_y, n_x)``.
+    gt_voxel_size : float
+        Ground-truth voxel edge (mm).
+    supersampling : int
+        Sub-rays per detector pixel and axis (``s²`` rays per pixel).
+    gt_supersampling : int
+        Samples per voxel and axis for the ground truth (``s³`` per voxel).
+    flat_counts : float
+        Mean flat-field photon counts per pixel ``I₀``.
+    dark_counts : float
+        Mean dark offset (counts).
+    read_noise : float
+        Standard deviation (counts) of the Gaussian read noise.
+    flat_variation : float
+        Relative amplitude of the smooth flat-field gain pattern ``G``.
+    noise : bool
+        Poisson and read noise on; ``False`` gives exact (only integer-rounded) counts for tests.
+    compress : bool
+        zlib-compressed TIFFs (lossless; tifffile needs no extra package for them).
+    seed : int
+        Seeds the phantom (:func:`walnut_phantom`), the detector patterns and the noise.
+    """
+
+    n_projections: int = 1201
+    det_rows: int = 972
+    det_cols: int = 768
+    pixel_size: float = 0.1496
+    row_pixel_size: float | None = None
+    source_origin: float = 66.0
+    source_detector: float = 199.0
+    orbits: tuple[int, ...] = (1, 2, 3)
+    orbit_height: float = 7.5
+    corrections: bool = True
+    gt_shape: tuple[int, int, int] = (501, 501, 501)
+    gt_voxel_size: float = 0.1
+    supersampling: int = 3
+    gt_supersampling: int = 3
+    flat_counts: float = 2.0e4
+    dark_counts: float = 100.0
+    read_noise: float = 2.0
+    flat_variation: float = 0.05
+    noise: bool = True
+    compress: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        self.orbits = tuple(int(o) for o in self.orbits)
+        self.gt_shape = tuple(int(s) for s in self.gt_shape)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        def need(ok: bool, field: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"SimulationParameters.{field} = {getattr(self, field)!r}: {what}")
+
+        need(int(self.n_projections) >= 2, "n_projections", "need at least 2 (the last repeats the first angle)")
+        need(int(self.det_rows) >= 2, "det_rows", "need at least 2 detector rows")
+        need(int(self.det_cols) >= 1, "det_cols", "need at least 1 detector column")
+        need(self.pixel_size > 0, "pixel_size", "must be positive (mm)")
+        need(self.row_pixel_size is None or self.row_pixel_size > 0, "row_pixel_size", "must be positive (mm)")
+        need(self.source_origin > 0, "source_origin", "must be positive (mm)")
+        need(self.source_detector > self.source_origin, "source_detector", "must exceed source_origin (mm)")
+        need(len(self.orbits) >= 1 and set(self.orbits) <= {1, 2, 3} and len(set(self.orbits)) == len(self.orbits),
+             "orbits", "must be distinct values among 1, 2, 3")
+        need(len(self.gt_shape) == 3 and min(self.gt_shape) >= 1, "gt_shape", "must be 3 positive ints (n_z, n_y, n_x)")
+        need(self.gt_voxel_size > 0, "gt_voxel_size", "must be positive (mm)")
+        need(int(self.supersampling) >= 1, "supersampling", "must be ≥ 1")
+        need(int(self.gt_supersampling) >= 1, "gt_supersampling", "must be ≥ 1")
+        need(self.flat_counts > 0, "flat_counts", "must be positive")
+        need(self.dark_counts >= 0, "dark_counts", "must be ≥ 0")
+        need(self.read_noise >= 0, "read_noise", "must be ≥ 0")
+        need(0 <= self.flat_variation < 0.5, "flat_variation", "must lie in [0, 0.5)")
+        peak = (self.flat_counts * (1 + self.flat_variation) + self.dark_counts
+                + 6 * (math.sqrt(self.flat_counts * 1.5) + self.read_noise + 3))
+        need(peak < 65535, "flat_counts", f"flat + dark counts (up to ≈{peak:.0f}) must fit uint16 (< 65535)")
+
+    @property
+    def v_pixel_size(self) -> float:
+        """Row pitch ``|v|`` (mm)."""
+        return float(self.pixel_size if self.row_pixel_size is None else self.row_pixel_size)
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict of every field."""
+        d = dataclasses.asdict(self)
+        d["orbits"] = list(self.orbits)
+        d["gt_shape"] = list(self.gt_shape)
+        return d
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "SimulationParameters":
+        """Parameters of a named preset (:data:`PRESETS`) with ``overrides`` applied (``None`` values ignored)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown simulation preset {name!r}; valid: {sorted(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = set(overrides) - fields
+        if bad:
+            raise ValueError(f"unknown simulation parameter(s) {sorted(bad)}; valid: {sorted(fields)}")
+        kw = dict(PRESETS[name]["params"])
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "walnut": {
+        "help": "the real data set's sizes: 3 orbits × 1201 projections of 972 × 768 pixels, 501³ GT at 0.1 mm. "
+                "SLOW: ~12 CPU hours and ~5 GB on disk",
+        "params": {},
+    },
+    "bundled": {
+        "help": "the scan shipped in data/Walnut1: orbit 2, 241 projections (240 angles), 16 × 256 pixels of "
+                "0.4488 mm, GT 31 × 128² at 0.4 mm; ~20 s, ~1.8 MB",
+        "params": {
+            "n_projections": 241, "det_rows": 16, "det_cols": 256, "pixel_size": 3 * 0.1496, "orbits": (2,),
+            "gt_shape": (31, 128, 128), "gt_voxel_size": 0.4,
+        },
+    },
+    "tiny": {
+        "help": "for tests: orbit 2, 33 projections (32 angles), 8 × 96 pixels of 1.2 mm, GT 5 × 128² at 0.4 mm; "
+                "a few seconds",
+        "params": {
+            "n_projections": 33, "det_rows": 8, "det_cols": 96, "pixel_size": 1.2, "orbits": (2,),
+            "gt_shape": (5, 128, 128), "gt_voxel_size": 0.4, "gt_supersampling": 2,
+        },
+    },
+}
+
+
+def projection_file_name(index: int) -> str:
+    """``scan_{index:06}.tif``."""
+    return PROJECTION_PATTERN.format(int(index))
+
+
+def orbit_vectors(params: SimulationParameters, orbit: int) -> np.ndarray:
+    """ASTRA ``cone_vec`` rows ``(N, 12)`` (mm) of one orbit: source, detector centre, u step, v step.
+
+    Row ``k`` is angle ``θ_k = 2πk/(N−1)``; row ``N−1`` equals row 0 exactly.
+    """
+    n = int(params.n_projections)
+    theta = 2.0 * np.pi * np.arange(n) / (n - 1)
+    theta[-1] = theta[0]  # the last projection repeats the first angle: make the rows bit-identical
+    s, c = np.sin(theta), np.cos(theta)
+    zeros, ones = np.zeros(n), np.ones(n)
+    sod, odd = params.source_origin, params.source_detector - params.source_origin
+    src_z = {1: params.orbit_height, 2: 0.0, 3: -params.orbit_height}[int(orbit)]
+    corr = ORBIT_CORRECTIONS[int(orbit)] if params.corrections else {"tilt_deg": 0.0, "offset_u_px": 0.0,
+                                                                   "offset_v_px": 0.0}
+    du, dv = params.pixel_size, params.v_pixel_size
+    e_u = np.stack([c, s, zeros], axis=1)       # along a detector row
+    e_v = np.stack([zeros, zeros, ones], axis=1)  # along a detector column, +z
+    src = np.stack([sod * s, -sod * c, np.full(n, src_z)], axis=1)
+    det = np.stack([-odd * s, odd * c, zeros], axis=1)
+    det = det + corr["offset_u_px"] * du * e_u + corr["offset_v_px"] * dv * e_v
+    phi = math.radians(corr["tilt_deg"])
+    u = du * (math.cos(phi) * e_u + math.sin(phi) * e_v)
+    v = dv * (-math.sin(phi) * e_u + math.cos(phi) * e_v)
+    return np.concatenate([src, det, u, v], axis=1)
+
+
+def _detector_patterns(params: SimulationParameters, orbit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat-field counts ``I₀·G`` (float) and the integer dark fixed pattern, both ``(det_rows, det_cols)``."""
+    rng = np.random.default_rng([int(params.seed), int(orbit), 0xF1A7])
+    r = (np.arange(params.det_rows) + 0.5) / params.det_rows - 0.5
+    c = (np.arange(params.det_cols) + 0.5) / params.det_cols - 0.5
+    rr, cc = np.meshgrid(r, c, indexing="ij")
+    ph1, ph2 = rng.uniform(0, 2 * np.pi, size=2)
+    # A smooth gain: vignetting towards the corners plus two low-frequency ripples.
+    gain = (1.0 - 0.6 * (rr**2 + cc**2) / 0.5 + 0.25 * np.cos(2 * np.pi * 1.3 * cc + ph1)
+            + 0.15 * np.cos(2 * np.pi * 0.8 * rr + ph2))
+    gain = 1.0 + params.flat_variation * (gain - gain.mean()) / max(np.abs(gain - gain.mean()).max(), 1e-12)
+    dark = np.round(params.dark_counts + rng.normal(0.0, 3.0, size=rr.shape)).clip(0, None)
+    return params.flat_counts * gain, dark
+
+
+def _to_uint16(counts: np.ndarray, what: str) -> np.ndarray:
+    out = np.round(counts)
+    if out.min() < 0 or out.max() > 65535:
+        raise ValueError(f"simulate: {what} counts outside the uint16 range ({out.min()}..{out.max()}); "
+                         f"lower flat_counts")
+    return out.astype(np.uint16)
+
+
+def _write_tiff(path: Path, array: np.ndarray, compress: bool) -> None:
+    import tifffile
+
+    kw: dict[str, Any] = {"metadata": None}
+    if compress:
+        # zlib is built into tifffile; the horizontal predictor (integer images only; the float predictor
+        # needs imagecodecs) roughly halves the size of smooth count images.
+        kw["compression"] = "zlib"
+        kw["compressionargs"] = {"level": 9}
+        if np.issubdtype(array.dtype, np.integer):
+            kw["predictor"] = True
+    with atomic_path(path) as tmp:
+        tifffile.imwrite(tmp, np.ascontiguousarray(array), **kw)
+
+
+def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: int, s: int) -> np.ndarray:
+    """Mean of ``exp(−∫μ)`` over ``s × s`` sub-rays per detector pixel: ``(rows, cols)`` for one cone_vec row."""
+    src, det, u, v = vec[0:3], vec[3:6], vec[6:9], vec[9:12]
+    off = (np.arange(s) + 0.5) / s - 0.5
+    kc = (np.arange(cols) - (cols - 1) / 2.0)[:, None] + off[None, :]  # (cols, s) fractional column
+    out = np.empty((rows, cols))
+    block = max(1, (1 << 18) // (cols * s * s))
+    for r0 in range(0, rows, block):
+        kr = (np.arange(r0, min(rows, r0 + block)) - (rows - 1) / 2.0)[:, None] + off[None, :]  # (b, s)
+        # (b, s_v, cols, s_u, 3) sub-pixel points on the detector
+        pts = (det + kr[:, :, None, None, None] * v + kc[None, None, :, :, None] * u)
+        ell = phantom.line_integrals(src, pts)
+        out[r0:r0 + kr.shape[0]] = np.exp(-ell).mean(axis=(1, 3))
+    return out
+
+
+def _layout_files(out_dir: Path) -> list[Path]:
+    """Files of a scan layout under ``out_dir`` that a new simulation would replace."""
+    pats = [("Projections/tubeV*", re.compile(r"^(scan_\d{6}\.tif|di000000\.tif|io00000[01]\.tif|"
+                                              r"scan_geom_corrected\.geom)$")),
+            ("Reconstructions", re.compile(r"^full_AGD_50_\d{6}\.tiff$"))]
+    found = []
+    for sub, rx in pats:
+        for folder in out_dir.glob(sub):
+            if folder.is_dir():
+                found += [p for p in folder.iterdir() if p.is_file() and rx.match(p.name)]
+    sidecar = out_dir / SIDECAR_NAME
+    if sidecar.is_file():
+        found.append(sidecar)
+    return found
+
+
+def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Create ``out_dir``; refuse a non-empty one unless ``overwrite``, which removes (only) the files of an earlier
+    simulated scan there, so no stale projection can survive. A folder without a ``ctuq_simulation.json`` may be
+    real data and is never cleared."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"simulate: output path {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"simulate: output folder {out_dir} is not empty; choose an empty or new folder, "
+                                  f"or pass --overwrite (overwrite=True) to replace the simulated scan there")
+        if not (out_dir / SIDECAR_NAME).is_file():
+            raise FileExistsError(f"simulate: {out_dir} is not empty and holds no {SIDECAR_NAME}, so it is not a "
+                                  f"scan written by ctuq simulate (it may be real data); refusing to overwrite it")
+        for p in _layout_files(out_dir):
+            p.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def simulate_scan(
+    out_dir: str | Path,
+    params: SimulationParameters | None = None,
+    *,
+    phantom: EllipsoidPhantom | None = None,
+    preset: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Simulate a scan and write it to ``out_dir`` in the walnut layout (module docstring).
+
+    Parameters
+    ----------
+    out_dir : path
+        Target ``Walnut{id}``-like folder; must be empty or new unless ``overwrite``.
+    params : SimulationParameters, optional
+        Sizes, noise and seed; default: those of ``preset``.
+    phantom : EllipsoidPhantom, optional
+        Object to scan (mm, mm⁻¹); default ``walnut_phantom(params.seed)``.
+    preset : str, optional
+        Name recorded in the sidecar; gives ``params`` when those are not given (default then ``"bundled"``).
+    overwrite : bool
+        Replace an earlier simulated scan in ``out_dir`` (see :func:`prepare_output_dir`).
+    progress : bool
+        Progress bars on stderr.
+
+    Returns
+    -------
+    dict
+        The sidecar content (also written to ``out_dir/ctuq_simulation.json``).
+    """
+    from ctuq import __version__
+
+    if params is None:
+        preset = preset or "bundled"
+        params = SimulationParameters.preset(preset)
+    params.validate()
+    out_dir = Path(out_dir)
+    prepare_output_dir(out_dir, overwrite)
+    if phantom is None:
+        phantom = walnut_phantom(params.seed)
+
+    sidecar: dict[str, Any] = {
+        "format": "ctuq simulated walnut scan",
+        "ctuq_version": __version__,
+        "complete": False,
+        "preset": preset,
+        "parameters": params.to_dict(),
+        "gt_voxel_size_mm": float(params.gt_voxel_size),
+        "gt_shape": list(params.gt_shape),
+        "orbits": {},
+        "conventions": {
+            "geometry_rows": "cone_vec: source xyz, detector centre xyz, u step xyz, v step xyz (mm); "
+                             "row k at angle 2*pi*k/(N-1); rows 0 and N-1 identical",
+            "file_pairing": "scan_{N-1-k:06}.tif <-> geometry row k",
+            "raw_image": "raw = flipud(P.T), P = (det_rows, det_cols); transpose(flipud(raw)) gives P",
+            "counts": "uint16: Poisson(I0*G*mean(exp(-line integral))) + dark pattern + read noise",
+            "ground_truth": "full_AGD_50_{k:06}.tiff: voxel averages (mm^-1), (n_y, n_x), slice k at "
+                            "z = (k + 1/2 - n_z/2) * h, grid centred at the origin",
+        },
+        "phantom": phantom.to_dict(),
+    }
+    atomic_write_json(out_dir / SIDECAR_NAME, sidecar)
+
+    n = int(params.n_projections)
+    rows, cols, s = int(params.det_rows), int(params.det_cols), int(params.supersampling)
+    for orbit in params.orbits:
+        folder = out_dir / "Projections" / f"tubeV{orbit}"
+        vec = orbit_vectors(params, orbit)
+        flat_true, dark_true = _detector_patterns(params, orbit)
+        with atomic_path(folder / GEOMETRY_NAME) as tmp:
+            np.savetxt(tmp, vec, fmt="%.17g")
+        rng = np.random.default_rng([int(params.seed), int(orbit), 0xDA4C])
+        frames = {DARK_NAME: dark_true.copy()}
+        for name in FLAT_NAMES:
+            frames[name] = (rng.poisson(flat_true).astype(np.float64) if params.noise else flat_true) + dark_true
+        for name, frame in frames.items():
+            if params.noise:
+                frame = frame + rng.normal(0.0, params.read_noise, size=frame.shape)
+            _write_tiff(folder / name, np.flipud(_to_uint16(frame, f"tubeV{orbit}/{name}").T), params.compress)
+
+        first = None
+        bar = _progress_bar(range(n), total=n, desc=f"simulate tubeV{orbit}", disable=not progress)
+        for k in bar:
+            if k == n - 1 and first is not None:
+                trans = first  # same angle as row 0 (bit-identical vectors)
+            else:
+                trans = _transmission(phantom, vec[k], rows, cols, s)
+                if k == 0:
+                    first = trans
+            mean = flat_true * trans
+            if params.noise:
+                # One generator per file: the noise of a file does not depend on which files were written before.
+                prng = np.random.default_rng([int(params.seed), int(orbit), k, 0x9E37])
+                counts = prng.poisson(mean) + dark_true + prng.normal(0.0, params.read_noise, size=mean.shape)
+            else:
+                counts = mean + dark_true
+            name = projection_file_name(n - 1 - k)
+            _write_tiff(folder / name, np.flipud(_to_uint16(counts, f"tubeV{orbit}/{name}").T), params.compress)
+        sidecar["orbits"][str(orbit)] = {
+            "folder": f"Projections/tubeV{orbit}",
+            "source_z_mm": float(vec[0, 2]),
+            "corrections": ORBIT_CORRECTIONS[orbit] if params.corrections else None,
+        }
+
+    from ctuq.geometry import VolumeGeometry
+
+    nz, ny, nx = params.gt_shape
+    h = float(params.gt_voxel_size)
+    gt_dir = out_dir / "Reconstructions"
+    slice_grid = VolumeGeometry((ny, nx), h)
+    gt_max = 0.0
+    for k in _progress_bar(range(nz), total=nz, desc="ground truth", disable=not progress):
+        z = (k + 0.5 - nz / 2.0) * h
+        img = phantom.rasterize(slice_grid, z=z, thickness=h, supersampling=params.gt_supersampling)
+        gt_max = max(gt_max, float(img.max()))
+        _write_tiff(gt_dir / GT_PATTERN.format(k), img.astype(np.float32), params.compress)
+
+    sidecar["complete"] = True
+    sidecar["ground_truth_max"] = gt_max
+    # no timings or dates in the sidecar: re-running the same command reproduces every file byte for byte
+    atomic_write_json(out_dir / SIDECAR_NAME, sidecar)
+    return sidecar
+
+
+def estimate_work(params: SimulationParameters, n_ellipsoids: int = 60) -> dict:
+    """Rough size of a simulation: ray–ellipsoid pairs, voxels, and bytes on disk (uncompressed)."""
+    rays = len(params.orbits) * (params.n_projections - 1) * params.det_rows * params.det_cols * params.supersampling**2
+    voxels = math.prod(params.gt_shape)
+    size = (len(params.orbits) * (params.n_projections + 3) * params.det_rows * params.det_cols * 2 + voxels * 4)
+    return {"rays": rays, "ray_ellipsoid_pairs": rays * n_ellipsoids, "gt_voxels": voxels, "bytes_uncompressed": size}
+

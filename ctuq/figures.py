@@ -1,0 +1,412 @@
+"""Figures of uncertainty results: std / error panels, method comparisons, calibration, joint LL, EM traces.
+
+Every function draws on a stand-alone ``matplotlib.figure.Figure`` rendered by the Agg canvas (no pyplot
+state, no GUI backend, safe in scripts and threads), writes a PNG atomically with
+:func:`ctuq.utils.atomic_path` (a failure leaves neither a half-written file nor a temporary one, and an
+existing file at ``path`` untouched) and returns the path. The PNG measures exactly
+``figsize[0]·dpi × figsize[1]·dpi`` pixels (no tight bounding box; layout is matplotlib's constrained
+layout), so callers and tests can rely on its size.
+
+Images are ``(H, W)`` slices or ``(D, H, W)`` volumes (torch tensors on any device, or numpy arrays) in
+image units; volumes are shown by their central slice ``D // 2``. ROIs take every form
+:mod:`ctuq.metrics` accepts and are drawn as a rectangle (or a contour for non-rectangular masks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ctuq import metrics as _metrics
+from ctuq.outputs import central_slice, to_numpy
+from ctuq.utils import atomic_path
+
+__all__ = [
+    "plot_uq_panels",
+    "plot_uq_comparison",
+    "plot_calibration",
+    "plot_joint_ll",
+    "plot_error_vs_std",
+    "plot_em_trace",
+]
+
+_PANEL_IN = 3.2  # inches per image panel
+_ERR_CMAP = "inferno"
+_CLIP_QUANTILE = 0.999  # error/std colour scale: robust to a few hot pixels, shown by the colour bar's arrow
+
+
+# ================================================================================================ helpers
+def _figure(figsize, default, dpi):
+    from matplotlib.figure import Figure
+
+    size = tuple(float(v) for v in (figsize if figsize is not None else default))
+    if len(size) != 2 or min(size) <= 0 or not all(math.isfinite(v) for v in size):
+        raise ValueError(f"figsize must be (width, height) in inches, both > 0, got {figsize!r}")
+    if not (dpi > 0):
+        raise ValueError(f"dpi must be > 0, got {dpi!r}")
+    return Figure(figsize=size, dpi=dpi, layout="constrained")
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"figure path must end in .png, got {os.fspath(path)!r}")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=fig.dpi)
+    return path
+
+
+def _image(x, name: str, where: str) -> np.ndarray:
+    if not isinstance(x, (torch.Tensor, np.ndarray)):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"{where}: {name} must be (H, W) or (D, H, W), got shape {tuple(x.shape)}")
+    return to_numpy(x)
+
+
+def _same_shape(arrays: Mapping[str, np.ndarray], where: str) -> tuple[int, ...]:
+    shapes = {name: a.shape for name, a in arrays.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"{where}: images must share one shape, got {shapes}")
+    return next(iter(shapes.values()))
+
+
+def _roi_slice_mask(roi, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The ROI's mask on the displayed (central) slice, or ``None`` without an ROI."""
+    if roi is None:
+        return None
+    return central_slice(_metrics.roi_mask(roi, shape).numpy())
+
+
+def _draw_roi(ax, mask2d: np.ndarray | None) -> None:
+    if mask2d is None or not mask2d.any():
+        return
+    from matplotlib.patches import Rectangle
+
+    rows, cols = np.nonzero(mask2d.any(axis=1))[0], np.nonzero(mask2d.any(axis=0))[0]
+    r0, r1, c0, c1 = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    if mask2d[r0:r1, c0:c1].all():
+        # pixel centres sit on integer coordinates, so pixel edges are at ±0.5
+        ax.add_patch(Rectangle((c0 - 0.5, r0 - 0.5), c1 - c0, r1 - r0, fill=False, ec="cyan", lw=1.0, ls="--"))
+    else:
+        ax.contour(mask2d.astype(float), levels=[0.5], colors="cyan", linewidths=1.0, linestyles="--")
+
+
+def _robust_max(arrays: Sequence[np.ndarray], masks: Sequence[np.ndarray | None]) -> float:
+    vals = [a[m] if m is not None and m.any() else a.ravel() for a, m in zip(arrays, masks)]
+    top = max(float(np.quantile(v, _CLIP_QUANTILE)) for v in vals if v.size)
+    return top if top > 0 else max(float(np.max(v)) for v in vals) or 1.0
+
+
+def _image_panel(fig, ax, arr, title, kw, roi2d, extend="neither"):
+    im = ax.imshow(arr, interpolation="nearest", **kw)
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    _draw_roi(ax, roi2d)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend=extend)
+
+
+def _uq_triplet(reconstruction, abs_error, std, ground_truth, where):
+    rec = _image(reconstruction, "reconstruction", where)
+    gt = _image(ground_truth, "ground_truth", where) if ground_truth is not None else None
+    if abs_error is None:
+        if gt is None:
+            raise ValueError(f"{where}: abs_error is None and no ground_truth is given to compute it from")
+        if gt.shape != rec.shape:
+            raise ValueError(f"{where}: ground_truth shape {gt.shape} != reconstruction shape {rec.shape}")
+        err = np.abs(rec - gt)
+    else:
+        err = _image(abs_error, "abs_error", where)
+    sd = _image(std, "std", where)
+    arrays = {"reconstruction": rec, "abs_error": err, "std": sd}
+    if gt is not None:
+        arrays["ground_truth"] = gt
+    _same_shape(arrays, where)
+    if err.min() < 0 or sd.min() < 0:
+        raise ValueError(f"{where}: {'abs_error' if err.min() < 0 else 'std'} has negative values")
+    return rec, err, sd, gt
+
+
+# ============================================================================================ image panels
+def plot_uq_panels(path: str | os.PathLike, reconstruction, abs_error, std, ground_truth=None,
+                   titles: Sequence[str] | None = None, *, roi=None, error_vmax: float | None = None,
+                   dpi: int = 120, figsize: tuple[float, float] | None = None) -> Path:
+    """One row: (ground truth |) reconstruction | |error| | std, written as a PNG.
+
+    ``reconstruction``, ``abs_error``, ``std``, ``ground_truth``: ``(H, W)`` or ``(D, H, W)`` of one shape,
+    image units (central slice shown for volumes). ``abs_error=None`` computes ``|reconstruction − ground
+    truth|``. |error| and std share one colour scale ``[0, error_vmax]`` so they can be compared pixel for
+    pixel; by default ``error_vmax`` is the larger 99.9th percentile of the two maps (inside the ROI when
+    given). Grey levels follow the ground truth's range when given, else the reconstruction's. ``titles``:
+    one per panel (3, or 4 with a ground truth). ``roi``: drawn as a dashed outline on every panel.
+    Default size: ``3.2 in × panels`` wide, 3 in high. Returns ``path``.
+    """
+    where = "plot_uq_panels"
+    rec, err, sd, gt = _uq_triplet(reconstruction, abs_error, std, ground_truth, where)
+    roi2d = _roi_slice_mask(roi, rec.shape)
+    rec, err, sd = central_slice(rec), central_slice(err), central_slice(sd)
+    panels = [("ground truth", gt)] if gt is not None else []
+    panels += [("reconstruction", rec), ("|error|", err), ("std", sd)]
+    if titles is not None:
+        titles = list(titles)
+        if len(titles) != len(panels):
+            raise ValueError(f"{where}: {len(panels)} panels need {len(panels)} titles, got {len(titles)}")
+    grey = central_slice(gt) if gt is not None else rec
+    vmax = error_vmax if error_vmax is not None else _robust_max([err, sd], [roi2d, roi2d])
+    if not (vmax > 0 and math.isfinite(vmax)):
+        raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
+    # one "extend" for both maps keeps their colour bars identical
+    extend = "max" if max(err.max(), sd.max()) > vmax else "neither"
+    fig = _figure(figsize, (_PANEL_IN * len(panels), 3.0), dpi)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for i, (ax, (name, arr)) in enumerate(zip(axes, panels)):
+        arr = central_slice(arr)
+        title = titles[i] if titles is not None else name
+        if name in ("|error|", "std"):
+            _image_panel(fig, ax, arr, title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend)
+        else:
+            _image_panel(fig, ax, arr, title, {"cmap": "gray", "vmin": float(grey.min()),
+                                               "vmax": float(grey.max())}, roi2d)
+    return _save(fig, path)
+
+
+def plot_uq_comparison(path: str | os.PathLike, methods: Mapping[str, tuple], ground_truth=None, *, roi=None,
+                       error_vmax: float | None = None, dpi: int = 120,
+                       figsize: tuple[float, float] | None = None) -> Path:
+    """One row per method: reconstruction | |error| | std, written as a PNG.
+
+    ``methods``: ``{name: (reconstruction, abs_error, std)}`` with images of one shape (``(H, W)`` or
+    ``(D, H, W)``, image units; ``abs_error`` may be ``None`` when ``ground_truth`` is given). All rows share
+    one grey scale and one |error|/std colour scale (default: the largest 99.9th percentile of any error or
+    std map, inside the ROI when given), so methods compare at a glance. Default size
+    ``9.6 in × 2.9 in per row``. Returns ``path``.
+    """
+    where = "plot_uq_comparison"
+    if not isinstance(methods, Mapping) or not methods:
+        raise ValueError(f"{where}: methods must be a non-empty dict name -> (reconstruction, abs_error, std)")
+    rows = {}
+    for name, triple in methods.items():
+        if not isinstance(triple, (tuple, list)) or len(triple) != 3:
+            raise ValueError(f"{where}: methods[{name!r}] must be (reconstruction, abs_error, std)")
+        rows[name] = _uq_triplet(*triple, ground_truth, f"{where}[{name!r}]")[:3]
+    shape = _same_shape({f"{n}.reconstruction": r[0] for n, r in rows.items()}, where)
+    roi2d = _roi_slice_mask(roi, shape)
+    rows = {n: tuple(central_slice(a) for a in r) for n, r in rows.items()}
+    if ground_truth is not None:
+        grey = central_slice(_image(ground_truth, "ground_truth", where))
+    else:
+        grey = np.stack([r[0] for r in rows.values()])
+    lo, hi = float(grey.min()), float(grey.max())
+    maps = [a for r in rows.values() for a in r[1:]]
+    vmax = error_vmax if error_vmax is not None else _robust_max(maps, [roi2d] * len(maps))
+    if not (vmax > 0 and math.isfinite(vmax)):
+        raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
+    extend = "max" if max(float(a.max()) for a in maps) > vmax else "neither"
+    fig = _figure(figsize, (3 * _PANEL_IN, 2.9 * len(rows)), dpi)
+    axes = fig.subplots(len(rows), 3, squeeze=False)
+    for i, (name, (rec, err, sd)) in enumerate(rows.items()):
+        col_titles = ("reconstruction", "|error|", "std") if i == 0 else ("", "", "")
+        _image_panel(fig, axes[i, 0], rec, col_titles[0], {"cmap": "gray", "vmin": lo, "vmax": hi}, roi2d)
+        for j, arr in ((1, err), (2, sd)):
+            _image_panel(fig, axes[i, j], arr, col_titles[j], {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax},
+                         roi2d, extend)
+        axes[i, 0].set_ylabel(name, fontsize=11)
+    return _save(fig, path)
+
+
+# ================================================================================================= curves
+def _curve(values, name: str, where: str) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values, dtype=np.float64)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"{where}: {name} must be a non-empty 1D sequence, got shape {a.shape}")
+    return a
+
+
+def plot_calibration(path: str | os.PathLike, curves: Mapping[str, tuple], *, title: str | None = None,
+                     dpi: int = 120, figsize: tuple[float, float] | None = (4.5, 4.5)) -> Path:
+    """Empirical coverage against nominal credible-interval mass, one line per method, with ``y = x``.
+
+    ``curves``: ``{name: (levels, coverage)}``, equal-length 1D sequences in [0, 1] (as returned by
+    :func:`ctuq.metrics.coverage`). Lines below the diagonal are over-confident. Returns ``path``.
+    """
+    where = "plot_calibration"
+    if not isinstance(curves, Mapping) or not curves:
+        raise ValueError(f"{where}: curves must be a non-empty dict name -> (levels, coverage)")
+    data = {}
+    for name, pair in curves.items():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{where}: curves[{name!r}] must be (levels, coverage)")
+        lv, cov = _curve(pair[0], f"curves[{name!r}] levels", where), _curve(pair[1], f"curves[{name!r}] coverage", where)
+        if lv.shape != cov.shape:
+            raise ValueError(f"{where}: curves[{name!r}] has {lv.size} levels but {cov.size} coverage values")
+        if not (np.all(np.isfinite(lv)) and np.all(np.isfinite(cov))) or min(lv.min(), cov.min()) < 0 \
+                or max(lv.max(), cov.max()) > 1:
+            raise ValueError(f"{where}: curves[{name!r}] levels and coverage must lie in [0, 1]")
+        data[name] = (lv, cov)
+    fig = _figure(figsize, (4.5, 4.5), dpi)
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1], color="0.5", ls="--", lw=1, label="perfect calibration")
+    for name, (lv, cov) in data.items():
+        ax.plot(lv, cov, marker="o", ms=3, label=name)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="nominal level (credible interval mass)",
+           ylabel="empirical coverage", aspect="equal")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)
+
+
+def plot_joint_ll(path: str | os.PathLike, curves: Mapping[str, Mapping], *, title: str | None = None,
+                  dpi: int = 120, figsize: tuple[float, float] | None = (5.0, 3.8)) -> Path:
+    """Patch joint test log-likelihood (nats per pixel) against patch size ``p``, one line per method.
+
+    ``curves``: ``{name: {p: ll}}``; ``p`` may be an int or its string (as in ``uq_summary(...)["joint_ll"]``
+    read back from JSON); ``ll`` may be ``None`` (not plotted). Returns ``path``.
+    """
+    where = "plot_joint_ll"
+    if not isinstance(curves, Mapping) or not curves:
+        raise ValueError(f"{where}: curves must be a non-empty dict name -> {{patch size: log-likelihood}}")
+    data = {}
+    for name, pts in curves.items():
+        if not isinstance(pts, Mapping) or not pts:
+            raise ValueError(f"{where}: curves[{name!r}] must be a non-empty dict {{patch size: log-likelihood}}")
+        try:
+            items = sorted((int(p), math.nan if v is None else float(v)) for p, v in pts.items())
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: curves[{name!r}] needs int patch sizes and float values: {exc}") from exc
+        if items[0][0] < 1:
+            raise ValueError(f"{where}: curves[{name!r}] has a patch size < 1")
+        data[name] = np.array(items, dtype=np.float64)
+    fig = _figure(figsize, (5.0, 3.8), dpi)
+    ax = fig.subplots()
+    for name, arr in data.items():
+        ax.plot(arr[:, 0], arr[:, 1], marker="o", ms=4, label=name)
+    ax.set(xlabel="patch size p (p×p pixels)", ylabel="joint test log-likelihood / p² (nats)")
+    sizes = sorted({int(p) for arr in data.values() for p in arr[:, 0]})
+    ax.set_xticks(sizes)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_error_vs_std(path: str | os.PathLike, abs_error, std=None, roi=None, *, bins: int = 100,
+                      log: bool = True, dpi: int = 120, figsize: tuple[float, float] | None = None) -> Path:
+    """2D histogram of |error| (y) against std (x) with log colours and the ``y = x`` line.
+
+    Either ``abs_error`` and ``std`` are image-shaped (``(H, W)`` or ``(D, H, W)``, image units, every slice
+    counted), or ``abs_error`` is a dict ``{name: (abs_error, std)}`` and ``std`` is ``None``: one panel per
+    method, all on the same bins and colour scale. Bins: :func:`ctuq.metrics.error_std_histogram` (shared
+    edges for both axes, logarithmic when ``log``). Pixels above the line have larger errors than their std.
+    Default size ``4.2 in per panel × 3.8 in``. Returns ``path``.
+    """
+    from matplotlib.colors import LogNorm
+
+    where = "plot_error_vs_std"
+    if isinstance(abs_error, Mapping):
+        if std is not None:
+            raise ValueError(f"{where}: give std inside the dict {{name: (abs_error, std)}}, not separately")
+        if not abs_error:
+            raise ValueError(f"{where}: the methods dict is empty")
+        methods = {}
+        for name, pair in abs_error.items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"{where}: methods[{name!r}] must be (abs_error, std)")
+            methods[name] = pair
+    else:
+        if std is None:
+            raise ValueError(f"{where}: std is required when abs_error is an image")
+        methods = {"": (abs_error, std)}
+    # first pass: common range over all methods so panels share bins
+    lo_hi = []
+    for name, (e, s) in methods.items():
+        h = _metrics.error_std_histogram(e, s, 1, roi, log=log)
+        lo_hi.append((h.edges[0], h.edges[-1]))
+    rng = (min(v[0] for v in lo_hi), max(v[1] for v in lo_hi))
+    hists = {name: _metrics.error_std_histogram(e, s, bins, roi, log=log, range=rng)
+             for name, (e, s) in methods.items()}
+    vmax = max(1, max(int(h.counts.max()) for h in hists.values()))
+    fig = _figure(figsize, (4.2 * len(hists), 3.8), dpi)
+    axes = fig.subplots(1, len(hists), squeeze=False)[0]
+    mesh = None
+    for ax, (name, h) in zip(axes, hists.items()):
+        counts = np.ma.masked_equal(h.counts, 0)
+        mesh = ax.pcolormesh(h.edges, h.edges, counts, norm=LogNorm(vmin=1, vmax=vmax), cmap="viridis")
+        ax.plot(rng, rng, color="red", lw=1, ls="--", label="|error| = std")
+        if log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set(xlim=rng, ylim=rng, xlabel="std", ylabel="|error|")
+        if name:
+            ax.set_title(name)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.colorbar(mesh, ax=list(axes), label="pixels")
+    return _save(fig, path)
+
+
+# =============================================================================================== EM trace
+_EM_PANELS = (
+    ("a", "prior precision a", True, True),
+    ("gamma", "effective dimension γ̂", False, True),
+    ("w_norm2", "‖w*‖²", False, True),
+    ("sigma2", "noise variance σ²", True, False),
+    ("log_evidence", "log evidence", False, False),
+)
+
+
+def plot_em_trace(path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int = 120,
+                  figsize: tuple[float, float] | None = None) -> Path:
+    """EM diagnostics against step: a (log scale), γ̂, ‖w*‖², and σ² / log evidence when recorded.
+
+    ``trace``: one dict per EM step with any of the keys ``a``, ``gamma``, ``w_norm2``, ``sigma2``,
+    ``log_evidence`` (floats, 0-d tensors or ``None``; a missing value leaves a gap) and optionally
+    ``step`` (x coordinate; default the list index). The panels for a, γ̂ and ‖w*‖² are always drawn (with a
+    "not recorded" note if empty); σ² and the log evidence only when some step recorded them. ``a`` and
+    ``σ²`` must be > 0 (log axis). Default size ``3.2 in per panel × 3 in``. Returns ``path``.
+    """
+    where = "plot_em_trace"
+    if isinstance(trace, Mapping) or not isinstance(trace, Sequence) or len(trace) == 0:
+        raise ValueError(f"{where}: trace must be a non-empty list of dicts (one per EM step)")
+    steps, cols = [], {key: [] for key, *_ in _EM_PANELS}
+    for i, entry in enumerate(trace):
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where}: trace[{i}] must be a dict, got {type(entry).__name__}")
+        steps.append(float(entry.get("step", i)) if entry.get("step") is not None else float(i))
+        for key, label, positive, _ in _EM_PANELS:
+            v = entry.get(key)
+            if v is None:
+                cols[key].append(math.nan)
+                continue
+            try:
+                v = float(v)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{where}: trace[{i}][{key!r}] must be a number or None, got {v!r}") from exc
+            if not math.isfinite(v) or (positive and v <= 0):
+                raise ValueError(f"{where}: trace[{i}][{key!r}] = {v} must be finite{' and > 0' if positive else ''}")
+            cols[key].append(v)
+    shown = [(key, label, log) for key, label, log, always in _EM_PANELS
+             if always or not all(math.isnan(v) for v in cols[key])]
+    fig = _figure(figsize, (_PANEL_IN * len(shown), 3.0), dpi)
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    x = np.asarray(steps)
+    for ax, (key, label, log) in zip(axes, shown):
+        y = np.asarray(cols[key])
+        if np.all(np.isnan(y)):
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="0.4")
+        else:
+            ax.plot(x, y, marker="o", ms=4)
+            if log:
+                ax.set_yscale("log")
+        ax.set(title=label, xlabel="EM step")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
