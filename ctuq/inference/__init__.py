@@ -1,0 +1,78 @@
+"""Linearised inference core: the Gaussian linear model ``ỹ = Ψ w + ε`` over (scaled) network weights.
+
+``w ~ N(0, a⁻¹ I)`` (``d`` weights), ``ε ~ N(0, σ² I)`` (``c`` targets). This package imports nothing CT-specific:
+it sees a feature operator ``Ψ`` (batched ``Ψ``/``Ψᵀ`` row products) and the targets ``ỹ``, so CT
+(``Ψ = T Φ diag(s)``) and classification (``Ψ = B^(1/2) Φ diag(s)``) share it.
+
+Where DESIGN.md §1 lives in the code:
+
+====================================================  =========================================================
+equation                                              implementation
+====================================================  =========================================================
+``Φu``, ``Φᵀr`` (Jacobian of ``g`` at ``ṽ``)             :class:`ctuq.linearize.LinearizedNetwork` ``jvp``/``vjp``
+``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :func:`ctuq.priors.gprior_scales`
+``Ψ = L Φ diag(s)``; dense ``Ψ``                      :class:`LinearizedFeatures`; :class:`DenseFeatures`
+``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (a linear_operator LinearOperator)
+``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
+``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
+                                                      :class:`LowRankPreconditioner`
+``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg`
+``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``gamma``, ``weight_norm_sq``,
+``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``log_evidence``)
+exact vs CG by cost                                   :func:`choose_solver`, :func:`make_solver`
+``w* = a⁻¹ Ψᵀ C⁻¹ ỹ``                                 :func:`posterior_mean` (or ``sample_posterior(y_tilde=…)``)
+``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                     :func:`sample_posterior`, resumable :func:`sample_chunks`
+image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedFeatures.network_matvec`
+``γ̂ = (1/k) Σ ‖Ψζ_j‖²/σ²``; ``a ← γ̂/‖w*‖²``;           :class:`SampledEM` (uses ``Ψζ_j = ε_j − σ²C⁻¹(ε_j − Ψw₀_j)``
+``σ² ← ‖ỹ − Ψw*‖²/(c − γ̂)``                          and ``‖w*‖² = a⁻¹(uᵀỹ − σ²‖u‖²)``: no VJPs)
+dense float64 reference (primal form)                 :class:`DenseLinearGaussian`
+====================================================  =========================================================
+
+Product accounting: every feature operator counts rows multiplied by ``Ψ`` (``n_matvec``, = JVPs for a
+network) and by ``Ψᵀ`` (``n_rmatvec``, = VJPs); :class:`ctuq.linearize.LinearizedNetwork` counts its own JVPs and
+VJPs (including image-space ones).
+"""
+
+from ctuq.inference.em import EMResult, EMStateMismatch, SampledEM
+from ctuq.inference.features import DenseFeatures, FeatureOperator, LinearizedFeatures
+from ctuq.inference.kernel import KernelOperator, assemble_kernel, kernel_diagonal, measurement_covariance
+from ctuq.inference.preconditioners import (
+    LowRankEig,
+    LowRankPreconditioner,
+    pivoted_cholesky_eig,
+    randomized_eig,
+)
+from ctuq.inference.reference import DenseLinearGaussian
+from ctuq.inference.sampler import (
+    PosteriorSamples,
+    chunk_generator,
+    draw_prior_and_noise,
+    posterior_mean,
+    sample_chunks,
+    sample_posterior,
+)
+from ctuq.inference.solvers import (
+    CGSolver,
+    ConvergenceWarning,
+    ExactEigSolver,
+    SolverCostEstimate,
+    SolveStats,
+    Solver,
+    Workload,
+    choose_solver,
+    estimate_solver_costs,
+    make_solver,
+    pcg,
+)
+
+__all__ = [
+    "FeatureOperator", "DenseFeatures", "LinearizedFeatures",
+    "KernelOperator", "measurement_covariance", "assemble_kernel", "kernel_diagonal",
+    "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
+    "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",
+    "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",
+    "PosteriorSamples", "sample_posterior", "posterior_mean", "chunk_generator", "sample_chunks",
+    "draw_prior_and_noise",
+    "SampledEM", "EMResult", "EMStateMismatch",
+    "DenseLinearGaussian",
+]

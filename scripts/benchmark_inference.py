@@ -1,0 +1,465 @@
+#!/usr/bin/env python
+"""Cost of linearised inference, phase by phase: wall time and Jacobian products (JVPs / VJPs) spent.
+
+Synthetic problem (no CT code is imported: the point is the inference cost): a U-Net from
+``ctuq.models.build_unet`` (preset ``tiny``/``small``/``walnut``, random weights) at ``--size``², its fixed noise
+input, and a sparse linear map ``T`` (``c × size²``) standing in for the ray transform. ``--map lines`` (default)
+samples parallel-beam lines through the image at nearest pixels (``c = angles × detectors`` with
+``--detectors`` bins; about ``1.2·size`` pixels per row, like a real ray transform); ``--map random`` puts the same
+number of non-zeros at random positions. The targets ``ỹ`` are drawn from the linear model itself
+(``--target prior``: ``ỹ = Ψ w + ε``, ``w ~ N(0, I/a_true)``, ``ε ~ N(0, noise_std²)``), so that EM settles near
+``a_true`` and the CG iteration counts reflect that regime (they grow as ``a`` falls: ``C = K̄/a + σ²I`` then
+has more eigenvalues above ``σ²`` than a rank-``r`` preconditioner captures); ``--target network`` uses
+``T g(ṽ) + ε`` of the untrained network instead (EM then drives ``a`` far down: a hard, unrealistic regime).
+
+Phases (``main``): tracing the linearisation, g-prior scales, the solver set-up (CG preconditioner, or assembling
+and decomposing ``K̄`` for the exact solver), every EM step, and the prediction samples (posterior mean, weight
+samples in seeded chunks, image-space samples ``Φ(s ⊙ ζ)`` and their pixelwise std). For each the table gives
+the wall time, JVPs and VJPs spent (per sample), the kernel products spent inside CG, and the *floor*: the
+products the phase needs whatever the solver does (e.g. a prediction sample needs one JVP for ``Ψw₀``, one VJP
+for ``Ψᵀ(…)`` and one JVP for its image; an EM step needs ``k`` JVPs and no VJPs).
+
+Other modes:
+
+* ``--products``: per-sample JVP and VJP time of the presets at ``--size``², vmapped, for chunk sizes 1/8/16,
+  with ``mode="linearize"`` (traced once) and ``mode="recompute"``.
+* ``--compare-preconditioners``: CG iterations of single-pass Nyström, Halko alg. 5.6 and pivoted Cholesky on
+  synthetic spectra and on the U-Net kernel of this problem.
+* ``--compare-cg``: ctuq's deflated PCG against linear_operator's ``linear_cg`` on this problem.
+
+CPU timings are noisy when other processes share the cores: repeat a run before trusting a difference.
+
+Examples::
+
+    python scripts/benchmark_inference.py --preset small --size 128 --c 7680 --pred-samples 64
+    python scripts/benchmark_inference.py --products --presets tiny small --size 128
+    python scripts/benchmark_inference.py --compare-preconditioners --preset tiny --size 64 --c 1024 --detectors 64
+    python scripts/benchmark_inference.py --device cuda --preset walnut --size 501 --c 7680 --pred-samples 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from ctuq.inference import (
+    CGSolver,
+    DenseFeatures,
+    ExactEigSolver,
+    LinearizedFeatures,
+    SampledEM,
+    Workload,
+    choose_solver,
+    posterior_mean,
+    sample_chunks,
+)
+from ctuq.linearize import LinearizedNetwork
+from ctuq.models import build_unet, count_parameters, make_net_input
+from ctuq.priors import gprior_scales
+from ctuq.utils import resolve_device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------- synthetic T
+def line_matrix(size: int, n_angles: int, n_det: int, kind: str = "lines", seed: int = 0) -> torch.Tensor:
+    """Sparse ``(n_angles·n_det, size²)`` float32 COO matrix: parallel-beam lines or random positions.
+
+    Lines: angle ``θ_a`` uniform in [0, π), detector offsets spanning 1.2× the image width, points every half
+    pixel along each line, nearest-pixel weights of 0.5 (pixel units), duplicates summed. Rows are angle-major.
+    """
+    n = size
+    thetas = np.linspace(0, np.pi, n_angles, endpoint=False)
+    offsets = (np.arange(n_det) - (n_det - 1) / 2) * (1.2 * n / n_det)
+    half = 0.75 * n
+    steps = np.arange(-half, half, 0.5)
+    rows, cols = [], []
+    for a, th in enumerate(thetas):
+        d, p = np.array([np.cos(th), np.sin(th)]), np.array([-np.sin(th), np.cos(th)])
+        pts = offsets[:, None, None] * p + steps[None, :, None] * d  # (n_det, steps, 2), centre at 0
+        ix = np.floor(pts[..., 0] + n / 2).astype(np.int64)
+        iy = np.floor(pts[..., 1] + n / 2).astype(np.int64)
+        inside = (ix >= 0) & (ix < n) & (iy >= 0) & (iy < n)
+        det = np.broadcast_to(np.arange(n_det)[:, None], ix.shape)
+        rows.append((a * n_det + det)[inside])
+        cols.append((iy * n + ix)[inside])
+    r = np.concatenate(rows)
+    c = np.concatenate(cols)
+    if kind == "random":
+        rng = np.random.default_rng(seed)
+        c = rng.integers(0, n * n, size=c.size)
+    elif kind != "lines":
+        raise ValueError(f"line_matrix: kind must be 'lines' or 'random', got {kind!r}")
+    vals = np.full(r.size, 0.5, dtype=np.float32)
+    T = torch.sparse_coo_tensor(
+        torch.from_numpy(np.stack([r, c])), torch.from_numpy(vals), (n_angles * n_det, n * n), check_invariants=True
+    )
+    return T.coalesce()
+
+
+class SparseMap:
+    """``L(X) = X Tᵀ`` and ``Lᵀ(R) = R T`` on rows, with CSR copies of ``T`` and ``Tᵀ`` on ``device``."""
+
+    def __init__(self, T_coo: torch.Tensor, device: torch.device):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            self.T = T_coo.to_sparse_csr().to(device)
+            self.Tt = T_coo.t().coalesce().to_sparse_csr().to(device)
+        self.c, self.d_x = T_coo.shape
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return (self.T @ X.T).T
+
+    def adjoint(self, R: torch.Tensor) -> torch.Tensor:
+        return (self.Tt @ R.T).T
+
+
+# ----------------------------------------------------------------------------------------------- problem
+def build_problem(args, device: torch.device):
+    torch.manual_seed(args.seed)
+    model = build_unet(args.preset).to(device)
+    x = make_net_input((args.size, args.size), seed=args.seed).to(device)
+    n_det = args.detectors
+    if args.c % n_det:
+        raise SystemExit(f"--c {args.c} must be a multiple of --detectors {n_det} (angles × detectors)")
+    T = SparseMap(line_matrix(args.size, args.c // n_det, n_det, args.map, args.seed), device)
+    return model, x, T
+
+
+def make_targets(args, feats, net, T, device) -> torch.Tensor:
+    """``ỹ``: a draw from the linear model's prior predictive at ``--a-true`` (1 JVP), or ``T g(ṽ)`` + noise."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    eps = args.noise_std * torch.randn(T.c, generator=gen).to(device)
+    if args.target == "prior":
+        w = torch.randn(1, feats.n_features, generator=gen).to(device) / math.sqrt(args.a_true)
+        return feats.matvec(w)[0] + eps
+    with torch.no_grad():
+        return T.forward(net.output()[None])[0] + eps
+
+
+class Table:
+    """Collects rows and prints them aligned."""
+
+    HEAD = ("phase", "wall s", "JVPs", "VJPs", "CG prods", "floor JVP", "floor VJP", "CG it max", "notes")
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def add(self, *row):
+        self.rows.append(tuple(row))
+        print("  " + " | ".join(str(v) for v in row), file=sys.stderr, flush=True)
+
+    def print(self):
+        cells = [self.HEAD] + [tuple(_fmt(v) for v in r) for r in self.rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(self.HEAD))]
+        for j, r in enumerate(cells):
+            print("  ".join(v.rjust(w) if i in range(1, 8) else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+            if j == 0:
+                print("  ".join("-" * w for w in widths))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+class Phase:
+    """Context manager measuring wall time and network JVP/VJP counts of a phase."""
+
+    def __init__(self, net: LinearizedNetwork, device: torch.device):
+        self.net, self.device = net, device
+
+    def __enter__(self):
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+        self.j0, self.v0 = self.net.n_jvp, self.net.n_vjp
+        return self
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        self.wall = time.perf_counter() - self.t0
+        self.jvp = self.net.n_jvp - self.j0
+        self.vjp = self.net.n_vjp - self.v0
+        return False
+
+
+def run_main(args) -> None:
+    device = resolve_device(args.device)
+    model, x, T = build_problem(args, device)
+    net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
+    print(f"# preset {args.preset} at {args.size}², d = {net.d} linearised weights "
+          f"({count_parameters(model)} parameters), c = {T.c} ({args.map} map, {T.T.values().numel()} non-zeros), "
+          f"device {device}, torch threads {torch.get_num_threads()}, mode {args.mode}")
+    table = Table()
+    with Phase(net, device) as ph:
+        net.jvp(torch.zeros(1, net.d, device=device))
+        net.vjp(torch.zeros(1, net.d_out, device=device))
+    table.add("linearise (trace + 1 warm-up each)", ph.wall, ph.jvp, ph.vjp, 0, 0, 0, None,
+              f"chunks jvp {net.chunk_size_for('jvp')}, vjp {net.chunk_size_for('vjp')}, jvp_impl {net.jvp_impl}")
+
+    with Phase(net, device) as ph:
+        s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
+                          n_features=net.d, seed=args.seed, device=device, progress=args.progress)
+    floor = {"exact": T.c, "stochastic": args.gprior_probes, "isotropic": 0}[args.gprior]
+    n_zero = int((s == 0).sum())
+    table.add(f"g-prior scales ({args.gprior})", ph.wall, ph.jvp, ph.vjp, 0, 0, floor, None, f"{n_zero} zero columns")
+
+    feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+    y = make_targets(args, feats, net, T, device)
+
+    if args.solver == "auto":
+        wl = Workload(em_steps=args.em_steps, em_samples=args.samples, prediction_samples=args.pred_samples,
+                      rank=args.rank, oversampling=args.oversampling)
+        with Phase(net, device) as ph:
+            kind, est = choose_solver(feats, wl)
+        for e in est.values():
+            print(f"# cost model {e.solver:5s}: {e.jvp:.0f} JVPs, {e.vjp:.0f} VJPs, {e.dense_flops:.2e} flops, "
+                  f"{e.memory_bytes / 1e6:.0f} MB, {e.seconds:.0f} s{'' if e.feasible else ' (does not fit)'}")
+        table.add(f"solver choice → {kind}", ph.wall, ph.jvp, ph.vjp, 0, 0, 0, None, "measures product times")
+        args.solver = kind
+    if args.solver == "exact":
+        solver = ExactEigSolver(feats, memory_budget=args.memory_budget, progress=args.progress)
+        with Phase(net, device) as ph:
+            solver.decompose()
+        table.add("assemble K̄ + eigh (exact)", ph.wall, ph.jvp, ph.vjp, 0, 0, T.c, None,
+                  f"{solver.n_setup_products} rows")
+    else:
+        solver = CGSolver(feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling,
+                          rtol=args.rtol, max_iter=args.max_iter, seed=args.seed)
+        with Phase(net, device) as ph:
+            eig = solver.build_preconditioner()
+        rp = 0 if eig is None else eig.n_products
+        table.add(f"preconditioner ({args.preconditioner}, r={args.rank}, p={args.oversampling})", ph.wall, ph.jvp,
+                  ph.vjp, 0, rp, rp + (0 if eig is None else eig.n_diag_products), None,
+                  "" if eig is None else f"λ_max {float(eig.eigenvalues[0]):.3g}, λ_r {float(eig.eigenvalues[-1]):.3g}")
+
+    em = SampledEM(feats, solver, y, a=args.a0, sigma2=args.sigma2, learn_noise=args.learn_noise,
+                   n_samples=args.samples, max_steps=args.em_steps, tol=args.em_tol, seed=args.seed)
+    while not em.done:
+        with Phase(net, device) as ph:
+            rec = em.step()
+        st = rec["solver"]
+        cg_prods = 0 if st is None else st["n_products"]
+        exact = rec["gamma_method"] == "exact"
+        table.add(f"EM step {rec['step']}", ph.wall, ph.jvp, ph.vjp, cg_prods, 0 if exact else args.samples, 0,
+                  None if st is None else st["max_iterations"],
+                  f"a {rec['a']:.3g}→{rec['a_new']:.3g}, γ {rec['gamma']:.1f}")
+
+    k = args.pred_samples
+    if k > 0:
+        with Phase(net, device) as ph:
+            w_star, _, st_mean = posterior_mean(feats, solver, y, em.a, em.sigma2)
+            sq = torch.zeros(net.d_out, dtype=torch.float64, device=device)
+            max_it, cg_prods = st_mean.max_iterations, st_mean.n_products
+            for _, chunk in sample_chunks(feats, solver, em.a, em.sigma2, k, chunk_size=args.pred_chunk,
+                                          seed=args.seed):
+                xs = feats.network_matvec(chunk.weights)
+                sq += xs.double().pow(2).sum(0)
+                max_it = max(max_it, chunk.stats.max_iterations)
+                cg_prods += chunk.stats.n_products
+            std = (sq / k).sqrt()
+        table.add(f"prediction ({k} samples + mean)", ph.wall, ph.jvp, ph.vjp, cg_prods, 2 * k, k + 1, max_it,
+                  f"mean std {float(std.mean()):.3g}, {ph.wall / k * 1e3:.0f} ms/sample")
+
+    table.print()
+    tot_wall = sum(r[1] for r in table.rows)
+    tot_j = sum(r[2] for r in table.rows)
+    tot_v = sum(r[3] for r in table.rows)
+    print(f"total: {tot_wall:.1f} s, {tot_j} JVPs, {tot_v} VJPs; final a = {em.a:.4g}, σ² = {em.sigma2:.4g}")
+
+
+# ----------------------------------------------------------------------------------------------- products
+def run_products(args) -> None:
+    device = resolve_device(args.device)
+    print(f"# per-sample Jacobian products at {args.size}², device {device}, torch threads {torch.get_num_threads()}; "
+          f"min and median of {args.repeats} calls after a warm-up call (the min is robust to other load)")
+    head = ("preset", "d", "mode", "chunk", "JVP ms/sample min", "median", "VJP ms/sample min", "median")
+    rows = []
+    for preset in args.presets:
+        torch.manual_seed(args.seed)
+        model = build_unet(preset).to(device)
+        x = make_net_input((args.size, args.size), seed=args.seed).to(device)
+        for mode in args.modes:
+            net = LinearizedNetwork(model, x, mode=mode)
+            for chunk in args.chunks:
+                net.chunk_size = chunk
+                res = []
+                for kind, width in (("jvp", net.d), ("vjp", net.d_out)):
+                    X = torch.randn(chunk, width, device=device)
+                    fn = net.jvp if kind == "jvp" else net.vjp
+                    fn(X)
+                    times = []
+                    for _ in range(args.repeats):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        fn(X)
+                        _sync(device)
+                        times.append(time.perf_counter() - t0)
+                    res += [min(times) / chunk * 1e3, statistics.median(times) / chunk * 1e3]
+                rows.append((preset, net.d, f"{mode} ({net.jvp_impl})", chunk, *(f"{v:.1f}" for v in res)))
+                print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+# ----------------------------------------------------------------------------------------------- comparisons
+def _spectrum_features(eigs: torch.Tensor, d: int, seed: int = 0) -> DenseFeatures:
+    c = eigs.numel()
+    gen = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(c, c, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(d, c, generator=gen, dtype=torch.float64))
+    return DenseFeatures(U @ torch.diag(eigs.sqrt()) @ V.T)
+
+
+def _precond_rows(name, feats, ranks, p, a, s2, n_rhs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rhs = torch.randn(n_rhs, feats.n_outputs, generator=gen).to(feats.device, feats.dtype)
+    none = CGSolver(feats, preconditioner="none", rtol=1e-3, max_iter=2000).solve(rhs, a, s2)[1].max_iterations
+    out = []
+    for r in ranks:
+        cells = []
+        for method, rank in (("nystrom", r), ("halko", r), ("nystrom", 2 * r + p), ("pivoted_cholesky", r)):
+            if rank > feats.n_outputs:
+                cells.append("-")
+                continue
+            solver = CGSolver(feats, preconditioner=method, rank=rank, oversampling=p, rtol=1e-3, max_iter=2000,
+                              seed=seed)
+            t0 = time.perf_counter()
+            eig = solver.build_preconditioner()
+            t_build = time.perf_counter() - t0
+            it = solver.solve(rhs, a, s2)[1].max_iterations
+            extra = f"+{eig.n_diag_products}d" if eig.n_diag_products else ""
+            cells.append(f"{it} ({eig.n_products}{extra}, {t_build:.1f}s)")
+        out.append((name, none, r, *cells))
+    return out
+
+
+def run_compare_preconditioners(args) -> None:
+    head = ("kernel", "no precond.", "rank r", "single-pass r", "Halko 5.6 r", "single-pass 2r+p", "piv. Cholesky r")
+    rows = []
+    c = 400
+    i = torch.arange(1, c + 1, dtype=torch.float64)
+    spectra = {
+        "synthetic 1e4/i": 1e4 / i,
+        "synthetic 1e5/i²": 1e5 * i**-2.0,
+        "synthetic log 1e5..1e-5": torch.logspace(5, -5, c, dtype=torch.float64),
+    }
+    for name, eigs in spectra.items():
+        rows += _precond_rows(name, _spectrum_features(eigs, 2 * c), (25, 50, 100, 200), 10, 1.0, 1.0, 8, 1)
+    if not args.synthetic_only:
+        device = resolve_device(args.device)
+        model, x, T = build_problem(args, device)
+        net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
+        s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
+                          n_features=net.d, seed=args.seed, device=device)
+        feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+        rows += _precond_rows(f"U-Net {args.preset} {args.size}², c={T.c}, a={args.a0}", feats, args.ranks,
+                              args.oversampling, args.a0, args.sigma2, args.samples + 1, args.seed)
+    print("# CG iterations to rtol 1e-3 (max over right-hand sides); in brackets: kernel products of the "
+          "preconditioner (+d: diagonal products) and its build time")
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+def run_compare_cg(args) -> None:
+    device = resolve_device(args.device)
+    model, x, T = build_problem(args, device)
+    net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
+    s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
+                      n_features=net.d, seed=args.seed, device=device)
+    feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+    base = CGSolver(feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling,
+                    seed=args.seed)
+    eig = base.build_preconditioner()
+    rhs = torch.randn(args.samples + 1, T.c, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    print(f"# {args.samples + 1} right-hand sides, preconditioner {args.preconditioner} rank {args.rank}, "
+          f"a = {args.a0}, σ² = {args.sigma2}, rtol {args.rtol}")
+    print("backend     wall s  kernel products  max it  max rel. residual")
+    for backend in ("pcg", "linear_cg"):
+        solver = CGSolver(feats, preconditioner=eig, rtol=args.rtol, max_iter=args.max_iter, backend=backend)
+        _sync(device)
+        t0 = time.perf_counter()
+        _, st = solver.solve(rhs, args.a0, args.sigma2)
+        _sync(device)
+        print(f"{backend:10s}  {time.perf_counter() - t0:6.1f}  {st.n_products:15d}  {st.max_iterations:6d}  "
+              f"{float(st.relative_residual.max()):.2e}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--products", action="store_true", help="per-sample JVP/VJP timing table instead of the phases")
+    ap.add_argument("--compare-preconditioners", action="store_true", help="CG iterations per preconditioner")
+    ap.add_argument("--synthetic-only", action="store_true",
+                    help="with --compare-preconditioners: skip the U-Net kernel")
+    ap.add_argument("--compare-cg", action="store_true", help="deflated PCG vs linear_operator.linear_cg")
+    ap.add_argument("--preset", default="small", choices=("tiny", "small", "walnut"))
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"], help="--products: presets to time")
+    ap.add_argument("--modes", nargs="+", default=["linearize", "recompute"], help="--products: modes to time")
+    ap.add_argument("--chunks", nargs="+", type=int, default=[1, 8, 16], help="--products: chunk sizes")
+    ap.add_argument("--repeats", type=int, default=3, help="--products: timed calls per setting")
+    ap.add_argument("--size", type=int, default=128, help="image size (pixels per side)")
+    ap.add_argument("--c", type=int, default=7680, help="number of measurements (angles × detectors)")
+    ap.add_argument("--detectors", type=int, default=128, help="detector bins per angle")
+    ap.add_argument("--map", default="lines", choices=("lines", "random"), help="structure of the sparse map T")
+    ap.add_argument("--gprior", default="stochastic", choices=("exact", "stochastic", "isotropic"))
+    ap.add_argument("--gprior-probes", type=int, default=256)
+    ap.add_argument("--solver", default="cg", choices=("cg", "exact", "auto"))
+    ap.add_argument("--preconditioner", default="nystrom", choices=("nystrom", "halko", "pivoted_cholesky", "none"))
+    ap.add_argument("--rank", type=int, default=400)
+    ap.add_argument("--ranks", nargs="+", type=int, default=[50, 100, 200], help="--compare-preconditioners ranks")
+    ap.add_argument("--oversampling", type=int, default=10)
+    ap.add_argument("--rtol", type=float, default=1e-3)
+    ap.add_argument("--max-iter", type=int, default=150)
+    ap.add_argument("--samples", type=int, default=16, help="EM samples per step")
+    ap.add_argument("--em-steps", type=int, default=5)
+    ap.add_argument("--em-tol", type=float, default=0.0, help="EM stopping tolerance (0: run all steps)")
+    ap.add_argument("--a0", type=float, default=1.0, help="initial prior precision")
+    ap.add_argument("--sigma2", type=float, default=1.0, help="noise variance")
+    ap.add_argument("--noise-std", type=float, default=1.0, help="std of the synthetic measurement noise")
+    ap.add_argument("--target", default="prior", choices=("prior", "network"),
+                    help="ỹ = Ψw + ε with w ~ N(0, I/a_true) (prior), or T g(ṽ) + ε for the untrained network")
+    ap.add_argument("--a-true", type=float, default=1.0, help="prior precision of the synthetic weights (--target prior)")
+    ap.add_argument("--learn-noise", action="store_true")
+    ap.add_argument("--pred-samples", type=int, default=64, help="prediction samples (0: skip)")
+    ap.add_argument("--pred-chunk", type=int, default=16, help="prediction samples per seeded chunk")
+    ap.add_argument("--chunk-size", type=int, default=None, help="vmap chunk size (default: automatic)")
+    ap.add_argument("--mode", default="linearize", choices=("linearize", "recompute"))
+    ap.add_argument("--memory-budget", type=int, default=None, help="bytes for Ψᵀ when assembling K̄ (exact)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.products:
+        run_products(args)
+    elif args.compare_preconditioners:
+        run_compare_preconditioners(args)
+    elif args.compare_cg:
+        run_compare_cg(args)
+    else:
+        run_main(args)
+
+
+if __name__ == "__main__":
+    main()
