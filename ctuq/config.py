@@ -35,6 +35,7 @@ __all__ = [
     "DIPConfig",
     "FBPConfig",
     "TVConfig",
+    "UQConfig",
     "OutputConfig",
     "option",
     "load_config",
@@ -140,6 +141,41 @@ class TVConfig:
 
 
 @dataclasses.dataclass
+class UQConfig:
+    """Linearised inference (DESIGN.md §1; ``ctuq.uq.run_linearized_uq``). ``--no-uq`` skips it.
+
+    Units: ``noise_variance`` is in *scaled* data units (× ``dip.scale``², where the network lives);
+    ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
+    """
+
+    prior: str = option("gprior", choices=("gprior", "isotropic"), help="weight prior scaling s")
+    gprior_method: str = option("exact", choices=("exact", "stochastic"),
+                                help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)")
+    gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
+    solver: str = option("auto", choices=("auto", "cg", "exact"),
+                         help="preconditioned CG, exact eigendecomposition of K̄ (small c), or by estimated cost")
+    preconditioner: str = option("nystrom", choices=("nystrom", "halko", "pivoted_cholesky", "none"),
+                                 help="CG preconditioner (randomised low-rank K̄, built once)")
+    rank: int = option(400, ge=1, help="preconditioner rank")
+    oversampling: int = option(10, ge=0, help="preconditioner oversampling")
+    cg_tol: float = option(1e-3, gt=0.0, lt=1.0, help="CG relative tolerance")
+    cg_max_iter: int = option(150, ge=1, help="CG iteration cap")
+    em_steps: int = option(5, ge=0, help="sampled-EM steps (0: keep the initial a, σ²)")
+    em_samples: int = option(16, ge=1, help="posterior samples per EM step")
+    em_tol: float = option(1e-2, ge=0.0, help="stop the EM when a changes by less than this (relative)")
+    prior_precision: float = option(100.0, gt=0.0, help="initial prior precision a")
+    noise_variance: Optional[float] = option(None, gt=0.0,
+                                             help="σ² (scaled data units); null: the DIP's mean squared residual")
+    learn_noise: bool = option(True, help="update σ² in the EM too")
+    samples: int = option(1024, ge=2, help="prediction samples")
+    sample_chunk: int = option(64, ge=1, help="prediction samples solved (and checkpointed) together")
+    chunk_size: Optional[int] = option(None, ge=1, help="vectors per vmapped Jacobian product; null: automatic")
+    roi: str = option("inner_square", choices=("inner_square", "full"),
+                      help="evaluation region: the published inner square (72:424 of 501², scaled) or all pixels")
+    patch_sizes: list[int] = option(factory=lambda: list(range(1, 11)), ge=1, help="joint-LL patch sizes")
+
+
+@dataclasses.dataclass
 class OutputConfig:
     """What goes into the run folder besides the images and metrics.json."""
 
@@ -151,7 +187,7 @@ class OutputConfig:
 @dataclasses.dataclass
 class Config:
     """The full configuration of ``ctuq reconstruct``. Sections: ``data``, ``model``, ``dip``, ``fbp``, ``tv``,
-    ``output``; top level: ``device``, ``seed``."""
+    ``uq``, ``output``; top level: ``device``, ``seed``."""
 
     device: str = option("cpu", choices=("cpu", "cuda", "auto"), help="cpu, cuda, or auto")
     seed: int = option(0, ge=0, help="seed for the network input, initial weights and dropout")
@@ -160,6 +196,7 @@ class Config:
     dip: DIPConfig = option(factory=DIPConfig)
     fbp: FBPConfig = option(factory=FBPConfig)
     tv: TVConfig = option(factory=TVConfig)
+    uq: UQConfig = option(factory=UQConfig)
     output: OutputConfig = option(factory=OutputConfig)
 
     def validate(self) -> None:

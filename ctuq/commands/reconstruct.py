@@ -60,6 +60,8 @@ class RunState:
     dip_result: Any = None
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    uq_result: Any = None
+    uq_summary: dict | None = None
 
     def log(self, msg: str) -> None:
         print(f"[ctuq reconstruct] {msg}", file=sys.stderr, flush=True)
@@ -246,13 +248,89 @@ def phase_write(state: RunState) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ runner
-def uq_phases(state: RunState) -> list[Phase]:
-    """UQ hook: phases of the linearised inference, run after the DIP and before writing.
+def phase_uq(state: RunState) -> None:
+    """Linearised inference (:func:`ctuq.uq.run_linearized_uq`) → ``std.tif``, UQ figures and metrics.
 
-    Empty until the inference core is wired in; they will read ``state.model``, ``state.net_input``,
-    ``state.op``, ``state.y``, add images/metrics to ``state`` and write their own files into ``state.out_dir``.
+    Reads ``state.model``/``state.net_input`` (the fitted DIP), ``state.op``/``state.y``; checkpoints into the run
+    folder (``uq_state.pt``, ``uq_samples_XXXX.pt``) and resumes from there with ``--resume``.
     """
-    return []
+    from ctuq.outputs import write_tiff
+    from ctuq.uq import SAMPLES_PATTERN, STATE_NAME, UQSettings, run_linearized_uq
+
+    cfg = state.cfg
+    if state.model is None:
+        raise RuntimeError("the uncertainty phase needs the fitted DIP (state.model)")
+    res = run_linearized_uq(
+        state.model, state.net_input, state.op, state.y, scale=cfg.dip.scale,
+        settings=UQSettings.from_config(cfg.uq), seed=cfg.seed, work_dir=state.out_dir, resume=state.resume,
+        progress=state.progress, log=state.log,
+    )
+    write_tiff(state.out_dir / "std.tif", res.std)
+    uq_metrics: dict[str, Any] = {
+        "method": "linearised DIP, sampled (dual Matheron sampler, sampled EM)",
+        "a": res.a,
+        "sigma2": res.sigma2,
+        "solver": res.solver,
+        "stats": res.stats,
+        "timings": res.timings,
+        "products": res.products,
+        "n_samples": int(res.samples.shape[0]),
+        "mean_std": float(res.std.mean()),
+    }
+    state.metrics["em_trace"] = res.em_trace
+    if state.ground_truth is not None:
+        from ctuq.metrics import inner_square_roi, uq_summary
+
+        roi = inner_square_roi(res.std.shape) if cfg.uq.roi == "inner_square" else None
+        summary = uq_summary(state.ground_truth.detach().cpu(), res.mean, res.samples, roi,
+                             patch_sizes=cfg.uq.patch_sizes)
+        state.metrics["marginal_ll"] = summary["marginal_ll"]
+        state.metrics["joint_ll"] = summary["joint_ll"]
+        state.metrics["coverage"] = summary["coverage"]
+        uq_metrics["summary"] = summary
+        state.uq_summary = summary
+        state.log(f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
+                  f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
+                  f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f}")
+    state.metrics["uq"] = uq_metrics
+    state.uq_result = res
+    if cfg.output.figure:
+        _uq_figures(state, res)
+    # The image samples are only needed to resume an unfinished run; they are large, so drop them now.
+    for path in state.out_dir.glob(SAMPLES_PATTERN.replace("{:04d}", "*")):
+        path.unlink()
+    if not cfg.output.keep_checkpoint and (state.out_dir / STATE_NAME).exists():
+        (state.out_dir / STATE_NAME).unlink()
+
+
+def _uq_figures(state: RunState, res) -> None:
+    from ctuq import figures
+    from ctuq.metrics import inner_square_roi
+
+    out = state.out_dir
+    gt = state.ground_truth.detach().cpu() if state.ground_truth is not None else None
+    roi = inner_square_roi(res.std.shape) if state.cfg.uq.roi == "inner_square" else None
+    abs_err = (res.mean - gt).abs() if gt is not None else None
+    if abs_err is not None:
+        figures.plot_uq_panels(out / "uncertainty.png", res.mean, abs_err, res.std, ground_truth=gt, roi=roi,
+                               titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"])
+        summary = state.uq_summary
+        cal = summary["calibration"]
+        figures.plot_calibration(out / "calibration.png", {"linearised DIP": (cal["levels"], cal["coverage"])})
+        figures.plot_joint_ll(out / "joint_ll.png", {"linearised DIP": summary["joint_ll"]})
+        figures.plot_error_vs_std(out / "error_vs_std.png", abs_err, res.std, roi)
+    else:
+        figures.plot_uq_panels(out / "uncertainty.png", res.mean, res.mean * 0, res.std,
+                               titles=["DIP reconstruction", "(no ground truth)", "posterior std"], roi=roi)
+    if res.em_trace:
+        trace = [{"step": r["step"] + 1, "a": r["a_new"], "gamma": r["gamma"], "w_norm2": r["weight_norm_sq"],
+                  "sigma2": r["sigma2_new"], "log_evidence": r.get("log_evidence")} for r in res.em_trace]
+        figures.plot_em_trace(out / "em_trace.png", trace)
+
+
+def uq_phases(state: RunState) -> list[Phase]:
+    """Phases of the linearised inference, run after the DIP and before writing (``--no-uq``: none)."""
+    return [Phase("uq", phase_uq)]
 
 
 def build_phases(state: RunState) -> list[Phase]:
@@ -262,10 +340,7 @@ def build_phases(state: RunState) -> list[Phase]:
         phases.append(Phase("tv", phase_tv))
     phases.append(Phase("dip", phase_dip))
     if state.uq:
-        extra = uq_phases(state)
-        if not extra:
-            state.log("note: this version has no uncertainty phase yet; reconstructing only (as with --no-uq)")
-        phases.extend(extra)
+        phases.extend(uq_phases(state))
     phases.append(Phase("write", phase_write))
     return phases
 

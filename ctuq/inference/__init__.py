@@ -35,7 +35,13 @@ VJPs (including image-space ones).
 
 from ctuq.inference.em import EMResult, EMStateMismatch, SampledEM
 from ctuq.inference.features import DenseFeatures, FeatureOperator, LinearizedFeatures
-from ctuq.inference.kernel import KernelOperator, assemble_kernel, kernel_diagonal, measurement_covariance
+from ctuq.inference.kernel import (
+    KernelOperator,
+    assemble_features,
+    assemble_kernel,
+    kernel_diagonal,
+    measurement_covariance,
+)
 from ctuq.inference.preconditioners import (
     LowRankEig,
     LowRankPreconditioner,
@@ -67,7 +73,7 @@ from ctuq.inference.solvers import (
 
 __all__ = [
     "FeatureOperator", "DenseFeatures", "LinearizedFeatures",
-    "KernelOperator", "measurement_covariance", "assemble_kernel", "kernel_diagonal",
+    "KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
     "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
     "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",
     "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",

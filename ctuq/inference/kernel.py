@@ -19,7 +19,7 @@ from ctuq.inference.features import FeatureOperator
 from ctuq.priors import column_sq_norms
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["KernelOperator", "measurement_covariance", "assemble_kernel", "kernel_diagonal"]
+__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal"]
 
 
 class KernelOperator(LinearOperator):
@@ -168,6 +168,33 @@ def kernel_diagonal(
             generator=generator, seed=seed, dtype=features.dtype, device=features.device,
         ).to(features.dtype)
     raise ValueError(f"kernel_diagonal: method must be 'exact' or 'stochastic', got {method!r}")
+
+
+def assemble_features(features: FeatureOperator, *, chunk_size: int = 64, by: str = "auto",
+                      progress: bool = False) -> torch.Tensor:
+    """Dense ``Ψ`` ``(c, d)`` in float64: ``d`` products ``Ψ e_i`` (JVPs) or ``c`` products ``Ψᵀ e_j`` (VJPs).
+
+    ``by``: ``"columns"`` (``d`` matvecs), ``"rows"`` (``c`` rmatvecs) or ``"auto"`` (the fewer). Memory: ``c·d``
+    float64 numbers.
+    """
+    c, d = features.n_outputs, features.n_features
+    if by == "auto":
+        by = "columns" if d <= c else "rows"
+    if by not in ("columns", "rows"):
+        raise ValueError(f"assemble_features: by must be 'auto', 'columns' or 'rows', got {by!r}")
+    n = d if by == "columns" else c
+    out = torch.empty((c, d), dtype=torch.float64, device=features.device)
+    starts = range(0, n, chunk_size)
+    bar = _progress_bar(starts, total=len(starts), desc=f"assemble Ψ ({by})", disable=not progress)
+    for start in bar:
+        stop = min(n, start + chunk_size)
+        E = torch.zeros((stop - start, n), dtype=features.dtype, device=features.device)
+        E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+        if by == "columns":
+            out[:, start:stop] = features.matvec(E).double().T
+        else:
+            out[start:stop] = features.rmatvec(E).double()
+    return out
 
 
 def assemble_kernel(

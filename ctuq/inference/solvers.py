@@ -4,10 +4,10 @@
   ``1e-3``) and an iteration cap (default 150); each iteration costs one kernel product (one VJP + one JVP) per
   *unconverged* right-hand side. The preconditioner (low-rank Nyström/Halko eigendecomposition, pivoted
   Cholesky, or none) is built from ``K̄`` once, on first use, and reused for every ``(a, σ²)``.
-* :class:`ExactEigSolver`: assembles ``K̄`` once (``c`` VJPs, plus ``c`` JVPs when ``Ψᵀ`` does not fit in memory),
-  one full eigendecomposition ``K̄ = Q diag(λ) Qᵀ`` (float64), after which
-  ``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``, the effective dimension ``γ``, ``‖w*‖²`` and the log evidence are exact for
-  every ``a, σ²`` at no further Jacobian cost.
+* :class:`ExactEigSolver`: one eigendecomposition ``K̄ = Q diag(λ) Qᵀ`` (float64) — of ``K̄`` itself (``c`` VJPs,
+  ``O(c³)``) or, for small networks (``d < c``), of the ``d × d`` Gram matrix ``ΨᵀΨ`` (``d`` JVPs, ``O(cd² + d³)``)
+  — after which ``C⁻¹``, the effective dimension ``γ``, ``‖w*‖²`` and the log evidence are exact for every
+  ``a, σ²`` at no further Jacobian cost.
 * :func:`choose_solver` / :func:`make_solver`: pick the cheaper of the two for a workload (EM steps, samples,
   prediction samples) from estimated Jacobian products and dense flops.
 
@@ -46,7 +46,13 @@ from typing import Callable
 import torch
 
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.kernel import KernelOperator, _check_hyper, assemble_kernel, measurement_covariance
+from ctuq.inference.kernel import (
+    KernelOperator,
+    _check_hyper,
+    assemble_features,
+    assemble_kernel,
+    measurement_covariance,
+)
 from ctuq.inference.preconditioners import (
     LowRankEig,
     LowRankPreconditioner,
@@ -399,62 +405,98 @@ class CGSolver(Solver):
 
 
 class ExactEigSolver(Solver):
-    """Direct solves through one full eigendecomposition ``K̄ = Q diag(λ) Qᵀ`` (float64), built on first use.
+    """Direct solves through one eigendecomposition ``K̄ = Q diag(λ) Qᵀ`` (float64), built on first use.
 
     After the decomposition, every quantity below is exact for any ``(a, σ²)`` with no Jacobian products:
-    ``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``, :meth:`gamma`, :meth:`weight_norm_sq`, :meth:`log_evidence`,
+    ``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ + (I − QQᵀ)/σ²``, :meth:`gamma`, :meth:`weight_norm_sq`, :meth:`log_evidence`,
     :meth:`sample_Psi_w0` (draws of ``Ψ w₀`` with ``w₀ ~ N(0, a⁻¹ I)``, in distribution).
+
+    Two ways to the same decomposition (``side``):
+
+    * ``"dual"``: assemble ``K̄`` (``c × c``, see :func:`~ctuq.inference.kernel.assemble_kernel`) and
+      ``eigh`` it: ``Q`` is ``c × c``. Cost ``O(c³)``.
+    * ``"primal"``: assemble ``Ψ`` itself (``c × d``; ``d`` JVPs or ``c`` VJPs, whichever is fewer), ``eigh`` the
+      ``d × d`` Gram matrix ``ΨᵀΨ = V diag(λ) Vᵀ`` and map ``Q = Ψ V diag(λ)^(−1/2)``: the non-zero spectrum of
+      ``K̄ = ΨΨᵀ`` is that of ``ΨᵀΨ``, so this is the same decomposition restricted to ``range(Ψ)`` (``Q`` is
+      ``c × r``, ``r ≤ d``), at ``O(cd² + d³)``: the cheap route for small networks (``d < c``).
+    * ``"auto"``: ``"primal"`` when ``d < c``, else ``"dual"``.
+
+    Eigenvalues below ``1e-12·λ_max`` are dropped (their directions join the orthogonal complement, where
+    ``C = σ²I``). Solves are written as ``C⁻¹b = b/σ² + Q diag(1/(λ/a + σ²) − 1/σ²) Qᵀ b`` so that directions
+    with tiny ``λ`` — whose ``Q`` columns carry the most round-off in the primal route — contribute ~0.
 
     Parameters
     ----------
     features : FeatureOperator
         ``Ψ``.
     chunk_size : int
-        Rows per product call while assembling ``K̄``.
+        Rows per product call while assembling.
     memory_budget : int, optional
-        Bytes for storing ``Ψᵀ`` during assembly (see :func:`~ctuq.inference.kernel.assemble_kernel`).
+        Bytes for storing ``Ψᵀ`` during dual assembly (see :func:`~ctuq.inference.kernel.assemble_kernel`).
     progress : bool
         Progress bar while assembling.
+    side : {"auto", "dual", "primal"}
+        Which Gram matrix to decompose (above).
     """
 
     exact = True
 
     def __init__(self, features: FeatureOperator, *, chunk_size: int = 64, memory_budget: int | None = None,
-                 progress: bool = False):
+                 progress: bool = False, side: str = "auto"):
+        if side not in ("auto", "dual", "primal"):
+            raise ValueError(f"ExactEigSolver: side must be 'auto', 'dual' or 'primal', got {side!r}")
         self.features = features
         self.kernel = KernelOperator(features=features)
         self.chunk_size = int(chunk_size)
         self.memory_budget = memory_budget
         self.progress = progress
+        self.side = side
         self._Q: torch.Tensor | None = None
         self._lam: torch.Tensor | None = None
         self.setup_time_s = 0.0
         self.n_setup_products = 0
 
+    @property
+    def resolved_side(self) -> str:
+        """``"dual"`` or ``"primal"`` (``"auto"`` resolved by ``d < c``)."""
+        if self.side != "auto":
+            return self.side
+        return "primal" if self.features.n_features < self.features.n_outputs else "dual"
+
     def decompose(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(λ (c,), Q (c, c))`` float64, ``λ ≥ 0`` ascending; assembles and decomposes ``K̄`` on first call."""
+        """``(λ (r,), Q (c, r))`` float64, ``λ > 0`` ascending, ``QᵀQ = I``; computed on first call."""
         if self._Q is None:
             t0 = time.perf_counter()
-            before = self.features.n_rmatvec
-            K = assemble_kernel(self.features, chunk_size=self.chunk_size, memory_budget=self.memory_budget,
-                                progress=self.progress)
-            self.n_setup_products = self.features.n_rmatvec - before
-            lam, Q = torch.linalg.eigh(K)
-            del K
-            # K̄ is PSD: negative eigenvalues are round-off.
-            self._lam = lam.clamp_min(0.0)
-            self._Q = Q
+            before = self.features.n_rmatvec + self.features.n_matvec
+            if self.resolved_side == "dual":
+                K = assemble_kernel(self.features, chunk_size=self.chunk_size, memory_budget=self.memory_budget,
+                                    progress=self.progress)
+                lam, Q = torch.linalg.eigh(K)
+                del K
+            else:
+                P = assemble_features(self.features, chunk_size=self.chunk_size, progress=self.progress)
+                lam, V = torch.linalg.eigh(P.T @ P)
+                Q = P @ V
+                del P, V
+            # K̄ is PSD: drop round-off-level (and negative) eigenvalues into the σ²-only complement.
+            keep = lam > 1e-12 * float(lam.abs().max().clamp_min(1e-300))
+            lam, Q = lam[keep], Q[:, keep]
+            if self.resolved_side == "primal":
+                Q = Q / lam.sqrt()
+            self._lam, self._Q = lam, Q
+            self.n_setup_products = self.features.n_rmatvec + self.features.n_matvec - before
             self.setup_time_s = time.perf_counter() - t0
         assert self._lam is not None and self._Q is not None
         return self._lam, self._Q
 
     def load_decomposition(self, eigenvalues: torch.Tensor, eigenvectors: torch.Tensor) -> None:
-        """Use a previously computed ``(λ, Q)`` (e.g. from a checkpoint) instead of assembling ``K̄``."""
+        """Use a previously computed ``(λ (r,), Q (c, r))`` (e.g. from a checkpoint) instead of assembling."""
         c = self.features.n_outputs
-        if tuple(eigenvalues.shape) != (c,) or tuple(eigenvectors.shape) != (c, c):
+        r = eigenvalues.shape[0] if eigenvalues.ndim == 1 else -1
+        if eigenvalues.ndim != 1 or tuple(eigenvectors.shape) != (c, r) or r > c:
             raise ValueError(
-                f"ExactEigSolver.load_decomposition: expected eigenvalues ({c},) and eigenvectors ({c}, {c}), got "
-                f"{tuple(eigenvalues.shape)} and {tuple(eigenvectors.shape)}"
+                f"ExactEigSolver.load_decomposition: expected eigenvalues (r,) and eigenvectors ({c}, r) with "
+                f"r <= {c}, got {tuple(eigenvalues.shape)} and {tuple(eigenvectors.shape)}"
             )
         self._lam = eigenvalues.to(self.features.device, torch.float64).clamp_min(0.0)
         self._Q = eigenvectors.to(self.features.device, torch.float64)
@@ -463,15 +505,19 @@ class ExactEigSolver(Solver):
         lam, _ = self.decompose()
         return 1.0 / (lam / a + sigma2)
 
+    def _apply_inverse(self, b: torch.Tensor, a: float, sigma2: float) -> torch.Tensor:
+        # C⁻¹b = b/σ² + Q diag(coef − 1/σ²) Qᵀ b  (float64 rows (k, c))
+        _, Q = self.decompose()
+        return b / sigma2 + ((b @ Q) * (self._coef(a, sigma2) - 1.0 / sigma2)) @ Q.T
+
     def solve(self, rhs: torch.Tensor, a: float, sigma2: float) -> tuple[torch.Tensor, SolveStats]:
         """``C⁻¹ rhs`` for rows ``(k, c)`` (dense, no Jacobian products); residual from the decomposition."""
         rhs = self._check_rhs(rhs)
         a_f, s2_f = _check_hyper(a, sigma2, "ExactEigSolver.solve")
         lam, Q = self.decompose()
-        b = rhs.double()
-        coef = self._coef(a_f, s2_f)
-        X = ((b @ Q) * coef) @ Q.T
-        resid = ((X @ Q) * (lam / a_f + s2_f)) @ Q.T - b
+        b = rhs.double().to(Q.device)
+        X = self._apply_inverse(b, a_f, s2_f)
+        resid = s2_f * X + ((X @ Q) * (lam / a_f)) @ Q.T - b
         bnorm = torch.linalg.vector_norm(b, dim=1)
         rel = torch.where(bnorm > 0, torch.linalg.vector_norm(resid, dim=1) / bnorm.clamp_min(1e-300),
                           torch.zeros_like(bnorm))
@@ -495,34 +541,38 @@ class ExactEigSolver(Solver):
     def residual_norm_sq(self, y_tilde: torch.Tensor, a: float, sigma2: float) -> float:
         """``‖ỹ − Ψw*‖² = σ⁴ ‖C⁻¹ỹ‖²`` (exact)."""
         a_f, s2_f = _check_hyper(a, sigma2, "ExactEigSolver.residual_norm_sq")
-        lam, Q = self.decompose()
-        proj = self._project(y_tilde, Q)
-        return float(s2_f**2 * (proj**2 / (lam / a_f + s2_f) ** 2).sum())
+        u = self._apply_inverse(self._y(y_tilde)[None], a_f, s2_f)[0]
+        return float(s2_f**2 * (u @ u))
 
     def log_evidence(self, y_tilde: torch.Tensor, a: float, sigma2: float) -> float:
         """``log N(ỹ; 0, C) = −½ ỹᵀC⁻¹ỹ − ½ log det C − (c/2) log 2π`` (nats; exact)."""
         a_f, s2_f = _check_hyper(a, sigma2, "ExactEigSolver.log_evidence")
-        lam, Q = self.decompose()
-        proj = self._project(y_tilde, Q)
-        ev = lam / a_f + s2_f
-        c = lam.numel()
-        return float(-0.5 * (proj**2 / ev).sum() - 0.5 * torch.log(ev).sum() - 0.5 * c * math.log(2 * math.pi))
+        lam, _ = self.decompose()
+        y = self._y(y_tilde)
+        u = self._apply_inverse(y[None], a_f, s2_f)[0]
+        c = self.features.n_outputs
+        logdet = torch.log(lam / a_f + s2_f).sum() + (c - lam.numel()) * math.log(s2_f)
+        return float(-0.5 * (y @ u) - 0.5 * logdet - 0.5 * c * math.log(2 * math.pi))
 
     def sample_Psi_w0(self, n: int, a: float, generator: torch.Generator) -> torch.Tensor:
         """``n`` draws of ``Ψ w₀ ~ N(0, K̄/a)`` ``(n, c)`` from the decomposition (no products).
 
-        Uses ``n·c`` standard normals from ``generator``.
+        Uses ``n·r`` standard normals from ``generator`` (``r`` retained eigenvalues).
         """
         lam, Q = self.decompose()
         xi = torch.randn((n, lam.numel()), generator=generator, device=generator.device, dtype=torch.float64)
         return ((xi.to(Q.device) * (lam / float(a)).sqrt()) @ Q.T).to(self.features.dtype)
 
-    def _project(self, y_tilde: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    def _y(self, y_tilde: torch.Tensor) -> torch.Tensor:
         c = self.features.n_outputs
         if not isinstance(y_tilde, torch.Tensor) or tuple(y_tilde.shape) != (c,):
             got = tuple(y_tilde.shape) if isinstance(y_tilde, torch.Tensor) else type(y_tilde).__name__
             raise ValueError(f"ExactEigSolver: y_tilde must have shape ({c},), got {got}")
-        return Q.T @ y_tilde.to(Q.device, torch.float64)
+        _, Q = self.decompose()
+        return y_tilde.to(Q.device, torch.float64)
+
+    def _project(self, y_tilde: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+        return Q.T @ self._y(y_tilde)
 
     def state_dict(self) -> dict:
         """``{"eigenvalues", "eigenvectors"}`` (CPU float64) for checkpointing the decomposition."""
@@ -591,9 +641,11 @@ def estimate_solver_costs(
     Products (per sample; one kernel product = 1 VJP + 1 JVP), with ``k`` EM samples, ``n`` prediction samples,
     ``S`` EM steps, ``i`` CG iterations, rank ``r + p``:
 
-    * exact: assembly ``c`` VJPs (+ ``c`` JVPs when ``Ψᵀ`` (``c·d`` values) exceeds the memory budget);
-      EM with exact ``γ`` costs nothing; prediction ``n`` JVPs (``Ψw₀``) + ``n + 1`` VJPs. Dense:
-      ``9c³`` (eigh) + ``2c²d`` (Gram GEMM, if used) + ``4c²n`` (solves).
+    * exact, dual route (``d ≥ c``): assembly ``c`` VJPs (+ ``c`` JVPs when ``Ψᵀ`` (``c·d`` values) exceeds the
+      memory budget); dense ``9c³`` (eigh) + ``2c²d`` (Gram GEMM, if used). Primal route (``d < c``, see
+      :class:`ExactEigSolver`): ``d`` JVPs; dense ``2cd²`` (Gram) + ``9d³`` (eigh) + ``2cd²`` (``Q = ΨV``).
+      Either way EM with exact ``γ`` costs nothing; prediction ``n`` JVPs (``Ψw₀``) + ``n + 1`` VJPs and
+      ``4c·r·(n+1)`` dense flops for the solves (``r = min(c, d)``).
     * cg: preconditioner ``r + p`` kernel products; EM ``S·(k JVPs + (k+1)·i kernel products)``; prediction
       ``n JVPs + (n+1)(i + 1) VJPs + (n+1)·i JVPs``. Dense: ``4c(r+p)`` per CG iteration and column.
 
@@ -602,11 +654,17 @@ def estimate_solver_costs(
     """
     k, n, S, it = workload.em_samples, workload.prediction_samples, workload.em_steps, workload.cg_iterations
     rp = min(c, workload.rank + workload.oversampling)
-    gram = c * d * itemsize <= memory_budget
-    ex_vjp = c + (n + 1)
-    ex_jvp = (0 if gram else c) + n
-    ex_flops = 9.0 * c**3 + (2.0 * c * c * d if gram else 0.0) + 4.0 * c * c * (n + 1)
-    ex_mem = 3.0 * c * c * 8 + (c * d * itemsize if gram else 0.0)
+    r = min(c, d)
+    if d < c:
+        ex_jvp, ex_vjp = d + n, n + 1
+        ex_flops = 4.0 * c * d * d + 9.0 * d**3 + 4.0 * c * r * (n + 1)
+        ex_mem = 2.0 * c * d * 8 + d * d * 8
+    else:
+        gram = c * d * itemsize <= memory_budget
+        ex_vjp = c + (n + 1)
+        ex_jvp = (0 if gram else c) + n
+        ex_flops = 9.0 * c**3 + (2.0 * c * c * d if gram else 0.0) + 4.0 * c * c * (n + 1)
+        ex_mem = 3.0 * c * c * 8 + (c * d * itemsize if gram else 0.0)
     cg_prods = rp + S * (k + 1) * it + (n + 1) * it
     cg_jvp = cg_prods + S * k + n
     cg_vjp = cg_prods + (n + 1)
@@ -690,10 +748,10 @@ def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workloa
 
     ``options`` go to the chosen solver's constructor (CG: ``preconditioner``, ``rank``, ``oversampling``,
     ``rtol``, ``max_iter``, ``backend``, ``seed``, ``pivoted_diagonal``; exact: ``chunk_size``, ``memory_budget``,
-    ``progress``); options of the other solver are ignored (so ``"auto"`` can be given both), unknown names raise.
+    ``progress``, ``side``); options of the other solver are ignored (so ``"auto"`` can be given both), unknown names raise.
     For ``"auto"``, ``rank``/``oversampling`` given here also enter the cost model.
     """
-    exact_opts = {"chunk_size", "memory_budget", "progress"}
+    exact_opts = {"chunk_size", "memory_budget", "progress", "side"}
     cg_opts = {"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend", "seed", "pivoted_diagonal"}
     unknown = sorted(set(options) - exact_opts - cg_opts)
     if unknown:
