@@ -2,6 +2,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ctuq.config import (
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bundled_configs_load_and_match_top_level_folder():
     names = bundled_configs()
-    assert set(names) == {"demo", "walnut_2d_60", "walnut_2d_120", "walnut_3d"}
+    assert set(names) == {"demo", "demo_pretrained", "walnut_2d_60", "walnut_2d_120", "walnut_3d"}
     for name, path in names.items():
         cfg = load_config(name)
         assert isinstance(cfg, Config)
@@ -36,7 +37,23 @@ def test_bundled_configs_load_and_match_top_level_folder():
 
 def test_default_is_demo_on_cpu():
     cfg = load_config()
-    assert cfg.device == "cpu" and cfg.model.preset == "small" and cfg.data.path is None
+    assert cfg.device == "cpu" and cfg.model.preset == "tiny" and cfg.data.path is None
+    assert cfg.model.pretrained is None and cfg.model.input == "noise"
+
+
+def test_pretrained_demo_finds_the_bundled_weights_from_any_working_directory(tmp_path, monkeypatch):
+    from ctuq.commands.reconstruct import build_model
+
+    monkeypatch.chdir(tmp_path)  # the relative path is resolved in the repository's data/ folder
+    cfg = load_config("demo_pretrained")
+    assert cfg.model.pretrained == "pretrained/tiny_demo.pt" and cfg.model.input == "fbp"
+    untrained = build_model(load_config("demo"), 2)
+    model = build_model(cfg, 2)
+    assert model.config.channels == (8, 8, 8)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), untrained.state_dict().values()))
+    cfg_missing = load_config("demo", ["model.pretrained=nowhere/weights.pt"])
+    with pytest.raises(FileNotFoundError, match="nowhere/weights.pt does not exist"):
+        build_model(cfg_missing, 2)
 
 
 def test_overrides_and_flags():

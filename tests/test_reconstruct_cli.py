@@ -43,3 +43,81 @@ def test_console_script_entry_point():
     res = subprocess.run([sys.executable, "-m", "ctuq.cli", "reconstruct", "--set", "x=1"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "unknown config key 'x'" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+TINY = ["--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
+        "--set", "data.detector_subsampling=3", "--set", "dip.iterations=60", "--set", "dip.checkpoint_every=20",
+        "--set", "tv.iterations=20", "--set", "uq.samples=64", "--set", "uq.em_steps=5", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_scan(tmp_path_factory):
+    from ctuq.data.simulate import simulate_scan
+
+    path = tmp_path_factory.mktemp("scan") / "Walnut1"
+    simulate_scan(path, preset="tiny", progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_scan, tmp_path_factory):
+    import shutil
+
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *TINY]) == 0
+    shutil.copytree(out, out.parent / "pristine")  # for tests that need the run before `ctuq uq` changed it
+    return out
+
+
+def test_reconstruct_with_uncertainty_writes_the_run_folder(finished_run):
+    out = finished_run
+    for name in ("reconstruction.tif", "fbp.tif", "tv.tif", "ground_truth.tif", "std.tif", "reconstruction.png",
+                 "uncertainty.png", "calibration.png", "em_trace.png", "error_vs_std.png", "joint_ll.png",
+                 "metrics.json", "config.yaml", "dip_model.pt", "dip_checkpoint.pt"):
+        assert (out / name).is_file(), name
+    assert not list(out.glob("uq_samples_*.pt"))  # prediction chunks are removed once the run is finished
+    m = json.loads((out / "metrics.json").read_text())
+    assert set(m["psnr"]) == {"fbp", "tv", "dip"} and all(v is not None for v in m["psnr"].values())
+    assert set(m["joint_ll"]) == {str(p) for p in range(1, 11)}
+    assert m["marginal_ll"] == m["joint_ll"]["1"]  # one stabilised variance throughout (ctuq.metrics)
+    assert set(m["coverage"]) == {"0.5", "0.9", "0.95"} and 0 <= m["coverage"]["0.9"] <= 1
+    assert len(m["em_trace"]) == 5 and all(r["a_new"] > 0 for r in m["em_trace"])
+    assert m["uq"]["n_samples"] == 64 and m["uq"]["solver"] == "exact"  # c = 16 × 32 = 512 < d: dual exact route
+    assert {"gprior", "em", "prediction"} <= set(m["uq"]["timings"])
+    assert {"load", "fbp", "tv", "dip", "uq"} <= set(m["timings"])
+    assert m["config"]["uq"]["samples"] == 64 and m["config"]["dip"]["iterations"] == 60
+    import tifffile
+
+    std = tifffile.imread(out / "std.tif")
+    assert std.shape == (32, 32) and std.dtype.name == "float32" and (std > 0).all()
+
+
+def test_uq_command_reruns_only_the_inference(finished_run, capsys):
+    out = finished_run
+    before = json.loads((out / "metrics.json").read_text())
+    assert main(["uq", str(out), "--set", "uq.samples=32", "--set", "uq.em_steps=2", "--no-progress"]) == 0
+    after = json.loads((out / "metrics.json").read_text())
+    assert after["uq"]["n_samples"] == 32 and len(after["em_trace"]) == 2
+    assert after["dip"] == before["dip"]  # the DIP was restored, not refitted
+    assert after["psnr"]["dip"] == pytest.approx(before["psnr"]["dip"], rel=1e-6)
+    assert "restore_dip" in after["timings"] and "dip" not in after["timings"]
+    assert main(["uq", str(out.parent / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_resume_of_a_finished_run_does_not_refit(finished_run, tiny_scan, tmp_path, capsys):
+    # Resume a copy of the finished run: the DIP checkpoint is complete, so no iteration runs again.
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished_run.parent / "pristine", out)
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--resume", *TINY]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["dip"]["resumed_from_iteration"] == 60
+    # Resuming the inference with other settings is refused with a message naming the setting (exit 2).
+    capsys.readouterr()
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--resume", *TINY,
+                 "--set", "uq.samples=80"]) == 2
+    err = capsys.readouterr().err
+    assert "its samples is 64 but this run has 80" in err

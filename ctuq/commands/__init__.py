@@ -8,4 +8,5 @@ COMMANDS = {
     "simulate": "ctuq.commands.simulate",
     "reconstruct": "ctuq.commands.reconstruct",
     "uq": "ctuq.commands.uq",
+    "pretrain": "ctuq.commands.pretrain",
 }

@@ -425,6 +425,13 @@ def run(args: argparse.Namespace) -> int:
         from ctuq.outputs import new_run_dir
 
         out_dir = new_run_dir("runs")
-    state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
+    from ctuq.reconstruct.dip import CheckpointMismatch
+    from ctuq.uq import UQCheckpointMismatch
+
+    try:
+        state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
+    except (CheckpointMismatch, UQCheckpointMismatch) as exc:
+        print(f"ctuq reconstruct: {exc}", file=sys.stderr)
+        return 2
     state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")
     return 0

@@ -22,7 +22,12 @@ from torch import nn
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["make_training_pairs", "pretrain_unet", "save_pretrained", "load_pretrained", "PretrainResult"]
+__all__ = ["make_training_pairs", "pretrain_unet", "save_pretrained", "load_pretrained", "resolve_pretrained_path",
+           "PretrainResult", "BUNDLED_DATA"]
+
+# The repository's data/ folder: relative `model.pretrained` paths that do not exist in the working directory are
+# looked up here, so the bundled configs can name the bundled weights (data/pretrained/...) from anywhere.
+BUNDLED_DATA = Path(__file__).resolve().parents[2] / "data"
 
 PRETRAINED_VERSION = 1
 
@@ -126,15 +131,26 @@ def save_pretrained(path: str | os.PathLike, model: nn.Module, *, scale: float, 
     return path
 
 
+def resolve_pretrained_path(path: str | os.PathLike) -> Path:
+    """``path`` if it exists; else, for a relative path, the same path inside the repository's ``data/`` folder
+    (e.g. ``pretrained/tiny_demo.pt``). Raises ``FileNotFoundError`` naming both places."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if not p.is_absolute() and (BUNDLED_DATA / p).is_file():
+        return BUNDLED_DATA / p
+    where = f" or {BUNDLED_DATA / p}" if not p.is_absolute() else ""
+    raise FileNotFoundError(f"model.pretrained: {p} does not exist{where}")
+
+
 def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
     """Load weights from ``path`` into ``model`` (in place) and return the file's contents.
 
     Accepts files from :func:`save_pretrained`, ``dip_model.pt`` (``state_dict``) and DIP checkpoints
-    (``model``). The stored architecture must equal ``model.config`` (except the dropout rate).
+    (``model``). The stored architecture must equal ``model.config`` (except the dropout rate). Relative paths
+    are resolved by :func:`resolve_pretrained_path`.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model.pretrained: {path} does not exist")
+    path = resolve_pretrained_path(path)
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named

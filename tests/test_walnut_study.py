@@ -1,0 +1,131 @@
+"""scripts/walnut_study.py end to end at its --tiny size (tiny simulated scan, 4 and 8 angles, 32² grid): every file,
+every (setting, method) row with finite numbers, resuming without recomputation, and clear errors."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "walnut_study.py"
+SETTINGS = (4, 8)  # the --tiny angle counts
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("walnut_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+study = _load_script()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    threads = torch.get_num_threads()
+    # One thread: the tiny problem gains nothing from two, and a second thread slows it down several-fold when
+    # other jobs share the cores. The study restores the caller's thread count.
+    rc = study.main(["--tiny", "--out", str(out), "--no-progress", "--threads", "1"])
+    assert rc == 0
+    assert torch.get_num_threads() == threads
+    return out
+
+
+def test_tiny_study_writes_every_file(tiny_run):
+    out = tiny_run
+    for name in ("results.json", "results.md", "study.json", "scan/ctuq_simulation.json"):
+        assert (out / name).is_file(), name
+    for n in SETTINGS:
+        for kind in ("uq", "joint_ll", "calibration", "error_vs_std"):
+            png = out / f"{kind}_{n}.png"
+            assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        sdir = out / f"angles_{n}"
+        gt = tifffile.imread(sdir / "ground_truth.tif")
+        assert gt.shape == (32, 32) and (sdir / "reconstruction.tif").is_file() and (sdir / "dip_model.pt").is_file()
+        for method in study.METHODS:
+            std = tifffile.imread(sdir / method / "std.tif")
+            saved = torch.load(sdir / method / "result.pt", map_location="cpu", weights_only=True)
+            assert std.shape == (32, 32) and np.all(np.isfinite(std)) and std.min() > 0, (n, method)
+            np.testing.assert_array_equal(std, saved["std"].numpy())
+            # the linearised inference's resume files are large and are removed once the method is finished
+            assert not list((sdir / method).glob("uq_*")), (n, method)
+
+
+def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
+    res = json.loads((tiny_run / "results.json").read_text())
+    rows = res["table"]
+    assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in study.METHODS]
+    expected_samples = {"linearised_sampled": study.TINY["samples"], "linearised_exact": study.TINY["exact_samples"],
+                        "mc_dropout": study.TINY["mc_passes"]}
+    for r in rows:
+        assert r["status"] == "done", r
+        for key in ("psnr", "marginal_ll", "joint_ll_10", "coverage_90", "time_prediction_s", "time_fit_s"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (r["setting"], r["method"], key)
+        assert 0.0 <= r["coverage_90"] <= 1.0 and r["time_prediction_s"] >= 0
+        assert r["n_samples"] == expected_samples[r["method"]]
+        if r["method"] == "mc_dropout":
+            assert r["time_hyperparameters_s"] is None  # nothing learned: fixed dropout rate
+        else:
+            assert r["time_hyperparameters_s"] > 0
+    for n in SETTINGS:
+        s = res["settings"][str(n)]
+        assert s["c"] == n * 24  # 96 detector columns, every 4th kept
+        sampled, exact = s["methods"]["linearised_sampled"], s["methods"]["linearised_exact"]
+        # both linearised methods share the one DIP: same mean, same PSNR
+        assert sampled["image"]["psnr"] == exact["image"]["psnr"] == s["dip"]["psnr"]
+        assert sampled["solver"] == "cg" and exact["solver"] == "exact"
+        assert s["methods"]["mc_dropout"]["summary"]["centering"] == "empirical"
+        assert len(sampled["summary"]["joint_ll"]) == 10
+    md = (tiny_run / "results.md").read_text()
+    for n in SETTINGS:
+        for label in study.METHODS.values():
+            assert f"| {n} | {label} |" in md
+
+
+def test_rerun_skips_finished_parts(tiny_run, capsys):
+    before = {p: p.stat().st_mtime_ns for p in tiny_run.glob("angles_*/*/metrics.json")}
+    table = json.loads((tiny_run / "results.json").read_text())["table"]
+    assert study.main(["--tiny", "--out", str(tiny_run), "--no-progress"]) == 0
+    log = capsys.readouterr().err
+    assert "reusing the simulated scan" in log
+    assert log.count("skipping the DIP fit") == len(SETTINGS)
+    assert log.count("skipping the MC-dropout DIP fit") == 0  # MC dropout as a whole was skipped
+    for label in study.METHODS.values():
+        assert log.count(f"skipping {label} for") == len(SETTINGS), label
+    assert "fitting" not in log
+    assert {p: p.stat().st_mtime_ns for p in tiny_run.glob("angles_*/*/metrics.json")} == before
+    assert json.loads((tiny_run / "results.json").read_text())["table"] == table
+
+
+def test_other_options_in_the_same_folder_are_refused(tiny_run, capsys):
+    assert study.main(["--tiny", "--out", str(tiny_run), "--dropout", "0.1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "other options" in err and "dropout: 0.05 there, 0.1 now" in err
+
+
+def test_bad_input_is_named(tiny_run, tmp_path, capsys):
+    scan = tiny_run / "scan"  # 33 projection files: 32 distinct angles
+    assert study.main(["--tiny", "--data", str(scan), "--settings", "5", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "5 angles" in err and "32 distinct angles" in err and "[1, 2, 4, 8, 16, 32]" in err
+    assert study.main(["--tiny", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "b")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert study.main(["--tiny", "--samples", "1", "--out", str(tmp_path / "c")]) == 2
+    assert "--samples must be >= 2" in capsys.readouterr().err
+
+
+def test_exact_reference_decision_follows_memory():
+    opts = dict(study.DEFAULTS, exact_samples=1024)
+    cpu = torch.device("cpu")
+    assert study.exact_decision("never", 10, 10, opts, cpu) == (False, "--exact never")
+    assert study.exact_decision("always", 10**7, 10**8, opts, cpu)[0]
+    ok, why = study.exact_decision("auto", 7680, 5000, opts, cpu)  # the CPU demo: dense TΦ, ~0.8 GB
+    assert ok and "dense" in why
+    ok, why = study.exact_decision("auto", 2_000_000, 3_000_000, opts, cpu)  # a 3D scan: c × c is 96 TB
+    assert not ok and "GiB" in why
