@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ctuq.cli import main
 
@@ -121,3 +122,21 @@ def test_resume_of_a_finished_run_does_not_refit(finished_run, tiny_scan, tmp_pa
                  "--set", "uq.samples=80"]) == 2
     err = capsys.readouterr().err
     assert "its samples is 64 but this run has 80" in err
+
+
+def test_pretrain_then_educated_dip(tiny_scan, tmp_path):
+    weights = tmp_path / "pre.pt"
+    common = ["--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
+              "--set", "data.detector_subsampling=3"]
+    assert main(["pretrain", "--data", str(tiny_scan), "--out", str(weights), "--phantoms", "2",
+                 "--slices-per-phantom", "2", "--iterations", "5", "--batch-size", "2", "--no-progress",
+                 *common]) == 0
+    blob = torch.load(weights, weights_only=True)
+    assert blob["input"] == "fbp" and blob["meta"]["phantom_seeds"] == [1000, 1001]
+    assert blob["meta"]["image_shape"] == [32, 32]
+    out = tmp_path / "run"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--no-uq", "--no-progress", *common,
+                 "--set", f"model.pretrained={weights}", "--set", "model.input=fbp", "--set", "dip.iterations=3",
+                 "--set", "tv.enabled=false"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["config"]["model"]["pretrained"] == str(weights)
+    assert main(["pretrain", "--out", str(tmp_path / "x.pt"), "--seed", "0"]) == 2  # seed 0 is the test walnut
