@@ -277,10 +277,12 @@ def test_cone_slice_matches_fan_beam_when_source_in_plane(cuda_ops):
     # The in-plane fan operator (fan2d) is the same computation at z = 0.
     torch.testing.assert_close(op(x.cuda()), cuda_ops["fan2d"](x.cuda()), rtol=1e-4, atol=1e-6)
     # ASTRA interpolates linearly across the one-voxel slab (what the torch back-projection assumes): a slab
-    # half a voxel above the rays sees half the attenuation.
+    # half a voxel above the rays sees half the attenuation. The GPU's texture unit stores the interpolation weight
+    # with 8 fractional bits (CUDA Programming Guide, "Linear Filtering"), so a weight meant to be 0.5 can come out a
+    # 1/256 step off: up to ~0.4 % of a value (measured on an H100: 0.49 % at one small edge value of 7680).
     h = VOL2D.voxel_size
     half = AstraCudaRayTransform.cone_slice(VOL2D, 1.3 + 0.5 * h, op.geometry)
-    torch.testing.assert_close(half(x.cuda()), 0.5 * op(x.cuda()), rtol=2e-3, atol=1e-5)
+    torch.testing.assert_close(half(x.cuda()), 0.5 * op(x.cuda()), rtol=1e-2, atol=1e-5)
     assert float(AstraCudaRayTransform.cone_slice(VOL2D, 1.3 + 1.5 * h, op.geometry)(x.cuda()).abs().max()) == 0.0
 
 

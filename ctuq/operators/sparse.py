@@ -89,6 +89,8 @@ def _functorch_wrapped(t: torch.Tensor) -> bool:
 def _torch_csr(m: sp.csr_matrix, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        # torch ≥ 2.11 warns about disabled invariant checks even when they are disabled explicitly, as here
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
         return torch.sparse_csr_tensor(
             torch.from_numpy(m.indptr.astype(np.int64)),
             torch.from_numpy(m.indices.astype(np.int64)),
