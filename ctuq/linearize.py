@@ -62,6 +62,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ctuq.utils import as_rows
+
 __all__ = ["LinearizedNetwork", "default_linearized_parameters", "LINEARIZED_MODULE_TYPES"]
 
 # Module types whose ``weight`` is linearised by default.
@@ -349,13 +351,7 @@ class LinearizedNetwork:
         return vmap(lambda r: fn(r)[0])
 
     def _check_batch(self, X: torch.Tensor, width: int, what: str, method: str) -> torch.Tensor:
-        if not isinstance(X, torch.Tensor):
-            raise TypeError(f"LinearizedNetwork.{method}: {what} must be a torch.Tensor, got {type(X).__name__}")
-        if X.ndim != 2 or X.shape[1] != width:
-            raise ValueError(
-                f"LinearizedNetwork.{method}: {what} has shape {tuple(X.shape)}; expected (batch, {width})"
-            )
-        return X.to(device=self.device, dtype=self.dtype)
+        return as_rows(X, width, f"LinearizedNetwork.{method}", what, device=self.device, dtype=self.dtype)
 
     def _apply_block(self, kind: str, block: torch.Tensor) -> torch.Tensor:
         """One ``vmap`` call on a contiguous chunk (caller holds no_grad and eval mode)."""

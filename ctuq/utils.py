@@ -21,6 +21,7 @@ __all__ = [
     "seed_everything",
     "resolve_device",
     "progress",
+    "as_rows",
 ]
 
 
@@ -107,3 +108,17 @@ def progress(iterable=None, *, total=None, desc: str = "", disable: bool | None 
     if disable is None:
         disable = os.environ.get("CTUQ_NO_PROGRESS", "") == "1"
     return tqdm(iterable, total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=False, **kw)
+
+
+def as_rows(X: torch.Tensor, width: int, where: str, what: str, *, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor:
+    """``X`` checked to be a ``(batch, width)`` tensor and moved to ``device``/``dtype``.
+
+    ``where`` (e.g. ``"LinearizedNetwork.jvp"``) and ``what`` (the argument's name) go into the error, which
+    names the shape received and the one expected.
+    """
+    if not isinstance(X, torch.Tensor):
+        raise TypeError(f"{where}: {what} must be a torch.Tensor, got {type(X).__name__}")
+    if X.ndim != 2 or X.shape[1] != width:
+        raise ValueError(f"{where}: {what} has shape {tuple(X.shape)}; expected (batch, {width})")
+    return X.to(device=device, dtype=dtype)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ctuq.utils import as_rows
+
 __all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures"]
 
 
@@ -60,13 +62,169 @@ class FeatureOperator(abc.ABC):
         """``(B, c)`` → ``(B, d)``."""
 
     def _rows(self, X: torch.Tensor, width: int, what: str, method: str) -> torch.Tensor:
-        if not isinstance(X, torch.Tensor):
-            raise TypeError(f"{type(self).__name__}.{method}: {what} must be a torch.Tensor, got {type(X).__name__}")
-        if X.ndim != 2 or X.shape[1] != width:
+        return as_rows(X, width, f"{type(self).__name__}.{method}", what, device=self.device, dtype=self.dtype)
+
+    def matvec(self, W: torch.Tensor) -> torch.Tensor:
+        """``Ψ w`` for each row of ``W`` ``(B, d)`` → ``(B, c)``. Counts ``B`` in :attr:`n_matvec`."""
+        W = self._rows(W, self.n_features, "W", "matvec")
+        out = self._matvec(W)
+        self.n_matvec += W.shape[0]
+        return out
+
+    def rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        """``Ψᵀ r`` for each row of ``R`` ``(B, c)`` → ``(B, d)``. Counts ``B`` in :attr:`n_rmatvec`."""
+        R = self._rows(R, self.n_outputs, "R", "rmatvec")
+        out = self._rmatvec(R)
+        self.n_rmatvec += R.shape[0]
+        return out
+
+    def reset_counters(self) -> None:
+        """Zero :attr:`n_matvec` and :attr:`n_rmatvec`."""
+        self.n_matvec = 0
+        self.n_rmatvec = 0
+
+    def counters(self) -> dict[str, int]:
+        """``{"matvec": n_matvec, "rmatvec": n_rmatvec}``."""
+        return {"matvec": self.n_matvec, "rmatvec": self.n_rmatvec}
+
+    def to_dense(self, chunk_size: int = 256) -> torch.Tensor:
+        """Assemble ``Ψ`` ``(c, d)`` with ``c`` rmatvecs (rows ``Ψᵀ e_j``). Only for small problems and tests."""
+        c = self.n_outputs
+        out = torch.empty((c, self.n_features), dtype=self.dtype, device=self.device)
+        for start in range(0, c, chunk_size):
+            stop = min(c, start + chunk_size)
+            E = torch.zeros((stop - start, c), dtype=self.dtype, device=self.device)
+            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+            out[start:stop] = self.rmatvec(E)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n_outputs={self.n_outputs}, n_features={self.n_features}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+
+class DenseFeatures(FeatureOperator):
+    """``Ψ`` given as an explicit matrix ``(c, d)`` (tests, small problems, classification with few logits).
+
+    Parameters
+    ----------
+    matrix : torch.Tensor
+        ``(c, d)`` float32/float64; its dtype and device are the operator's.
+    """
+
+    def __init__(self, matrix: torch.Tensor):
+        super().__init__()
+        if not isinstance(matrix, torch.Tensor) or matrix.ndim != 2:
             raise ValueError(
-                f"{type(self).__name__}.{method}: {what} has shape {tuple(X.shape)}; expected (batch, {width})"
+                f"DenseFeatures: matrix must be a 2-D tensor (c, d), got "
+                f"{tuple(matrix.shape) if isinstance(matrix, torch.Tensor) else type(matrix).__name__}"
             )
-        return X.to(device=self.device, dtype=self.dtype)
+        if matrix.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"DenseFeatures: matrix must be float32 or float64, got {matrix.dtype}")
+        self.matrix = matrix
+        self.n_outputs, self.n_features = (int(s) for s in matrix.shape)
+        self.dtype = matrix.dtype
+        self.device = matrix.device
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        return W @ self.matrix.T
+
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        return R @ self.matrix
+
+    def to_dense(self, chunk_size: int = 256) -> torch.Tensor:
+        """The matrix itself (no products counted)."""
+        return self.matrix
+
+
+class LinearizedFeatures(FeatureOperator):
+    """``Ψ = L Φ diag(s)``: features of a linearised network under scaled weights ``w`` (``v − ṽ = s ⊙ w``).
+
+    Parameters
+    ----------
+    network : LinearizedNetwork
+        Gives ``Φ`` (``d_out × d``) through ``jvp``/``vjp``; its JVP/VJP counters count the cost.
+    scales : torch.Tensor
+        ``s`` ``(d,)``, e.g. from :func:`ctuq.priors.gprior_scales` (ones for an isotropic prior).
+    output_map, output_adjoint : callable, optional
+        ``L``: ``(B, d_out)`` → ``(B, c)`` and ``Lᵀ``: ``(B, c)`` → ``(B, d_out)`` (e.g. a ray transform's
+        ``forward_flat`` / ``adjoint_flat``). Both or neither; neither means ``L = I`` and ``c = d_out``.
+    n_outputs : int, optional
+        ``c``; found by applying ``L`` to one zero row when omitted.
+    """
+
+    def __init__(
+        self,
+        network,
+        scales: torch.Tensor,
+        output_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        output_adjoint: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        n_outputs: int | None = None,
+    ):
+        super().__init__()
+        if (output_map is None) != (output_adjoint is None):
+            raise ValueError("LinearizedFeatures: give both output_map (L) and output_adjoint (Lᵀ), or neither")
+        self.network = network
+        self.dtype = network.dtype
+        self.device = network.device
+        self.n_features = int(network.d)
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (self.n_features,):
+            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise ValueError(
+                f"LinearizedFeatures: scales must have shape ({self.n_features},) (= network.d), got {got}"
+            )
+        if not torch.isfinite(scales).all():
+            raise ValueError("LinearizedFeatures: scales contain NaN or Inf")
+        self.scales = scales.detach().to(device=self.device, dtype=self.dtype)
+        self._L = output_map
+        self._Lt = output_adjoint
+        if output_map is None:
+            c = int(network.d_out)
+            if n_outputs is not None and int(n_outputs) != c:
+                raise ValueError(f"LinearizedFeatures: n_outputs={n_outputs} but L = I gives c = d_out = {c}")
+        else:
+            if n_outputs is None:
+                probe = output_map(torch.zeros((1, network.d_out), dtype=self.dtype, device=self.device))
+                if not isinstance(probe, torch.Tensor) or probe.ndim != 2 or probe.shape[0] != 1:
+                    raise ValueError(
+                        "LinearizedFeatures: output_map must map (B, d_out) to (B, c); for a (1, "
+                        f"{network.d_out}) input it returned "
+                        f"{tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__}"
+                    )
+                n_outputs = int(probe.shape[1])
+            c = int(n_outputs)
+        self.n_outputs = c
+
+    def _apply_map(self, fn, X: torch.Tensor, cols: int, name: str) -> torch.Tensor:
+        """``fn(X)`` checked to be ``(X.shape[0], cols)`` (a user map's error names it), in this dtype."""
+        if fn is None:
+            return X
+        Y = fn(X)
+        if not isinstance(Y, torch.Tensor) or tuple(Y.shape) != (X.shape[0], cols):
+            raise ValueError(
+                f"LinearizedFeatures: {name} returned "
+                f"{tuple(Y.shape) if isinstance(Y, torch.Tensor) else type(Y).__name__} for input "
+                f"{tuple(X.shape)}; expected ({X.shape[0]}, {cols})"
+            )
+        return Y.to(self.dtype)
+
+    def _apply_L(self, X: torch.Tensor) -> torch.Tensor:
+        return self._apply_map(self._L, X, self.n_outputs, "output_map")
+
+    def _apply_Lt(self, R: torch.Tensor) -> torch.Tensor:
+        return self._apply_map(self._Lt, R, self.network.d_out, "output_adjoint")
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        """``(B, d)`` → ``(B, c)``."""
+
+    @abc.abstractmethod
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        """``(B, c)`` → ``(B, d)``."""
+
+    def _rows(self, X: torch.Tensor, width: int, what: str, method: str) -> torch.Tensor:
+        return as_rows(X, width, f"{type(self).__name__}.{method}", what, device=self.device, dtype=self.dtype)
 
     def matvec(self, W: torch.Tensor) -> torch.Tensor:
         """``Ψ w`` for each row of ``W`` ``(B, d)`` → ``(B, c)``. Counts ``B`` in :attr:`n_matvec`."""
