@@ -27,6 +27,14 @@ from typing import Any, Optional, Union
 
 import yaml
 
+# Option vocabularies are defined once, by the module that implements them; the config only refers to them.
+from ctuq.inference import GPRIOR_METHODS, PRECONDITIONERS, PRIORS, SOLVER_CHOICES
+from ctuq.models.unet import PRESETS
+from ctuq.operators import BACKENDS
+from ctuq.operators.fbp import FILTER_TYPES
+
+from ctuq.errors import CTUQError
+
 __all__ = [
     "ConfigError",
     "Config",
@@ -42,11 +50,14 @@ __all__ = [
     "bundled_configs",
     "resolve_config_path",
     "parse_override",
+    "check_section",
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration file, override or value is invalid; the message names the key and source."""
+class ConfigError(CTUQError):
+    """A configuration file, override or value is invalid; the message names the key and source.
+
+    A :class:`ctuq.errors.CTUQError` (hence a ``ValueError``): the ``ctuq`` commands print it as one line."""
 
 
 def option(default: Any = None, *, help: str = "", choices: tuple | None = None, ge: float | None = None,
@@ -73,7 +84,16 @@ class DataConfig:
     detector_subsampling: int = option(6, ge=1, help="use every k-th detector column (6 → 128 of 768)")
     slice_index: Optional[int] = option(None, ge=0, help="volume slice; null: the central slice")
     image_shape: Optional[list[int]] = option(None, ge=1, help="reconstruction grid; null: the loader's default")
-    backend: str = option("auto", choices=("auto", "sparse", "astra_cuda"), help="ray-transform backend")
+    backend: str = option("auto", choices=BACKENDS, help="ray-transform backend")
+    min_angles: int = option(8, ge=1,
+                             help="refuse a scan and angular_subsampling that leave fewer projection angles than "
+                                  "this (a reconstruction from so few is not meaningful); lower it to force a run")
+    expect_angles: Optional[int] = option(None, ge=1,
+                                          help="angles the setting is meant to have (published configs); a scan "
+                                               "that gives another number runs with a warning; null: no check")
+    expect_columns: Optional[int] = option(None, ge=1,
+                                           help="detector columns the setting is meant to have (published "
+                                                "configs); another number runs with a warning; null: no check")
 
     def validate(self) -> None:
         if self.image_shape is not None and len(self.image_shape) != self.ndim:
@@ -86,7 +106,7 @@ class DataConfig:
 class ModelConfig:
     """The U-Net ``g`` (see ``ctuq.models.unet``)."""
 
-    preset: str = option("small", choices=("walnut", "small", "tiny"), help="architecture preset")
+    preset: str = option("small", choices=tuple(PRESETS), help="architecture preset")
     channels: Optional[list[int]] = option(None, ge=1, help="channels per scale; null: the preset's")
     skip_channels: Optional[list[int]] = option(None, ge=0, help="skip widths per scale; null: the preset's")
     norm_groups: int = option(4, ge=1, help="GroupNorm groups")
@@ -124,8 +144,7 @@ class DIPConfig:
 class FBPConfig:
     """Filtered back-projection baseline (``ctuq.operators.fbp``)."""
 
-    filter: str = option("Hann", choices=("Ram-Lak", "Shepp-Logan", "Cosine", "Hamming", "Hann"),
-                         help="FBP filter")
+    filter: str = option("Hann", choices=FILTER_TYPES, help="FBP filter")
     frequency_scaling: float = option(1.0, gt=0.0, le=1.0, help="relative filter cut-off frequency")
 
 
@@ -144,17 +163,22 @@ class TVConfig:
 class UQConfig:
     """Linearised inference (DESIGN.md §1; ``ctuq.uq.run_linearized_uq``). ``--no-uq`` skips it.
 
+    The one settings class of the inference: the ``uq`` config section, and what
+    :func:`ctuq.uq.run_linearized_uq` and :meth:`ctuq.inference.LinearizedPosterior.from_settings` take
+    (``ctuq.uq.UQSettings`` is this class). Built in code, check it with :func:`check_section`.
+
     Units: ``noise_variance`` is in *scaled* data units (× ``dip.scale``², where the network lives);
     ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
     """
 
-    prior: str = option("gprior", choices=("gprior", "isotropic"), help="weight prior scaling s")
-    gprior_method: str = option("exact", choices=("exact", "stochastic"),
+    prior: str = option("gprior", choices=PRIORS, help="weight prior scaling s")
+    gprior_method: str = option("exact", choices=GPRIOR_METHODS,
                                 help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)")
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
-    solver: str = option("auto", choices=("auto", "cg", "exact"),
-                         help="preconditioned CG, exact eigendecomposition of K̄ (small c), or by estimated cost")
-    preconditioner: str = option("nystrom", choices=("nystrom", "halko", "pivoted_cholesky", "none"),
+    solver: str = option("auto", choices=SOLVER_CHOICES,
+                         help="exact_primal (assemble Ψ, d < c), exact_dual (eigendecompose K̄, small c), cg "
+                              "(preconditioned CG); exact: the cheaper exact one; auto: by estimated cost")
+    preconditioner: str = option("nystrom", choices=PRECONDITIONERS,
                                  help="CG preconditioner (randomised low-rank K̄, built once)")
     rank: int = option(400, ge=1, help="preconditioner rank")
     oversampling: int = option(10, ge=0, help="preconditioner oversampling")
@@ -173,6 +197,8 @@ class UQConfig:
     roi: str = option("inner_square", choices=("inner_square", "full"),
                       help="evaluation region: the published inner square (72:424 of 501², scaled) or all pixels")
     patch_sizes: list[int] = option(factory=lambda: list(range(1, 11)), ge=1, help="joint-LL patch sizes")
+    save_samples: bool = option(False, help="also write every image sample to the run folder (samples/, large); "
+                                            "statistics never need them")
 
 
 @dataclasses.dataclass
@@ -357,6 +383,17 @@ def set_value(obj: Any, path: list[str], value: Any, source: str, prefix: str = 
         ) from None
     _check_bounds(coerced, dict(field.metadata), full, source)
     setattr(obj, name, coerced)
+
+
+def check_section(section: Any, name: str, source: str = "settings") -> None:
+    """Check a section built in code (e.g. ``UQConfig(solver="cg")``): every field's choices and bounds, then its
+    ``validate()``. :func:`load_config` checks files and ``--set`` as it applies them; this is for the rest.
+
+    Raises :class:`ConfigError` naming ``name.key`` (e.g. ``uq.solver must be one of [...]``).
+    """
+    for f in dataclasses.fields(section):
+        _check_bounds(getattr(section, f.name), dict(f.metadata), f"{name}.{f.name}", source)
+    _validate_all(section, source)
 
 
 def _validate_all(obj: Any, source: str) -> None:

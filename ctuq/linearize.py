@@ -62,7 +62,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ctuq.utils import as_rows
+from ctuq.utils import as_rows, free_memory_bytes
 
 __all__ = ["LinearizedNetwork", "default_linearized_parameters", "LINEARIZED_MODULE_TYPES"]
 
@@ -117,13 +117,6 @@ def _forward_ad_enabled() -> Iterator[None]:
         return
     with _set_fwd_grad_enabled(True):
         yield
-
-
-def _available_host_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 class LinearizedNetwork:
@@ -418,10 +411,9 @@ class LinearizedNetwork:
         """Bytes one chunk may use (the constructor's value or the device-dependent default)."""
         if self._memory_budget is not None:
             return int(self._memory_budget)
+        avail = free_memory_bytes(self.device)
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return int(0.5 * free)
-        avail = _available_host_memory()
+            return int(0.5 * avail)
         return int(min(2 * _GIB, 0.25 * avail)) if avail else _GIB
 
     def chunk_size_for(self, kind: str) -> int:

@@ -1,17 +1,7 @@
-"""Writing a run folder: float32 TIFFs, the comparison figure, metrics.json, package versions.
+"""Writing a run folder's files: float32 TIFFs, the comparison figure, metrics.json, package versions.
 
-Layout of ``ctuq reconstruct``'s ``--out`` folder::
-
-    reconstruction.tif   DIP reconstruction x̃ (float32, original units, (H, W) or (D, H, W))
-    fbp.tif              FBP (or FDK) reconstruction
-    tv.tif               TV reconstruction (only when the TV baseline ran)
-    ground_truth.tif     only when the data came with one
-    reconstruction.png   figure: ground truth | FBP | (TV |) DIP | |DIP − ground truth|, PSNRs in the titles
-    metrics.json         psnr/ssim per method, timings per phase, resolved config, versions, device, seed
-    dip_checkpoint.pt    DIP checkpoint (resume with ``--resume``)
-    dip_model.pt         best DIP weights, fixed input and architecture (what the UQ phase linearises)
-
-All files are written atomically (``ctuq.utils``), so a killed run never leaves a half-written file.
+The file names and what each holds are the run-folder contract of :mod:`ctuq.pipeline.run_folder`; this module
+only writes. All files are written atomically (``ctuq.utils``), so a killed run never leaves a half-written file.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import tempfile
@@ -22,6 +23,9 @@ __all__ = [
     "resolve_device",
     "progress",
     "as_rows",
+    "check_fingerprint",
+    "free_memory_bytes",
+    "derived_seed_words",
 ]
 
 
@@ -89,13 +93,16 @@ def seed_everything(seed: int) -> torch.Generator:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None``/``"auto"`` → CUDA when available else CPU; ``"cuda"`` without CUDA raises a clear error."""
+    """``None``/``"auto"`` → CUDA when available else CPU; ``"cuda"`` without CUDA raises
+    :class:`ctuq.errors.DeviceError` (a ``RuntimeError``) saying so."""
+    from ctuq.errors import DeviceError
+
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "device 'cuda' was requested but torch sees no CUDA device "
+        raise DeviceError(
+            f"device {str(device)!r}: requested but torch sees no CUDA device "
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use --device cpu"
         )
     return dev
@@ -122,3 +129,55 @@ def as_rows(X: torch.Tensor, width: int, where: str, what: str, *, device: torch
     if X.ndim != 2 or X.shape[1] != width:
         raise ValueError(f"{where}: {what} has shape {tuple(X.shape)}; expected (batch, {width})")
     return X.to(device=device, dtype=dtype)
+
+
+def check_fingerprint(saved: dict, now: dict, *, what: str, error: type[Exception] = ValueError,
+                      hint: str = "", rel_tol: float = 1e-6, abs_tol: float = 1e-12) -> None:
+    """Raise ``error`` naming the first key where a checkpoint's fingerprint ``saved`` differs from ``now``.
+
+    Every checkpoint in ctuq (DIP fit, linearised inference, EM) stores a small dict of what determines its
+    numbers (shapes, data checksums, settings) and refuses to resume another run's state through this one check.
+    Floats compare with ``math.isclose(rel_tol, abs_tol)`` (checksums of float data move in the last bits across
+    devices); everything else with ``==``.
+
+    Parameters
+    ----------
+    saved, now : dict
+        The checkpoint's fingerprint and this run's.
+    what : str
+        Names the checkpoint in the message, e.g. ``"cannot resume from runs/demo/uq_state.pt"``.
+    error : exception type
+        Raised on the first mismatch.
+    hint : str
+        Appended to the message (how to start afresh).
+    """
+    for key, value in now.items():
+        old = saved.get(key) if isinstance(saved, dict) else None
+        if isinstance(value, float) and isinstance(old, (int, float)) and not isinstance(old, bool):
+            same = math.isclose(float(old), value, rel_tol=rel_tol, abs_tol=abs_tol)
+        else:
+            same = old == value
+        if not same:
+            raise error(f"{what}: its {key} is {old!r} but this run has {value!r}" + (f" ({hint})" if hint else ""))
+
+
+def free_memory_bytes(device: torch.device | str) -> int | None:
+    """Free memory on ``device`` in bytes: CUDA's free memory, or the host's available physical memory (``None``
+    where the OS does not say). The one source of every memory budget in ctuq."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def derived_seed_words(seed: int, index: int) -> tuple[int, int]:
+    """Two 32-bit words from numpy's ``SeedSequence([seed, index])``: the per-chunk (per-pass) seeds of every
+    resumable random stream in ctuq, so a chunk's draws depend only on ``(seed, index)``, not on how many chunks
+    ran before (resuming reproduces the uninterrupted run)."""
+    if int(seed) < 0 or int(index) < 0:
+        raise ValueError(f"derived_seed_words: seed and index must be >= 0, got {seed}, {index}")
+    w = np.random.SeedSequence([int(seed), int(index)]).generate_state(2, dtype=np.uint32)
+    return int(w[0]), int(w[1])

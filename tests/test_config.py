@@ -42,7 +42,7 @@ def test_default_is_demo_on_cpu():
 
 
 def test_pretrained_demo_finds_the_bundled_weights_from_any_working_directory(tmp_path, monkeypatch):
-    from ctuq.commands.reconstruct import build_model
+    from ctuq.pipeline import build_model
 
     monkeypatch.chdir(tmp_path)  # the relative path is resolved in the repository's data/ folder
     cfg = load_config("demo_pretrained")

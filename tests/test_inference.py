@@ -506,7 +506,7 @@ def test_em_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     assert out.a == full.a and out.sigma2 == full.sigma2
 
     other = SampledEM(feats, cg, y, a=1.0, sigma2=0.25, learn_noise=True, n_samples=8, max_steps=4, seed=3)
-    with pytest.raises(EMStateMismatch, match="n_samples is 4, this run has 8"):
+    with pytest.raises(EMStateMismatch, match="n_samples is 4 but this run has 8"):
         other.load_state_dict(torch.load(path, weights_only=True))
     with pytest.raises(EMStateMismatch, match="not a SampledEM state"):
         other.load_state_dict({"version": 99})

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ def test_help_lists_options(capsys):
         (["--set", "dip.learning_rate=1"], "valid keys of section 'dip': iterations, lr"),
         (["--set", "dip.lr=-1"], "dip.lr must be > 0"),
         (["--config", "no_such_config"], "bundled: demo"),
-        (["--resume"], "--resume needs --out"),
+        (["--resume"], "--resume: needs --out"),
     ],
 )
 def test_config_errors_exit_2_with_clear_message(argv, fragment, capsys, tmp_path):
@@ -77,7 +78,8 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(finished_run):
                  "uncertainty.png", "calibration.png", "em_trace.png", "error_vs_std.png", "joint_ll.png",
                  "metrics.json", "config.yaml", "dip_model.pt", "dip_checkpoint.pt"):
         assert (out / name).is_file(), name
-    assert not list(out.glob("uq_samples_*.pt"))  # prediction chunks are removed once the run is finished
+    assert not (out / "uq_moments.pt").exists()  # the running sums of the prediction go once the run is finished
+    assert not (out / "samples").exists()  # no image sample is written unless asked (--save-samples)
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["psnr"]) == {"fbp", "tv", "dip"} and all(v is not None for v in m["psnr"].values())
     assert set(m["joint_ll"]) == {str(p) for p in range(1, 11)}
@@ -97,9 +99,17 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(finished_run):
 def test_uq_command_reruns_only_the_inference(finished_run, capsys):
     out = finished_run
     before = json.loads((out / "metrics.json").read_text())
-    assert main(["uq", str(out), "--set", "uq.samples=32", "--set", "uq.em_steps=2", "--no-progress"]) == 0
+    assert main(["uq", str(out), "--set", "uq.samples=32", "--set", "uq.em_steps=2", "--no-progress",
+                 "--save-samples"]) == 0
     after = json.loads((out / "metrics.json").read_text())
     assert after["uq"]["n_samples"] == 32 and len(after["em_trace"]) == 2
+    # --save-samples writes the image samples (one chunk of 32 here), whose RMS is the std map
+    import tifffile
+
+    saved = torch.load(out / "samples" / "samples_0000.pt", weights_only=True)
+    assert saved.shape == (32, 32, 32) and sorted(p.name for p in (out / "samples").iterdir()) == ["samples_0000.pt"]
+    np.testing.assert_allclose(saved.double().pow(2).mean(0).sqrt().numpy(), tifffile.imread(out / "std.tif"),
+                               rtol=1e-6)
     assert after["dip"] == before["dip"]  # the DIP was restored, not refitted
     assert after["psnr"]["dip"] == pytest.approx(before["psnr"]["dip"], rel=1e-6)
     assert "restore_dip" in after["timings"] and "dip" not in after["timings"]

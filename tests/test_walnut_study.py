@@ -1,5 +1,7 @@
 """scripts/walnut_study.py end to end at its --tiny size (tiny simulated scan, 4 and 8 angles, 32² grid): every file,
-every (setting, method) row with finite numbers, resuming without recomputation, and clear errors."""
+every (setting, method) row with finite numbers, resuming without recomputation (also from DIP model files written
+before the versioned model file format), and clear errors. The study machinery lives in ctuq.studies; the script is
+its command line."""
 
 import importlib.util
 import json
@@ -10,6 +12,10 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+
+from ctuq.models.model_file import MODEL_FILE_VERSION, read_model_file
+from ctuq.studies import exact_decision
+from ctuq.studies.walnut import DEFAULTS, METHODS, TINY
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "walnut_study.py"
 SETTINGS = (4, 8)  # the --tiny angle counts
@@ -48,7 +54,7 @@ def test_tiny_study_writes_every_file(tiny_run):
         sdir = out / f"angles_{n}"
         gt = tifffile.imread(sdir / "ground_truth.tif")
         assert gt.shape == (32, 32) and (sdir / "reconstruction.tif").is_file() and (sdir / "dip_model.pt").is_file()
-        for method in study.METHODS:
+        for method in METHODS:
             std = tifffile.imread(sdir / method / "std.tif")
             saved = torch.load(sdir / method / "result.pt", map_location="cpu", weights_only=True)
             assert std.shape == (32, 32) and np.all(np.isfinite(std)) and std.min() > 0, (n, method)
@@ -60,9 +66,9 @@ def test_tiny_study_writes_every_file(tiny_run):
 def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
     res = json.loads((tiny_run / "results.json").read_text())
     rows = res["table"]
-    assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in study.METHODS]
-    expected_samples = {"linearised_sampled": study.TINY["samples"], "linearised_exact": study.TINY["exact_samples"],
-                        "mc_dropout": study.TINY["mc_passes"]}
+    assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in METHODS]
+    expected_samples = {"linearised_sampled": TINY["samples"], "linearised_exact": TINY["exact_samples"],
+                        "mc_dropout": TINY["mc_passes"]}
     for r in rows:
         assert r["status"] == "done", r
         for key in ("psnr", "marginal_ll", "joint_ll_10", "coverage_90", "time_prediction_s", "time_fit_s"):
@@ -84,7 +90,7 @@ def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
         assert len(sampled["summary"]["joint_ll"]) == 10
     md = (tiny_run / "results.md").read_text()
     for n in SETTINGS:
-        for label in study.METHODS.values():
+        for label in METHODS.values():
             assert f"| {n} | {label} |" in md
 
 
@@ -95,12 +101,39 @@ def test_rerun_skips_finished_parts(tiny_run, capsys):
     log = capsys.readouterr().err
     assert "reusing the simulated scan" in log
     assert log.count("skipping the DIP fit") == len(SETTINGS)
-    assert log.count("skipping the MC-dropout DIP fit") == 0  # MC dropout as a whole was skipped
-    for label in study.METHODS.values():
+    assert log.count("skipping the MC-dropout DIP (p = 0.05) fit") == 0  # MC dropout as a whole was skipped
+    for label in METHODS.values():
         assert log.count(f"skipping {label} for") == len(SETTINGS), label
     assert "fitting" not in log
     assert {p: p.stat().st_mtime_ns for p in tiny_run.glob("angles_*/*/metrics.json")} == before
     assert json.loads((tiny_run / "results.json").read_text())["table"] == table
+
+
+def test_dip_model_files_are_versioned_and_version_0_files_still_resume(tiny_run, capsys):
+    # A study folder written before the versioned model file: dip_model.pt as the old study wrote it (no format
+    # or version; summary and reconstruction beside the weights). A rerun must load it rather than refit.
+    sdir = tiny_run / f"angles_{SETTINGS[0]}"
+    paths = [sdir / "dip_model.pt", sdir / "mc_dropout" / "dip_model.pt"]
+    for path in paths:
+        mf = read_model_file(path, need_input=True)
+        assert mf.version == MODEL_FILE_VERSION and mf.net_input.shape == (1, 1, 32, 32)
+        assert mf.meta["reconstruction"].shape == (32, 32) and "best_psnr_history" in mf.meta["summary"]
+        torch.save({"model_config": mf.model_config, "state_dict": mf.state_dict, "net_input": mf.net_input,
+                    "scale": mf.scale, "summary": mf.meta["summary"], "reconstruction": mf.meta["reconstruction"]},
+                   path)
+        assert read_model_file(path).version == 0
+    # MC dropout reruns its passes from the version-0 dropout network: same numbers as from the fitted one
+    mc_metrics = sdir / "mc_dropout" / "metrics.json"
+    before = json.loads(mc_metrics.read_text())
+    mc_metrics.unlink()
+    assert study.main(["--tiny", "--out", str(tiny_run), "--no-progress", "--threads", "1"]) == 0
+    log = capsys.readouterr().err
+    assert "fitting" not in log
+    assert log.count("skipping the DIP fit") == len(SETTINGS)
+    assert log.count("skipping the MC-dropout DIP (p = 0.05) fit") == 1
+    after = json.loads(mc_metrics.read_text())
+    for key in ("image", "image_dropout_off", "summary", "n_samples", "fit"):
+        assert after[key] == before[key], key
 
 
 def test_other_options_in_the_same_folder_are_refused(tiny_run, capsys):
@@ -121,11 +154,11 @@ def test_bad_input_is_named(tiny_run, tmp_path, capsys):
 
 
 def test_exact_reference_decision_follows_memory():
-    opts = dict(study.DEFAULTS, exact_samples=1024)
+    opts = dict(DEFAULTS, exact_samples=1024)
     cpu = torch.device("cpu")
-    assert study.exact_decision("never", 10, 10, opts, cpu) == (False, "--exact never")
-    assert study.exact_decision("always", 10**7, 10**8, opts, cpu)[0]
-    ok, why = study.exact_decision("auto", 7680, 5000, opts, cpu)  # the CPU demo: dense TΦ, ~0.8 GB
+    assert exact_decision("never", 10, 10, opts, cpu) == (False, "--exact never")
+    assert exact_decision("always", 10**7, 10**8, opts, cpu)[0]
+    ok, why = exact_decision("auto", 7680, 5000, opts, cpu)  # the CPU demo: dense TΦ, ~0.8 GB
     assert ok and "dense" in why
-    ok, why = study.exact_decision("auto", 2_000_000, 3_000_000, opts, cpu)  # a 3D scan: c × c is 96 TB
+    ok, why = exact_decision("auto", 2_000_000, 3_000_000, opts, cpu)  # a 3D scan: c × c is 96 TB
     assert not ok and "GiB" in why

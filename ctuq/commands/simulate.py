@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
 __all__ = ["add_parser", "run"]
 
-# Ray–ellipsoid pairs per second of the simulator on a 2-core CPU (bundled preset: 8.8·10⁶ rays × 59 ellipsoids
-# in ≈ 15 s), for the duration warning of large presets.
-PAIRS_PER_SECOND = 3.5e7
-
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``ctuq simulate`` with ``subparsers``; returns its parser."""
     from ctuq.data.simulate import PRESETS
 
     presets = "\n".join(f"  {name:8s} {info['help']}" for name, info in PRESETS.items())
@@ -76,7 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctuq.data.simulate import SimulationParameters, estimate_work, simulate_scan
+    """Run ``ctuq simulate`` for parsed ``args`` (:func:`ctuq.pipeline.simulate.simulate`); user errors propagate
+    to :func:`ctuq.cli.main`."""
+    from ctuq.pipeline.simulate import simulate
 
     overrides = {
         key: getattr(args, key)
@@ -94,25 +91,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["noise"] = False
     if args.no_compress:
         overrides["compress"] = False
-    try:
-        params = SimulationParameters.preset(args.preset, **overrides)
-    except ValueError as exc:
-        print(f"ctuq simulate: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    work = estimate_work(params)
-    hours = work["ray_ellipsoid_pairs"] / PAIRS_PER_SECOND / 3600
-    if hours > 0.5:
-        print(f"ctuq simulate: this traces {work['rays']:.2e} rays and writes ~{work['bytes_uncompressed'] / 1e9:.1f} "
-              f"GB (uncompressed): expect about {hours:.0f} hours on a 2-core CPU", file=sys.stderr)
-    t0 = time.perf_counter()
-    try:
-        simulate_scan(out, params, preset=args.preset, overwrite=args.overwrite, progress=not args.no_progress)
-    except FileExistsError as exc:
-        print(f"ctuq simulate: {exc}", file=sys.stderr)
-        return 2
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"ctuq simulate: wrote {out} ({params.n_projections} projections × orbits {list(params.orbits)}, "
+    res = simulate(args.out, args.preset, overrides=overrides, overwrite=args.overwrite,
+                   progress=not args.no_progress)
+    params = res["params"]
+    print(f"ctuq simulate: wrote {res['out']} ({params.n_projections} projections × orbits {list(params.orbits)}, "
           f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
-          f"{params.gt_voxel_size} mm; {size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+          f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s", file=sys.stderr)
     return 0

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
+from ctuq.operators import BACKENDS as _BACKENDS
 
 __all__ = [
     "CTData",
@@ -76,7 +77,6 @@ _PROJ_RX = re.compile(r"^scan_(\d{6})\.tif$")
 _GT_RX = re.compile(r"^full_AGD_50_(\d{6})\.tiff$")
 _GT_PATTERN = "full_AGD_50_{:06}.tiff"
 _CONE_WARN_DEG = 0.01  # below this the slice model is exact to well within detector noise
-_BACKENDS = ("auto", "sparse", "astra_cuda")
 
 
 class WalnutFormatError(ValueError):

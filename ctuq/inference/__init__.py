@@ -1,5 +1,11 @@
 """Linearised inference core: the Gaussian linear model ``ỹ = Ψ w + ε`` over (scaled) network weights.
 
+Front ends (CT: :mod:`ctuq.uq`; later experimental design and classification) use one object,
+:class:`LinearizedPosterior` (``setup → fit → sample / mean / log_evidence``, ``state_dict``, ``restrict`` /
+``extend``), which composes the pieces below: features, prior scales, a likelihood
+(:mod:`~ctuq.inference.likelihoods`), a solver from the registry :data:`SOLVERS`, the Matheron sampler and the
+sampled EM.
+
 ``w ~ N(0, a⁻¹ I)`` (``d`` weights), ``ε ~ N(0, σ² I)`` (``c`` targets). This package imports nothing CT-specific:
 it sees a feature operator ``Ψ`` (batched ``Ψ``/``Ψᵀ`` row products) and the targets ``ỹ``, so CT
 (``Ψ = T Φ diag(s)``) and classification (``Ψ = B^(1/2) Φ diag(s)``) share it.
@@ -19,7 +25,7 @@ equation                                              implementation
 ``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg`
 ``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``gamma``, ``weight_norm_sq``,
 ``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``log_evidence``)
-exact vs CG by cost                                   :func:`choose_solver`, :func:`make_solver`
+exact vs CG by cost; solver registry                  :func:`choose_solver`, :func:`resolve_solver`, :data:`SOLVERS`
 ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ``                                 :func:`posterior_mean` (or ``sample_posterior(y_tilde=…)``)
 ``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                     :func:`sample_posterior`, resumable :func:`sample_chunks`
 image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedFeatures.network_matvec`
@@ -34,7 +40,15 @@ VJPs (including image-space ones).
 """
 
 from ctuq.inference.em import EMResult, EMStateMismatch, SampledEM
-from ctuq.inference.features import DenseFeatures, FeatureOperator, LinearizedFeatures
+from ctuq.inference.features import (
+    DenseFeatures,
+    FeatureOperator,
+    LinearizedFeatures,
+    RowSubsetFeatures,
+    ScaledFeatures,
+    StackedFeatures,
+    stack_features,
+)
 from ctuq.inference.kernel import (
     KernelOperator,
     assemble_features,
@@ -48,6 +62,8 @@ from ctuq.inference.preconditioners import (
     pivoted_cholesky_eig,
     randomized_eig,
 )
+from ctuq.inference.likelihoods import LIKELIHOODS, GaussianLikelihood, Likelihood
+from ctuq.inference.posterior import GPRIOR_METHODS, PRIORS, LinearizedPosterior
 from ctuq.inference.reference import DenseLinearGaussian
 from ctuq.inference.sampler import (
     PosteriorSamples,
@@ -69,10 +85,20 @@ from ctuq.inference.solvers import (
     estimate_solver_costs,
     make_solver,
     pcg,
+    PRECONDITIONERS,
+    SOLVER_CHOICES,
+    SOLVERS,
+    SolverSpec,
+    dense_memory_budget,
+    resolve_solver,
 )
 
 __all__ = [
-    "FeatureOperator", "DenseFeatures", "LinearizedFeatures",
+    "LinearizedPosterior", "PRIORS", "GPRIOR_METHODS",
+    "Likelihood", "GaussianLikelihood", "LIKELIHOODS",
+    "FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
+    "StackedFeatures", "stack_features",
+    "SOLVERS", "SOLVER_CHOICES", "PRECONDITIONERS", "SolverSpec", "resolve_solver", "dense_memory_budget",
     "KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
     "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
     "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",

@@ -38,8 +38,10 @@ import torch
 
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import _check_hyper
+from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
 from ctuq.inference.sampler import _check_y, draw_prior_and_noise
 from ctuq.inference.solvers import Solver
+from ctuq.utils import check_fingerprint
 
 __all__ = ["SampledEM", "EMResult", "EMStateMismatch"]
 
@@ -76,9 +78,12 @@ class SampledEM:
     a : float
         Initial prior precision (> 0) of the scaled weights.
     sigma2 : float
-        Initial (or fixed) noise variance (> 0), in squared target units.
+        Initial (or fixed) noise variance (> 0), in squared target units (ignored with ``likelihood``).
     learn_noise : bool
-        Also update ``σ²``.
+        Also update ``σ²`` (ignored with ``likelihood``).
+    likelihood : Likelihood, optional
+        The noise model (:mod:`ctuq.inference.likelihoods`); default ``GaussianLikelihood(sigma2, learn_noise)``.
+        The EM updates its ``σ²`` in place.
     n_samples : int
         ``k``, samples per step for ``γ̂`` (default 16).
     max_steps : int
@@ -108,8 +113,11 @@ class SampledEM:
         gamma: str = "auto",
         seed: int = 0,
         generator_device: torch.device | str = "cpu",
+        likelihood: Likelihood | None = None,
     ):
-        a_f, s2_f = _check_hyper(a, sigma2, "SampledEM")
+        if likelihood is None:
+            likelihood = GaussianLikelihood(sigma2, learn_noise)
+        a_f, s2_f = _check_hyper(a, likelihood.sigma2, "SampledEM")
         if solver.features is not features:
             raise ValueError("SampledEM: the solver was built for a different feature operator")
         if gamma not in ("auto", "sampled", "exact"):
@@ -125,7 +133,7 @@ class SampledEM:
         self.features = features
         self.solver = solver
         self.y_tilde = _check_y(y_tilde, features, "SampledEM")
-        self.learn_noise = bool(learn_noise)
+        self.likelihood = likelihood
         self.n_samples = n_samples
         self.max_steps = max_steps
         self.tol = float(tol)
@@ -133,10 +141,24 @@ class SampledEM:
         self.seed = int(seed)
         self.generator = torch.Generator(device=torch.device(generator_device)).manual_seed(self.seed)
         self.a = a_f
-        self.sigma2 = s2_f
+        self.likelihood.sigma2 = s2_f
         self.step_count = 0
         self.trace: list[dict] = []
         self.converged = False
+
+    @property
+    def sigma2(self) -> float:
+        """Current noise variance ``σ²`` (the likelihood's)."""
+        return self.likelihood.sigma2
+
+    @sigma2.setter
+    def sigma2(self, value: float) -> None:
+        self.likelihood.sigma2 = float(value)
+
+    @property
+    def learn_noise(self) -> bool:
+        """Whether the EM updates ``σ²`` (the likelihood's setting)."""
+        return self.likelihood.learn_noise
 
     # ------------------------------------------------------------------------------------------ stepping
     @property
@@ -163,7 +185,7 @@ class SampledEM:
             rnorm = self.solver.residual_norm_sq(y, a, s2)
         else:
             k = self.n_samples
-            w0, eps = draw_prior_and_noise(k, self.features, a, s2, self.generator)
+            w0, eps = draw_prior_and_noise(k, self.features, a, s2, self.generator, likelihood=self.likelihood)
             rhs = torch.cat([y[None], eps - self.features.matvec(w0)], dim=0)
             V, stats = self.solver.solve(rhs, a, s2)
             solver_summary = stats.summary()
@@ -180,11 +202,7 @@ class SampledEM:
                 f"the MacKay update a = γ/‖w*‖² is undefined"
             )
         a_new = gamma / wnorm
-        s2_new = s2
-        if self.learn_noise:
-            if not c - gamma > 0:
-                raise FloatingPointError(f"SampledEM: c − γ = {c - gamma:.3e} <= 0; cannot update the noise variance")
-            s2_new = rnorm / (c - gamma)
+        s2_new = self.likelihood.noise_update(rnorm, c, gamma)
         if not (a_new > 0 and math.isfinite(a_new)) or not (s2_new > 0 and math.isfinite(s2_new)):
             raise FloatingPointError(f"SampledEM step {self.step_count}: update gave a={a_new}, σ²={s2_new}")
         rel = abs(a_new - a) / a
@@ -254,14 +272,7 @@ class SampledEM:
         if missing:
             raise EMStateMismatch(f"SampledEM state lacks {sorted(missing)}")
         now = self._fingerprint()
-        for key, value in now.items():
-            old = state["fingerprint"].get(key)
-            if isinstance(value, float) and isinstance(old, float):
-                same = math.isclose(old, value, rel_tol=1e-6, abs_tol=1e-9)
-            else:
-                same = old == value
-            if not same:
-                raise EMStateMismatch(f"cannot resume EM: saved {key} is {old!r}, this run has {value!r}")
+        check_fingerprint(state["fingerprint"], now, what="cannot resume EM", error=EMStateMismatch, abs_tol=1e-9)
         a_f, s2_f = _check_hyper(state["a"], state["sigma2"], "SampledEM.load_state_dict")
         self.a, self.sigma2 = a_f, s2_f
         self.step_count = int(state["step"])

@@ -12,6 +12,9 @@ Both run in the operator's dtype and device (inputs are converted) and count row
   g-prior scales ``s`` and a linear output map ``L`` with its adjoint, given as callables on rows. CT passes the
   ray transform (``L = T``, ``c`` measurements); classification passes ``B^(1/2)``; ``L = None`` is the identity.
 * :class:`DenseFeatures`: an explicit ``(c, d)`` matrix, for tests and small problems.
+* Compositions used by the posterior: :class:`ScaledFeatures` (``Ψ₀ diag(s)``, prior scales on a base operator),
+  :meth:`FeatureOperator.restrict` (rows subset, :class:`RowSubsetFeatures`) and :func:`stack_features` (rows
+  appended, :class:`StackedFeatures`) — experimental design conditions on subsets of angles and adds new ones.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 
 from ctuq.utils import as_rows
 
-__all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures"]
+__all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
+           "StackedFeatures", "stack_features"]
 
 
 class FeatureOperator(abc.ABC):
@@ -87,6 +91,10 @@ class FeatureOperator(abc.ABC):
         """``{"matvec": n_matvec, "rmatvec": n_rmatvec}``."""
         return {"matvec": self.n_matvec, "rmatvec": self.n_rmatvec}
 
+    def restrict(self, rows) -> "FeatureOperator":
+        """``Ψ[rows]`` (rows: a 1-D integer index or a boolean mask over the ``c`` outputs; no duplicates)."""
+        return RowSubsetFeatures(self, rows)
+
     def to_dense(self, chunk_size: int = 256) -> torch.Tensor:
         """Assemble ``Ψ`` ``(c, d)`` with ``c`` rmatvecs (rows ``Ψᵀ e_j``). Only for small problems and tests."""
         c = self.n_outputs
@@ -137,6 +145,10 @@ class DenseFeatures(FeatureOperator):
     def to_dense(self, chunk_size: int = 256) -> torch.Tensor:
         """The matrix itself (no products counted)."""
         return self.matrix
+
+    def restrict(self, rows) -> "DenseFeatures":
+        """``Ψ[rows]`` as a dense matrix (no products)."""
+        return DenseFeatures(self.matrix[_check_rows(rows, self.n_outputs, "DenseFeatures.restrict").to(self.device)])
 
 
 class LinearizedFeatures(FeatureOperator):
@@ -230,3 +242,119 @@ class LinearizedFeatures(FeatureOperator):
         """
         W = self._rows(W, self.n_features, "W", "network_matvec")
         return self.network.jvp(W * self.scales)
+
+
+# ------------------------------------------------------------------------------------------ composition
+def _check_rows(rows, c: int, where: str) -> torch.Tensor:
+    idx = torch.as_tensor(rows)
+    if idx.dtype == torch.bool:
+        if tuple(idx.shape) != (c,):
+            raise ValueError(f"{where}: a boolean row mask must have shape ({c},), got {tuple(idx.shape)}")
+        idx = idx.nonzero().reshape(-1)
+    if idx.ndim != 1 or idx.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        raise ValueError(f"{where}: rows must be a 1-D integer index or a boolean mask, got "
+                         f"{tuple(idx.shape)} {idx.dtype}")
+    idx = idx.long()
+    if idx.numel() == 0:
+        raise ValueError(f"{where}: rows is empty (a linear model needs at least one target)")
+    if int(idx.min()) < 0 or int(idx.max()) >= c:
+        raise ValueError(f"{where}: row indices must lie in 0..{c - 1}, got {int(idx.min())}..{int(idx.max())}")
+    if idx.unique().numel() != idx.numel():
+        raise ValueError(f"{where}: rows contain duplicates (each measurement may enter the model once)")
+    return idx
+
+
+class ScaledFeatures(FeatureOperator):
+    """``Ψ = Ψ₀ diag(s)``: prior scales ``s`` ``(d,)`` applied to the weights of a base operator ``Ψ₀``.
+
+    The posterior (:class:`~ctuq.inference.posterior.LinearizedPosterior`) keeps the unscaled ``Ψ₀`` (e.g.
+    ``T Φ`` for CT) and applies the g-prior scales here, so scales can be refreshed or kept when rows are
+    restricted or added. Products cost what ``Ψ₀``'s cost; both operators count them.
+    """
+
+    def __init__(self, base: FeatureOperator, scales: torch.Tensor):
+        super().__init__()
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (base.n_features,):
+            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise ValueError(f"ScaledFeatures: scales must have shape ({base.n_features},), got {got}")
+        if not torch.isfinite(scales).all():
+            raise ValueError("ScaledFeatures: scales contain NaN or Inf")
+        self.base = base
+        self.n_features, self.n_outputs = base.n_features, base.n_outputs
+        self.dtype, self.device = base.dtype, base.device
+        self.scales = scales.detach().to(device=self.device, dtype=self.dtype)
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        return self.base.matvec(W * self.scales)
+
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        return self.base.rmatvec(R) * self.scales
+
+
+class RowSubsetFeatures(FeatureOperator):
+    """Rows ``rows`` of ``Ψ`` (a subset of the measurements): ``Ψ[rows]`` (``len(rows) × d``).
+
+    Each product still costs one product of the full operator (a network JVP/VJP does not get cheaper with fewer
+    measurements); what shrinks is the measurement space the solvers work in. Experimental design uses this to
+    condition on the acquired angles only.
+    """
+
+    def __init__(self, base: FeatureOperator, rows):
+        super().__init__()
+        self.base = base
+        self.rows = _check_rows(rows, base.n_outputs, "FeatureOperator.restrict").to(base.device)
+        self.n_features, self.n_outputs = base.n_features, int(self.rows.numel())
+        self.dtype, self.device = base.dtype, base.device
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        return self.base.matvec(W)[:, self.rows]
+
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros((R.shape[0], self.base.n_outputs), dtype=self.dtype, device=self.device)
+        full[:, self.rows] = R
+        return self.base.rmatvec(full)
+
+
+class StackedFeatures(FeatureOperator):
+    """Row blocks ``[Ψ₁; Ψ₂; …]`` over the same weights (``Σ cᵢ × d``): measurements appended to a model.
+
+    ``matvec`` concatenates the blocks' outputs, ``rmatvec`` sums their adjoints of the matching row slices.
+    """
+
+    def __init__(self, blocks: list[FeatureOperator]):
+        super().__init__()
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("stack_features: give at least one feature operator")
+        d = blocks[0].n_features
+        for i, b in enumerate(blocks):
+            if b.n_features != d:
+                raise ValueError(f"stack_features: block {i} has {b.n_features} features, block 0 has {d}")
+            if b.device != blocks[0].device or b.dtype != blocks[0].dtype:
+                raise ValueError(f"stack_features: block {i} is {b.dtype} on {b.device}, block 0 is "
+                                 f"{blocks[0].dtype} on {blocks[0].device}")
+        self.blocks = blocks
+        self.offsets = [0]
+        for b in blocks:
+            self.offsets.append(self.offsets[-1] + b.n_outputs)
+        self.n_features, self.n_outputs = d, self.offsets[-1]
+        self.dtype, self.device = blocks[0].dtype, blocks[0].device
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        return torch.cat([b.matvec(W) for b in self.blocks], dim=1)
+
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        out = None
+        for b, lo, hi in zip(self.blocks, self.offsets, self.offsets[1:]):
+            part = b.rmatvec(R[:, lo:hi])
+            out = part if out is None else out + part
+        return out
+
+
+def stack_features(blocks: list[FeatureOperator]) -> FeatureOperator:
+    """``[Ψ₁; Ψ₂; …]`` (rows appended); dense blocks stay one dense matrix."""
+    blocks = list(blocks)
+    if blocks and all(isinstance(b, DenseFeatures) for b in blocks):
+        StackedFeatures(blocks)  # same checks as the general case
+        return DenseFeatures(torch.cat([b.matrix for b in blocks], dim=0))
+    return StackedFeatures(blocks)

@@ -28,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import _check_hyper
+from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
 from ctuq.inference.solvers import SolveStats, Solver
+from ctuq.utils import derived_seed_words
 
 __all__ = [
     "PosteriorSamples",
@@ -74,15 +75,18 @@ class PosteriorSamples:
 
 
 def draw_prior_and_noise(
-    n: int, features: FeatureOperator, a: float, sigma2: float, generator: torch.Generator
+    n: int, features: FeatureOperator, a: float, sigma2: float, generator: torch.Generator,
+    *, likelihood: Likelihood | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w₀ (n, d), ε (n, c))`` with ``w₀ ~ N(0, a⁻¹ I)``, ``ε ~ N(0, σ² I)``; ``w₀`` drawn first."""
+    """``(w₀ (n, d), ε (n, c))`` with ``w₀ ~ N(0, a⁻¹ I)`` and the likelihood's noise ``ε`` (default
+    ``N(0, σ² I)``); ``w₀`` drawn first."""
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"a torch.Generator is required for reproducible samples, got {type(generator).__name__}")
     dt, dev = features.dtype, features.device
     w0 = torch.randn((n, features.n_features), generator=generator, device=generator.device, dtype=dt)
-    eps = torch.randn((n, features.n_outputs), generator=generator, device=generator.device, dtype=dt)
-    return w0.to(dev).mul_(float(a) ** -0.5), eps.to(dev).mul_(float(sigma2) ** 0.5)
+    noise = likelihood if likelihood is not None else GaussianLikelihood(sigma2)
+    eps = noise.draw_noise(n, features.n_outputs, generator, dt)
+    return w0.to(dev).mul_(float(a) ** -0.5), eps.to(dev)
 
 
 def _check_y(y_tilde: torch.Tensor, features: FeatureOperator, where: str) -> torch.Tensor:
@@ -158,10 +162,8 @@ def chunk_generator(seed: int, index: int, device: torch.device | str = "cpu") -
     The 64-bit seed comes from numpy's ``SeedSequence([seed, index])``, so chunk streams are statistically
     independent and do not depend on how many chunks were drawn before.
     """
-    if int(seed) < 0 or int(index) < 0:
-        raise ValueError(f"chunk_generator: seed and index must be >= 0, got {seed}, {index}")
-    state = np.random.SeedSequence([int(seed), int(index)]).generate_state(2, dtype=np.uint32)
-    derived = (int(state[0]) << 32 | int(state[1])) & 0x7FFF_FFFF_FFFF_FFFF
+    hi, lo = derived_seed_words(seed, index)
+    derived = (hi << 32 | lo) & 0x7FFF_FFFF_FFFF_FFFF
     return torch.Generator(device=torch.device(device)).manual_seed(derived)
 
 

@@ -72,7 +72,17 @@ __all__ = [
     "estimate_solver_costs",
     "choose_solver",
     "make_solver",
+    "SolverSpec",
+    "SOLVERS",
+    "SOLVER_CHOICES",
+    "PRECONDITIONERS",
+    "resolve_solver",
+    "dense_memory_budget",
 ]
+
+
+PRECONDITIONERS = ("nystrom", "halko", "pivoted_cholesky", "none")
+"""CG preconditioners (:class:`CGSolver`)."""
 
 
 class ConvergenceWarning(RuntimeWarning):
@@ -293,9 +303,9 @@ class CGSolver(Solver):
         seed: int = 0,
         pivoted_diagonal: str = "exact",
     ):
-        if isinstance(preconditioner, str) and preconditioner not in ("nystrom", "halko", "pivoted_cholesky", "none"):
+        if isinstance(preconditioner, str) and preconditioner not in PRECONDITIONERS:
             raise ValueError(
-                f"CGSolver: preconditioner must be 'nystrom', 'halko', 'pivoted_cholesky', 'none' or a LowRankEig, "
+                f"CGSolver: preconditioner must be one of {list(PRECONDITIONERS)} or a LowRankEig, "
                 f"got {preconditioner!r}"
             )
         if backend not in ("pcg", "linear_cg"):
@@ -730,10 +740,10 @@ def choose_solver(
         t_vjp = mv if t_vjp is None else t_vjp
         flop_rate = mf if flop_rate is None else flop_rate
     if memory_budget is None:
-        if features.device.type == "cuda":
-            memory_budget = 0.5 * torch.cuda.mem_get_info(features.device)[0]
-        else:
-            memory_budget = 4 * 1024**3
+        from ctuq.utils import free_memory_bytes
+
+        memory_budget = (0.5 * free_memory_bytes(features.device) if features.device.type == "cuda"
+                         else 4 * 1024**3)
     est = estimate_solver_costs(
         features.n_outputs, features.n_features, workload, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
         memory_budget=memory_budget, itemsize=torch.empty((), dtype=features.dtype).element_size(),
@@ -768,3 +778,77 @@ def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workloa
     if kind == "cg":
         return CGSolver(features, **{k: v for k, v in options.items() if k in cg_opts})
     raise ValueError(f"make_solver: kind must be 'auto', 'exact' or 'cg', got {kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------- registry
+@dataclasses.dataclass(frozen=True)
+class SolverSpec:
+    """One entry of :data:`SOLVERS`: a way to apply ``C⁻¹``.
+
+    Attributes
+    ----------
+    name : str
+        The option value (``uq.solver``).
+    exact : bool
+        Exact ``γ``, ``‖w*‖²`` and log evidence (EM at no Jacobian cost).
+    assembles_features : bool
+        Assembles ``Ψ`` itself (``d`` JVPs; needs ``c·d`` floats): the exact g-prior then comes free.
+    summary : str
+        One line for ``--help`` and docs.
+    """
+
+    name: str
+    exact: bool
+    assembles_features: bool
+    summary: str
+
+
+SOLVERS: dict[str, SolverSpec] = {
+    "exact_primal": SolverSpec("exact_primal", True, True,
+                               "assemble Ψ (d JVPs) and eigendecompose the d × d Gram ΨᵀΨ; small networks (d < c)"),
+    "exact_dual": SolverSpec("exact_dual", True, False,
+                             "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c"),
+    "cg": SolverSpec("cg", False, False,
+                     "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner"),
+}
+"""Every solver ctuq has, by option name (the scale issue adds ``sdd`` and ``sgd`` here)."""
+
+SOLVER_CHOICES = ("auto", "exact", *SOLVERS)
+"""Values of the ``uq.solver`` option: ``auto`` picks by estimated cost, ``exact`` the cheaper exact side."""
+
+def resolve_solver(
+    kind: str,
+    features: FeatureOperator,
+    workload: Workload = Workload(),
+    *,
+    memory_budget: float | None = None,
+) -> tuple[str, dict[str, SolverCostEstimate] | None]:
+    """The :data:`SOLVERS` name for option ``kind`` on ``features`` (``c × d``), and the cost estimates if any.
+
+    ``"auto"``: exact or CG by :func:`choose_solver` (which measures product times); ``"exact"``:
+    ``"exact_primal"`` when ``d < c`` and the assembled ``Ψ`` (twice, float64: ``2·c·d·8`` bytes) fits
+    ``memory_budget`` (default: 40 % of the available host memory, at most 8 GiB; half the free GPU memory),
+    else ``"exact_dual"``. Names in :data:`SOLVERS` pass through.
+    """
+    if kind not in SOLVER_CHOICES:
+        raise ValueError(f"uq.solver must be one of {list(SOLVER_CHOICES)}, got {kind!r}")
+    estimates = None
+    if kind == "auto":
+        kind, estimates = choose_solver(features, workload)
+    if kind == "exact":
+        if memory_budget is None:
+            memory_budget = dense_memory_budget(features.device)
+        c, d = features.n_outputs, features.n_features
+        kind = "exact_primal" if d < c and 2 * c * d * 8 <= memory_budget else "exact_dual"
+    return kind, estimates
+
+
+def dense_memory_budget(device: torch.device | str) -> int:
+    """Bytes a dense exact solver may use on ``device``: half the free GPU memory, or 40 % of the available host
+    memory capped at 8 GiB (4 GiB where the OS does not say)."""
+    from ctuq.utils import free_memory_bytes
+
+    avail = free_memory_bytes(device)
+    if torch.device(device).type == "cuda":
+        return int(0.5 * avail)
+    return int(min(8 * 1024**3, 0.4 * avail)) if avail else 4 * 1024**3

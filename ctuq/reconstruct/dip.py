@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ctuq.operators.base import RayTransform
-from ctuq.utils import atomic_torch_save
+from ctuq.utils import atomic_torch_save, check_fingerprint
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["DIPResult", "fit_dip", "tv_anisotropic", "psnr", "CheckpointMismatch", "load_checkpoint"]
@@ -198,17 +198,8 @@ def _fingerprint(op: RayTransform, y: torch.Tensor, net_input: torch.Tensor, lr,
 
 
 def _check_fingerprint(saved: dict, now: dict, path: Path) -> None:
-    for key, value in now.items():
-        old = saved.get(key)
-        same = (
-            math.isclose(old, value, rel_tol=1e-6, abs_tol=1e-9)
-            if isinstance(value, float) and isinstance(old, float) else old == value
-        )
-        if not same:
-            raise CheckpointMismatch(
-                f"cannot resume from {path}: its {key} is {old!r} but this run has {value!r} "
-                f"(start a fresh run in a new folder, or use the same data/settings)"
-            )
+    check_fingerprint(saved, now, what=f"cannot resume from {path}", error=CheckpointMismatch, abs_tol=1e-9,
+                      hint="start a fresh run in a new folder, or use the same data/settings")
 
 
 def fit_dip(

@@ -23,10 +23,10 @@ import math
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from ctuq.utils import derived_seed_words
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["MCDropoutPrediction", "mc_dropout_predict", "fit_mc_dropout_dip", "dropout_layers", "pass_seed"]
@@ -97,7 +97,8 @@ def pass_seed(seed: int, index: int) -> int:
     neighbouring passes and neighbouring base seeds get unrelated streams."""
     if seed < 0 or index < 0:
         raise ValueError(f"pass_seed: seed and index must be >= 0, got seed={seed}, index={index}")
-    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+    lo, hi = derived_seed_words(seed, index)
+    return (hi << 32 | lo) >> 1  # the little-endian uint64 of the two words, 63 bits (as in ctuq 0.1)
 
 
 def mc_dropout_predict(

@@ -3,9 +3,9 @@ the phantoms, then start the DIP from those weights with the scan's own FBP as t
 
 Training pairs are ``(s · FBP(T x + ε), s · x)`` for random phantoms ``x`` (``ctuq.data.phantom``), the same
 operator ``T`` and FBP as the reconstruction, relative Gaussian noise ``ε``, and the DIP's scale ``s``; the loss is
-the mean squared error. :func:`save_pretrained` writes ``{"model_config", "state_dict", "scale", "input": "fbp",
-"meta"}``; :func:`load_pretrained` loads it (or a DIP checkpoint / ``dip_model.pt``) into a model of the same
-architecture and refuses a mismatching one by naming the differing setting.
+the mean squared error. :func:`save_pretrained` writes a model file (:mod:`ctuq.models.model_file`, ``input:
+"fbp"``); :func:`load_pretrained` loads one of any version this ctuq reads (or a DIP checkpoint) into a model of the
+same architecture and refuses a mismatching one by naming the differing setting.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ctuq.utils import atomic_torch_save
+from ctuq.models.model_file import MODEL_FILE_FORMAT, ModelFileError, read_model_file, write_model_file
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["make_training_pairs", "pretrain_unet", "save_pretrained", "load_pretrained", "resolve_pretrained_path",
@@ -28,8 +28,6 @@ __all__ = ["make_training_pairs", "pretrain_unet", "save_pretrained", "load_pret
 # The repository's data/ folder: relative `model.pretrained` paths that do not exist in the working directory are
 # looked up here, so the bundled configs can name the bundled weights (data/pretrained/...) from anywhere.
 BUNDLED_DATA = Path(__file__).resolve().parents[2] / "data"
-
-PRETRAINED_VERSION = 1
 
 
 @dataclasses.dataclass
@@ -116,19 +114,11 @@ def pretrain_unet(
 
 
 def save_pretrained(path: str | os.PathLike, model: nn.Module, *, scale: float, meta: dict | None = None) -> Path:
-    """Write pretrained weights (CPU), the architecture and the scale they were trained with, atomically."""
+    """Write pretrained weights (CPU), the architecture and the scale they were trained with, atomically, as a
+    model file (:func:`ctuq.models.write_model_file`, ``input="fbp"``, no fixed input)."""
     if not hasattr(model, "config"):
         raise TypeError("save_pretrained: the model must be a ctuq.models.UNet (it needs .config)")
-    path = Path(path)
-    atomic_torch_save(path, {
-        "version": PRETRAINED_VERSION,
-        "model_config": model.config.to_dict(),
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "scale": float(scale),
-        "input": "fbp",
-        "meta": dict(meta or {}),
-    })
-    return path
+    return write_model_file(path, model, scale=scale, input="fbp", meta=meta)
 
 
 def resolve_pretrained_path(path: str | os.PathLike) -> Path:
@@ -146,20 +136,33 @@ def resolve_pretrained_path(path: str | os.PathLike) -> Path:
 def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
     """Load weights from ``path`` into ``model`` (in place) and return the file's contents.
 
-    Accepts files from :func:`save_pretrained`, ``dip_model.pt`` (``state_dict``) and DIP checkpoints
-    (``model``). The stored architecture must equal ``model.config`` (except the dropout rate). Relative paths
-    are resolved by :func:`resolve_pretrained_path`.
+    Accepts model files of any version :func:`ctuq.models.read_model_file` reads (``ctuq pretrain`` output,
+    ``dip_model.pt``) and DIP checkpoints (``{"model": ...}``). The stored architecture must equal
+    ``model.config`` (except the dropout rate). Relative paths are resolved by :func:`resolve_pretrained_path`.
+
+    Returns
+    -------
+    dict
+        For a model file its fields (``model_config``, ``state_dict``, ``scale``, ``net_input``, ``input``,
+        ``best_iteration``, ``meta``, ``version``); for a DIP checkpoint the checkpoint itself.
+
+    Raises
+    ------
+    ModelFileError
+        (a ``ValueError``) unreadable file, a model file of a newer version, no weights, another architecture;
+        the message begins with ``model.pretrained:``.
     """
     path = resolve_pretrained_path(path)
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise ValueError(f"model.pretrained: {path} could not be read as a torch file: {exc}") from exc
-    if not isinstance(blob, dict):
-        raise ValueError(f"model.pretrained: {path} does not hold a dict of weights")
+        mf = read_model_file(path)
+        blob = {f.name: getattr(mf, f.name) for f in dataclasses.fields(mf)}  # asdict would copy the weights
+    except ModelFileError as exc:
+        blob = _read_weights_blob(path)
+        if blob.get("format") == MODEL_FILE_FORMAT:
+            raise ModelFileError(f"model.pretrained: {exc}") from None  # a real model file read_model_file refused
     state = blob.get("state_dict", blob.get("model"))
     if state is None:
-        raise ValueError(f"model.pretrained: {path} has no 'state_dict' or 'model' entry (keys: {sorted(blob)})")
+        raise ModelFileError(f"model.pretrained: {path} has no 'state_dict' or 'model' entry (keys: {sorted(blob)})")
     saved_cfg = blob.get("model_config")
     if saved_cfg is not None and hasattr(model, "config"):
         mine = model.config.to_dict()
@@ -167,13 +170,23 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
             if key == "dropout":
                 continue
             if saved_cfg.get(key) != mine.get(key):
-                raise ValueError(
+                raise ModelFileError(
                     f"model.pretrained: {path} was trained with {key} = {saved_cfg.get(key)!r} but the configured "
                     f"U-Net has {key} = {mine.get(key)!r}; configure the same architecture (model.* keys)"
                 )
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise ValueError(f"model.pretrained: {path} does not fit the configured U-Net: {exc}") from None
+        raise ModelFileError(f"model.pretrained: {path} does not fit the configured U-Net: {exc}") from None
     return blob
 
+
+def _read_weights_blob(path: Path) -> dict:
+    # Files that are not model files (DIP checkpoints) are read as before the model-file format existed.
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise ModelFileError(f"model.pretrained: {path} could not be read as a torch file: {exc}") from exc
+    if not isinstance(blob, dict):
+        raise ModelFileError(f"model.pretrained: {path} does not hold a dict of weights")
+    return blob

@@ -1,0 +1,307 @@
+"""The phases of a reconstruction run and the state they share.
+
+A run is a list of *phases* over one :class:`RunState`::
+
+    ctuq reconstruct:  load → fbp → [tv] → dip → [uq] → write
+    ctuq uq:           load → fbp → restore_dip → uq → write
+
+Each phase is a function ``phase(state) -> None`` that reads what earlier phases left in ``state`` and adds its
+own results (images go into ``state.images``, numbers into ``state.metrics``, warnings into ``state.warnings``);
+:func:`ctuq.pipeline.runner.run_phases` times every phase into ``metrics.json['timings']``. The uncertainty
+phase lives in :mod:`ctuq.pipeline.uq_phase`; it finds the fitted network in ``state.model``/``state.net_input``
+and the operator/data in ``state.op``/``state.y``. File names are those of :mod:`ctuq.pipeline.run_folder`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ctuq.config import Config, ConfigError
+from ctuq.errors import CTUQError, NonFiniteLossError
+from ctuq.pipeline import run_folder as rf
+
+__all__ = ["RunState", "Phase", "phase_load", "phase_fbp", "phase_tv", "phase_dip", "phase_restore_dip",
+           "phase_write", "build_model", "make_input"]
+
+
+@dataclasses.dataclass
+class RunState:
+    """Everything the phases share.
+
+    ``images`` maps method names (``'fbp'``, ``'tv'``, ``'dip'``) to ``image_shape`` tensors in original units
+    (mm⁻¹). ``metrics`` is merged into metrics.json (phases add their own sections); ``warnings`` (one line
+    each) go to stderr as they arise and into metrics.json's ``"warnings"``. ``command`` names the ``ctuq``
+    sub-command in log and warning lines.
+    """
+
+    cfg: Config
+    out_dir: Path
+    device: torch.device
+    resume: bool = False
+    uq: bool = True
+    progress: bool = True
+    command: str = "reconstruct"
+    data: Any = None
+    op: Any = None
+    y: torch.Tensor | None = None
+    ground_truth: torch.Tensor | None = None
+    images: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    net_input: torch.Tensor | None = None
+    dip_result: Any = None
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    uq_result: Any = None
+    uq_summary: dict | None = None
+
+    def log(self, msg: str) -> None:
+        """A progress line ``[ctuq <command>] msg`` on stderr."""
+        print(f"[ctuq {self.command}] {msg}", file=sys.stderr, flush=True)
+
+    def warn(self, msg: str) -> None:
+        """Record ``msg`` for metrics.json and print ``ctuq <command>: warning: msg`` on stderr."""
+        self.warnings.append(msg)
+        print(f"ctuq {self.command}: warning: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A named step of a run: ``fn(state)`` updates the :class:`RunState` in place."""
+
+    name: str
+    fn: Callable[[RunState], None]
+
+
+# ------------------------------------------------------------------------------------------------ phases
+def phase_load(state: RunState) -> None:
+    """Load the scan named by ``cfg.data`` (default: the bundled simulated scan) onto the device, after checking
+    the setting against it (:func:`ctuq.pipeline.scan.load_scan`)."""
+    from ctuq.pipeline.scan import load_scan
+
+    d, path, warnings = load_scan(state.cfg, state.device, progress=state.progress)
+    state.data = d
+    state.op = d.op
+    state.y = d.y.to(state.device)
+    state.ground_truth = d.ground_truth.to(state.device) if d.ground_truth is not None else None
+    state.metrics["data"] = {
+        "path": str(path),
+        "image_shape": list(d.op.image_shape),
+        "measurement_shape": list(d.op.measurement_shape),
+        "operator": type(d.op).__name__,
+        "has_ground_truth": state.ground_truth is not None,
+    }
+    state.log(f"loaded {path}: image {tuple(d.op.image_shape)}, sinogram {tuple(d.op.measurement_shape)}, "
+              f"operator {type(d.op).__name__} on {state.device}")
+    for msg in warnings:
+        state.warn(msg)
+
+
+def phase_fbp(state: RunState) -> None:
+    """Filtered back-projection (2D) / FDK (3D) baseline → ``images['fbp']``, ``fbp.tif``."""
+    from ctuq.operators.fbp import fbp, fdk
+    from ctuq.outputs import write_tiff
+
+    fc = state.cfg.fbp
+    analytic = fbp if state.op.ndim == 2 else fdk
+    x = analytic(state.op, state.y, filter_type=fc.filter, frequency_scaling=fc.frequency_scaling)
+    state.images["fbp"] = x.to(state.device, torch.float32)
+    write_tiff(state.out_dir / rf.FBP_NAME, x)
+
+
+def phase_tv(state: RunState) -> None:
+    """TV-regularised baseline with ODL's PDHG → ``images['tv']``, ``tv.tif``."""
+    from ctuq.outputs import write_tiff
+    from ctuq.reconstruct.classical import tv_reconstruction
+
+    tc = state.cfg.tv
+    res = tv_reconstruction(
+        state.op, state.y, weight=tc.weight, iterations=tc.iterations, nonnegative=tc.nonnegative,
+        isotropic=tc.isotropic, x0=state.images.get("fbp"), progress=state.progress,
+    )
+    state.images["tv"] = res["reconstruction"]
+    state.metrics["tv"] = {k: res[k] for k in ("iterations", "time_s", "objective", "op_norm")}
+    write_tiff(state.out_dir / rf.TV_NAME, res["reconstruction"])
+
+
+def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
+    """The U-Net of ``cfg.model`` (2D or 3D by ``ndim``) with seeded initial weights (``cfg.seed``), optionally
+    loaded from ``cfg.model.pretrained`` (:func:`ctuq.reconstruct.pretrain.load_pretrained`)."""
+    from ctuq.models import build_unet
+
+    mc = cfg.model
+    torch.manual_seed(cfg.seed)
+    model = build_unet(
+        mc.preset, channels=mc.channels, skip_channels=mc.skip_channels, ndim=ndim,
+        norm_groups=mc.norm_groups, sigmoid=mc.sigmoid, dropout=mc.dropout,
+    )
+    if mc.pretrained:
+        from ctuq.reconstruct.pretrain import load_pretrained
+
+        load_pretrained(model, mc.pretrained)
+    return model
+
+
+def make_input(cfg: Config, state: RunState) -> torch.Tensor:
+    """The fixed network input ``(1, 1, *image_shape)``: seeded noise, or the FBP × ``dip.scale`` (educated
+    DIP, ``model.input = fbp``; needs the FBP phase)."""
+    from ctuq.models import make_net_input
+
+    if cfg.model.input == "fbp":
+        if "fbp" not in state.images:
+            raise ConfigError("model.input = 'fbp' needs the FBP phase")
+        return (state.images["fbp"].detach().cpu() * cfg.dip.scale)[None, None].float()
+    return make_net_input(state.op.image_shape, channels=1, seed=cfg.seed, std=cfg.model.input_std)
+
+
+def phase_dip(state: RunState) -> None:
+    """Fit the deep image prior → ``images['dip']``, ``reconstruction.tif``, ``dip_model.pt`` (a model file,
+    :mod:`ctuq.models.model_file`), ``dip_checkpoint.pt``.
+
+    Raises :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr`` when the loss becomes NaN or infinite.
+    """
+    from ctuq.models import count_parameters, write_model_file
+    from ctuq.outputs import write_tiff
+    from ctuq.reconstruct.dip import fit_dip
+
+    cfg, dc = state.cfg, state.cfg.dip
+    model = build_model(cfg, state.op.ndim)
+    net_input = make_input(cfg, state)
+    ckpt = state.out_dir / rf.CHECKPOINT_NAME
+    if state.resume and not ckpt.is_file():
+        state.log(f"--resume: no checkpoint {ckpt} yet, starting the DIP from iteration 0")
+    state.log(f"DIP: U-Net {count_parameters(model):,} parameters "
+              f"({count_parameters(model, conv_weights_only=True):,} conv weights), {dc.iterations} iterations")
+    try:
+        result = fit_dip(
+            state.op, state.y, model=model, net_input=net_input, iterations=dc.iterations, lr=dc.lr,
+            tv_weight=dc.tv_weight, clip_grad_norm=dc.clip_grad_norm, scale=dc.scale,
+            ground_truth=state.ground_truth, checkpoint_path=ckpt, checkpoint_every=dc.checkpoint_every,
+            resume=state.resume, seed=cfg.seed, device=state.device, progress=state.progress,
+        )
+    except FloatingPointError as exc:
+        if isinstance(exc, CTUQError):
+            raise
+        detail = str(exc).removeprefix("fit_dip: ")
+        raise NonFiniteLossError(f"dip.lr = {dc.lr:g}: the DIP fit diverged: {detail}") from exc
+    state.model, state.net_input, state.dip_result = model, result.net_input, result
+    state.images["dip"] = result.reconstruction
+    state.metrics["dip"] = {
+        **result.summary(),
+        "n_parameters": count_parameters(model),
+        "n_conv_weights": count_parameters(model, conv_weights_only=True),
+    }
+    write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction)
+    if cfg.output.save_model:
+        write_model_file(state.out_dir / rf.MODEL_NAME, model, scale=result.scale, state_dict=result.best_state_dict,
+                         net_input=result.net_input, input=cfg.model.input, best_iteration=result.best_iteration,
+                         meta={"dip": result.summary()})
+    if not cfg.output.keep_checkpoint and ckpt.exists():
+        ckpt.unlink()
+
+
+def phase_restore_dip(state: RunState) -> None:
+    """Restore the fitted DIP of a finished run (``ctuq uq``): ``dip_model.pt`` (any model-file version this
+    ctuq reads), else the checkpoint's best weights; plus the earlier TV image and DIP/TV metrics.
+
+    Raises
+    ------
+    FileNotFoundError
+        The run folder has neither file.
+    ModelFileError
+        ``dip_model.pt`` is unreadable, of a newer version, or holds no fixed input.
+    CTUQError
+        The DIP was fitted with another ``dip.scale``, or the checkpoint cannot rebuild the network.
+    """
+    from ctuq.models import UNet, read_model_file
+    from ctuq.reconstruct.dip import load_checkpoint
+
+    out = state.out_dir
+    model_path, ckpt_path = out / rf.MODEL_NAME, out / rf.CHECKPOINT_NAME
+    if model_path.is_file():
+        source = model_path
+        mf = read_model_file(model_path, need_input=True)
+        model, net_input, scale = mf.build(state.device), mf.net_input, mf.scale
+    elif ckpt_path.is_file():
+        source = ckpt_path
+        ckpt = load_checkpoint(ckpt_path)
+        if ckpt.get("model_config") is None:
+            raise CTUQError(f"{ckpt_path}: has no model_config; cannot rebuild the network")
+        model = UNet.from_config(ckpt["model_config"])
+        model.load_state_dict(ckpt["best_state"])
+        model.to(state.device).eval()
+        net_input, scale = ckpt["net_input"], ckpt["meta"]["scale"]
+    else:
+        raise FileNotFoundError(
+            f"{out}: has neither {rf.MODEL_NAME} nor {rf.CHECKPOINT_NAME}: run `ctuq reconstruct --out {out}` first "
+            f"(with output.save_model or output.keep_checkpoint enabled)"
+        )
+    if abs(float(scale) - state.cfg.dip.scale) > 1e-12 * max(1.0, abs(float(scale))):
+        raise CTUQError(f"dip.scale = {state.cfg.dip.scale:g}: the DIP in {source} was fitted with scale {scale}; "
+                        f"use the run's dip.scale")
+    with torch.no_grad():
+        recon = model(net_input.to(state.device))[0, 0] / float(scale)
+    state.model, state.net_input = model, net_input
+    state.images["dip"] = recon
+    tv_path = out / rf.TV_NAME
+    if tv_path.is_file():
+        import tifffile
+
+        state.images["tv"] = torch.from_numpy(tifffile.imread(tv_path).astype("float32")).to(state.device)
+    metrics_path = out / rf.METRICS_NAME
+    if metrics_path.is_file():
+        old = json.loads(metrics_path.read_text())
+        for key in ("dip", "tv"):
+            if key in old:
+                state.metrics[key] = old[key]
+        state.metrics["reconstruct_timings"] = old.get("timings")
+
+
+def phase_write(state: RunState) -> None:
+    """Metrics against the ground truth, the PNG figure, ground_truth.tif and metrics.json (with the run's
+    ``"warnings"``, an empty list when there were none)."""
+    from ctuq import __version__
+    from ctuq.outputs import image_metrics, package_versions, write_figure, write_metrics, write_tiff
+
+    names = {"fbp": "FBP", "tv": "TV", "dip": "DIP"}
+    psnr: dict[str, float | None] = {}
+    ssim: dict[str, float | None] = {}
+    if state.ground_truth is not None:
+        write_tiff(state.out_dir / rf.GROUND_TRUTH_NAME, state.ground_truth)
+        for key, img in state.images.items():
+            m = image_metrics(img, state.ground_truth)
+            psnr[key], ssim[key] = m["psnr"], m["ssim"]
+    if state.cfg.output.figure:
+        order = [k for k in ("fbp", "tv", "dip") if k in state.images]
+        write_figure(
+            state.out_dir / rf.RECONSTRUCTION_FIGURE,
+            {names[k]: state.images[k] for k in order},
+            ground_truth=state.ground_truth,
+            psnrs={names[k]: psnr.get(k) for k in order},
+            error_of="DIP",
+        )
+    total = sum(state.timings.values())
+    metrics = {
+        "ctuq_version": __version__,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": str(state.device),
+        "seed": state.cfg.seed,
+        "warnings": list(state.warnings),
+        "psnr": psnr,
+        "ssim": ssim,
+        **state.metrics,
+        "timings": {**state.timings, "total_before_write": total},
+        "config": state.cfg.to_dict(),
+        "versions": package_versions(),
+    }
+    write_metrics(state.out_dir / rf.METRICS_NAME, metrics)
+    if psnr:
+        state.log("PSNR " + ", ".join(f"{names[k]} {v:.2f} dB" for k, v in psnr.items() if v is not None))

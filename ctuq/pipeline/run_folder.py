@@ -1,0 +1,153 @@
+"""The run-folder contract: every file a ``ctuq reconstruct`` run folder (``--out``) may hold, and the checks an
+output folder must pass before any work starts.
+
+Files (all written atomically, so a killed run never leaves a half-written one)::
+
+    config.yaml          the resolved config of the run (what ``--resume`` and ``ctuq uq`` read back)
+    metrics.json         PSNR/SSIM per method, UQ metrics, timings per phase, warnings, config, versions, device
+    reconstruction.tif   DIP reconstruction (float32, mm⁻¹, (H, W) or (D, H, W))
+    fbp.tif              FBP (2D) or FDK (3D) reconstruction
+    tv.tif               TV reconstruction (only when the TV baseline ran)
+    ground_truth.tif     the ground truth on the reconstruction grid (only when the scan has one)
+    std.tif              pixelwise posterior standard deviation (mm⁻¹; only with the uncertainty phase)
+    dip_checkpoint.pt    DIP checkpoint: weights, optimizer, RNG, history (``--resume`` continues from it)
+    dip_model.pt         the fitted DIP: best weights, fixed input, architecture (``ctuq.models.model_file``)
+    uq_state.pt          inference checkpoint: the posterior after the g-prior, the solver set-up, each EM step
+    uq_moments.pt        running sums of the prediction samples and the next chunk (resume; deleted when the
+                         inference finishes)
+    samples/samples_NNNN.pt   image samples of chunk NNNN, only when asked to keep them (uq.save_samples)
+    reconstruction.png   ground truth | FBP | (TV |) DIP | |DIP − ground truth|, PSNRs in the titles
+    uncertainty.png      ground truth | DIP | |error| | posterior std (inner-square ROI marked)
+    calibration.png      coverage of the central posterior intervals against their level
+    joint_ll.png         patch joint log-likelihood against patch size
+    error_vs_std.png     |error| against posterior std, binned
+    em_trace.png         prior precision, noise variance and evidence per EM step
+
+This module imports nothing from ctuq but :mod:`ctuq.errors` (a leaf), so any layer may take the names from here.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ctuq.errors import OutDirError
+
+__all__ = [
+    "CONFIG_NAME", "METRICS_NAME", "RECONSTRUCTION_NAME", "FBP_NAME", "TV_NAME", "GROUND_TRUTH_NAME", "STD_NAME",
+    "CHECKPOINT_NAME", "MODEL_NAME", "UQ_STATE_NAME", "UQ_MOMENTS_NAME", "UQ_SAMPLES_DIR", "UQ_SAMPLE_FILE_PATTERN",
+    "RECONSTRUCTION_FIGURE", "UNCERTAINTY_FIGURE", "CALIBRATION_FIGURE", "JOINT_LL_FIGURE", "ERROR_VS_STD_FIGURE",
+    "EM_TRACE_FIGURE", "FIGURE_NAMES", "prepare_out_dir", "check_writable_folder", "require_run_folder",
+    "new_run_folder", "is_finished_run",
+]
+
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.json"
+RECONSTRUCTION_NAME = "reconstruction.tif"
+FBP_NAME = "fbp.tif"
+TV_NAME = "tv.tif"
+GROUND_TRUTH_NAME = "ground_truth.tif"
+STD_NAME = "std.tif"
+CHECKPOINT_NAME = "dip_checkpoint.pt"
+MODEL_NAME = "dip_model.pt"
+# The linearised inference (ctuq.uq) writes these into any work folder (run folders, study folders).
+UQ_STATE_NAME = "uq_state.pt"
+UQ_MOMENTS_NAME = "uq_moments.pt"
+UQ_SAMPLES_DIR = "samples"
+UQ_SAMPLE_FILE_PATTERN = "samples_{:04d}.pt"
+
+RECONSTRUCTION_FIGURE = "reconstruction.png"
+UNCERTAINTY_FIGURE = "uncertainty.png"
+CALIBRATION_FIGURE = "calibration.png"
+JOINT_LL_FIGURE = "joint_ll.png"
+ERROR_VS_STD_FIGURE = "error_vs_std.png"
+EM_TRACE_FIGURE = "em_trace.png"
+FIGURE_NAMES = (RECONSTRUCTION_FIGURE, UNCERTAINTY_FIGURE, CALIBRATION_FIGURE, JOINT_LL_FIGURE,
+                ERROR_VS_STD_FIGURE, EM_TRACE_FIGURE)
+
+
+def is_finished_run(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a finished run (its ``metrics.json`` is written last)."""
+    return (Path(folder) / METRICS_NAME).is_file()
+
+
+def check_writable_folder(folder: str | os.PathLike, *, option: str = "--out", create: bool = True) -> Path:
+    """Check that ``folder`` can be (created and) written, before any work starts; returns it as a ``Path``.
+
+    Parameters
+    ----------
+    folder : path
+        The output folder.
+    option : str
+        How the user named it (``"--out"``, ``"RUN_DIR"``), for the message.
+    create : bool
+        Create ``folder`` (and its parents) if missing.
+
+    Raises
+    ------
+    OutDirError
+        ``folder`` is an existing file, one of its parents is a file, it cannot be created, or a probe file cannot
+        be written into it. The message is ``"<option> <folder>: <problem>"``.
+    """
+    folder = Path(folder)
+    where = f"{option} {folder}"
+    if folder.exists() and not folder.is_dir():
+        raise OutDirError(f"{where}: exists and is a file, not a folder; choose another {option}")
+    for parent in folder.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutDirError(f"{where}: {parent} is a file, so no folder can be created under it")
+            break
+    if create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutDirError(f"{where}: cannot create the folder ({exc.strerror or exc})") from None
+    elif not folder.is_dir():
+        raise OutDirError(f"{where}: no such folder")
+    # os.access answers for the real uid and says yes to root on a read-only (chmod) folder, and never knows
+    # about read-only mounts: only writing a file tells the truth.
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutDirError(f"{where}: not writable (permission denied)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ctuq-write-probe-", dir=folder)
+    except OSError as exc:
+        raise OutDirError(f"{where}: not writable ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return folder
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, *, resume: bool = False, option: str = "--out") -> Path:
+    """The output folder of a new (or, with ``resume``, a continued) run: checked, created and writable.
+
+    Raises :class:`~ctuq.errors.OutDirError` as :func:`check_writable_folder` does, and when ``out_dir`` already
+    holds a finished run and ``resume`` is false (a new run would overwrite it).
+    """
+    out_dir = Path(out_dir)
+    if not resume and out_dir.is_dir() and is_finished_run(out_dir):
+        raise OutDirError(f"{option} {out_dir}: already holds a finished run ({METRICS_NAME}); choose another "
+                          f"{option} or pass --resume")
+    return check_writable_folder(out_dir, option=option)
+
+
+def require_run_folder(run_dir: str | os.PathLike, *, option: str = "RUN_DIR") -> Path:
+    """The ``config.yaml`` of the existing, writable run folder ``run_dir`` (what ``ctuq uq`` reruns).
+
+    Raises :class:`~ctuq.errors.OutDirError` naming the folder when it or its config is missing or when it is
+    not writable.
+    """
+    run_dir = Path(run_dir)
+    config = run_dir / CONFIG_NAME
+    if not config.is_file():
+        raise OutDirError(f"{config}: does not exist; {option} must be a folder written by `ctuq reconstruct`")
+    check_writable_folder(run_dir, option=option, create=False)
+    return config
+
+
+def new_run_folder(root: str | os.PathLike = "runs") -> Path:
+    """A fresh ``root/<YYYYmmdd-HHMMSS>[-N]`` (created) under the checked, writable ``root``."""
+    from ctuq.outputs import new_run_dir
+
+    return new_run_dir(check_writable_folder(root, option="run folder root"))

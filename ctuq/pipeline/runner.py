@@ -1,0 +1,122 @@
+"""Assembling and running the phase lists: :func:`reconstruct` (``ctuq reconstruct``) and :func:`rerun_uq`
+(``ctuq uq``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from ctuq.config import Config
+from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.phases import (Phase, RunState, phase_dip, phase_fbp, phase_load, phase_restore_dip, phase_tv,
+                                  phase_write)
+from ctuq.pipeline.uq_phase import phase_uq
+
+__all__ = ["uq_phases", "build_phases", "run_phases", "reconstruct", "rerun_uq"]
+
+
+def uq_phases(state: RunState) -> list[Phase]:
+    """Phases of the linearised inference, run after the DIP and before writing (``--no-uq``: none)."""
+    return [Phase("uq", phase_uq)]
+
+
+def build_phases(state: RunState) -> list[Phase]:
+    """The phase list of ``ctuq reconstruct`` for ``state.cfg``: load → fbp → [tv] → dip → [uq] → write."""
+    phases = [Phase("load", phase_load), Phase("fbp", phase_fbp)]
+    if state.cfg.tv.enabled:
+        phases.append(Phase("tv", phase_tv))
+    phases.append(Phase("dip", phase_dip))
+    if state.uq:
+        phases.extend(uq_phases(state))
+    phases.append(Phase("write", phase_write))
+    return phases
+
+
+def run_phases(state: RunState, phases: list[Phase]) -> RunState:
+    """Run ``phases`` in order, recording each one's wall time (s) in ``state.timings``; returns ``state``."""
+    for phase in phases:
+        t0 = time.perf_counter()
+        phase.fn(state)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize(state.device)
+        state.timings[phase.name] = time.perf_counter() - t0
+    return state
+
+
+def _write_config(cfg: Config, out_dir: Path) -> None:
+    from ctuq.utils import atomic_path
+
+    with atomic_path(out_dir / rf.CONFIG_NAME) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def reconstruct(cfg: Config, out_dir: str | Path, *, resume: bool = False, uq: bool = True, progress: bool = True,
+                overwrite: bool = False) -> RunState:
+    """Programmatic ``ctuq reconstruct``: run all phases for ``cfg`` into the run folder ``out_dir``.
+
+    The device and the folder are checked before any work starts (:func:`ctuq.utils.resolve_device`,
+    :func:`ctuq.pipeline.run_folder.prepare_out_dir`); the resolved config is written to ``config.yaml`` first.
+
+    Parameters
+    ----------
+    cfg : Config
+        The resolved configuration.
+    out_dir : path
+        Run folder (created). One holding a finished run (``metrics.json``) is refused unless ``resume`` or
+        ``overwrite``.
+    resume : bool
+        Continue the DIP and the inference from the checkpoints in ``out_dir``.
+    uq : bool
+        Run the uncertainty phase.
+    progress : bool
+        Progress bars on stderr.
+    overwrite : bool
+        Allow a new run into a folder that holds a finished one.
+
+    Returns
+    -------
+    RunState
+        The final state: images, metrics, timings (s), warnings.
+
+    Raises
+    ------
+    CTUQError, WalnutFormatError, ModelFileError, CheckpointMismatch, UQCheckpointMismatch, OSError
+        User errors (see :mod:`ctuq.errors`), e.g. an unwritable ``out_dir``, a damaged scan, a diverged fit.
+    """
+    from ctuq.pipeline.scan import check_device
+    from ctuq.utils import resolve_device
+
+    device = resolve_device(cfg.device)
+    check_device(cfg, device)
+    out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
+    _write_config(cfg, out_dir)
+    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
+    return run_phases(state, build_phases(state))
+
+
+def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> RunState:
+    """Programmatic ``ctuq uq``: rerun only the uncertainty phase on the finished run folder ``out_dir``.
+
+    Reloads the scan and the FBP, restores the fitted DIP (``dip_model.pt``, else the checkpoint; no refitting),
+    runs the inference with ``cfg.uq`` and rewrites ``std.tif``, the uncertainty figures, ``metrics.json`` (the
+    DIP/TV numbers of the original run are kept) and ``config.yaml`` (``cfg``). ``resume`` continues an
+    interrupted inference from its checkpoints. Returns the final :class:`RunState`; raises as
+    :func:`reconstruct` does, and :class:`~ctuq.errors.OutDirError` when ``out_dir`` is not a run folder.
+    """
+    from ctuq.pipeline.scan import check_device
+    from ctuq.utils import resolve_device
+
+    out_dir = Path(out_dir)
+    rf.require_run_folder(out_dir)
+    device = resolve_device(cfg.device)
+    check_device(cfg, device)
+    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=True, progress=progress,
+                     command="uq")
+    phases = [Phase("load", phase_load), Phase("fbp", phase_fbp), Phase("restore_dip", phase_restore_dip),
+              *uq_phases(state), Phase("write", phase_write)]
+    run_phases(state, phases)
+    _write_config(cfg, out_dir)
+    return state

@@ -1,0 +1,180 @@
+"""Loading the scan a config names, with the checks that make a bad setting fail fast and clearly.
+
+:func:`load_scan` opens the scan (geometry, headers and listings only), checks the config's ``data`` section
+against it — device and backend, slice and subsampling in range, image grid, at least ``data.min_angles``
+projection angles — and only then reads pixel data. A setting the scan can give but that differs from the one a
+published config states (``data.expect_angles`` / ``data.expect_columns``) loads with a warning saying what the
+scan gives instead and why.
+
+Errors are :class:`ctuq.errors.DataError` / :class:`~ctuq.errors.DeviceError` (option or scan folder first);
+the loader's own :class:`~ctuq.data.walnut.WalnutFormatError` (damaged or missing files) passes through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ctuq.config import Config
+from ctuq.errors import DataError, DeviceError
+
+__all__ = ["data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan",
+           "count_kept"]
+
+# The walnut data set (Der Sarkissian et al. 2019) the published settings subsample.
+_WALNUT_ANGLES, _WALNUT_COLUMNS = 1200, 768
+
+
+def count_kept(n: int, step: int) -> int:
+    """Items ``0, step, 2·step, … < n`` kept by subsampling ``n`` items with ``step`` (the loader's rule for
+    angles and detector columns)."""
+    return len(range(0, n, step))
+
+
+def data_path(cfg: Config) -> Path:
+    """The scan folder of ``cfg.data.path``, or the default one (``$CTUQ_DATA`` or the bundled scan).
+
+    Raises ``FileNotFoundError`` naming ``data.path`` when it does not exist.
+    """
+    from ctuq.data import default_data_dir
+
+    if cfg.data.path is None:
+        return default_data_dir()
+    path = Path(cfg.data.path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder (set it with --data DIR)")
+    return path
+
+
+def check_device(cfg: Config, device: torch.device) -> None:
+    """Refuse settings that need CUDA on a CPU ``device`` (3D volumes, the ``astra_cuda`` backend)."""
+    if device.type == "cuda":
+        return
+    if cfg.data.ndim == 3:
+        raise DeviceError(f"data.ndim = 3: volumes need a CUDA device (ASTRA has no 3D CPU projectors), but this "
+                          f"run uses {device}; use --device cuda on a GPU machine, or data.ndim = 2")
+    if cfg.data.backend == "astra_cuda":
+        raise DeviceError(f"data.backend = 'astra_cuda' needs a CUDA device, but this run uses {device}; use "
+                          f"--device cuda, or --set data.backend=sparse")
+
+
+def check_scan_setting(scan: Any, cfg: Config) -> None:
+    """Check ``cfg.data`` against the opened :class:`~ctuq.data.WalnutScan` ``scan`` before pixels are read.
+
+    Raises
+    ------
+    DataError
+        ``data.slice_index`` beyond the ground-truth slices, a detector subsampling larger than the detector,
+        an ``image_shape`` that changes the field of view's aspect ratio, or fewer than ``data.min_angles``
+        projection angles left by the files and ``data.angular_subsampling`` (the message names the scan folder,
+        the number of angles left and how to get more).
+    """
+    from ctuq.geometry import VolumeGeometry
+
+    dc = cfg.data
+    n_rows, n_cols = scan.det_shape
+    if dc.ndim == 2 and dc.slice_index is not None and not dc.slice_index < scan.gt_shape[0]:
+        n_z = scan.gt_shape[0]
+        raise DataError(f"data.slice_index: {dc.slice_index} is out of range: {scan.path} has {n_z} ground-truth "
+                        f"slices (0 … {n_z - 1}); set it below {n_z}, or null for the central slice")
+    if dc.detector_subsampling > n_cols:
+        raise DataError(f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_cols} detector "
+                        f"columns of {scan.proj_dir}")
+    if dc.ndim == 3 and dc.detector_subsampling > n_rows:
+        raise DataError(f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_rows} detector rows "
+                        f"of {scan.proj_dir} (3D subsamples rows and columns alike)")
+    if dc.image_shape is not None:
+        grid = scan.ground_truth_grid() if dc.ndim == 3 else VolumeGeometry(scan.gt_shape[1:], scan.voxel_size)
+        try:
+            grid.coarsened(dc.image_shape)
+        except ValueError:
+            raise DataError(f"data.image_shape: {list(dc.image_shape)} changes the aspect ratio of the scan's "
+                            f"ground-truth grid {list(grid.shape)} ({scan.path}); the field of view is kept, so "
+                            f"use a shape with the same aspect ratio") from None
+    distinct = scan.n_files - 1  # the last file repeats the first angle
+    kept = count_kept(distinct, dc.angular_subsampling)
+    if kept < dc.min_angles:
+        fits = [k for k in range(distinct, 0, -1) if count_kept(distinct, k) >= dc.min_angles]
+        if fits and fits[0] < dc.angular_subsampling:
+            fix = f"lower data.angular_subsampling to at most {fits[0]}"
+        else:
+            fix = "use a scan with more projections"
+        raise DataError(
+            f"{scan.path}: only {kept} projection angle{'s' if kept != 1 else ''} left (tubeV{scan.orbit} has "
+            f"{scan.n_files} files, {distinct} distinct angles; data.angular_subsampling = "
+            f"{dc.angular_subsampling} keeps one in {dc.angular_subsampling}), fewer than data.min_angles = "
+            f"{dc.min_angles}: a reconstruction from so few angles is not meaningful; {fix}, or set "
+            f"data.min_angles={kept} to run anyway"
+        )
+
+
+def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[int, ...]) -> list[str]:
+    """Warnings (one line each) when the loaded ``measurement_shape`` ``(n_angles, [n_rows,] n_cols)`` differs
+    from ``data.expect_angles`` / ``data.expect_columns`` (the setting a published config states): what the scan
+    gave, why, and the subsampling that would give the expected setting on this scan if there is one."""
+    dc = cfg.data
+    got_a, got_c = int(measurement_shape[0]), int(measurement_shape[-1])
+    want_a = dc.expect_angles if dc.expect_angles is not None else got_a
+    want_c = dc.expect_columns if dc.expect_columns is not None else got_c
+    if (got_a, got_c) == (want_a, want_c):
+        return []
+    distinct, n_cols = scan.n_files - 1, scan.det_shape[1]
+    why = []
+    if got_a != want_a:
+        why.append(f"its {distinct} distinct angles, one in {dc.angular_subsampling}, leave {got_a}")
+    if got_c != want_c:
+        why.append(f"its {n_cols} detector columns, one in {dc.detector_subsampling}, leave {got_c}")
+    k_a = next((k for k in range(1, distinct + 1) if count_kept(distinct, k) == want_a), None)
+    k_c = next((k for k in range(1, n_cols + 1) if count_kept(n_cols, k) == want_c), None)
+    if k_a is not None and k_c is not None:
+        fix = (f"--set data.angular_subsampling={k_a} --set data.detector_subsampling={k_c} gives "
+               f"{want_a} × {want_c} on this scan")
+    else:
+        fix = (f"this scan cannot give {want_a} × {want_c} (the walnut data set has {_WALNUT_ANGLES} angles × "
+               f"{_WALNUT_COLUMNS} columns)")
+    return [f"{scan.path}: the config states {want_a} angles × {want_c} detector columns "
+            f"(data.expect_angles/expect_columns) but this scan gives {got_a} × {got_c}: {'; '.join(why)}; {fix}; "
+            f"results are not comparable with the published setting"]
+
+
+def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tuple[Any, Path, list[str]]:
+    """Load the scan of ``cfg.data`` onto ``device`` after checking the setting against it.
+
+    Returns
+    -------
+    data : ctuq.data.CTData
+        Operator, sinogram ``y`` (``(n_angles, n_cols)`` or ``(n_angles, n_rows, n_cols)``, on ``device``), ground
+        truth (``image_shape``, mm⁻¹, or ``None``).
+    path : Path
+        The scan folder.
+    warnings : list of str
+        From :func:`expected_setting_warnings` (empty when the scan gives the stated setting).
+
+    Raises
+    ------
+    FileNotFoundError, DeviceError, DataError, WalnutFormatError
+        See :func:`data_path`, :func:`check_device`, :func:`check_scan_setting` and the loader.
+    """
+    from ctuq import data as ctdata
+
+    dc = cfg.data
+    check_device(cfg, device)
+    path = data_path(cfg)
+    scan = ctdata.WalnutScan(path, dc.orbit)
+    check_scan_setting(scan, cfg)
+    kwargs = dict(
+        orbit=dc.orbit,
+        angular_subsampling=dc.angular_subsampling,
+        detector_subsampling=dc.detector_subsampling,
+        image_shape=None if dc.image_shape is None else tuple(dc.image_shape),
+        backend=dc.backend,
+        device=device,
+        progress=progress,
+    )
+    if dc.ndim == 2:
+        d = ctdata.load_walnut_slice(path, slice_index=dc.slice_index, **kwargs)
+    else:
+        d = ctdata.load_walnut_volume(path, **kwargs)
+    return d, path, expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))

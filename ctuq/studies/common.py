@@ -1,0 +1,386 @@
+"""Pieces every ctuq study needs: the study folder and its resume check, the scan, the DIP fit, per-method records.
+
+A study folder ``OUT`` holds ``study.json`` (the options that change numbers, see :func:`study_fingerprint` and
+:func:`check_study_folder`), the scan when it is simulated (``OUT/scan``, :func:`prepare_scan`), and per setting
+a folder (:func:`setting_dir`) with the fitted networks (``dip_model.pt``, :func:`fit_or_load_dip`) and per method
+a subfolder whose ``metrics.json`` marks it finished (:func:`finish_method`, :func:`method_done`). Everything a
+study writes is written atomically, so a killed run leaves either a finished part or none, and a rerun of the
+same command resumes where it stopped.
+
+Options are passed as one plain dict ``opts`` (the study's resolved command-line options); each function names
+the keys it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["NEUTRAL_OPTIONS", "StudyError", "Log", "read_json", "study_fingerprint", "check_study_folder",
+           "prepare_scan", "angular_subsampling", "exact_decision", "setting_dir", "fit_or_load_dip",
+           "method_done", "finish_method"]
+
+# Options that do not change the numbers of any study: a rerun may change them freely.
+NEUTRAL_OPTIONS = frozenset({"device", "progress", "tiny", "threads"})
+
+
+class StudyError(RuntimeError):
+    """Bad input or an output folder that belongs to another study; the message says what and where."""
+
+
+class Log:
+    """Timestamped one-line messages on stderr (the progress output of a study).
+
+    Parameters
+    ----------
+    name : str
+        Prefix of every line (the study's script name), e.g. ``"walnut_study"`` gives
+        ``[walnut_study    12.3 s] message``; the time is counted from the creation of the logger.
+    """
+
+    def __init__(self, name: str = "study") -> None:
+        self.name = name
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        print(f"[{self.name} {elapsed:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON file ``path``, or a :class:`StudyError` naming it (and how to recover) if it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StudyError(f"{path} could not be read as JSON ({exc}); delete it to recompute that part") from exc
+
+
+def study_fingerprint(opts: dict, data: str, neutral: Iterable[str] = NEUTRAL_OPTIONS) -> dict:
+    """The options that identify a study: ``opts`` without the ``neutral`` ones, plus the scan.
+
+    Parameters
+    ----------
+    opts : dict
+        The study's resolved options (plain JSON values).
+    data : str
+        What the scan is: the resolved ``--data`` folder, or ``"simulated"``.
+    neutral : iterable of str
+        Options that do not change the numbers (device, threads, progress, batch sizes, ...).
+
+    Returns
+    -------
+    dict
+        ``opts`` in its own key order without ``neutral``, with ``"data"`` added; recorded in ``study.json``.
+    """
+    neutral = set(neutral)
+    fp = {k: v for k, v in opts.items() if k not in neutral}
+    fp["data"] = data
+    return fp
+
+
+def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterable[str] = ("settings",)) -> None:
+    """Create ``out/study.json``, or check that the existing one holds the same options.
+
+    Parameters
+    ----------
+    out : Path
+        The study folder (must exist).
+    fingerprint : dict
+        :func:`study_fingerprint` of this run.
+    log : Log
+        Says when an earlier study is resumed.
+    growable : iterable of str
+        List-valued options that a rerun may extend (e.g. more angle counts in ``settings``): they are exempt
+        from the check, and ``study.json`` records the union of the old and new values.
+
+    Raises
+    ------
+    StudyError
+        ``study.json`` holds other options (the message lists each one, there and now) or is unreadable.
+    """
+    from ctuq.utils import atomic_write_json
+
+    growable = tuple(growable)
+    path = out / "study.json"
+    if path.is_file():
+        saved = read_json(path).get("options", {})
+        diff = sorted(k for k in set(saved) | set(fingerprint) if k not in growable and saved.get(k) != fingerprint.get(k))
+        if diff:
+            details = ", ".join(f"{k}: {saved.get(k)!r} there, {fingerprint.get(k)!r} now" for k in diff)
+            raise StudyError(f"{out} holds a study with other options ({details}); use another --out, or the same "
+                             f"options to resume it")
+        log(f"resuming the study in {out} (finished parts are skipped)")
+        fingerprint = dict(fingerprint, **{k: sorted(set(saved.get(k, [])) | set(fingerprint[k]))
+                                           for k in growable if k in fingerprint})
+    atomic_write_json(path, {"options": fingerprint})
+
+
+def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
+    """The scan folder of a study: ``--data`` as given, or a simulated scan in ``out/scan``.
+
+    Parameters
+    ----------
+    opts : dict
+        Reads ``scan_preset`` (the :func:`ctuq.data.simulate_scan` preset) and ``progress``.
+    data : str or None
+        The ``--data`` folder (a ``Walnut{id}`` folder, real or simulated); ``None`` simulates one.
+    out : Path
+        The study folder; the simulation goes to ``out/scan`` and is reused when a complete simulation of the
+        same preset is there (an incomplete one or another preset is overwritten).
+    log : Log
+        Says whether the scan is simulated or reused.
+
+    Returns
+    -------
+    Path
+        The scan folder.
+
+    Raises
+    ------
+    StudyError
+        ``data`` is not a folder.
+    """
+    from ctuq.data import simulate_scan
+    from ctuq.data.simulate import SIDECAR_NAME
+
+    if data is not None:
+        path = Path(data).expanduser()
+        if not path.is_dir():
+            raise StudyError(f"--data {data!r} is not a folder (a Walnut{{id}} folder with Projections/ and "
+                             f"Reconstructions/ is needed)")
+        return path
+    path = out / "scan"
+    sidecar = path / SIDECAR_NAME
+    if sidecar.is_file():
+        info = read_json(sidecar)
+        if info.get("complete") and info.get("preset") == opts["scan_preset"]:
+            log(f"reusing the simulated scan {path} (preset {opts['scan_preset']})")
+            return path
+    log(f"simulating a walnut scan (preset {opts['scan_preset']}) into {path}")
+    t0 = time.perf_counter()
+    simulate_scan(path, preset=opts["scan_preset"], overwrite=sidecar.is_file(), progress=opts["progress"])
+    log(f"simulated the scan in {time.perf_counter() - t0:.1f} s")
+    return path
+
+
+def angular_subsampling(n_files: int, n_angles: int, path: Path) -> int:
+    """Angular subsampling factor that leaves ``n_angles`` of a scan's distinct angles.
+
+    Parameters
+    ----------
+    n_files : int
+        Projection files of the scan; the last one repeats the first angle, so ``n_files − 1`` are distinct.
+    n_angles : int
+        Wanted angle count.
+    path : Path
+        The scan (named in the error message).
+
+    Returns
+    -------
+    int
+        ``(n_files − 1) / n_angles``.
+
+    Raises
+    ------
+    StudyError
+        ``n_angles`` does not divide the number of distinct angles (the message lists the valid counts).
+    """
+    distinct = n_files - 1
+    if n_angles > distinct or distinct % n_angles:
+        valid = [k for k in range(1, distinct + 1) if distinct % k == 0]
+        raise StudyError(f"--settings: {n_angles} angles cannot be taken evenly from the {distinct} distinct angles of "
+                         f"{path} ({n_files} projection files); valid angle counts: {valid}")
+    return distinct // n_angles
+
+
+def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) -> tuple[bool, str]:
+    """Whether to run the exact linearised inference (``solver="exact"``), and why.
+
+    Parameters
+    ----------
+    mode : {"auto", "always", "never"}
+        ``auto`` runs it when the exact solver's memory estimate (:func:`ctuq.inference.estimate_solver_costs`)
+        fits half the free memory of ``device`` (CUDA: free device memory; CPU: available physical memory,
+        8 GiB when unknown).
+    c, d : int
+        Number of measurements and of linearised (convolution) weights.
+    opts : dict
+        Reads ``exact_em_steps``, ``em_samples``, ``exact_samples`` and ``rank`` (the exact workload).
+    device : torch.device
+        Where the inference would run.
+
+    Returns
+    -------
+    (bool, str)
+        The decision and a one-line reason (the route and its memory against the budget, in GiB).
+    """
+    if mode == "never":
+        return False, "--exact never"
+    if mode == "always":
+        return True, "--exact always"
+    from ctuq.inference import Workload, estimate_solver_costs
+
+    if device.type == "cuda":
+        free = float(torch.cuda.mem_get_info(device)[0])
+    else:
+        try:
+            free = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            free = 8.0 * 1024**3
+    budget = 0.5 * free
+    wl = Workload(em_steps=opts["exact_em_steps"], em_samples=opts["em_samples"],
+                  prediction_samples=opts["exact_samples"], rank=opts["rank"])
+    est = estimate_solver_costs(c, d, wl, memory_budget=budget, itemsize=4)["exact"]
+    route = "dense TΦ (d < c)" if d < c else "c × c eigendecomposition"
+    verdict = f"{route} needs ≈{est.memory_bytes / 2**30:.2f} GiB of a {budget / 2**30:.1f} GiB budget"
+    return bool(est.feasible), verdict
+
+
+def setting_dir(out: Path, n_angles: int) -> Path:
+    """The folder of one angle-count setting in the study folder ``out``: ``out/angles_<n_angles>``."""
+    return out / f"angles_{n_angles}"
+
+
+def _read_dip(path: Path):
+    """The fitted DIP in ``path``: ``(ModelFile, model on the CPU)``; ``StudyError`` if it cannot serve a study."""
+    from ctuq.models.model_file import read_model_file
+
+    try:
+        mf = read_model_file(path, need_input=True)
+        missing = [k for k in ("summary", "reconstruction") if k not in mf.meta]
+        if missing:
+            raise ValueError(f"its meta lacks {missing}: not written by a study")
+        model = mf.build("cpu")
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named and the way out
+        raise StudyError(f"{path} is not a readable DIP model ({exc}); delete it to refit") from exc
+    return mf, model
+
+
+def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.device, log: Log):
+    """The fitted DIP of one setting: loaded when an earlier run finished it, else fitted and stored.
+
+    The fit resumes from its checkpoint (``dip_checkpoint.pt``, removed once the fit is stored). The network is
+    stored in ``dip_model.pt`` by :func:`ctuq.models.model_file.write_model_file` (best weights, fixed input,
+    scale, best iteration; ``meta`` holds the fit's ``summary`` and ``reconstruction``); version-0 files of
+    studies run before that format are read too. After a fit the stored file is read back, so a fresh run and a
+    resumed one continue from the same weights.
+
+    Parameters
+    ----------
+    kind : {"dip", "mc_dropout"}
+        ``"dip"``: the U-Net ``opts["preset"]`` without dropout, stored in ``sdir/dip_model.pt``;
+        ``"mc_dropout"``: the same U-Net with channel dropout ``opts["dropout"]`` after every conv block, fitted
+        with dropout active (:func:`ctuq.reconstruct.fit_mc_dropout_dip`), stored in
+        ``sdir/mc_dropout/dip_model.pt``.
+    sdir : Path
+        The setting's folder.
+    data : ctuq.data.CTData
+        The problem: ``op``, ``y`` and ``ground_truth`` (mm⁻¹; the fit tracks its PSNR).
+    opts : dict
+        Reads ``preset``, ``dropout``, ``iterations``, ``lr``, ``tv_weight``, ``clip_grad_norm`` (0: none),
+        ``scale``, ``input_std``, ``seed`` and ``progress``.
+    device : torch.device
+        Where the fit runs and the returned model lives.
+    log : Log
+        Says whether the fit runs, resumes or is skipped.
+
+    Returns
+    -------
+    model : ctuq.models.UNet
+        The best weights, on ``device``.
+    net_input : torch.Tensor
+        ``(1, 1, H, W)`` fixed noise input, on the CPU.
+    reconstruction : torch.Tensor
+        ``(H, W)`` reconstruction in mm⁻¹ (with dropout off), on the CPU.
+    summary : dict
+        The fit's summary (:meth:`ctuq.reconstruct.DIPResult.summary`) with ``n_conv_weights`` added.
+
+    Raises
+    ------
+    StudyError
+        An existing ``dip_model.pt`` cannot be read (delete it to refit).
+    """
+    from ctuq.models import build_unet, count_parameters, make_net_input
+    from ctuq.models.model_file import write_model_file
+    from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
+
+    folder = sdir if kind == "dip" else sdir / "mc_dropout"
+    folder.mkdir(parents=True, exist_ok=True)
+    model_path = folder / "dip_model.pt"
+    label = "DIP" if kind == "dip" else f"MC-dropout DIP (p = {opts['dropout']})"
+    if model_path.is_file():
+        mf, model = _read_dip(model_path)
+        log(f"skipping the {label} fit: finished in an earlier run ({model_path})")
+        return model.to(device), mf.net_input, mf.meta["reconstruction"], mf.meta["summary"]
+    ckpt = folder / "dip_checkpoint.pt"
+    net_input = make_net_input(data.op.image_shape, channels=1, seed=opts["seed"], std=opts["input_std"])
+    common = dict(iterations=opts["iterations"], lr=opts["lr"], tv_weight=opts["tv_weight"],
+                  clip_grad_norm=opts["clip_grad_norm"] or None, scale=opts["scale"], seed=opts["seed"],
+                  ground_truth=data.ground_truth.to(device), checkpoint_path=ckpt,
+                  checkpoint_every=max(50, opts["iterations"] // 10), resume=True, device=device,
+                  progress=opts["progress"])
+    log(f"fitting the {label}: {opts['iterations']} iterations" + (" (resuming from its checkpoint)"
+                                                                    if ckpt.is_file() else ""))
+    if kind == "dip":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(opts["seed"])  # same initial weights as `ctuq reconstruct` with this seed
+            model = build_unet(opts["preset"], ndim=data.op.ndim)
+        result = fit_dip(data.op, data.y, model=model, net_input=net_input, **common)
+    else:
+        model, result = fit_mc_dropout_dip(data.op, data.y, preset=opts["preset"], dropout=opts["dropout"],
+                                           net_input=net_input, **common)
+    summary = dict(result.summary(), n_conv_weights=count_parameters(model, conv_weights_only=True))
+    write_model_file(model_path, model, scale=result.scale, state_dict=result.best_state_dict,
+                     net_input=result.net_input, input="noise", best_iteration=result.best_iteration,
+                     meta={"summary": summary, "reconstruction": result.reconstruction.detach().cpu()})
+    ckpt.unlink(missing_ok=True)
+    log(f"{label}: {result.time_s:.1f} s, best iteration {result.best_iteration}, "
+        f"PSNR {summary['best_psnr_history'] or float('nan'):.2f} dB")
+    mf, model_out = _read_dip(model_path)
+    return model_out.to(device), result.net_input, result.reconstruction.detach().cpu(), mf.meta["summary"]
+
+
+def method_done(mdir: Path) -> dict | None:
+    """The record of a method that an earlier run finished in ``mdir`` (its ``metrics.json``), else ``None``.
+
+    A method counts as finished when both ``metrics.json`` and ``result.pt`` are there (see
+    :func:`finish_method`).
+    """
+    metrics, result = mdir / "metrics.json", mdir / "result.pt"
+    if metrics.is_file() and result.is_file():
+        return read_json(metrics)
+    return None
+
+
+def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dict) -> dict:
+    """Write a finished method's outputs into ``mdir`` and return its record as stored.
+
+    Parameters
+    ----------
+    mdir : Path
+        The method's folder.
+    mean, std : torch.Tensor
+        ``(H, W)`` predictive mean and standard deviation, mm⁻¹: written as ``mean.tif``, ``std.tif`` and
+        (float32, CPU) ``result.pt``.
+    record : dict
+        The method's numbers; written last as ``metrics.json``, whose presence marks the method finished.
+
+    Returns
+    -------
+    dict
+        ``record`` read back from ``metrics.json`` (JSON values, as a resumed run sees them).
+    """
+    from ctuq.outputs import write_metrics, write_tiff
+    from ctuq.utils import atomic_torch_save
+
+    write_tiff(mdir / "std.tif", std)
+    write_tiff(mdir / "mean.tif", mean)
+    atomic_torch_save(mdir / "result.pt", {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()})
+    write_metrics(mdir / "metrics.json", record)  # written last: its presence marks the method as finished
+    return read_json(mdir / "metrics.json")
