@@ -200,3 +200,15 @@ def test_bad_settings_and_shapes_are_clear(problem):
         run_linearized_uq(model, net_input, op, y, resume=True)
     with pytest.raises(ValueError, match="uq.samples must be >= 2"):
         run_linearized_uq(model, net_input, op, y, settings=UQSettings(samples=1))
+
+
+def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
+    """A uq_state.pt of ctuq 0.1 (version 1, samples kept per chunk) cannot be resumed: the message names both
+    versions and how to start afresh."""
+    from ctuq.utils import atomic_torch_save
+
+    op, model, net_input, y = problem
+    atomic_torch_save(tmp_path / STATE_NAME, {"version": 1, "fingerprint": {}, "stage": "em", "em": {}})
+    with pytest.raises(UQCheckpointMismatch, match=r"version 1.*reads version 2.*delete"):
+        run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=0, work_dir=tmp_path, resume=True,
+                          progress=False, settings=UQSettings(solver="exact", em_steps=0, samples=2))

@@ -14,7 +14,6 @@ the keys it reads.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -226,14 +225,10 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
         return True, "--exact always"
     from ctuq.inference import Workload, estimate_solver_costs
 
-    if device.type == "cuda":
-        free = float(torch.cuda.mem_get_info(device)[0])
-    else:
-        try:
-            free = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            free = 8.0 * 1024**3
-    budget = 0.5 * free
+    from ctuq.utils import free_memory_bytes
+
+    free = free_memory_bytes(device)
+    budget = 0.5 * float(free if free is not None else 8 * 1024**3)
     wl = Workload(em_steps=opts["exact_em_steps"], em_samples=opts["em_samples"],
                   prediction_samples=opts["exact_samples"], rank=opts["rank"])
     est = estimate_solver_costs(c, d, wl, memory_budget=budget, itemsize=4)["exact"]
