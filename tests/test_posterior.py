@@ -173,6 +173,11 @@ def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
     assert resumed.a == full.a and resumed.sigma2 == full.sigma2
     with pytest.raises(ValueError, match="version 1"):
         make().load_state_dict({"version": 0})
+    # fit() called again continues the same EM: 2 + 2 steps equal 4 steps
+    again = make()
+    again.fit(max_steps=2, n_samples=8, tol=0.0)
+    again.fit(max_steps=4, n_samples=8, tol=0.0)
+    assert [t["a_new"] for t in again.em_trace] == [t["a_new"] for t in full.em_trace]
 
 
 # ------------------------------------------------------------------------------------------ memory

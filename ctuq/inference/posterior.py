@@ -275,10 +275,13 @@ class LinearizedPosterior:
         """Sampled (or, with an exact solver, exact) EM for ``a`` (and ``σ²`` if the likelihood learns it).
 
         ``callback(record)`` after every step (:meth:`SampledEM.step`'s record), after :attr:`a` and the
-        likelihood's ``σ²`` were updated. Returns the :class:`EMResult`; :attr:`em_trace` keeps the trace.
+        likelihood's ``σ²`` were updated. Returns the :class:`EMResult`; :attr:`em_trace` keeps the trace. Calling it
+        again continues the same EM (same generator) up to the new ``max_steps`` and ``tol``.
         """
         self.setup()
-        if self.em is None:
+        if self.em is not None:
+            self.em.max_steps, self.em.tol = int(max_steps), float(tol)
+        else:
             self.em = SampledEM(self.features, self.solver, self.targets, a=self.a, likelihood=self.likelihood,
                                 n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed)
             if "em" in self._pending:
