@@ -1,4 +1,4 @@
-"""The ``ctuq`` console script: ``ctuq simulate``, ``ctuq reconstruct``, ``ctuq uq``, ``ctuq pretrain``.
+"""The ``ctuq`` console script: ``ctuq simulate``, ``reconstruct``, ``uq``, ``pretrain``, ``design``.
 
 Error contract (one place for every command): a user error (:mod:`ctuq.errors`: bad config or option, damaged
 scan, unusable ``--out``, missing CUDA, diverged fit, ...) prints one line ``ctuq <command>: <file or option>:

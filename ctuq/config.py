@@ -28,7 +28,12 @@ from typing import Any, Optional, Union
 import yaml
 
 # Option vocabularies are defined once, by the module that implements them; the config only refers to them.
+from ctuq.design.dip_prior import DENSE_CHOICES
+from ctuq.design.engine import ROUTES
+from ctuq.design.greedy import STRATEGIES
+from ctuq.design.priors import PRIOR_KINDS, PRIOR_SCALES
 from ctuq.inference import GPRIOR_METHODS, PRECONDITIONERS, PRIORS, SOLVER_CHOICES
+from ctuq.inference import EM_STOP_RULES, LR_DECAYS, SDD_DEFAULTS, SGD_DEFAULTS
 from ctuq.models.unet import PRESETS
 from ctuq.operators import BACKENDS
 from ctuq.operators.fbp import FILTER_TYPES
@@ -44,6 +49,7 @@ __all__ = [
     "FBPConfig",
     "TVConfig",
     "UQConfig",
+    "DesignConfig",
     "OutputConfig",
     "option",
     "load_config",
@@ -177,16 +183,44 @@ class UQConfig:
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
     solver: str = option("auto", choices=SOLVER_CHOICES,
                          help="exact_primal (assemble Ψ, d < c), exact_dual (eigendecompose K̄, small c), cg "
-                              "(preconditioned CG); exact: the cheaper exact one; auto: by estimated cost")
+                              "(preconditioned CG), sdd (stochastic dual descent), sgd (primal "
+                              "sample-then-optimise); exact: the cheaper exact one; auto: by estimated cost")
     preconditioner: str = option("nystrom", choices=PRECONDITIONERS,
                                  help="CG preconditioner (randomised low-rank K̄, built once)")
-    rank: int = option(400, ge=1, help="preconditioner rank")
+    rank: int = option(400, ge=1, help="preconditioner rank (the cap with adaptive_rank)")
+    adaptive_rank: bool = option(False, help="grow the Nyström preconditioner until λ_r/a < rank_threshold·σ² "
+                                             "(at the initial a, σ²), at most uq.rank")
+    rank_threshold: float = option(1.0, gt=0.0, help="adaptive_rank: the multiple of σ² below which λ_r/a stops "
+                                                     "the growth")
+    sdd_step: float = option(SDD_DEFAULTS["step_size"], gt=0.0,
+                             help="SDD step size in units of 1/λ_max(C) (scale free)")
+    sdd_momentum: float = option(SDD_DEFAULTS["momentum"], ge=0.0, lt=1.0, help="SDD Nesterov momentum ρ")
+    sdd_batch: Optional[int] = option(SDD_DEFAULTS["batch_size"], ge=1,
+                                      help="SDD coordinate block size; null: full batch (every CT step costs a "
+                                           "full JVP + VJP anyway)")
+    sdd_iterations: int = option(SDD_DEFAULTS["max_iter"], ge=1, help="SDD iteration budget per solve")
+    sgd_lr: float = option(SGD_DEFAULTS["lr"], gt=0.0, help="SGD step in units of 1/λ_max(ΨᵀΨ/σ² + aI)")
+    sgd_momentum: float = option(SGD_DEFAULTS["momentum"], ge=0.0, lt=1.0, help="SGD Nesterov momentum")
+    sgd_lr_decay: str = option(SGD_DEFAULTS["lr_decay"], choices=LR_DECAYS, help="SGD learning-rate schedule")
+    sgd_clip: Optional[float] = option(SGD_DEFAULTS["clip"], gt=0.0,
+                                       help="SGD gradient clip (× the first step's gradient norm); null: none")
+    sgd_iterations: int = option(SGD_DEFAULTS["max_iter"], ge=1, help="SGD iteration budget per solve")
+    first_order_tol: float = option(SDD_DEFAULTS["rtol"], gt=0.0, lt=1.0,
+                                    help="sdd/sgd: relative residual at which a solve stops early (above it at "
+                                         "the budget: a warning)")
     oversampling: int = option(10, ge=0, help="preconditioner oversampling")
     cg_tol: float = option(1e-3, gt=0.0, lt=1.0, help="CG relative tolerance")
     cg_max_iter: int = option(150, ge=1, help="CG iteration cap")
     em_steps: int = option(5, ge=0, help="sampled-EM steps (0: keep the initial a, σ²)")
     em_samples: int = option(16, ge=1, help="posterior samples per EM step")
     em_tol: float = option(1e-2, ge=0.0, help="stop the EM when a changes by less than this (relative)")
+    em_stop_on: str = option("a", choices=EM_STOP_RULES,
+                             help="EM convergence: a alone, or a and σ² (both below em_tol)")
+    em_fixed_probes: Optional[bool] = option(None, help="EM probes drawn once and rescaled to each (a, σ²), with "
+                                                        "warm starts; null: on for sdd/sgd, off otherwise")
+    memory_budget_gb: Optional[float] = option(None, gt=0.0,
+                                               help="GiB one chunk of Jacobian products may use (too small for one "
+                                                    "product: an error naming the sizes); null: automatic")
     prior_precision: float = option(100.0, gt=0.0, help="initial prior precision a")
     noise_variance: Optional[float] = option(None, gt=0.0,
                                              help="σ² (scaled data units); null: the DIP's mean squared residual")
@@ -202,6 +236,50 @@ class UQConfig:
 
 
 @dataclasses.dataclass
+class DesignConfig:
+    """Experimental design of scan angles (``ctuq design``; :mod:`ctuq.design`, ``docs/design.md``).
+
+    The one settings class of the design: the ``design`` config section and what :func:`ctuq.design.run_design`
+    and the angle-selection study take. ``noise_variance`` is in data units² (line integrals²); the linearised DIP
+    works in scaled units (× ``dip.scale``²) and converts it.
+    """
+
+    criterion: str = option("eig", choices=STRATEGIES,
+                            help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: "
+                                 "equidistant, random")
+    prior: str = option("dip", choices=PRIOR_KINDS, help="image prior: linearised DIP, isotropic, Matérn-1/2")
+    pilot: int = option(20, ge=1, help="pilot angles, equidistant among the candidates")
+    acquire: int = option(40, help="angles to acquire after the pilot")
+    candidates: Optional[int] = option(None, ge=1, help="candidate angles: this many evenly spaced among the "
+                                                        "scan's angles; null: all of the scan's angles")
+    route: str = option("auto", choices=ROUTES,
+                        help="exact candidate blocks, m pathwise-conditioned samples, or auto (exact unless the "
+                             "prior is refreshed during the design)")
+    samples: int = option(1000, ge=2, help="m, pseudo-measurement samples (sampled route)")
+    sample_chunk: int = option(256, ge=1, help="samples drawn together by the core sampler")
+    jitter: float = option(0.01, ge=0.0, help="criteria jitter η as a fraction of the mean diagonal of the "
+                                              "candidate blocks")
+    refresh_every: int = option(5, ge=0, help="refresh the DIP's g-prior scales and a every this many angles "
+                                              "(0: never)")
+    retrain_every: int = option(0, ge=0, help="retrain the DIP (warm start) every this many angles (0: never)")
+    retrain_iterations: int = option(300, ge=1, help="Adam iterations of one retraining")
+    prior_scale: str = option("auto", choices=PRIOR_SCALES,
+                              help="a by exact EM on the chosen rows, or by the signal energy; auto: em for "
+                                   "isotropic/Matérn, energy for the DIP")
+    gprior_method: str = option("exact", choices=GPRIOR_METHODS, help="g-prior of a non-assembled network")
+    gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
+    dense: str = option("auto", choices=DENSE_CHOICES,
+                        help="assemble the DIP Jacobian (d JVPs) so every product is a GEMM: auto, always, never")
+    matern_lengthscales: Optional[list[float]] = option(None, gt=0.0,
+                                                        help="Matérn lengthscale grid (pixels); null: 1 … image "
+                                                             "side, 9 values")
+    noise_variance: Optional[float] = option(None, gt=0.0,
+                                             help="σ² in data units²; null: the pilot DIP's mean squared residual")
+    std_samples: int = option(256, ge=2, help="posterior samples for the std maps after pilot and design")
+    reconstruct: bool = option(True, help="reconstruct pilot+designed and pilot+equidistant angles (FBP, TV, DIP)")
+
+
+@dataclasses.dataclass
 class OutputConfig:
     """What goes into the run folder besides the images and metrics.json."""
 
@@ -212,8 +290,8 @@ class OutputConfig:
 
 @dataclasses.dataclass
 class Config:
-    """The full configuration of ``ctuq reconstruct``. Sections: ``data``, ``model``, ``dip``, ``fbp``, ``tv``,
-    ``uq``, ``output``; top level: ``device``, ``seed``."""
+    """The full configuration of ``ctuq reconstruct`` and ``ctuq design``. Sections: ``data``, ``model``, ``dip``,
+    ``fbp``, ``tv``, ``uq``, ``design``, ``output``; top level: ``device``, ``seed``."""
 
     device: str = option("cpu", choices=("cpu", "cuda", "auto"), help="cpu, cuda, or auto")
     seed: int = option(0, ge=0, help="seed for the network input, initial weights and dropout")
@@ -223,6 +301,7 @@ class Config:
     fbp: FBPConfig = option(factory=FBPConfig)
     tv: TVConfig = option(factory=TVConfig)
     uq: UQConfig = option(factory=UQConfig)
+    design: DesignConfig = option(factory=DesignConfig)
     output: OutputConfig = option(factory=OutputConfig)
 
     def validate(self) -> None:

@@ -61,6 +61,7 @@ LIBRARY_ERRORS: dict[str, tuple[str, ...]] = {
     "ctuq.uq": ("UQCheckpointMismatch",),
     "ctuq.config": ("ConfigError",),
 }
+# DesignError and DesignCheckpointMismatch (ctuq.design) are CTUQError subclasses: no entry needed.
 
 _BUILTIN_USER_ERRORS: tuple[type[BaseException], ...] = (
     CTUQError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError,

@@ -33,6 +33,7 @@ __all__ = [
     "plot_joint_ll",
     "plot_error_vs_std",
     "plot_em_trace",
+    "plot_orthogonal_slices",
 ]
 
 _PANEL_IN = 3.2  # inches per image panel
@@ -173,6 +174,54 @@ def plot_uq_panels(path: str | os.PathLike, reconstruction, abs_error, std, grou
         else:
             _image_panel(fig, ax, arr, title, {"cmap": "gray", "vmin": float(grey.min()),
                                                "vmax": float(grey.max())}, roi2d)
+    return _save(fig, path)
+
+
+ORTHOGONAL_PLANES = ("axial (z)", "coronal (y)", "sagittal (x)")
+
+
+def plot_orthogonal_slices(path: str | os.PathLike, reconstruction, abs_error, std, ground_truth=None, *,
+                           index: Sequence[int] | None = None, roi=None, error_vmax: float | None = None,
+                           dpi: int = 100, figsize: tuple[float, float] | None = None) -> Path:
+    """Three orthogonal planes of a volume: rows axial / coronal / sagittal, columns (ground truth |)
+    reconstruction | |error| | std, written as a PNG.
+
+    ``reconstruction``, ``abs_error``, ``std``, ``ground_truth``: ``(D, H, W)`` volumes of one shape (image units;
+    ``abs_error=None`` computes ``|reconstruction − ground truth|``). ``index = (k, i, j)``: the planes
+    ``[k, :, :]`` (z), ``[:, i, :]`` (y) and ``[:, :, j]`` (x), default the centre voxel. |error| and std share one
+    colour scale over all planes (default the larger 99.9th percentile of the two volumes, inside the ROI when
+    given), grey levels follow the ground truth (else the reconstruction). ``roi``: drawn on every plane. Default
+    size ``3.2 in × columns`` by ``3 in × 3`` rows. Returns ``path``.
+    """
+    where = "plot_orthogonal_slices"
+    rec, err, sd, gt = _uq_triplet(reconstruction, abs_error, std, ground_truth, where)
+    if rec.ndim != 3:
+        raise ValueError(f"{where}: needs (D, H, W) volumes, got shape {rec.shape}; use plot_uq_panels for slices")
+    D, H, W = rec.shape
+    k, i, j = (D // 2, H // 2, W // 2) if index is None else (int(v) for v in index)
+    if not (0 <= k < D and 0 <= i < H and 0 <= j < W):
+        raise ValueError(f"{where}: index {(k, i, j)} lies outside the volume {rec.shape}")
+    mask = None if roi is None else _metrics.roi_mask(roi, rec.shape).numpy()
+    vmax = error_vmax if error_vmax is not None else _robust_max([err, sd], [mask, mask])
+    if not (vmax > 0 and math.isfinite(vmax)):
+        raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
+    grey = gt if gt is not None else rec
+    extend = "max" if max(err.max(), sd.max()) > vmax else "neither"
+    columns = ([("ground truth", gt)] if gt is not None else []) + [("reconstruction", rec), ("|error|", err),
+                                                                    ("std", sd)]
+    cuts = ((lambda a: a[k], f"z = {k}"), (lambda a: a[:, i, :], f"y = {i}"), (lambda a: a[:, :, j], f"x = {j}"))
+    fig = _figure(figsize, (_PANEL_IN * len(columns), 3.0 * 3), dpi)
+    axes = fig.subplots(3, len(columns), squeeze=False)
+    for r, (cut, label) in enumerate(cuts):
+        roi2d = None if mask is None else cut(mask)
+        for cidx, (name, arr) in enumerate(columns):
+            title = f"{name}, {ORTHOGONAL_PLANES[r].split()[0]} {label}"
+            if name in ("|error|", "std"):
+                _image_panel(fig, axes[r, cidx], cut(arr), title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax},
+                             roi2d, extend)
+            else:
+                _image_panel(fig, axes[r, cidx], cut(arr), title, {"cmap": "gray", "vmin": float(grey.min()),
+                                                                   "vmax": float(grey.max())}, roi2d)
     return _save(fig, path)
 
 

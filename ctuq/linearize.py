@@ -62,9 +62,14 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ctuq.errors import CTUQError
 from ctuq.utils import as_rows, free_memory_bytes
 
-__all__ = ["LinearizedNetwork", "default_linearized_parameters", "LINEARIZED_MODULE_TYPES"]
+__all__ = ["LinearizedNetwork", "default_linearized_parameters", "LINEARIZED_MODULE_TYPES", "MemoryBudgetError"]
+
+
+class MemoryBudgetError(CTUQError, MemoryError):
+    """Not even one Jacobian product of the network fits the memory budget; the message names the sizes."""
 
 # Module types whose ``weight`` is linearised by default.
 LINEARIZED_MODULE_TYPES: tuple[type[nn.Module], ...] = (
@@ -426,8 +431,20 @@ class LinearizedNetwork:
             fixed, per_sample = self.estimate_memory(kind)
             cap = _CUDA_MAX_CHUNK if self.device.type == "cuda" else _CPU_MAX_CHUNK
             room = self.memory_budget - fixed
+            if self._memory_budget is not None and room < per_sample:
+                # An explicit budget is a promise: refuse rather than run out of memory half-way.
+                raise MemoryBudgetError(self._budget_message(kind, fixed, per_sample, self.memory_budget))
             self._auto_chunks[kind] = int(max(1, min(cap, room // max(per_sample, 1))))
         return self._auto_chunks[kind]
+
+    def _budget_message(self, kind: str, fixed: int, per_sample: int | None, budget: int) -> str:
+        gib = 1024**3
+        need = "" if per_sample is None else f" + {per_sample / gib:.2f} GiB per vector"
+        return (f"memory budget: one {kind.upper()} of this network (output {tuple(self.output_shape)}, "
+                f"{self.d:,} weights) needs {fixed / gib:.2f} GiB fixed{need} on {self.device}, but the budget is "
+                f"{budget / gib:.2f} GiB; raise it (uq.memory_budget_gb), compute on a device with more memory, use "
+                f"mode='recompute' (keeps no traced intermediates), or reconstruct a smaller volume "
+                f"(data.image_shape)")
 
     def estimate_memory(self, kind: str) -> tuple[int, int]:
         """``(fixed_bytes, bytes_per_sample)`` of one chunk of ``kind`` products.
@@ -442,26 +459,35 @@ class LinearizedNetwork:
             raise ValueError(f"estimate_memory: kind must be 'jvp' or 'vjp', got {kind!r}")
         item = torch.empty((), dtype=self.dtype).element_size()
         if self.device.type == "cuda":
-            width = self.d if kind == "jvp" else self.d_out
-            with torch.no_grad(), _eval_mode(self.model):
-                # Build (and check) the traced linearisation first: it stays allocated and is not per-chunk.
-                self._apply_block(kind, torch.zeros((2, width), dtype=self.dtype, device=self.device))
-            peaks = []
-            for b in (1, 2):
-                X = torch.zeros((b, width), dtype=self.dtype, device=self.device)
-                torch.cuda.synchronize(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                with torch.no_grad(), _eval_mode(self.model):
-                    res = self._apply_block(kind, X)
-                torch.cuda.synchronize(self.device)
-                peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
-                del res, X
-            per_sample = max(peaks[1] - peaks[0], 1)
-            return max(peaks[0] - per_sample, 0), per_sample
+            try:
+                return self._measure_cuda_memory(kind)
+            except torch.OutOfMemoryError as exc:
+                act = self._activation_bytes()
+                raise MemoryBudgetError(self._budget_message(kind, 2 * act, None, self.memory_budget)
+                                        + f" (CUDA ran out of memory measuring two products: {exc})") from exc
         act = self._activation_bytes()
         fixed = 2 * act if self.mode == "linearize" else act
         return fixed, int(1.5 * act) + 2 * (self.d + self.d_out) * item
+
+    def _measure_cuda_memory(self, kind: str) -> tuple[int, int]:
+        """``(fixed, per-vector)`` bytes measured from the peaks of 1- and 2-vector products on CUDA."""
+        width = self.d if kind == "jvp" else self.d_out
+        with torch.no_grad(), _eval_mode(self.model):
+            # Build (and check) the traced linearisation first: it stays allocated and is not per-chunk.
+            self._apply_block(kind, torch.zeros((2, width), dtype=self.dtype, device=self.device))
+        peaks = []
+        for b in (1, 2):
+            X = torch.zeros((b, width), dtype=self.dtype, device=self.device)
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            with torch.no_grad(), _eval_mode(self.model):
+                res = self._apply_block(kind, X)
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+            del res, X
+        per_sample = max(peaks[1] - peaks[0], 1)
+        return max(peaks[0] - per_sample, 0), per_sample
 
     def _activation_bytes(self) -> int:
         total = [0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ctuq.linearize import LinearizedNetwork, default_linearized_parameters
+from ctuq.linearize import LinearizedNetwork, MemoryBudgetError, default_linearized_parameters
 from ctuq.models import build_unet, make_net_input
 
 
@@ -126,10 +126,10 @@ def test_chunking_does_not_change_results(unet_case):
         net.chunk_size = None
     with pytest.raises(ValueError, match="chunk_size"):
         net.chunk_size = 0
-    # A budget too small for even one sample still makes progress one sample at a time.
+    # An explicit budget too small for even one product is refused with the sizes, not run past its promise.
     tight = LinearizedNetwork(model, x, memory_budget=1, mode="recompute")
-    assert tight.chunk_size_for("jvp") == 1
-    torch.testing.assert_close(tight.jvp(U[:2]), ref_j[:2], rtol=1e-12, atol=1e-13)
+    with pytest.raises(MemoryBudgetError, match=r"one JVP of this network \(output \(1, 1, 8, 8\), [0-9,]+ weights\).*budget is 0.00 GiB"):
+        tight.chunk_size_for("jvp")
 
 
 def test_auto_chunk_follows_memory_estimate(unet_case):

@@ -143,7 +143,8 @@ def test_solver_registry_is_the_one_vocabulary():
     assert resolve_solver("exact", DenseFeatures(torch.randn(10, 50, dtype=torch.float64)))[0] == "exact_dual"
     assert resolve_solver("cg", feats)[0] == "cg"
     name, estimates = resolve_solver("auto", feats)
-    assert name in ("exact_primal", "cg") and set(estimates) == {"exact", "cg"}
+    assert name in ("exact_primal", "cg") and set(estimates) == {"exact", "cg", "sdd", "sgd"}
+    assert resolve_solver("sdd", feats)[0] == "sdd" and resolve_solver("sgd", feats)[0] == "sgd"
     with pytest.raises(ValueError, match=r"uq.solver must be one of \['auto', 'exact', 'exact_primal'"):
         resolve_solver("magic", feats)
     field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "solver")

@@ -9,4 +9,5 @@ COMMANDS = {
     "reconstruct": "ctuq.commands.reconstruct",
     "uq": "ctuq.commands.uq",
     "pretrain": "ctuq.commands.pretrain",
+    "design": "ctuq.commands.design",
 }

@@ -25,7 +25,8 @@ equation                                              implementation
 ``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg`
 ``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``gamma``, ``weight_norm_sq``,
 ``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``log_evidence``)
-exact vs CG by cost; solver registry                  :func:`choose_solver`, :func:`resolve_solver`, :data:`SOLVERS`
+``C⁻¹R`` by stochastic dual descent / primal SGD       :class:`SDDSolver`, :class:`SGDSolver` (large ``c``)
+exact / CG / SDD / SGD by cost; solver registry      :func:`choose_solver`, :func:`resolve_solver`, :data:`SOLVERS`
 ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ``                                 :func:`posterior_mean` (or ``sample_posterior(y_tilde=…)``)
 ``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                     :func:`sample_posterior`, resumable :func:`sample_chunks`
 image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedFeatures.network_matvec`
@@ -39,7 +40,8 @@ network) and by ``Ψᵀ`` (``n_rmatvec``, = VJPs); :class:`ctuq.linearize.Linear
 VJPs (including image-space ones).
 """
 
-from ctuq.inference.em import EMResult, EMStateMismatch, SampledEM
+from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env
+from ctuq.inference.em import EM_STOP_RULES, EMResult, EMStateMismatch, SampledEM
 from ctuq.inference.features import (
     DenseFeatures,
     FeatureOperator,
@@ -59,12 +61,16 @@ from ctuq.inference.kernel import (
 from ctuq.inference.preconditioners import (
     LowRankEig,
     LowRankPreconditioner,
+    adaptive_nystrom_eig,
     pivoted_cholesky_eig,
     randomized_eig,
 )
-from ctuq.inference.likelihoods import LIKELIHOODS, GaussianLikelihood, Likelihood
+from ctuq.inference.likelihoods import LIKELIHOODS, CategoricalLikelihood, GaussianLikelihood, Likelihood
 from ctuq.inference.posterior import GPRIOR_METHODS, PRIORS, LinearizedPosterior
 from ctuq.inference.reference import DenseLinearGaussian
+from ctuq.inference.first_order import FirstOrderSolver, lanczos_top_eigenvalue
+from ctuq.inference.sdd import SDD_DEFAULTS, SDDSolver
+from ctuq.inference.sgd import LR_DECAYS, SGD_DEFAULTS, SGDSolver
 from ctuq.inference.sampler import (
     PosteriorSamples,
     chunk_generator,
@@ -95,7 +101,7 @@ from ctuq.inference.solvers import (
 
 __all__ = [
     "LinearizedPosterior", "PRIORS", "GPRIOR_METHODS",
-    "Likelihood", "GaussianLikelihood", "LIKELIHOODS",
+    "Likelihood", "GaussianLikelihood", "CategoricalLikelihood", "LIKELIHOODS",
     "FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
     "StackedFeatures", "stack_features",
     "SOLVERS", "SOLVER_CHOICES", "PRECONDITIONERS", "SolverSpec", "resolve_solver", "dense_memory_budget",
@@ -105,6 +111,9 @@ __all__ = [
     "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",
     "PosteriorSamples", "sample_posterior", "posterior_mean", "chunk_generator", "sample_chunks",
     "draw_prior_and_noise",
-    "SampledEM", "EMResult", "EMStateMismatch",
+    "SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES",
+    "FirstOrderSolver", "lanczos_top_eigenvalue", "SDDSolver", "SDD_DEFAULTS", "SGDSolver", "SGD_DEFAULTS",
+    "LR_DECAYS", "adaptive_nystrom_eig",
+    "Shard", "LocalShard", "TorchShard", "current_shard", "init_from_env",
     "DenseLinearGaussian",
 ]

@@ -15,8 +15,21 @@ and ``‖ỹ − Ψw*‖²`` are evaluated exactly from the eigendecomposition: 
 all and converges to the exact MacKay fixed point; the trace also records the exact log evidence
 ``log N(ỹ; 0, C)`` at the ``(a, σ²)`` of each step.
 
-Stopping: after ``max_steps`` steps or when ``|a_new − a| / a < tol``. Defaults follow the publications: 5 steps,
-16 samples (noise variance fixed).
+Stopping: after ``max_steps`` steps or when ``|a_new − a| / a < tol`` (``stop_on="a"``, the default), or when
+both ``a`` and ``σ²`` changed by less than ``tol`` (``stop_on="a_and_sigma2"``: EM to convergence when the noise is
+learned). Defaults follow the publications: 5 steps, 16 samples (noise variance fixed).
+
+Fixed probes (``fixed_probes=True``, for the first-order solvers): the step's probes are drawn *once* as standard
+normals ``ξ`` (``k × d``) and ``η`` (``k × c``), and every step uses ``w₀ = a^(−1/2) ξ``, ``ε = σ η``, i.e. the same
+probes rescaled in closed form to the current ``(a, σ²)``. ``Ψξ`` is computed once (``k`` JVPs), so later steps
+spend no JVPs on the right-hand sides, and a solver with :attr:`~ctuq.inference.solvers.Solver.warm_starts`
+starts each step from the previous step's solutions (``x0``), which are close because the right-hand sides only
+moved with ``(a, σ²)``. The EM then iterates a deterministic map, so ``tol`` measures its convergence and not
+the Monte Carlo noise of fresh probes; ``γ̂`` keeps its per-probe variance (``k = 16`` probes of an effective
+dimension ``γ`` give a relative sd ``≈ (2/(kγ))^½``).
+
+Sharding (``shard``, :mod:`ctuq.inference.distributed`): every rank draws all ``k`` probes and solves the rows
+it owns (rank 0 also ``ỹ``); the step's sums are summed over ranks, so all ranks update ``a`` and ``σ²`` alike.
 
 Checkpoint/resume: :meth:`SampledEM.state_dict` holds step, ``a``, ``σ²``, trace, convergence flag, the
 generator state and a fingerprint of the problem; it contains only tensors and plain Python values, so
@@ -36,6 +49,7 @@ from typing import Callable
 
 import torch
 
+from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import _check_hyper
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
@@ -43,7 +57,10 @@ from ctuq.inference.sampler import _check_y, draw_prior_and_noise
 from ctuq.inference.solvers import Solver
 from ctuq.utils import check_fingerprint
 
-__all__ = ["SampledEM", "EMResult", "EMStateMismatch"]
+__all__ = ["SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES"]
+
+EM_STOP_RULES = ("a", "a_and_sigma2")
+"""When the EM has converged: ``a`` changed by less than ``tol`` (relative), or both ``a`` and ``σ²`` did."""
 
 _STATE_VERSION = 1
 
@@ -96,6 +113,13 @@ class SampledEM:
         Seeds the EM's ``torch.Generator``.
     generator_device : str or torch.device
         Device of that generator (CPU default: identical draws on every device).
+    fixed_probes : bool
+        Draw the probes once and rescale them to each step's ``(a, σ²)`` (module docstring); warm starts for
+        solvers that take them.
+    stop_on : {"a", "a_and_sigma2"}
+        Convergence rule (module docstring).
+    shard : Shard, optional
+        This process's share of the probes (:mod:`ctuq.inference.distributed`); default one process.
     """
 
     def __init__(
@@ -114,6 +138,9 @@ class SampledEM:
         seed: int = 0,
         generator_device: torch.device | str = "cpu",
         likelihood: Likelihood | None = None,
+        fixed_probes: bool = False,
+        stop_on: str = "a",
+        shard: Shard | None = None,
     ):
         if likelihood is None:
             likelihood = GaussianLikelihood(sigma2, learn_noise)
@@ -130,6 +157,8 @@ class SampledEM:
             raise ValueError(f"SampledEM: max_steps must be an int >= 0, got {max_steps!r}")
         if not (tol >= 0 and math.isfinite(tol)):
             raise ValueError(f"SampledEM: tol must be >= 0, got {tol}")
+        if stop_on not in EM_STOP_RULES:
+            raise ValueError(f"SampledEM: stop_on must be one of {list(EM_STOP_RULES)}, got {stop_on!r}")
         self.features = features
         self.solver = solver
         self.y_tilde = _check_y(y_tilde, features, "SampledEM")
@@ -145,6 +174,12 @@ class SampledEM:
         self.step_count = 0
         self.trace: list[dict] = []
         self.converged = False
+        self.fixed_probes = bool(fixed_probes)
+        self.stop_on = stop_on
+        self.shard = shard if shard is not None else LocalShard()
+        self.generator_device = torch.device(generator_device)
+        self._probes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ξ, η, Ψξ (own rows)
+        self._warm: torch.Tensor | None = None  # previous step's solutions (own rows), for warm starts
 
     @property
     def sigma2(self) -> float:
@@ -183,7 +218,7 @@ class SampledEM:
             gamma = self.solver.gamma(a, s2)
             wnorm = self.solver.weight_norm_sq(y, a, s2)
             rnorm = self.solver.residual_norm_sq(y, a, s2)
-        else:
+        elif not (self.fixed_probes or self.shard.distributed):
             k = self.n_samples
             w0, eps = draw_prior_and_noise(k, self.features, a, s2, self.generator, likelihood=self.likelihood)
             rhs = torch.cat([y[None], eps - self.features.matvec(w0)], dim=0)
@@ -195,6 +230,8 @@ class SampledEM:
             # uᵀ(K̄/a)u ≥ 0 exactly; clamp the round-off of the difference.
             wnorm = max(float(u @ y.double() - s2 * (u @ u)) / a, 0.0)
             rnorm = float(s2**2 * (u @ u))
+        else:
+            gamma, wnorm, rnorm, solver_summary = self._shared_step(a, s2, y)
         log_ev = self.solver.log_evidence(y, a, s2) if self.solver.exact else None
         if not wnorm > 0:
             raise FloatingPointError(
@@ -206,6 +243,7 @@ class SampledEM:
         if not (a_new > 0 and math.isfinite(a_new)) or not (s2_new > 0 and math.isfinite(s2_new)):
             raise FloatingPointError(f"SampledEM step {self.step_count}: update gave a={a_new}, σ²={s2_new}")
         rel = abs(a_new - a) / a
+        rel_s2 = abs(s2_new - s2) / s2
         record = {
             "step": self.step_count,
             "a": a,
@@ -223,11 +261,90 @@ class SampledEM:
             "vjp": self.features.n_rmatvec - vjp0,
             "time_s": time.perf_counter() - t0,
         }
+        if self.shard.distributed:
+            counts = self.shard.all_reduce_sum(torch.tensor([record["jvp"], record["vjp"]], dtype=torch.float64))
+            record["jvp"], record["vjp"] = int(counts[0]), int(counts[1])
+        if self.stop_on == "a_and_sigma2":
+            record["rel_change_sigma2"] = rel_s2
         self.trace.append(record)
         self.a, self.sigma2 = a_new, s2_new
         self.step_count += 1
-        self.converged = self.tol > 0 and rel < self.tol
+        worst = rel if self.stop_on == "a" else max(rel, rel_s2)
+        self.converged = self.tol > 0 and worst < self.tol
         return record
+
+    # ------------------------------------------------------------------------------------------ fixed / sharded
+    def _own_rows(self) -> list[int]:
+        return [j for j in range(self.n_samples) if self.shard.owns(j)]
+
+    def _fixed_probes(self, own: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(η, Ψξ)`` of this rank's probes (drawn once from a fresh generator seeded with ``seed``: the same
+        numbers as the first fresh-probe step, and reproducible after a resume)."""
+        if self._probes is None:
+            f = self.features
+            gen = torch.Generator(device=self.generator_device).manual_seed(self.seed)
+            xi = torch.randn((self.n_samples, f.n_features), generator=gen, device=gen.device, dtype=f.dtype)
+            eta = torch.randn((self.n_samples, f.n_outputs), generator=gen, device=gen.device, dtype=f.dtype)
+            idx = torch.as_tensor(own, dtype=torch.long)
+            xi_o, eta_o = xi[idx].to(f.device), eta[idx].to(f.device)
+            del xi
+            psi_xi = f.matvec(xi_o) if len(own) else torch.zeros((0, f.n_outputs), dtype=f.dtype, device=f.device)
+            self._probes = (eta_o, psi_xi, idx)
+        return self._probes[0], self._probes[1]
+
+    def _shared_step(self, a: float, s2: float, y: torch.Tensor) -> tuple[float, float, float, dict]:
+        """One sampled step with fixed probes and/or across shards: ``(γ̂, ‖w*‖², ‖ỹ − Ψw*‖², solver summary)``."""
+        k, f, sh = self.n_samples, self.features, self.shard
+        own = self._own_rows()
+        if self.fixed_probes:
+            eta, psi_xi = self._fixed_probes(own)
+            eps = eta * s2**0.5
+            rhs_s = eps - psi_xi * a**-0.5
+        else:
+            w0, eps_all = draw_prior_and_noise(k, f, a, s2, self.generator, likelihood=self.likelihood)
+            idx = torch.as_tensor(own, dtype=torch.long, device=w0.device)
+            eps = eps_all[idx]
+            rhs_s = eps - f.matvec(w0[idx]) if len(own) else eps
+        rows = ([0] if sh.is_root else []) + [1 + j for j in own]
+        rhs = torch.cat([y[None], rhs_s], dim=0) if sh.is_root else rhs_s
+        warm = self.fixed_probes and self.solver.warm_starts and self._warm is not None
+        if rhs.shape[0]:
+            if warm:
+                x0 = self._warm[torch.as_tensor(rows, dtype=torch.long)].to(device=rhs.device, dtype=rhs.dtype)
+                V, stats = self.solver.solve(rhs, a, s2, x0=x0)
+            else:
+                V, stats = self.solver.solve(rhs, a, s2)
+            summary = stats.summary()
+        else:
+            V = rhs
+            summary = {"method": None, "n_rhs": 0, "max_iterations": 0, "mean_iterations": 0.0,
+                       "max_relative_residual": 0.0, "n_converged": 0, "n_products": 0}
+        if self.fixed_probes and self.solver.warm_starts:
+            full = torch.zeros((k + 1, f.n_outputs), dtype=torch.float64)
+            full[torch.as_tensor(rows, dtype=torch.long)] = V.detach().double().cpu()
+            self._warm = sh.all_reduce_sum(full)  # every rank holds every row: one checkpoint resumes all ranks
+        off = 1 if sh.is_root else 0
+        psi_zeta = eps.double() - s2 * V[off:].double()
+        sums = torch.zeros(8, dtype=torch.float64)
+        sums[0] = psi_zeta.pow(2).sum()
+        if sh.is_root:
+            u = V[0].double()
+            sums[1], sums[2] = u @ y.double(), u @ u
+        n = summary["n_rhs"]
+        sums[3], sums[4], sums[5] = n, summary["mean_iterations"] * n, summary["n_converged"]
+        sums[6] = summary["n_products"]
+        sums = sh.all_reduce_sum(sums)
+        worst = sh.all_reduce_max(torch.tensor([summary["max_iterations"], summary["max_relative_residual"]],
+                                               dtype=torch.float64))
+        gamma = float(sums[0] / k / s2)
+        wnorm = max(float(sums[1] - s2 * sums[2]) / a, 0.0)  # uᵀ(K̄/a)u ≥ 0: clamp round-off
+        rnorm = float(s2**2 * sums[2])
+        method = summary["method"] if sh.is_root else None
+        combined = {"method": sh.broadcast_object(method) if sh.distributed else method, "n_rhs": int(sums[3]),
+                    "max_iterations": int(worst[0]), "mean_iterations": float(sums[4] / max(sums[3], 1)),
+                    "max_relative_residual": float(worst[1]), "n_converged": int(sums[5]),
+                    "n_products": int(sums[6])}
+        return gamma, wnorm, rnorm, combined
 
     def run(self, callback: Callable[["SampledEM", dict], None] | None = None) -> EMResult:
         """Step until :attr:`done`; ``callback(em, record)`` after each step (e.g. to checkpoint
@@ -240,7 +357,7 @@ class SampledEM:
 
     # ------------------------------------------------------------------------------------------ state
     def _fingerprint(self) -> dict:
-        return {
+        fp = {
             "c": int(self.features.n_outputs),
             "d": int(self.features.n_features),
             "y_sum": float(self.y_tilde.double().sum()),
@@ -249,6 +366,12 @@ class SampledEM:
             "exact_gamma": self.exact_gamma,
             "seed": self.seed,
         }
+        # Only non-default settings enter (older states, which lack these keys, still resume).
+        if self.fixed_probes:
+            fp["fixed_probes"] = True
+        if self.stop_on != "a":
+            fp["stop_on"] = self.stop_on
+        return fp
 
     def state_dict(self) -> dict:
         """Everything needed to resume (tensors and plain values only; ``weights_only``-loadable)."""
@@ -261,6 +384,7 @@ class SampledEM:
             "trace": [dict(r) for r in self.trace],
             "generator_state": self.generator.get_state(),
             "fingerprint": self._fingerprint(),
+            **({"warm": self._warm.clone()} if self._warm is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -279,3 +403,10 @@ class SampledEM:
         self.converged = bool(state["converged"])
         self.trace = [dict(r) for r in state["trace"]]
         self.generator.set_state(state["generator_state"])
+        warm = state.get("warm")
+        if warm is not None and (not isinstance(warm, torch.Tensor)
+                                 or tuple(warm.shape) != (self.n_samples + 1, self.features.n_outputs)):
+            raise EMStateMismatch(f"SampledEM state: warm-start solutions must be ({self.n_samples + 1}, "
+                                  f"{self.features.n_outputs}), got {getattr(warm, 'shape', type(warm).__name__)}")
+        self._warm = None if warm is None else warm.double()
+        self._probes = None  # fixed probes are redrawn from the seed (k JVPs) at the next step

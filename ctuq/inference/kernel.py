@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from linear_operator.operators import LinearOperator
 
-from ctuq.inference.features import FeatureOperator
+from ctuq.inference.features import DenseFeatures, FeatureOperator
 from ctuq.priors import column_sq_norms
 from ctuq.utils import progress as _progress_bar
 
@@ -172,12 +172,15 @@ def kernel_diagonal(
 
 def assemble_features(features: FeatureOperator, *, chunk_size: int = 64, by: str = "auto",
                       progress: bool = False) -> torch.Tensor:
-    """Dense ``Ψ`` ``(c, d)`` in float64: ``d`` products ``Ψ e_i`` (JVPs) or ``c`` products ``Ψᵀ e_j`` (VJPs).
+    """Dense ``Ψ`` ``(c, d)`` in float64: ``d`` products ``Ψ e_i`` (JVPs) or ``c`` products ``Ψᵀ e_j`` (VJPs); a
+    :class:`~ctuq.inference.features.DenseFeatures` hands over its matrix (no products).
 
     ``by``: ``"columns"`` (``d`` matvecs), ``"rows"`` (``c`` rmatvecs) or ``"auto"`` (the fewer). Memory: ``c·d``
     float64 numbers.
     """
     c, d = features.n_outputs, features.n_features
+    if isinstance(features, DenseFeatures):  # already assembled: no products
+        return features.matrix.to(torch.float64)
     if by == "auto":
         by = "columns" if d <= c else "rows"
     if by not in ("columns", "rows"):

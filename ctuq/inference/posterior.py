@@ -34,11 +34,13 @@ in a front end.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.em import EMResult, SampledEM
 from ctuq.inference.features import DenseFeatures, FeatureOperator, ScaledFeatures, stack_features
 from ctuq.inference.kernel import _check_hyper, assemble_features
@@ -79,7 +81,9 @@ class LinearizedPosterior:
     solver : str
         A :data:`~ctuq.inference.solvers.SOLVER_CHOICES` value.
     solver_options : dict, optional
-        CG: ``preconditioner``, ``rank``, ``oversampling``, ``rtol``, ``max_iter``; exact: ``chunk_size``.
+        CG: ``preconditioner``, ``rank``, ``oversampling``, ``rtol``, ``max_iter``, ``adaptive_rank``,
+        ``rank_threshold``; exact: ``chunk_size``; SDD: ``sdd`` (a dict of :class:`~ctuq.inference.sdd.SDDSolver`
+        options); SGD: ``sgd`` (a dict of :class:`~ctuq.inference.sgd.SGDSolver` options).
     workload : Workload, optional
         What the run will do (for ``solver="auto"``'s cost model).
     seed : int
@@ -91,6 +95,9 @@ class LinearizedPosterior:
         Progress bars for assembly and probes.
     log : callable, optional
         One-line status messages.
+    shard : Shard, optional
+        This process's share of the EM probes and prediction chunks (:mod:`ctuq.inference.distributed`); the
+        set-up is done on rank 0 and broadcast. Default: one process.
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class LinearizedPosterior:
         output_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
         progress: bool = False,
         log: Callable[[str], None] | None = None,
+        shard: Shard | None = None,
     ):
         if isinstance(prior, str) and prior not in PRIORS:
             raise ValueError(f"uq.prior must be one of {list(PRIORS)}, got {prior!r}")
@@ -132,6 +140,7 @@ class LinearizedPosterior:
         self._output_map = output_map
         self.progress = progress
         self.say = log or (lambda _msg: None)
+        self.shard = shard if shard is not None else LocalShard()
         # set by setup() / fit() / load_state_dict()
         self.solver_name: str | None = None
         self.cost_estimates: dict[str, SolverCostEstimate] | None = None
@@ -157,6 +166,17 @@ class LinearizedPosterior:
                    "rtol": s.cg_tol, "max_iter": s.cg_max_iter}
         workload = Workload(em_steps=s.em_steps, em_samples=s.em_samples, prediction_samples=s.samples,
                             rank=s.rank, oversampling=s.oversampling)
+        # Settings of the scale issue (adaptive rank, first-order solvers): read with defaults so that settings
+        # objects written before them keep working.
+        if getattr(s, "adaptive_rank", False):
+            options.update(adaptive_rank=True, rank_threshold=float(getattr(s, "rank_threshold", 1.0)))
+        if hasattr(s, "sdd_iterations"):
+            options["sdd"] = {"step_size": s.sdd_step, "momentum": s.sdd_momentum, "batch_size": s.sdd_batch,
+                              "max_iter": s.sdd_iterations, "rtol": s.first_order_tol}
+            options["sgd"] = {"lr": s.sgd_lr, "momentum": s.sgd_momentum, "lr_decay": s.sgd_lr_decay,
+                              "clip": s.sgd_clip, "max_iter": s.sgd_iterations, "rtol": s.first_order_tol}
+            workload = dataclasses.replace(workload, sdd_iterations=float(s.sdd_iterations),
+                                           sgd_iterations=float(s.sgd_iterations), chunk=int(s.sample_chunk))
         return cls(features, targets, prior=s.prior, gprior_method=s.gprior_method, gprior_probes=s.gprior_probes,
                    a=s.prior_precision, solver=s.solver, solver_options=options, workload=workload, **kwargs)
 
@@ -189,6 +209,17 @@ class LinearizedPosterior:
         """
         if self.solver is not None:
             return self
+        if self.shard.distributed and not getattr(self, "_synced", False):
+            # Rank 0 does the set-up (g-prior, solver decomposition) once; the others load its state.
+            self._synced = True
+            state = None
+            if self.shard.is_root:
+                self.setup(on_stage)
+                state = self.state_dict()
+            state = self.shard.broadcast_object(state)
+            if self.shard.is_root:
+                return self
+            self.load_state_dict(state)
         hook = on_stage or (lambda _stage: None)
         t0 = time.perf_counter()
         name = self._pending.get("solver_name")
@@ -254,13 +285,29 @@ class LinearizedPosterior:
             else:
                 solver.decompose()
         elif name == "cg":
-            kw = {k: opts[k] for k in ("rank", "oversampling", "rtol", "max_iter") if k in opts}
+            kw = {k: opts[k] for k in ("rank", "oversampling", "rtol", "max_iter", "adaptive_rank", "rank_threshold")
+                  if k in opts}
             pre: str | LowRankEig = opts.get("preconditioner", "nystrom")
             if "solver_state" in self._pending:
                 saved = self._pending["solver_state"]
                 pre = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
             solver = CGSolver(self.features, preconditioner=pre, seed=self.seed, **kw)
-            solver.build_preconditioner()
+            solver.build_preconditioner(self.a, self.sigma2)
+            eig = solver.low_rank
+            if eig is not None and solver.adaptive_rank:
+                self.say(f"adaptive preconditioner: rank {eig.rank} ({eig.n_products} kernel products; cap "
+                         f"{solver.rank}, smallest eigenvalue/a {float(eig.eigenvalues[-1]) / self.a:.3g} vs "
+                         f"{solver.rank_threshold:g}·σ² = {solver.rank_threshold * self.sigma2:.3g})")
+        elif name in ("sdd", "sgd"):
+            if name == "sdd":
+                from ctuq.inference.sdd import SDDSolver as cls
+            else:
+                from ctuq.inference.sgd import SGDSolver as cls
+            solver = cls(self.features, seed=self.seed, **dict(opts.get(name, {})))
+            saved = self._pending.get("solver_state")
+            if saved is not None:
+                solver.load_state_dict(saved)
+            solver.build()
         else:  # pragma: no cover - resolve_solver only returns registry names
             raise ValueError(f"unknown solver {name!r}; valid: {list(SOLVERS)}")
         return solver
@@ -271,19 +318,27 @@ class LinearizedPosterior:
 
     # ------------------------------------------------------------------------------------------ EM
     def fit(self, *, max_steps: int = 5, n_samples: int = 16, tol: float = 1e-2, gamma: str = "auto",
-            callback: Callable[[dict], None] | None = None) -> EMResult:
+            callback: Callable[[dict], None] | None = None, fixed_probes: bool | None = None,
+            stop_on: str = "a") -> EMResult:
         """Sampled (or, with an exact solver, exact) EM for ``a`` (and ``σ²`` if the likelihood learns it).
 
         ``callback(record)`` after every step (:meth:`SampledEM.step`'s record), after :attr:`a` and the
         likelihood's ``σ²`` were updated. Returns the :class:`EMResult`; :attr:`em_trace` keeps the trace. Calling it
         again continues the same EM (same generator) up to the new ``max_steps`` and ``tol``.
+
+        ``fixed_probes`` (see :class:`SampledEM`): ``None`` uses them with the solvers that take warm starts
+        (``sdd``, ``sgd``) and fresh probes otherwise. ``stop_on``: ``"a"`` or ``"a_and_sigma2"``. With a
+        :attr:`shard`, the probes are split across ranks.
         """
         self.setup()
+        if fixed_probes is None:
+            fixed_probes = bool(getattr(self.solver, "warm_starts", False))
         if self.em is not None:
             self.em.max_steps, self.em.tol = int(max_steps), float(tol)
         else:
             self.em = SampledEM(self.features, self.solver, self.targets, a=self.a, likelihood=self.likelihood,
-                                n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed)
+                                n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed,
+                                fixed_probes=fixed_probes, stop_on=stop_on, shard=self.shard)
             if "em" in self._pending:
                 self.em.load_state_dict(self._pending["em"])
                 self.a = self.em.a
@@ -304,6 +359,17 @@ class LinearizedPosterior:
         """One record per EM step so far (empty before :meth:`fit`)."""
         return [] if self.em is None else list(self.em.trace)
 
+    def set_targets(self, targets: torch.Tensor) -> None:
+        """Replace ``ỹ`` (same ``c``); a running EM continues with the new targets from its next step.
+
+        For front ends whose targets depend on the hyperparameters: classification's pseudo-targets are rebuilt
+        from the linearised model's mode at every EM step (:mod:`ctuq.classify.laplace`), typically from the
+        ``callback`` of :meth:`fit`. Nothing else (scales, solver, decomposition) depends on the targets.
+        """
+        self.targets = _check_y(targets, self.base, "LinearizedPosterior.set_targets")
+        if self.em is not None:
+            self.em.y_tilde = self.targets
+
     # ------------------------------------------------------------------------------------------ prediction
     def mean(self) -> torch.Tensor:
         """Posterior mean weights ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ`` ``(d,)`` (one solve, one VJP)."""
@@ -319,16 +385,17 @@ class LinearizedPosterior:
                              f"uses {self.solver_name!r}")
         return self.solver.log_evidence(self.targets, self.a, self.sigma2)
 
-    def sample(self, n: int, *, chunk_size: int = 64, seed: int = 0,
-               start_chunk: int = 0) -> Iterator[tuple[int, PosteriorSamples]]:
+    def sample(self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0,
+               chunks: Iterable[int] | None = None) -> Iterator[tuple[int, PosteriorSamples]]:
         """Zero-mean posterior weight samples ``ζ`` in chunks: yields ``(i, PosteriorSamples)``.
 
         Chunk ``i`` draws from its own generator ``(seed, i)``, so starting at ``start_chunk`` reproduces the
-        chunks an uninterrupted run would have drawn (:func:`~ctuq.inference.sampler.sample_chunks`).
+        chunks an uninterrupted run would have drawn (:func:`~ctuq.inference.sampler.sample_chunks`). ``chunks``
+        restricts to those chunk indices (e.g. a rank's share, ``i ≡ rank (mod world_size)``).
         """
         self._require_setup("sample")
         return sample_chunks(self.features, self.solver, self.a, self.sigma2, n, chunk_size=chunk_size,
-                             seed=seed, start_chunk=start_chunk)
+                             seed=seed, start_chunk=start_chunk, chunks=chunks)
 
     def output_samples(self, weights: torch.Tensor) -> torch.Tensor:
         """Network outputs ``Φ (s ⊙ ζ)`` ``(B, d_out)`` of scaled weight samples ``ζ`` ``(B, d)``."""
@@ -340,10 +407,10 @@ class LinearizedPosterior:
                              "pass output_map=")
         return self.base.network_matvec(weights.to(self.base.dtype) * self.scales)
 
-    def sample_outputs(self, n: int, *, chunk_size: int = 64, seed: int = 0,
-                       start_chunk: int = 0) -> Iterator[tuple[int, torch.Tensor, PosteriorSamples]]:
+    def sample_outputs(self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0,
+                       chunks: Iterable[int] | None = None) -> Iterator[tuple[int, torch.Tensor, PosteriorSamples]]:
         """Zero-mean output-space (image) samples in chunks: yields ``(i, outputs (B, d_out), samples)``."""
-        for i, ps in self.sample(n, chunk_size=chunk_size, seed=seed, start_chunk=start_chunk):
+        for i, ps in self.sample(n, chunk_size=chunk_size, seed=seed, start_chunk=start_chunk, chunks=chunks):
             with torch.no_grad():
                 yield i, self.output_samples(ps.weights), ps
 
@@ -354,7 +421,7 @@ class LinearizedPosterior:
             gprior_method=self.gprior_method, gprior_probes=self.gprior_probes,
             likelihood=copy.deepcopy(self.likelihood), a=self.a, solver=self.solver_option,
             solver_options=self.solver_options, workload=self.workload, seed=self.seed,
-            output_map=self._output_map, progress=self.progress, log=self.say,
+            output_map=self._output_map, progress=self.progress, log=self.say, shard=self.shard,
         )
         if self._output_map is None and hasattr(self.base, "network_matvec") and not hasattr(base, "network_matvec"):
             net_base = self.base
@@ -401,8 +468,12 @@ class LinearizedPosterior:
             state["solver_state"] = None if eig is None else eig.state_dict()
         elif isinstance(self.solver, ExactEigSolver) and self.solver_name == "exact_dual":
             state["solver_state"] = self.solver.state_dict()
+        elif self.solver_name in ("sdd", "sgd") and self.solver is not None:
+            state["solver_state"] = self.solver.state_dict()
         if self.em is not None:
             state["em"] = self.em.state_dict()
+        elif "em" in self._pending:  # loaded but not fitted yet: the EM progress is still part of the state
+            state["em"] = self._pending["em"]
         return state
 
     def load_state_dict(self, state: dict) -> None:

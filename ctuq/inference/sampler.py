@@ -26,7 +26,7 @@ which they are computed, so a run resumed at chunk ``i`` reproduces the uninterr
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -178,12 +178,14 @@ def sample_chunks(
     seed: int,
     start_chunk: int = 0,
     generator_device: torch.device | str = "cpu",
+    chunks: Iterable[int] | None = None,
 ) -> Iterator[tuple[int, PosteriorSamples]]:
     """Yield ``(i, samples)`` for chunks ``i = start_chunk, …`` of ``n_samples`` zero-mean samples.
 
     Chunk ``i`` holds samples ``i·chunk_size … min(n_samples, (i+1)·chunk_size) − 1`` and draws from
     :func:`chunk_generator` ``(seed, i)``: resuming at ``start_chunk`` reproduces the same samples. The mean is
-    not included (use :func:`posterior_mean` once).
+    not included (use :func:`posterior_mean` once). ``chunks``: only these chunk indices (ascending, each in
+    ``start_chunk … n_chunks − 1``), e.g. one rank's round-robin share in a sharded run.
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"sample_chunks: chunk_size must be a positive int, got {chunk_size!r}")
@@ -192,7 +194,14 @@ def sample_chunks(
     n_chunks = -(-n_samples // chunk_size)
     if not 0 <= start_chunk <= n_chunks:
         raise ValueError(f"sample_chunks: start_chunk {start_chunk} outside 0..{n_chunks}")
-    for i in range(start_chunk, n_chunks):
+    todo = range(start_chunk, n_chunks)
+    if chunks is not None:
+        picked = sorted({int(i) for i in chunks})
+        bad = [i for i in picked if i not in todo]
+        if bad:
+            raise ValueError(f"sample_chunks: chunk indices {bad[:5]} outside {start_chunk}..{n_chunks - 1}")
+        todo = picked
+    for i in todo:
         k = min(chunk_size, n_samples - i * chunk_size)
         gen = chunk_generator(seed, i, generator_device)
         yield i, sample_posterior(features, solver, a, sigma2, k, generator=gen)

@@ -8,8 +8,10 @@
   ``O(c³)``) or, for small networks (``d < c``), of the ``d × d`` Gram matrix ``ΨᵀΨ`` (``d`` JVPs, ``O(cd² + d³)``)
   — after which ``C⁻¹``, the effective dimension ``γ``, ``‖w*‖²`` and the log evidence are exact for every
   ``a, σ²`` at no further Jacobian cost.
-* :func:`choose_solver` / :func:`make_solver`: pick the cheaper of the two for a workload (EM steps, samples,
-  prediction samples) from estimated Jacobian products and dense flops.
+* :class:`~ctuq.inference.sdd.SDDSolver` (stochastic dual descent) and :class:`~ctuq.inference.sgd.SGDSolver`
+  (primal sample-then-optimise), first-order solvers for large ``c`` in their own modules; registered here.
+* :func:`choose_solver` / :func:`make_solver`: pick the cheapest for a workload (EM steps, samples, prediction
+  samples) from estimated Jacobian products, dense flops and memory.
 
 Why not linear_operator's ``linear_cg`` (measured:
 ``tests/test_inference.py::test_pcg_uses_fewer_products_than_linear_cg`` and
@@ -56,6 +58,7 @@ from ctuq.inference.kernel import (
 from ctuq.inference.preconditioners import (
     LowRankEig,
     LowRankPreconditioner,
+    adaptive_nystrom_eig,
     pivoted_cholesky_eig,
     randomized_eig,
 )
@@ -252,9 +255,16 @@ class Solver(abc.ABC):
     features: FeatureOperator
     kernel: KernelOperator
 
+    warm_starts: bool = False
+    """Whether :class:`~ctuq.inference.em.SampledEM` should pass the previous step's solutions as ``x0`` (the
+    first-order solvers ``sdd``/``sgd``; CG and the exact solvers keep their numbers independent of earlier
+    calls)."""
+
     @abc.abstractmethod
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float) -> tuple[torch.Tensor, SolveStats]:
-        """``C⁻¹ rhs`` for rows ``rhs`` ``(k, c)`` at prior precision ``a`` and noise variance ``σ²``."""
+    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
+              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+        """``C⁻¹ rhs`` for rows ``rhs`` ``(k, c)`` at prior precision ``a`` and noise variance ``σ²``; ``x0``
+        ``(k, c)`` is an initial guess for iterative solvers (ignored by direct ones)."""
 
     def covariance(self, a: float, sigma2: float):
         """``C = K̄/a + σ² I`` as a LinearOperator sharing this solver's kernel."""
@@ -288,6 +298,15 @@ class CGSolver(Solver):
         Seeds the random test matrix of the randomised preconditioner (a CPU generator).
     pivoted_diagonal : {"exact", "stochastic"}
         How pivoted Cholesky gets ``diag(K̄)``.
+    adaptive_rank : bool
+        Grow a single-pass Nyström preconditioner in rounds until its smallest eigenvalue ``λ_r`` satisfies
+        ``λ_r/a < rank_threshold · σ²`` at the ``(a, σ²)`` of the first solve (or of
+        :meth:`build_preconditioner`), with ``rank`` as the cap (:func:`~ctuq.inference.preconditioners.
+        adaptive_nystrom_eig`); ``preconditioner`` must be ``"nystrom"``. Off by default (fixed rank).
+    rank_threshold : float
+        The stated multiple of ``σ²`` of the adaptive rule (default 1).
+    initial_rank : int
+        First round of the adaptive rule (default 100; rounds grow by 1.5×).
     """
 
     def __init__(
@@ -302,12 +321,25 @@ class CGSolver(Solver):
         backend: str = "pcg",
         seed: int = 0,
         pivoted_diagonal: str = "exact",
+        adaptive_rank: bool = False,
+        rank_threshold: float = 1.0,
+        initial_rank: int = 100,
     ):
         if isinstance(preconditioner, str) and preconditioner not in PRECONDITIONERS:
             raise ValueError(
                 f"CGSolver: preconditioner must be one of {list(PRECONDITIONERS)} or a LowRankEig, "
                 f"got {preconditioner!r}"
             )
+        if adaptive_rank and isinstance(preconditioner, str) and preconditioner != "nystrom":
+            raise ValueError(f"CGSolver: adaptive_rank grows a single-pass Nyström preconditioner; it does not "
+                             f"apply to preconditioner {preconditioner!r} (use 'nystrom')")
+        if not (rank_threshold > 0 and math.isfinite(rank_threshold)):
+            raise ValueError(f"CGSolver: rank_threshold must be positive, got {rank_threshold!r}")
+        if not isinstance(initial_rank, int) or initial_rank < 1:
+            raise ValueError(f"CGSolver: initial_rank must be a positive int, got {initial_rank!r}")
+        self.adaptive_rank = bool(adaptive_rank)
+        self.rank_threshold = float(rank_threshold)
+        self.initial_rank = int(initial_rank)
         if backend not in ("pcg", "linear_cg"):
             raise ValueError(f"CGSolver: backend must be 'pcg' or 'linear_cg', got {backend!r}")
         if not (rtol > 0 and math.isfinite(rtol)):
@@ -347,12 +379,21 @@ class CGSolver(Solver):
             self.build_preconditioner()
         return self._eig
 
-    def build_preconditioner(self) -> LowRankEig | None:
-        """Build the ``K̄`` decomposition now (otherwise the first solve does); idempotent."""
+    def build_preconditioner(self, a: float | None = None, sigma2: float | None = None) -> LowRankEig | None:
+        """Build the ``K̄`` decomposition now (otherwise the first solve does); idempotent.
+
+        ``a``, ``σ²`` set the stopping rule of ``adaptive_rank`` (required then; ignored otherwise)."""
         if self._eig is not None or self.preconditioner_kind == "none":
             return self._eig
         t0 = time.perf_counter()
-        if self.preconditioner_kind in ("nystrom", "halko"):
+        if self.adaptive_rank:
+            if a is None or sigma2 is None:
+                raise ValueError("CGSolver.build_preconditioner: adaptive_rank needs the (a, σ²) at which to stop "
+                                 "growing the rank: pass build_preconditioner(a, sigma2)")
+            self._eig = adaptive_nystrom_eig(self.kernel, self.rank, a=a, sigma2=sigma2,
+                                             threshold=self.rank_threshold, initial_rank=self.initial_rank,
+                                             oversampling=self.oversampling, seed=self.seed)
+        elif self.preconditioner_kind in ("nystrom", "halko"):
             self._eig = randomized_eig(
                 self.kernel, self.rank, oversampling=self.oversampling, method=self.preconditioner_kind,
                 seed=self.seed,
@@ -364,7 +405,7 @@ class CGSolver(Solver):
 
     def preconditioner_inverse(self, a: float, sigma2: float) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``R ↦ P⁻¹ R`` at ``(a, σ²)`` (``None`` without a preconditioner); reuses the ``K̄`` decomposition."""
-        eig = self.low_rank
+        eig = self.build_preconditioner(a, sigma2) if self._eig is None else self._eig
         return None if eig is None else LowRankPreconditioner(eig).inverse(a, sigma2)
 
     def solve(
@@ -520,8 +561,10 @@ class ExactEigSolver(Solver):
         _, Q = self.decompose()
         return b / sigma2 + ((b @ Q) * (self._coef(a, sigma2) - 1.0 / sigma2)) @ Q.T
 
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float) -> tuple[torch.Tensor, SolveStats]:
-        """``C⁻¹ rhs`` for rows ``(k, c)`` (dense, no Jacobian products); residual from the decomposition."""
+    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
+              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+        """``C⁻¹ rhs`` for rows ``(k, c)`` (dense, no Jacobian products; ``x0`` is ignored); residual from the
+        decomposition."""
         rhs = self._check_rhs(rhs)
         a_f, s2_f = _check_hyper(a, sigma2, "ExactEigSolver.solve")
         lam, Q = self.decompose()
@@ -606,7 +649,15 @@ class Workload:
     cg_iterations : float
         Expected preconditioned CG iterations per solve (published: ≤ 10 with a rank-400 preconditioner).
     rank, oversampling : int
-        CG preconditioner rank and oversampling.
+        CG preconditioner rank (the cap with an adaptive rank) and oversampling.
+    sdd_iterations, sgd_iterations : float
+        Iterations per solve of the first-order solvers (their budgets, ``uq.sdd_iterations`` /
+        ``uq.sgd_iterations``).
+    chunk : int
+        Prediction samples solved together (``uq.sample_chunk``): the first-order solvers hold a few
+        ``chunk × c`` (SDD) or ``chunk × d`` (SGD) buffers.
+    lanczos_steps : int
+        Kernel products of the first-order solvers' ``λ_max(K̄)`` estimate.
     """
 
     em_steps: int = 5
@@ -615,6 +666,10 @@ class Workload:
     cg_iterations: float = 10.0
     rank: int = 400
     oversampling: int = 10
+    sdd_iterations: float = 1000.0
+    sgd_iterations: float = 1000.0
+    chunk: int = 64
+    lanczos_steps: int = 20
 
 
 @dataclasses.dataclass
@@ -646,7 +701,7 @@ def estimate_solver_costs(
     memory_budget: float = 4 * 1024**3,
     itemsize: int = 4,
 ) -> dict[str, SolverCostEstimate]:
-    """Cost model of ``"exact"`` and ``"cg"`` for ``c`` outputs, ``d`` features and a workload.
+    """Cost model of ``"exact"``, ``"cg"``, ``"sdd"`` and ``"sgd"`` for ``c`` outputs, ``d`` features and a workload.
 
     Products (per sample; one kernel product = 1 VJP + 1 JVP), with ``k`` EM samples, ``n`` prediction samples,
     ``S`` EM steps, ``i`` CG iterations, rank ``r + p``:
@@ -657,7 +712,13 @@ def estimate_solver_costs(
       Either way EM with exact ``γ`` costs nothing; prediction ``n`` JVPs (``Ψw₀``) + ``n + 1`` VJPs and
       ``4c·r·(n+1)`` dense flops for the solves (``r = min(c, d)``).
     * cg: preconditioner ``r + p`` kernel products; EM ``S·(k JVPs + (k+1)·i kernel products)``; prediction
-      ``n JVPs + (n+1)(i + 1) VJPs + (n+1)·i JVPs``. Dense: ``4c(r+p)`` per CG iteration and column.
+      ``n JVPs + (n+1)(i + 1) VJPs + (n+1)·i JVPs``. Dense: ``4c(r+p)`` per CG iteration and column. Memory
+      ``2c(r+p)`` float64 (the sketch and the basis).
+    * sdd / sgd (``T`` = ``sdd_iterations`` / ``sgd_iterations``, the budget: early stops make it an upper
+      bound): ``λ_max`` by ``lanczos_steps`` kernel products; every solve ``T`` kernel products per column plus
+      one for the exact final residual (SDD) or ``T/10 + 1`` JVPs for the residual checks and one VJP for a warm
+      start (SGD); otherwise as cg. Memory: five ``chunk × c`` buffers (SDD) or four ``chunk × d`` (SGD), plus
+      the Lanczos basis ``lanczos_steps × c`` float64.
 
     Image-space prediction JVPs (``x = Φ(s ⊙ ζ)``) are the same for both and not included. ``t_jvp``/``t_vjp``
     are seconds per sample; ``flop_rate`` dense flops per second.
@@ -680,10 +741,24 @@ def estimate_solver_costs(
     cg_vjp = cg_prods + (n + 1)
     cg_flops = (S * (k + 1) + (n + 1)) * it * 4.0 * c * rp + 2.0 * c * rp * rp
     cg_mem = 2.0 * c * rp * 8
+    n_solves = S * (k + 1) + (n + 1)
+    L = workload.lanczos_steps
+    T_sdd, T_sgd = workload.sdd_iterations, workload.sgd_iterations
+    sdd_prods = L + n_solves * (T_sdd + 1)
+    sdd_jvp, sdd_vjp = sdd_prods + S * k + n, sdd_prods + (n + 1)
+    sgd_prods = L + n_solves * T_sgd
+    sgd_jvp = sgd_prods + n_solves * (T_sgd / 10.0 + 1) + S * k + n
+    sgd_vjp = sgd_prods + n_solves + (n + 1)
+    m = max(k + 1, workload.chunk)
+    fo_flops = n_solves * 10.0 * c
+    sdd_mem = 5.0 * m * c * itemsize + L * c * 8.0
+    sgd_mem = 4.0 * m * d * itemsize + L * c * 8.0
     out = {}
     for name, jv, vj, fl, mem in (
         ("exact", ex_jvp, ex_vjp, ex_flops, ex_mem),
         ("cg", cg_jvp, cg_vjp, cg_flops, cg_mem),
+        ("sdd", sdd_jvp, sdd_vjp, fo_flops * T_sdd, sdd_mem),
+        ("sgd", sgd_jvp, sgd_vjp, fo_flops * T_sgd * d / max(c, 1), sgd_mem),
     ):
         out[name] = SolverCostEstimate(name, float(jv), float(vj), float(fl), float(mem),
                                        jv * t_jvp + vj * t_vjp + fl / flop_rate, mem <= memory_budget)
@@ -729,7 +804,8 @@ def choose_solver(
     flop_rate: float | None = None,
     memory_budget: float | None = None,
 ) -> tuple[str, dict[str, SolverCostEstimate]]:
-    """``("exact" | "cg", estimates)``: the cheaper feasible solver for ``workload`` by estimated seconds.
+    """``("exact" | "cg" | "sdd" | "sgd", estimates)``: the cheapest feasible solver for ``workload`` by estimated
+    seconds (:func:`estimate_solver_costs`; when none fits the memory budget, the one needing the least memory).
 
     Product times and the dense flop rate are measured (4 products of each kind, one 512² GEMM; counted by the
     features' counters) unless given. ``memory_budget`` defaults to 4 GiB on CPU, half the free memory on CUDA.
@@ -748,24 +824,33 @@ def choose_solver(
         features.n_outputs, features.n_features, workload, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
         memory_budget=memory_budget, itemsize=torch.empty((), dtype=features.dtype).element_size(),
     )
-    feasible = [e for e in est.values() if e.feasible] or [est["cg"]]
+    feasible = [e for e in est.values() if e.feasible] or [min(est.values(), key=lambda e: e.memory_bytes)]
     best = min(feasible, key=lambda e: e.seconds)
     return best.solver, est
 
 
 def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workload = Workload(), **options) -> Solver:
-    """A solver for ``features``: ``kind`` ``"exact"``, ``"cg"`` or ``"auto"`` (:func:`choose_solver`).
+    """A solver for ``features``: ``kind`` ``"exact"``, ``"cg"``, ``"sdd"``, ``"sgd"`` or ``"auto"``
+    (:func:`choose_solver`).
 
     ``options`` go to the chosen solver's constructor (CG: ``preconditioner``, ``rank``, ``oversampling``,
-    ``rtol``, ``max_iter``, ``backend``, ``seed``, ``pivoted_diagonal``; exact: ``chunk_size``, ``memory_budget``,
-    ``progress``, ``side``); options of the other solver are ignored (so ``"auto"`` can be given both), unknown names raise.
-    For ``"auto"``, ``rank``/``oversampling`` given here also enter the cost model.
+    ``rtol``, ``max_iter``, ``backend``, ``seed``, ``pivoted_diagonal``, ``adaptive_rank``, ``rank_threshold``,
+    ``initial_rank``; exact: ``chunk_size``, ``memory_budget``, ``progress``, ``side``; SDD:
+    :class:`~ctuq.inference.sdd.SDDSolver`'s; SGD: :class:`~ctuq.inference.sgd.SGDSolver`'s); options of the other
+    solvers are ignored (so ``"auto"`` can be given all), unknown names raise. For ``"auto"``,
+    ``rank``/``oversampling`` given here also enter the cost model.
     """
     exact_opts = {"chunk_size", "memory_budget", "progress", "side"}
-    cg_opts = {"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend", "seed", "pivoted_diagonal"}
-    unknown = sorted(set(options) - exact_opts - cg_opts)
+    cg_opts = {"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend", "seed", "pivoted_diagonal",
+               "adaptive_rank", "rank_threshold", "initial_rank"}
+    sdd_opts = {"step_size", "momentum", "batch_size", "averaging", "max_iter", "rtol", "seed", "lanczos_steps",
+                "lambda_max"}
+    sgd_opts = {"lr", "momentum", "lr_decay", "clip", "check_every", "max_iter", "rtol", "seed", "lanczos_steps",
+                "lambda_max"}
+    unknown = sorted(set(options) - exact_opts - cg_opts - sdd_opts - sgd_opts)
     if unknown:
-        raise ValueError(f"make_solver: unknown option(s) {unknown}; valid: {sorted(exact_opts | cg_opts)}")
+        raise ValueError(f"make_solver: unknown option(s) {unknown}; valid: "
+                         f"{sorted(exact_opts | cg_opts | sdd_opts | sgd_opts)}")
     if kind == "auto":
         wl = dataclasses.replace(
             workload,
@@ -777,7 +862,15 @@ def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workloa
         return ExactEigSolver(features, **{k: v for k, v in options.items() if k in exact_opts})
     if kind == "cg":
         return CGSolver(features, **{k: v for k, v in options.items() if k in cg_opts})
-    raise ValueError(f"make_solver: kind must be 'auto', 'exact' or 'cg', got {kind!r}")
+    if kind == "sdd":
+        from ctuq.inference.sdd import SDDSolver
+
+        return SDDSolver(features, **{k: v for k, v in options.items() if k in sdd_opts})
+    if kind == "sgd":
+        from ctuq.inference.sgd import SGDSolver
+
+        return SGDSolver(features, **{k: v for k, v in options.items() if k in sgd_opts})
+    raise ValueError(f"make_solver: kind must be 'auto', 'exact', 'cg', 'sdd' or 'sgd', got {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -809,9 +902,16 @@ SOLVERS: dict[str, SolverSpec] = {
     "exact_dual": SolverSpec("exact_dual", True, False,
                              "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c"),
     "cg": SolverSpec("cg", False, False,
-                     "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner"),
+                     "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner "
+                     "(fixed or adaptive rank)"),
+    "sdd": SolverSpec("sdd", False, False,
+                      "stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or "
+                      "coordinate blocks); large c"),
+    "sgd": SolverSpec("sgd", False, False,
+                      "primal sample-then-optimise: Nesterov gradient descent over the weights, C⁻¹r = "
+                      "(r − Ψz*)/σ²; large c"),
 }
-"""Every solver ctuq has, by option name (the scale issue adds ``sdd`` and ``sgd`` here)."""
+"""Every solver ctuq has, by option name."""
 
 SOLVER_CHOICES = ("auto", "exact", *SOLVERS)
 """Values of the ``uq.solver`` option: ``auto`` picks by estimated cost, ``exact`` the cheaper exact side."""
@@ -825,7 +925,7 @@ def resolve_solver(
 ) -> tuple[str, dict[str, SolverCostEstimate] | None]:
     """The :data:`SOLVERS` name for option ``kind`` on ``features`` (``c × d``), and the cost estimates if any.
 
-    ``"auto"``: exact or CG by :func:`choose_solver` (which measures product times); ``"exact"``:
+    ``"auto"``: exact, CG, SDD or SGD by :func:`choose_solver` (which measures product times); ``"exact"``:
     ``"exact_primal"`` when ``d < c`` and the assembled ``Ψ`` (twice, float64: ``2·c·d·8`` bytes) fits
     ``memory_budget`` (default: 40 % of the available host memory, at most 8 GiB; half the free GPU memory),
     else ``"exact_dual"``. Names in :data:`SOLVERS` pass through.

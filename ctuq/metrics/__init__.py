@@ -20,8 +20,9 @@ Map of the package
                     :class:`SampleMoments`), the one JSON-ready dict a run reports
 ==================  =====================================================================================
 
-Classification metrics (NLL, ECE, Brier score, joint log-likelihood of κ-tuples) will go in a sibling
-module ``classification.py``; they do not exist yet. PSNR and SSIM are in :func:`ctuq.outputs.image_metrics`.
+Classification metrics (NLL, accuracy, ECE, Brier score, reliability diagrams, joint log-likelihood of
+κ-tuples) are in the sibling module ``classification`` (:func:`nll`, :func:`expected_calibration_error`, …,
+:func:`classification_summary`). PSNR and SSIM are in :func:`ctuq.outputs.image_metrics`.
 
 Shapes and units
 ----------------
@@ -65,6 +66,16 @@ Centering
 from __future__ import annotations
 
 from ._common import DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, DEFAULT_LEVELS, HEADLINE_LEVELS
+from .classification import (
+    accuracy,
+    brier_score,
+    classification_summary,
+    expected_calibration_error,
+    joint_log_likelihood,
+    joint_log_likelihoods,
+    nll,
+    reliability_diagram,
+)
 from .calibration import ErrorStdHistogram, coverage, error_std_histogram, headline_coverage, rank_correlation
 from .likelihoods import marginal_log_likelihood, patch_joint_log_likelihood
 from .moments import SampleMoments, pixelwise_std, pixelwise_std_about, pixelwise_variance
@@ -87,6 +98,14 @@ __all__ = [
     "rank_correlation",
     "uq_summary",
     "uq_summary_from_moments",
+    "nll",
+    "accuracy",
+    "expected_calibration_error",
+    "reliability_diagram",
+    "brier_score",
+    "joint_log_likelihood",
+    "joint_log_likelihoods",
+    "classification_summary",
     "DEFAULT_ETA_REL",
     "DEFAULT_LEVELS",
     "HEADLINE_LEVELS",

@@ -392,6 +392,29 @@ class SampleMoments:
         self._k += other._k
         return self
 
+    def reduce_(self, shard) -> "SampleMoments":
+        """Sum the running sums of every process onto rank 0, in place (a sharded prediction; see
+        :mod:`ctuq.inference.distributed`).
+
+        Parameters
+        ----------
+        shard : ctuq.inference.Shard
+            Anything with ``reduce_sum_(tensor)`` (sum onto rank 0 in place), ``all_reduce_sum(tensor)`` and
+            ``is_root``. Every process must call this with accumulators of the same configuration.
+
+        Returns
+        -------
+        SampleMoments
+            ``self``: on rank 0 it holds every process's samples (the same sums as one process accumulating all
+            chunks, up to the order of float64 additions); on the other ranks its sums are unspecified and
+            :attr:`n_samples` is the total.
+        """
+        shard.reduce_sum_(self._sum_sq)
+        for p in self._sizes:
+            shard.reduce_sum_(self._patch_sums[p])
+        self._k = int(shard.all_reduce_sum(torch.tensor([self._k], dtype=torch.float64))[0])
+        return self
+
     # ----------------------------------------------------------------------------------------- estimates
     def variance(self) -> torch.Tensor:
         """Pixelwise variance ``(1/k) Σ_j x_j²`` over the whole image.

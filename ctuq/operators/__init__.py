@@ -6,6 +6,8 @@ Backends share the :class:`RayTransform` interface (batched, angle-major, differ
   exact adjoint; CPU and CUDA.
 * :class:`AstraCudaRayTransform` — matrix-free ASTRA CUDA (``astra.experimental.direct_FP3D/BP3D``) on torch
   CUDA tensors: 3D cone/parallel beam, and batches of 2D slices as one 3D volume. GPU only.
+* :class:`SlicewiseParallelRayTransform` — 3D parallel beam about ``z`` with one detector row per slice, assembled
+  from the 2D sparse operator (``I_D ⊗ T₂``); CPU and CUDA. The CPU path of the 3D code (small volumes, tests).
 
 :func:`make_ray_transform` picks one. ``fbp``/``fdk`` (:mod:`ctuq.operators.fbp`) give the classical
 reconstructions used to initialise and benchmark the DIP.
@@ -18,9 +20,11 @@ import torch
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators.base import RayTransform, ShapeError
 from ctuq.operators.fbp import fbp, fdk  # rebinds the names from the submodule to the functions
+from ctuq.operators.slicewise import SlicewiseParallelRayTransform
 from ctuq.operators.sparse import SparseRayTransform
 
-__all__ = ["RayTransform", "ShapeError", "SparseRayTransform", "make_ray_transform", "BACKENDS", "fbp", "fdk"]
+__all__ = ["RayTransform", "ShapeError", "SparseRayTransform", "SlicewiseParallelRayTransform", "make_ray_transform",
+           "BACKENDS", "fbp", "fdk"]
 
 BACKENDS = ("auto", "sparse", "astra_cuda")
 
@@ -36,7 +40,9 @@ def make_ray_transform(
     """Build ``T`` for ``volume`` (pixel grid, mm) and ``geometry`` (mm) on ``device``.
 
     ``backend='auto'`` takes the sparse matrix for 2D (fastest on CPU and GPU for slices) and ASTRA CUDA for 3D.
-    3D, and ``'astra_cuda'`` in general, need a CUDA device; asking for them on the CPU raises a clear error.
+    3D, and ``'astra_cuda'`` in general, need a CUDA device; asking for them on the CPU raises a clear error. The
+    exception: ``backend='sparse'`` with a ``parallel3d`` geometry whose detector rows are the volume's slices gives
+    the slice-by-slice :class:`SlicewiseParallelRayTransform` (CPU and CUDA).
     """
     if backend not in BACKENDS:
         raise ValueError(f"make_ray_transform: backend {backend!r} unknown; valid: {list(BACKENDS)}")
@@ -49,8 +55,11 @@ def make_ray_transform(
     if backend == "auto":
         backend = "sparse" if volume.ndim == 2 else "astra_cuda"
     if backend == "sparse":
+        if volume.ndim == 3 and geometry.kind == "parallel3d":
+            return SlicewiseParallelRayTransform.from_geometry(volume, geometry, device=device, dtype=dtype)
         if volume.ndim != 2:
-            raise ValueError("make_ray_transform: backend 'sparse' is 2D only; 3D volumes need 'astra_cuda' (GPU)")
+            raise ValueError("make_ray_transform: backend 'sparse' is 2D only (and 3D parallel beam with one detector "
+                             "row per slice, geometry 'parallel3d'); cone-beam volumes need 'astra_cuda' (GPU)")
         return SparseRayTransform(volume, geometry, device=device, dtype=dtype)
     if device.type != "cuda":
         raise RuntimeError(

@@ -61,10 +61,17 @@ class RunState:
     warnings: list[str] = dataclasses.field(default_factory=list)
     uq_result: Any = None
     uq_summary: dict | None = None
+    shard: Any = None  # ctuq.inference.Shard of a sharded `ctuq uq` (torchrun); None: one process
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this process writes results and logs (always, unless it is a rank > 0 of a sharded run)."""
+        return self.shard is None or self.shard.is_root
 
     def log(self, msg: str) -> None:
-        """A progress line ``[ctuq <command>] msg`` on stderr."""
-        print(f"[ctuq {self.command}] {msg}", file=sys.stderr, flush=True)
+        """A progress line ``[ctuq <command>] msg`` on stderr (rank 0 only in a sharded run)."""
+        if self.is_root:
+            print(f"[ctuq {self.command}] {msg}", file=sys.stderr, flush=True)
 
     def warn(self, msg: str) -> None:
         """Record ``msg`` for metrics.json and print ``ctuq <command>: warning: msg`` on stderr."""
@@ -266,7 +273,9 @@ def phase_restore_dip(state: RunState) -> None:
 
 def phase_write(state: RunState) -> None:
     """Metrics against the ground truth, the PNG figure, ground_truth.tif and metrics.json (with the run's
-    ``"warnings"``, an empty list when there were none)."""
+    ``"warnings"``, an empty list when there were none). Rank 0 only in a sharded run."""
+    if not state.is_root:
+        return
     from ctuq import __version__
     from ctuq.outputs import image_metrics, package_versions, write_figure, write_metrics, write_tiff
 

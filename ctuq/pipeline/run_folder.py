@@ -38,7 +38,7 @@ __all__ = [
     "CONFIG_NAME", "METRICS_NAME", "RECONSTRUCTION_NAME", "FBP_NAME", "TV_NAME", "GROUND_TRUTH_NAME", "STD_NAME",
     "CHECKPOINT_NAME", "MODEL_NAME", "UQ_STATE_NAME", "UQ_MOMENTS_NAME", "UQ_SAMPLES_DIR", "UQ_SAMPLE_FILE_PATTERN",
     "RECONSTRUCTION_FIGURE", "UNCERTAINTY_FIGURE", "CALIBRATION_FIGURE", "JOINT_LL_FIGURE", "ERROR_VS_STD_FIGURE",
-    "EM_TRACE_FIGURE", "FIGURE_NAMES", "prepare_out_dir", "check_writable_folder", "require_run_folder",
+    "EM_TRACE_FIGURE", "UNCERTAINTY_SLICES_FIGURE", "FIGURE_NAMES", "prepare_out_dir", "check_writable_folder", "require_run_folder",
     "new_run_folder", "is_finished_run",
 ]
 
@@ -63,8 +63,9 @@ CALIBRATION_FIGURE = "calibration.png"
 JOINT_LL_FIGURE = "joint_ll.png"
 ERROR_VS_STD_FIGURE = "error_vs_std.png"
 EM_TRACE_FIGURE = "em_trace.png"
+UNCERTAINTY_SLICES_FIGURE = "uncertainty_slices.png"  # volumes: axial / coronal / sagittal planes
 FIGURE_NAMES = (RECONSTRUCTION_FIGURE, UNCERTAINTY_FIGURE, CALIBRATION_FIGURE, JOINT_LL_FIGURE,
-                ERROR_VS_STD_FIGURE, EM_TRACE_FIGURE)
+                ERROR_VS_STD_FIGURE, EM_TRACE_FIGURE, UNCERTAINTY_SLICES_FIGURE)
 
 
 def is_finished_run(folder: str | os.PathLike) -> bool:

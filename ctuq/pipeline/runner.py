@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from ctuq.config import Config
+from ctuq.config import Config, ConfigError
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.phases import (Phase, RunState, phase_dip, phase_fbp, phase_load, phase_restore_dip, phase_tv,
                                   phase_write)
 from ctuq.pipeline.uq_phase import phase_uq
 
-__all__ = ["uq_phases", "build_phases", "run_phases", "reconstruct", "rerun_uq"]
+__all__ = ["uq_phases", "build_phases", "run_phases", "reconstruct", "rerun_uq", "reconstruct_problem"]
 
 
 def uq_phases(state: RunState) -> list[Phase]:
@@ -97,7 +97,8 @@ def reconstruct(cfg: Config, out_dir: str | Path, *, resume: bool = False, uq: b
     return run_phases(state, build_phases(state))
 
 
-def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> RunState:
+def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True, shard=None,
+             device: torch.device | None = None) -> RunState:
     """Programmatic ``ctuq uq``: rerun only the uncertainty phase on the finished run folder ``out_dir``.
 
     Reloads the scan and the FBP, restores the fitted DIP (``dip_model.pt``, else the checkpoint; no refitting),
@@ -105,18 +106,74 @@ def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress
     DIP/TV numbers of the original run are kept) and ``config.yaml`` (``cfg``). ``resume`` continues an
     interrupted inference from its checkpoints. Returns the final :class:`RunState`; raises as
     :func:`reconstruct` does, and :class:`~ctuq.errors.OutDirError` when ``out_dir`` is not a run folder.
+
+    ``shard`` (a :class:`ctuq.inference.Shard` from :func:`ctuq.inference.init_from_env`) splits the EM probes and
+    the prediction chunks across the ranks of a ``torchrun`` launch; every rank loads the scan and the DIP, rank 0
+    sets up the posterior and writes the results. ``device`` overrides ``cfg.device`` (the rank's own GPU).
     """
     from ctuq.pipeline.scan import check_device
     from ctuq.utils import resolve_device
 
     out_dir = Path(out_dir)
     rf.require_run_folder(out_dir)
-    device = resolve_device(cfg.device)
+    device = device if device is not None else resolve_device(cfg.device)
     check_device(cfg, device)
-    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=True, progress=progress,
-                     command="uq")
+    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=True,
+                     progress=progress and (shard is None or shard.is_root), command="uq", shard=shard)
     phases = [Phase("load", phase_load), Phase("fbp", phase_fbp), Phase("restore_dip", phase_restore_dip),
               *uq_phases(state), Phase("write", phase_write)]
     run_phases(state, phases)
-    _write_config(cfg, out_dir)
+    if state.is_root:
+        _write_config(cfg, out_dir)
     return state
+
+
+def reconstruct_problem(cfg: Config, out_dir: str | Path, data, *, uq: bool = True, resume: bool = False,
+                        progress: bool = True, overwrite: bool = False) -> RunState:
+    """The phases of ``ctuq reconstruct`` on a problem given in code instead of a scan folder: fbp → dip → [uq] →
+    write into the run folder ``out_dir`` (same files and metrics.json as a scan run).
+
+    This is the CPU path of the 3D pipeline: ``data`` may be a volume from
+    :func:`ctuq.data.volume.simulate_parallel_volume` (3D U-Net DIP, inference over the volume, streaming 3D
+    statistics, orthogonal-slice figures, per-phase timings), which the config's ``data`` section cannot describe
+    (a 3D *walnut* scan is cone beam and needs CUDA). ``cfg.data`` is ignored; ``cfg.tv`` is skipped for volumes.
+
+    Parameters
+    ----------
+    cfg : Config
+        Model, DIP, inference and output settings (``cfg.device`` must match ``data.op.device``).
+    out_dir : path
+        Run folder (created; a finished one is refused unless ``resume`` or ``overwrite``).
+    data : ctuq.data.CTData
+        ``op`` (any :class:`~ctuq.operators.RayTransform`), ``y`` (``op.measurement_shape``), ``ground_truth``
+        (``op.image_shape`` or ``None``), ``meta``.
+    uq, resume, progress, overwrite
+        As in :func:`reconstruct`.
+    """
+    from ctuq.utils import resolve_device
+
+    device = resolve_device(cfg.device)
+    if data.op.device.type != device.type:
+        raise ConfigError(f"device {cfg.device!r}: the problem's operator lives on {data.op.device}; build it there "
+                          f"or set device accordingly")
+    out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
+    _write_config(cfg, out_dir)
+    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
+    state.data, state.op = data, data.op
+    state.y = data.y.to(device)
+    state.ground_truth = data.ground_truth.to(device) if data.ground_truth is not None else None
+    state.metrics["data"] = {"source": "given in code", "ndim": int(data.op.ndim),
+                             "image_shape": list(data.op.image_shape),
+                             "measurement_shape": list(data.op.measurement_shape),
+                             "operator": type(data.op).__name__, "has_ground_truth": state.ground_truth is not None,
+                             "meta": dict(getattr(data, "meta", {}) or {})}
+    phases = [Phase("fbp", phase_fbp)]
+    if cfg.tv.enabled and data.op.ndim == 2:
+        phases.append(Phase("tv", phase_tv))
+    elif cfg.tv.enabled:
+        state.warn("tv.enabled: the TV baseline is 2D only; skipped for this volume")
+    phases.append(Phase("dip", phase_dip))
+    if uq:
+        phases.extend(uq_phases(state))
+    phases.append(Phase("write", phase_write))
+    return run_phases(state, phases)

@@ -27,8 +27,11 @@ def phase_uq(state: RunState) -> None:
     res = run_linearized_uq(
         state.model, state.net_input, state.op, state.y, scale=cfg.dip.scale,
         settings=cfg.uq, seed=cfg.seed, work_dir=state.out_dir, resume=state.resume,
-        progress=state.progress, log=state.log,
+        progress=state.progress, log=state.log, shard=state.shard,
     )
+    state.uq_result = res
+    if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
+        return
     write_tiff(state.out_dir / rf.STD_NAME, res.std)
     uq_metrics: dict[str, Any] = {
         "method": "linearised DIP, sampled (dual Matheron sampler, sampled EM)",
@@ -58,8 +61,11 @@ def phase_uq(state: RunState) -> None:
     state.uq_result = res
     if cfg.output.figure:
         _uq_figures(state, res)
-    # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now.
+    # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
+    # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
+    for p in state.out_dir.glob("uq_moments.rank*of*.pt"):
+        p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
 
@@ -72,6 +78,10 @@ def _uq_figures(state: RunState, res) -> None:
     gt = state.ground_truth.detach().cpu() if state.ground_truth is not None else None
     roi = inner_square_roi(res.std.shape) if state.cfg.uq.roi == "inner_square" else None
     abs_err = (res.mean - gt).abs() if gt is not None else None
+    if res.std.ndim == 3:  # volumes: the three orthogonal planes through the centre
+        figures.plot_orthogonal_slices(out / rf.UNCERTAINTY_SLICES_FIGURE, res.mean,
+                                       abs_err if abs_err is not None else res.mean * 0, res.std, ground_truth=gt,
+                                       roi=roi)
     if abs_err is not None:
         figures.plot_uq_panels(out / rf.UNCERTAINTY_FIGURE, res.mean, abs_err, res.std, ground_truth=gt, roi=roi,
                                titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"])

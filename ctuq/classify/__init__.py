@@ -1,0 +1,28 @@
+"""Linearised Laplace for trained PyTorch classifiers, on the same inference core as CT (``ctuq.inference``).
+
+::
+
+    from ctuq.classify import LinearizedLaplace
+    la = LinearizedLaplace(model, prior="gprior")          # any nn.Module returning logits (N, C); all weights
+    la.fit(train_loader)                                   # linearise at the trained weights, softmax Hessians
+    la.optimize_prior(method="sampled_em")                 # MacKay EM for the prior precision; la.em_trace
+    probs = la.predict(x, link="mc", samples=64)           # or link="probit"; la.predict_logits, la.sample_logits
+    la.log_evidence(); state = la.state_dict(); LinearizedLaplace.from_state_dict(model, state)
+
+Modules: :mod:`~ctuq.classify.laplace` (the front end and its equations), :mod:`~ctuq.classify.hessian` (softmax
+Hessian square roots and pseudo-target residuals), :mod:`~ctuq.classify.mode` (the linearised model's categorical
+mode for the M-step), :mod:`~ctuq.classify.jacobians` (per-example Jacobians: exact g-prior, dense features),
+:mod:`~ctuq.classify.predictive` (MC / probit predictives), :mod:`~ctuq.classify.data` (input checks),
+:mod:`~ctuq.classify.state` (save / load). Metrics: :mod:`ctuq.metrics.classification`. Docs:
+docs/classification.md.
+"""
+
+from ctuq.classify.data import WEIGHT_SUBSETS, resolve_weights
+from ctuq.classify.hessian import ROOTS, SoftmaxHessianRoot, softmax_hessian
+from ctuq.classify.laplace import EXACT_SOLVERS, PRIOR_METHODS, LinearizedLaplace
+from ctuq.classify.mode import LINEAR_MODELS, LinearMode, ModeResult
+from ctuq.classify.predictive import LINKS, link_probabilities, logit_samples
+
+__all__ = ["LinearizedLaplace", "PRIOR_METHODS", "EXACT_SOLVERS", "SoftmaxHessianRoot", "softmax_hessian", "ROOTS",
+           "LinearMode", "ModeResult", "LINEAR_MODELS", "LINKS", "link_probabilities", "logit_samples",
+           "WEIGHT_SUBSETS", "resolve_weights"]

@@ -1,0 +1,60 @@
+"""Building blocks of :meth:`LinearizedLaplace.fit <ctuq.classify.LinearizedLaplace.fit>`: the whitened features
+``Ψ₀ = blockdiag(L_iᵀ) J`` and the prior scales ``s``.
+
+* Features: a :class:`~ctuq.inference.LinearizedFeatures` of the network on all training inputs with the output
+  map ``Lᵀ`` (adjoint ``L``) per example — Jacobian products, for CG and the first-order solvers — or, for the exact
+  solvers, ``Ψ₀`` assembled densely from per-example Jacobians (:mod:`ctuq.classify.jacobians`) when twice its
+  ``n·C·d`` float64 numbers fit :func:`~ctuq.inference.dense_memory_budget`.
+* Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
+  passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
+  ``Ψ₀ᵀ``, :func:`ctuq.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get ``s_j = 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctuq.classify.hessian import SoftmaxHessianRoot
+from ctuq.classify.jacobians import assemble_whitened_jacobian, ggn_diagonal
+from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures, dense_memory_budget
+
+__all__ = ["whitened_features", "dense_fits", "prior_scales"]
+
+
+def dense_fits(n_outputs: int, n_params: int) -> bool:
+    """Whether two float64 copies of ``Ψ₀`` (``n_outputs × n_params``) fit the dense memory budget."""
+    return 2 * n_outputs * n_params * 8 <= dense_memory_budget("cpu")
+
+
+def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRoot, *, dense: bool,
+                      dtype: torch.dtype, chunk_size: int = 32,
+                      progress: bool = False) -> tuple[FeatureOperator, torch.Tensor | None]:
+    """``(Ψ₀, squared column norms or None)``: dense from per-example Jacobians, or through ``net``'s products."""
+    if dense:
+        P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress)
+        return DenseFeatures(P0.to(dtype)), P0.pow(2).sum(0)
+    ones = torch.ones(net.d, dtype=dtype)
+    return LinearizedFeatures(net, ones, output_map=root.apply_transpose, output_adjoint=root.apply,
+                              n_outputs=net.d_out), None
+
+
+def prior_scales(prior, *, base: FeatureOperator, model, X: torch.Tensor, names, root: SoftmaxHessianRoot,
+                 n_params: int, sq_norms: torch.Tensor | None = None, gprior_method: str = "exact",
+                 gprior_probes: int = 256, seed: int = 0, chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
+    """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor)."""
+    from ctuq.priors import gprior_scales, scales_from_sq_norms
+
+    if isinstance(prior, torch.Tensor):
+        if tuple(prior.shape) != (n_params,):
+            raise ValueError(f"LinearizedLaplace: prior scales must have shape ({n_params},), got {tuple(prior.shape)}")
+        if not torch.isfinite(prior).all() or (prior < 0).any():
+            raise ValueError("LinearizedLaplace: prior scales must be finite and >= 0")
+        return prior.detach().double()
+    if prior == "isotropic":
+        return torch.ones(n_params, dtype=torch.float64)
+    if gprior_method == "stochastic":
+        return gprior_scales(base.rmatvec, base.n_outputs, method="stochastic", n_probes=gprior_probes, seed=seed,
+                             dtype=base.dtype, progress=progress).double()
+    if sq_norms is None:
+        sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
+    return scales_from_sq_norms(sq_norms)

@@ -1,0 +1,70 @@
+"""Per-example Jacobians of a classifier: the exact g-prior (the GGN diagonal) and the dense whitened features.
+
+The feature operator of :mod:`ctuq.classify.laplace` multiplies ``Ψ₀ = blockdiag(L_iᵀ) J`` (``n·C × d``) by a
+whole batch of inputs at once; a *column* norm of ``Ψ₀`` through it costs ``n·C`` full-data VJPs (the generic
+g-prior of :func:`ctuq.priors.gprior_scales`). A classifier's rows are independent per example (eval mode: batch
+norm uses running statistics), so the same numbers come from ``n`` single-example Jacobians ``J_i`` (``C × d``,
+``C`` VJPs each, batched with ``torch.func.vmap`` over examples): ``‖Ψ₀[:, j]‖² = Σ_i ‖(L_iᵀ J_i)[:, j]‖²`` — the
+diagonal of the GGN ``Σ_i J_iᵀ B_i J_i`` — at the cost of ``C`` backward passes over the data instead of ``n·C``.
+The same rows assemble ``Ψ₀`` densely for the exact solvers.
+
+Memory: one chunk holds ``chunk_size · C · d`` numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ctuq.classify.hessian import SoftmaxHessianRoot
+from ctuq.utils import progress as _progress
+
+__all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian"]
+
+
+def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32,
+                      progress: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(start, J)`` with ``J`` ``(m, C, d)``: the logit Jacobians of examples ``start … start + m − 1`` with
+    respect to the parameters ``names`` (flattened in that order, as :class:`ctuq.linearize.LinearizedNetwork`
+    flattens them), evaluated in eval mode at the current weights."""
+    from torch.func import functional_call, jacrev, vmap
+
+    from ctuq.linearize import _eval_mode
+
+    params = dict(model.named_parameters())
+    lin = {n: params[n].detach() for n in names}
+    fixed = {n: p.detach() for n, p in params.items() if n not in lin}
+    buffers = dict(model.named_buffers())
+
+    def logits(lin_params, x):
+        return functional_call(model, ({**fixed, **lin_params}, buffers), (x.unsqueeze(0),))[0]
+
+    jac = vmap(jacrev(logits), in_dims=(None, 0))
+    starts = range(0, X.shape[0], chunk_size)
+    with _eval_mode(model):
+        for start in _progress(starts, total=len(starts), desc="per-example Jacobians", disable=not progress):
+            parts = jac(lin, X[start:start + chunk_size])
+            m = X[start:start + chunk_size].shape[0]
+            yield start, torch.cat([parts[n].reshape(m, parts[n].shape[1], -1) for n in names], dim=2)
+
+
+def ggn_diagonal(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: SoftmaxHessianRoot, *,
+                 chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
+    """``diag(Σ_i J_iᵀ B_i J_i)`` ``(d,)`` float64 = the squared column norms of ``Ψ₀`` (exact g-prior)."""
+    total = None
+    for start, J in example_jacobians(model, X, names, chunk_size=chunk_size, progress=progress):
+        part = root.transpose_blocks(J.double(), start).pow(2).sum((0, 1))
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def assemble_whitened_jacobian(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: SoftmaxHessianRoot,
+                               *, chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
+    """Dense ``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` float64 (row ``i·C + k``: class ``k`` of example ``i``)."""
+    rows = []
+    for start, J in example_jacobians(model, X, names, chunk_size=chunk_size, progress=progress):
+        rows.append(root.transpose_blocks(J.double(), start).reshape(-1, J.shape[2]))
+    return torch.cat(rows)

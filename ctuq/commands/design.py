@@ -1,0 +1,79 @@
+"""``ctuq design``: choose the next scan angles for a sparse pilot scan (Bayesian experimental design).
+
+The work is done by :func:`ctuq.design.run_design` (pilot DIP → prior → greedy EIG/ESE design → std maps and
+reconstructions from pilot + designed against as many equidistant angles); this module only parses arguments.
+The design sees every angle of the scan (``data.angular_subsampling`` defaults to 1 here); ``--candidates N``
+thins them to N evenly spaced ones. See ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``ctuq design`` with ``subparsers``; returns its parser."""
+    from ctuq.design.greedy import STRATEGIES
+    from ctuq.design.priors import PRIOR_KINDS
+
+    p = subparsers.add_parser(
+        "design",
+        help="choose scan angles after a sparse pilot scan (EIG/ESE with the linearised DIP)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  ctuq design --out runs/design                        # bundled scan: 20-angle pilot, 40 acquired\n"
+            "  ctuq design --pilot 10 --acquire 20 --criterion ese --out runs/ese\n"
+            "  ctuq design --prior matern --candidates 120 --out runs/matern\n"
+            "  ctuq design --pilot-angles pilot.txt --acquire 10 --data /data/Walnut1 --out runs/w1\n"
+            "  ctuq design --resume --out runs/design               # continue a killed design\n"
+        ),
+    )
+    p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
+    p.add_argument("--config", metavar="FILE", help="YAML config or bundled name for scan, DIP, FBP, TV (default: "
+                                                    "demo)")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config value, e.g. --set design.samples=500 (repeatable)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: runs/<timestamp>)")
+    p.add_argument("--pilot", type=int, metavar="N", help="pilot angles, equidistant among the candidates "
+                                                         "(design.pilot, default 20)")
+    p.add_argument("--pilot-angles", metavar="FILE", help="pilot angles in degrees (text, one per line, or .npy); "
+                                                         "each must be a candidate angle")
+    p.add_argument("--candidates", type=int, metavar="N", help="N candidate angles evenly spaced among the scan's "
+                                                               "(default: all of the scan's angles)")
+    p.add_argument("--acquire", type=int, metavar="N", help="angles to acquire (design.acquire, default 40)")
+    p.add_argument("--criterion", choices=STRATEGIES, help="eig (default), ese, diag_eig, or a baseline")
+    p.add_argument("--prior", choices=PRIOR_KINDS, help="dip (default), isotropic or matern")
+    p.add_argument("--samples", type=int, metavar="M", help="pseudo-measurement samples per step (sampled route)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
+    p.add_argument("--seed", type=int, help="overrides the config's seed")
+    p.add_argument("--resume", action="store_true", help="continue a killed design in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ctuq design`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
+    from ctuq.config import load_config
+    from ctuq.design.candidates import DesignError
+    from ctuq.design.run import read_angles_file, run_design
+    from ctuq.pipeline import run_folder
+
+    if args.resume and not args.out:
+        raise DesignError("--resume: needs --out DIR (the design folder to continue)")
+    if args.pilot is not None and args.pilot_angles is not None:
+        raise DesignError("--pilot-angles: give either --pilot N or --pilot-angles FILE, not both")
+    # The design chooses among all of the scan's angles unless the user thins them (--set wins over this default).
+    overrides = ["data.angular_subsampling=1", "data.min_angles=1", *args.overrides]
+    cfg = load_config(args.config, overrides, **{
+        "data.path": args.data, "device": args.device, "seed": args.seed, "design.pilot": args.pilot,
+        "design.acquire": args.acquire, "design.candidates": args.candidates, "design.criterion": args.criterion,
+        "design.prior": args.prior, "design.samples": args.samples})
+    pilot_angles = read_angles_file(args.pilot_angles) if args.pilot_angles else None
+    out = args.out or run_folder.new_run_folder("runs")
+    run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
+    return 0

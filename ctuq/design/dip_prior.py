@@ -1,0 +1,211 @@
+"""The linearised-DIP design prior: ``K = Φ diag(s)² Φᵀ / a`` around a DIP fitted on the pilot.
+
+* ``Φ`` (``d_x × d``) is the Jacobian of the fitted U-Net (:func:`ctuq.uq.ct_features` linearises it). For small
+  networks it is assembled once with ``min(d, d_x)`` products (``d`` JVPs or ``d_x`` VJPs,
+  :func:`ctuq.inference.assemble_features`) and every later product is a GEMM
+  (:class:`~ctuq.design.factors.DenseFactor`); otherwise the design uses JVPs/VJPs directly (``dense="auto"``
+  assembles when that costs fewer products than the per-step products of the whole design and ``d_x·d`` floats
+  fit in a quarter of the free memory).
+* ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹`` (:func:`ctuq.priors.scales_from_sq_norms`;
+  for a network without the assembled Jacobian, :func:`ctuq.priors.gprior_scales` with ``exact`` or
+  ``stochastic`` probes), refreshed every ``refresh_every`` acquired angles together with ``a`` — this is what
+  makes the prior adaptive: ``Φ`` and ``s`` depend on the data.
+* ``a``: by the energy rule (default for the DIP; :func:`ctuq.design.priors.energy_precision` with
+  ``tr(T K̄ Tᵀ) = #non-zero scales``) or by exact EM on the chosen rows.
+* targets ``ỹ = scale·y + T(Φṽ − g(ṽ))`` (the DIP's offset, as in :func:`ctuq.uq.ct_posterior`), ``σ²`` in scaled
+  units (default: the DIP's mean squared residual on the pilot).
+* optional retraining every ``retrain_every`` angles: the DIP is fitted further on the pilot plus the acquired
+  angles (warm start, :func:`ctuq.reconstruct.dip.fit_dip`), re-linearised and re-assembled.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ctuq.design.factors import DenseFactor
+from ctuq.design.model import DesignModel
+from ctuq.design.priors import energy_precision, fit_precision
+
+__all__ = ["DIPPrior", "DENSE_CHOICES", "count_conv_weights"]
+
+DENSE_CHOICES = ("auto", "always", "never")
+"""Whether the DIP Jacobian is assembled (``design.dense``): by cost and memory, always, never."""
+
+
+def count_conv_weights(model) -> int:
+    """``d``: the weights :class:`ctuq.linearize.LinearizedNetwork` linearises by default (conv/linear weights)."""
+    from ctuq.linearize import default_linearized_parameters
+
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() for n in default_linearized_parameters(model))
+
+
+class DIPPrior:
+    """Builds, refreshes and (optionally) retrains the linearised-DIP :class:`DesignModel`.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The DIP U-Net fitted on the pilot (its weights are ``ṽ``; not modified — retraining works on a copy).
+    net_input : torch.Tensor
+        Its fixed input ``(1, C, H, W)``.
+    op : RayTransform
+        All candidate angles.
+    y : torch.Tensor
+        ``(n_candidates, k)`` measurements at every candidate (data units); only the rows of chosen angles are
+        read (the pilot's at the start, an acquired angle's after it is acquired).
+    scale : float
+        The DIP's data/image scale.
+    sigma2 : float, optional
+        Noise variance in scaled units; default the DIP's mean squared residual on the pilot.
+    settings : DesignConfig
+        ``refresh_every``, ``retrain_every``, ``retrain_iterations``, ``prior_scale``, ``gprior_method``,
+        ``dense``; the ``dip`` section of the config for retraining (``lr``, ``tv_weight``, ``clip_grad_norm``).
+    dip_settings : DIPConfig, optional
+        Learning rate, TV weight and clipping of retraining.
+    work_dir : path, optional
+        Where retrained weights are stored (``retrain_<n>.pt``) so that a resumed design restores them.
+    """
+
+    def __init__(self, model, net_input, op, y, scale: float, *, settings, sigma2: float | None = None,
+                 dip_settings=None, work_dir=None, seed: int = 0, progress: bool = False,
+                 log: Callable[[str], None] | None = None):
+        self.net_model = model
+        self.net_input = net_input
+        self.op, self.y, self.scale = op, y, float(scale)
+        self.settings, self.dip = settings, dip_settings
+        self.sigma2_given = sigma2
+        self.work_dir = Path(work_dir) if work_dir is not None else None
+        self.seed, self.progress = int(seed), progress
+        self.say = log or (lambda _m: None)
+        self.factor = None
+        self.delta = None
+        self.timings: dict[str, float] = {"linearize_s": 0.0}
+        self.n_refreshes = 0
+        self.n_retrains = 0
+
+    # ------------------------------------------------------------------------------------------ linearisation
+    def _linearize(self, n_steps: int) -> None:
+        import time
+
+        from ctuq.inference import LinearizedFeatures, assemble_features
+
+        from ctuq.linearize import LinearizedNetwork
+
+        t0 = time.perf_counter()
+        d, d_x = count_conv_weights(self.net_model), self.op.d_x
+        k = self.op.c // self.op.n_angles
+        dense = {"always": True, "never": False}.get(self.settings.dense, "auto")
+        if dense == "auto":
+            from ctuq.utils import free_memory_bytes
+
+            free = free_memory_bytes(self.op.device) or 8 * 1024**3
+            # per step: k VJPs (Ψ_β) + k JVPs (T̄ L H) on the weight-space route
+            dense = d * d_x * 4 <= 0.25 * free and min(d, d_x) <= 2 * k * max(1, n_steps)
+        # Tracing the JVP (mode "linearize") costs seconds once and pays off only over many JVPs: assembling Φ by
+        # columns, or a design through JVPs; assembling by rows (d_x < d) needs one JVP (the offset).
+        jvps = d if dense and d <= d_x else 1 if dense else n_steps * k + 3 * self.settings.samples
+        net = LinearizedNetwork(self.net_model, self.net_input.to(self.op.device),
+                                mode="linearize" if jvps >= 2000 else "recompute")
+        with torch.no_grad():
+            self.g0 = net.output()
+            self.delta = net.jvp(net.params()[None])[0] - self.g0  # Φṽ − g(ṽ), scaled image units
+        if dense:
+            self.say(f"assembling the Jacobian Φ ({net.d_out} × {net.d}) with {net.d} JVPs")
+            ones = torch.ones(net.d, dtype=net.dtype, device=net.device)
+            # d JVPs or d_x VJPs, whichever is fewer (a product costs about the same at 16² as at 128²)
+            Phi = assemble_features(LinearizedFeatures(net, ones), by="auto", progress=self.progress)
+            self.factor = DenseFactor(Phi.to(torch.float32), self.op.image_shape)
+            del Phi
+        else:
+            self.factor = net
+        self.timings["linearize_s"] += time.perf_counter() - t0
+
+    def targets(self, blocks) -> torch.Tensor:
+        """``ỹ`` on the rows of candidate ``blocks`` (scaled units, flat)."""
+        op = self.op.subset(list(blocks))
+        y = self.y[list(blocks)].reshape(1, -1).to(self.op.device, self.op.dtype) * self.scale
+        return (y + op.forward_flat(self.delta[None].to(op.dtype)))[0].double()
+
+    def _residual_sigma2(self, blocks) -> float:
+        op = self.op.subset(list(blocks))
+        y = self.y[list(blocks)].reshape(1, -1).to(self.op.device, self.op.dtype) * self.scale
+        r = op.forward_flat(self.g0[None].to(op.dtype)) - y
+        return float(r.double().pow(2).mean())
+
+    # ------------------------------------------------------------------------------------------ models
+    def build(self, chosen, n_steps: int = 1) -> DesignModel:
+        """Linearise (first call), then the model with the g-prior and ``a`` of the ``chosen`` angles."""
+        if self.factor is None:
+            self._linearize(n_steps)
+        if self.sigma2_given is None:
+            self.sigma2_given = self._residual_sigma2(chosen)
+            if not self.sigma2_given > 0:
+                raise FloatingPointError("the DIP fits the pilot exactly (zero residual); give the noise variance "
+                                         "(design.noise_variance)")
+        base = DesignModel(self.op, self.factor, torch.ones(self.factor.d), a=1.0, sigma2=self.sigma2_given,
+                           kind="dip", image_scale=self.scale)
+        return self._scaled(base, chosen)
+
+    def _scaled(self, base: DesignModel, chosen) -> DesignModel:
+        from ctuq.priors import gprior_scales, scales_from_sq_norms
+
+        chosen = list(chosen)
+        if isinstance(self.factor, DenseFactor) or self.settings.gprior_method == "exact":
+            s = scales_from_sq_norms(base.column_sq_norms(chosen))
+        else:
+            feats = base.features(chosen)
+            s = gprior_scales(feats.rmatvec, feats.n_outputs, method="stochastic", n_features=base.d,
+                              n_probes=self.settings.gprior_probes, seed=self.seed, dtype=feats.dtype,
+                              device=feats.device)
+        s = s.to(self.factor.dtype)
+        model = base.with_updates(scales=s, info={"n_chosen": len(chosen), "nonzero_scales": int((s > 0).sum())})
+        y_t = self.targets(chosen)
+        method = "energy" if self.settings.prior_scale in ("auto", "energy") else "em"
+        if method == "em":
+            a, s2, ev = fit_precision(model, chosen, y_t, learn_noise=False)
+            return model.with_updates(a=a, info={**model.info, "prior_scale": "em", "log_evidence": ev})
+        a, clipped = energy_precision(float((s > 0).sum()), y_t, model.sigma2)
+        return model.with_updates(a=a, info={**model.info, "prior_scale": "energy", "energy_clipped": clipped})
+
+    # ------------------------------------------------------------------------------------------ updates
+    def updater(self, engine, n_acquired: int, chosen, replay: bool) -> DesignModel | None:
+        """The design loop's hook: retrain every ``retrain_every``, else refresh every ``refresh_every`` angles."""
+        st = self.settings
+        if st.retrain_every and n_acquired % st.retrain_every == 0:
+            self._retrain(list(chosen), n_acquired, replay)
+            self.factor = None
+            return self.build(chosen)
+        if st.refresh_every and n_acquired % st.refresh_every == 0:
+            self.n_refreshes += 1
+            return self._scaled(engine.model.with_updates(scales=torch.ones(self.factor.d)), chosen)
+        return None
+
+    def _retrain(self, chosen, n_acquired: int, replay: bool) -> None:
+        from ctuq.reconstruct.dip import fit_dip
+
+        path = self.work_dir / f"retrain_{n_acquired:03d}.pt" if self.work_dir is not None else None
+        model = copy.deepcopy(self.net_model)
+        if path is not None and path.is_file():
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            self.say(f"restored the DIP retrained after {n_acquired} angles from {path}")
+        else:
+            if replay:
+                self.say(f"retraining after {n_acquired} angles again (no stored weights in {path})")
+            dc = self.dip
+            res = fit_dip(self.op.subset(chosen), self.y[chosen].to(self.op.device), model=model,
+                          net_input=self.net_input, iterations=int(self.settings.retrain_iterations),
+                          lr=dc.lr if dc else 1e-3, tv_weight=dc.tv_weight if dc else 1e-4,
+                          clip_grad_norm=dc.clip_grad_norm if dc else 1.0, scale=self.scale,
+                          seed=self.seed + n_acquired, device=self.op.device, progress=self.progress)
+            model.load_state_dict(res.best_state_dict)
+            if path is not None:
+                from ctuq.utils import atomic_torch_save
+
+                atomic_torch_save(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+        self.net_model = model.eval()
+        self.n_retrains += 1

@@ -1,0 +1,203 @@
+"""The greedy sequential design loop (resumable) and the baseline strategies.
+
+Each acquisition step scores every remaining candidate with the criterion, takes the argmax (ties: the lowest
+index), conditions the engine on it and records the step (its time, the criterion values of all candidates, the
+chosen angle). A prior *updater* may then replace the model — the linearised DIP refreshes its g-prior scales
+and ``a`` every few angles, or retrains the network — after which the engine is reset on all chosen angles.
+
+Resuming: after every step the records are written atomically to ``checkpoint`` with a fingerprint of the
+problem and settings. A rerun with the same fingerprint replays the recorded acquisitions through the engine
+(the same seeded noise streams, the updater restoring rather than recomputing anything expensive it stored) and
+continues with the next step, so a killed design ends with the same angles as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ctuq.design.candidates import BASELINES, DesignError, equidistant_indices, random_indices
+from ctuq.design.criteria import CRITERIA
+from ctuq.utils import atomic_torch_save, check_fingerprint
+from ctuq.utils import progress as _progress_bar
+
+__all__ = ["DesignResult", "DesignCheckpointMismatch", "greedy_design", "baseline_design", "STRATEGIES",
+           "CHECKPOINT_VERSION"]
+
+STRATEGIES = (*CRITERIA, *BASELINES)
+"""Design strategies: a criterion (greedy) or a baseline."""
+CHECKPOINT_VERSION = 1
+
+
+class DesignCheckpointMismatch(DesignError):
+    """A design checkpoint belongs to another problem or other settings (or another version)."""
+
+
+@dataclasses.dataclass
+class DesignResult:
+    """A finished design.
+
+    Attributes
+    ----------
+    strategy : str
+        ``eig``, ``ese``, ``diag_eig``, ``equidistant`` or ``random``.
+    pilot, acquired : list of int
+        Candidate indices of the pilot and of the acquired angles, in acquisition order.
+    steps : list of dict
+        Per acquisition: ``step`` (1-based), ``candidate``, ``angle_deg``, ``criterion`` (value of the chosen),
+        ``values`` (all candidates; ``None`` for chosen ones), ``jitter`` (``η``), ``time_s`` (scoring and
+        conditioning), ``update_s`` (a prior update after the step, 0 if none), ``n_chosen``.
+    timings : dict
+        ``setup_s`` (reset on the pilot), ``steps_s``, ``updates_s``, ``total_s``.
+    resumed_steps : int
+        Steps replayed from a checkpoint.
+    """
+
+    strategy: str
+    pilot: list[int]
+    acquired: list[int]
+    steps: list[dict]
+    timings: dict
+    resumed_steps: int = 0
+
+    @property
+    def chosen(self) -> list[int]:
+        return list(self.pilot) + list(self.acquired)
+
+
+def _load(path: Path, fingerprint: dict) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    version = state.get("version") if isinstance(state, dict) else None
+    if version != CHECKPOINT_VERSION:
+        raise DesignCheckpointMismatch(f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
+                                       f"{CHECKPOINT_VERSION}; delete it to start the design afresh")
+    check_fingerprint(state.get("fingerprint", {}), fingerprint, what=f"{path}: cannot resume the design",
+                      error=DesignCheckpointMismatch, hint="delete it to start afresh, or use the same settings")
+    return state
+
+
+def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, jitter: float,
+                  updater: Callable | None = None, checkpoint: str | Path | None = None,
+                  fingerprint: dict | None = None, progress: bool = True,
+                  log: Callable[[str], None] | None = None,
+                  on_setup: Callable | None = None) -> DesignResult:
+    """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
+
+    Parameters
+    ----------
+    engine : DesignEngine
+        Holds the model; reset here on the pilot.
+    criterion : {"eig", "ese", "diag_eig"}
+    angles_deg : array-like
+        Candidate angles in degrees (for the records).
+    jitter : float
+        Relative jitter of the criteria (:mod:`ctuq.design.criteria`).
+    updater : callable, optional
+        ``updater(engine, n_acquired, chosen, replay) -> DesignModel | None`` after every step; a model returned
+        resets the engine on all chosen angles. ``replay`` is true while a resumed design replays its steps.
+    checkpoint : path, optional
+        Written after every step; resumed from when it exists (fingerprint checked).
+    fingerprint : dict
+        What identifies this design (problem, settings).
+    on_setup : callable, optional
+        ``on_setup(engine)`` right after the engine was conditioned on the pilot (before any replay), e.g. to
+        take the std map after the pilot without a second reset.
+    """
+    if criterion not in CRITERIA:
+        raise DesignError(f"design.criterion must be one of {list(CRITERIA)}, got {criterion!r}")
+    say = log or (lambda _m: None)
+    angles_deg = np.asarray(angles_deg, dtype=np.float64)
+    pilot = [int(b) for b in pilot]
+    # n_acquire is not part of it: a greedy design of N steps begins with the design of fewer steps.
+    fingerprint = dict(fingerprint or {}, criterion=criterion, pilot=pilot)
+    ckpt = Path(checkpoint) if checkpoint is not None else None
+    saved = _load(ckpt, fingerprint) if ckpt is not None and ckpt.is_file() else {"steps": []}
+    steps: list[dict] = [dict(s) for s in saved["steps"]][:n_acquire]
+    t_start = time.perf_counter()
+    engine.reset(pilot)
+    timings = {"setup_s": time.perf_counter() - t_start, "steps_s": 0.0, "updates_s": 0.0}
+    if on_setup is not None:
+        on_setup(engine)
+    if steps:
+        say(f"resuming the design: replaying {len(steps)} recorded acquisitions")
+    for rec in steps:  # replay: same conditioning, same noise streams, stored prior updates
+        engine.acquire(rec["candidate"], rec["step"])
+        if updater is not None:
+            new = updater(engine, rec["step"], engine.chosen, True)
+            if new is not None:
+                engine.reset(engine.chosen, model=new)
+    resumed = len(steps)
+    bar = _progress_bar(total=n_acquire, initial=resumed, desc=f"design ({criterion})",
+                        disable=None if progress else True)
+    try:
+        for step in range(resumed + 1, n_acquire + 1):
+            t0 = time.perf_counter()
+            values, eta = engine.criteria(criterion, jitter)
+            beta = int(torch.argmax(values))
+            engine.acquire(beta, step)
+            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if updater is not None:
+                new = updater(engine, step, engine.chosen, False)
+                if new is not None:
+                    engine.reset(engine.chosen, model=new)
+            du = time.perf_counter() - t1
+            rec = {"step": step, "candidate": beta, "angle_deg": float(angles_deg[beta]),
+                   "criterion": float(values[beta]), "jitter": eta, "time_s": dt, "update_s": du,
+                   "n_chosen": len(engine.chosen),
+                   "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()]}
+            steps.append(rec)
+            timings["steps_s"] += dt
+            timings["updates_s"] += du
+            if ckpt is not None:
+                atomic_torch_save(ckpt, {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "steps": steps})
+            bar.update(1)
+            bar.set_postfix({"angle": f"{rec['angle_deg']:.1f}°", "s/step": f"{dt:.2f}"}, refresh=False)
+    finally:
+        bar.close()
+    timings["total_s"] = time.perf_counter() - t_start
+    return DesignResult(criterion, pilot, [s["candidate"] for s in steps], steps, timings, resumed)
+
+
+def baseline_design(strategy: str, n_candidates: int, pilot, n_acquire: int, *, angles_deg,
+                    seed: int = 0) -> DesignResult:
+    """Pilot plus ``n_acquire`` baseline angles (candidate indices).
+
+    ``equidistant``: the ``n_acquire`` candidates evenly spaced over the grid that are farthest from the pilot
+    (the equidistant set of that size among the shifts of the grid whose nearest distance to a pilot angle is
+    largest), so pilot + acquired approximate a denser even spread. ``random``: uniform without replacement
+    among the non-pilot candidates (seeded). For an equidistant set of the *total* count regardless of the pilot,
+    use :func:`ctuq.design.candidates.equidistant_indices`.
+    """
+    if strategy not in BASELINES:
+        raise DesignError(f"baseline strategy must be one of {list(BASELINES)}, got {strategy!r}")
+    t0 = time.perf_counter()
+    pilot = [int(b) for b in pilot]
+    if strategy == "random":
+        picks = random_indices(n_candidates, n_acquire, exclude=pilot, seed=seed)
+    else:
+        best, best_gap = None, -1.0
+        for off in range(max(1, n_candidates // n_acquire)):
+            idx = equidistant_indices(n_candidates, n_acquire, offset=off)
+            if set(idx.tolist()) & set(pilot):
+                continue
+            gaps = np.abs((idx[:, None] - np.asarray(pilot)[None, :] + n_candidates / 2) % n_candidates
+                          - n_candidates / 2).min(1)
+            if gaps.min() > best_gap:
+                best, best_gap = idx, float(gaps.min())
+        if best is None:
+            left = np.setdiff1d(np.arange(n_candidates), pilot)
+            best = left[equidistant_indices(len(left), n_acquire)]
+        picks = best
+    angles_deg = np.asarray(angles_deg, dtype=np.float64)
+    steps = [{"step": i + 1, "candidate": int(b), "angle_deg": float(angles_deg[b]), "criterion": None,
+              "values": None, "jitter": None, "time_s": 0.0, "update_s": 0.0, "n_chosen": len(pilot) + i + 1}
+             for i, b in enumerate(picks)]
+    return DesignResult(strategy, pilot, [int(b) for b in picks], steps,
+                        {"setup_s": 0.0, "steps_s": 0.0, "updates_s": 0.0, "total_s": time.perf_counter() - t0})

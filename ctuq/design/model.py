@@ -1,0 +1,187 @@
+"""``DesignModel``: the linear-Gaussian model one design step works on.
+
+Candidates are the angles of one ray transform ``op`` (``n`` angles × ``k`` detector pixels, angle-major rows);
+the image prior is ``x = L (s ⊙ w)``, ``w ~ N(0, a⁻¹ I)`` with a factor ``L`` from :mod:`ctuq.design.factors`
+(or a :class:`ctuq.linearize.LinearizedNetwork`), so ``K = L diag(s)² Lᵀ / a``; the noise is ``N(0, σ² I)`` in the
+units of the measurements the model is given in (scaled data units for the DIP).
+
+The features of any set of candidate blocks are the core's :class:`ctuq.inference.LinearizedFeatures`
+``Ψ = T_B L diag(s)`` with ``T_B = op.subset(B)`` as output map, so the posterior object, the sampler and the
+g-prior of :mod:`ctuq.inference` / :mod:`ctuq.priors` apply unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, kernel_apply, project_rows
+from ctuq.inference import LinearizedFeatures
+
+__all__ = ["DesignModel"]
+
+
+@dataclasses.dataclass
+class DesignModel:
+    """Candidates, prior factor and hyperparameters of a design (module docstring).
+
+    Attributes
+    ----------
+    op : RayTransform
+        All candidate angles (``n_candidates`` blocks of ``k`` rows); needs ``subset`` (sparse backend).
+    factor : object
+        ``L`` (``jvp``/``vjp`` on rows, ``d``, ``d_out``).
+    scales : torch.Tensor
+        ``s`` ``(d,)`` (g-prior for the DIP, ones otherwise).
+    a, sigma2 : float
+        Prior precision and noise variance.
+    kind : str
+        Which prior built it (``isotropic``, ``matern``, ``dip``), for records.
+    info : dict
+        What the builder chose (lengthscale, evidence, how ``a`` was set, ...), plain values.
+    image_scale : float
+        Images ``L(s ⊙ w)`` are in units of ``image_scale ×`` the scan's image units (the DIP scale).
+    """
+
+    op: object
+    factor: object
+    scales: torch.Tensor
+    a: float
+    sigma2: float
+    kind: str = "custom"
+    info: dict = dataclasses.field(default_factory=dict)
+    image_scale: float = 1.0
+
+    def __post_init__(self):
+        self.scales = self.scales.detach().to(self.factor.device, self.factor.dtype)
+        if tuple(self.scales.shape) != (self.factor.d,):
+            raise ValueError(f"DesignModel: scales must have shape ({self.factor.d},), got {tuple(self.scales.shape)}")
+        self._cache: dict[tuple, object] = {}
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @property
+    def n_candidates(self) -> int:
+        return int(self.op.n_angles)
+
+    @property
+    def k(self) -> int:
+        """Rows (detector pixels) per candidate."""
+        return int(self.op.c // self.op.n_angles)
+
+    @property
+    def c(self) -> int:
+        return int(self.op.c)
+
+    @property
+    def d(self) -> int:
+        return int(self.factor.d)
+
+    @property
+    def d_x(self) -> int:
+        return int(self.op.d_x)
+
+    def rows(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Flat row indices of candidate ``blocks`` (in that order)."""
+        b = torch.as_tensor(list(blocks), dtype=torch.long)
+        return (b[:, None] * self.k + torch.arange(self.k)[None, :]).reshape(-1)
+
+    def subset(self, blocks: Sequence[int]):
+        """``T_B`` for candidate ``blocks`` (cached for the last few sets: a step reuses the chosen set's)."""
+        key = tuple(int(b) for b in blocks)
+        if key not in self._cache:
+            if len(self._cache) > 8:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = self.op.subset(list(key))
+        return self._cache[key]
+
+    def with_updates(self, **changes) -> "DesignModel":
+        """A copy with some fields replaced (``scales``, ``a``, ``sigma2``, ``factor``, ``info``)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------------------------------ products
+    def features(self, blocks: Sequence[int] | None = None) -> LinearizedFeatures:
+        """``Ψ = T_B L diag(s)`` for candidate ``blocks`` (all when ``None``): the core's feature operator."""
+        op = self.op if blocks is None else self.subset(blocks)
+        return LinearizedFeatures(self.factor, self.scales, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
+
+    def kernel(self, X: torch.Tensor) -> torch.Tensor:
+        """``K x`` for image rows ``X`` ``(B, d_x)`` → ``(B, d_x)`` (factor dtype)."""
+        return kernel_apply(self.factor, self.scales, self.a, X.to(self.factor.device, self.factor.dtype))
+
+    def images(self, W: torch.Tensor) -> torch.Tensor:
+        """``L (s ⊙ w)`` for weight rows ``W`` ``(B, d)`` → images ``(B, d_x)`` (model units)."""
+        return self.factor.jvp(W.to(self.factor.device, self.factor.dtype) * self.scales)
+
+    def weight_space(self, max_bytes: int = 1 << 30) -> bool:
+        """Whether the design keeps the chosen rows ``Ψ_τ`` (``c_t × d``; at most all candidate rows, bounded by
+        ``max_bytes``): for an assembled Jacobian always, for a network when they fit; never for the isotropic
+        and Matérn factors (their kernel products are cheaper than rows of ``d ≥ d_x`` weights)."""
+        if isinstance(self.factor, (IdentityFactor, MaternFactor)):
+            return False
+        if isinstance(self.factor, DenseFactor):
+            return True
+        return self.c * self.d * 4 <= max_bytes
+
+    def weight_rows(self, blocks: Sequence[int]) -> torch.Tensor:
+        """``Ψ_B = T_B L diag(s)`` ``(c_B, d)`` dense, in the factor's dtype and device."""
+        F = project_rows(self.factor, self.subset(blocks))
+        return F.to(self.factor.dtype) * self.scales
+
+    def block_kernel(self, blocks_a: Sequence[int], blocks_b: Sequence[int], chunk: int = 512) -> torch.Tensor:
+        """``T_A K T_Bᵀ`` ``(c_A, c_B)`` float64 (CPU).
+
+        Sparse-sparse for the isotropic prior, through ``T L`` rows for dense and network factors, else ``c_B``
+        kernel products in chunks.
+        """
+        op_a, op_b = self.subset(blocks_a), self.subset(blocks_b)
+        unit = bool((self.scales == 1).all())
+        if isinstance(self.factor, IdentityFactor) and unit:
+            return torch.from_numpy((op_a.matrix @ op_b.matrix.T).toarray()) / self.a
+        if not isinstance(self.factor, MaternFactor):
+            Fa = project_rows(self.factor, op_a).double() * self.scales.double()
+            Fb = Fa if list(blocks_a) == list(blocks_b) else project_rows(self.factor, op_b).double() * self.scales.double()
+            return (Fa @ Fb.T).cpu() / self.a
+        out = torch.empty((op_a.c, op_b.c), dtype=torch.float64)
+        for lo in range(0, op_b.c, chunk):
+            hi = min(op_b.c, lo + chunk)
+            E = torch.zeros((hi - lo, op_b.c), dtype=op_b.dtype, device=op_b.device)
+            E[torch.arange(hi - lo), torch.arange(lo, hi)] = 1.0
+            out[:, lo:hi] = op_a.forward_flat(self.kernel(op_b.adjoint_flat(E)).to(op_a.dtype)).double().T.cpu()
+        return 0.5 * (out + out.T) if list(blocks_a) == list(blocks_b) else out
+
+    def prior_blocks(self, chunk: int = 8) -> torch.Tensor:
+        """Prior blocks ``T^β K T^βᵀ`` of every candidate ``(n, k, k)`` float64 (the exact route's start)."""
+        n, k = self.n_candidates, self.k
+        out = torch.empty((n, k, k), dtype=torch.float64)
+        for lo in range(0, n, chunk):
+            idx = list(range(lo, min(n, lo + chunk)))
+            if isinstance(self.factor, MaternFactor) or (isinstance(self.factor, IdentityFactor)
+                                                         and bool((self.scales == 1).all())):
+                full = self.block_kernel(idx, idx)
+                for j, i in enumerate(idx):
+                    out[i] = full[j * k:(j + 1) * k, j * k:(j + 1) * k]
+            else:  # only the diagonal blocks: (T^β L s)(T^β L s)ᵀ / a, batched
+                F = (project_rows(self.factor, self.subset(idx)).double() * self.scales.double()).cpu()
+                F = F.reshape(len(idx), k, -1)
+                out[lo:lo + len(idx)] = F @ F.mT / self.a
+        return out
+
+    def column_sq_norms(self, blocks: Sequence[int]) -> torch.Tensor:
+        """``‖(T_B L)_{:,i}‖²`` ``(d,)`` float64 over the rows of ``blocks``: the exact g-prior's sums (``c_B``
+        VJPs for a network, a sparse product for a dense Jacobian)."""
+        out = torch.zeros(self.d, dtype=torch.float64)
+        blocks = list(blocks)
+        for lo in range(0, len(blocks), 8):
+            out += project_rows(self.factor, self.subset(blocks[lo:lo + 8])).double().pow(2).sum(0).cpu()
+        return out
+
+    def summary(self) -> dict:
+        """Plain numbers for design.json."""
+        s = self.scales
+        return {"kind": self.kind, "n_candidates": self.n_candidates, "k": self.k, "d": self.d, "d_x": self.d_x,
+                "a": float(self.a), "sigma2": float(self.sigma2), "image_scale": float(self.image_scale),
+                "zero_scales": int((s == 0).sum()), **{k: v for k, v in self.info.items()
+                                                       if isinstance(v, (int, float, str, bool, type(None)))}}
+

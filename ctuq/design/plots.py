@@ -1,0 +1,77 @@
+"""Figures of a design: the chosen angles on a polar plot, std maps before/after, PSNR against angle count.
+
+Like :mod:`ctuq.figures`: stand-alone Agg figures written atomically as PNG; every function returns the path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ctuq.figures import _figure, _save
+from ctuq.outputs import to_numpy
+
+__all__ = ["plot_design_polar", "plot_std_maps", "plot_psnr_curves"]
+
+
+def plot_design_polar(path, pilot_deg: Sequence[float], acquired_deg: Sequence[float], *, period_deg: float = 180.0,
+                      title: str | None = None, dpi: int = 120):
+    """Chosen angles as rays on a polar plot: the pilot grey, acquisitions coloured and numbered by order.
+
+    Parallel-beam angles (``period_deg = 180``) are drawn at ``θ`` and ``θ + 180°`` (the same rays).
+    """
+    from matplotlib import cm
+
+    fig = _figure(None, (5.2, 5.2), dpi)
+    ax = fig.add_subplot(projection="polar")
+    mirror = period_deg < 359.0
+    for a in pilot_deg:
+        for t in ([a, a + 180.0] if mirror else [a]):
+            ax.plot([math.radians(t)] * 2, [0, 1.0], color="0.55", lw=2.2)
+    n = max(1, len(acquired_deg))
+    colors = cm.viridis(np.linspace(0.0, 0.92, n))
+    for i, a in enumerate(acquired_deg):
+        for t in ([a, a + 180.0] if mirror else [a]):
+            ax.plot([math.radians(t)] * 2, [0, 0.9], color=colors[i], lw=1.3)
+        ax.text(math.radians(a), 0.97, str(i + 1), fontsize=6, ha="center", va="center", color=colors[i])
+    ax.set_yticks([])
+    ax.set_title(title or f"pilot (grey, {len(pilot_deg)}) and {len(acquired_deg)} acquired angles (order: colour, "
+                 f"number)", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_std_maps(path, maps: Mapping[str, object], *, dpi: int = 120):
+    """Posterior std maps side by side on one colour scale (e.g. ``{"after the pilot": …, "after the design": …}``)."""
+    arrays = {k: to_numpy(v) for k, v in maps.items()}
+    vmax = max(float(np.quantile(a, 0.999)) for a in arrays.values()) or 1.0
+    fig = _figure(None, (3.4 * len(arrays) + 0.6, 3.4), dpi)
+    axes = fig.subplots(1, len(arrays), squeeze=False)[0]
+    im = None
+    for ax, (name, a) in zip(axes, arrays.items()):
+        im = ax.imshow(a, cmap="inferno", vmin=0.0, vmax=vmax)
+        ax.set_title(f"std {name}\nmean {a.mean():.3g}", fontsize=9)
+        ax.axis("off")
+    fig.colorbar(im, ax=list(axes), shrink=0.8)
+    return _save(fig, path)
+
+
+def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylabel: str = "PSNR (dB)",
+                     dpi: int = 120):
+    """PSNR against number of angles: ``curves[name] = (counts, mean, stderr)`` (stderr may be ``None``)."""
+    fig = _figure(None, (6.4, 4.4), dpi)
+    ax = fig.add_subplot()
+    for name, (x, mean, err) in curves.items():
+        x, mean = np.asarray(x, float), np.asarray(mean, float)
+        line, = ax.plot(x, mean, marker="o", ms=3, label=name)
+        if err is not None:
+            err = np.asarray(err, float)
+            ax.fill_between(x, mean - err, mean + err, color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_xlabel("number of angles")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, path)

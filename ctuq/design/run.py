@@ -1,0 +1,247 @@
+"""``ctuq design`` as a library: pilot scan → prior → greedy design → outputs (:func:`run_design`).
+
+The output folder (``--out``) holds::
+
+    config.yaml            the resolved config
+    design.json            written last (marks the design finished): candidate and pilot angles, the acquired
+                           angles in order with their criterion values and times, all criterion traces, the prior
+                           (a, σ², scales / lengthscale), timings, and the reconstruction comparison
+    angles.txt             pilot then acquired angles (degrees), one per line, in acquisition order
+    design_polar.png       the chosen angles on a polar plot over the pilot
+    std_pilot.tif, std_design.tif, std.png   posterior std (image units) after the pilot and after the design
+    pilot/                 FBP/TV/DIP from the pilot angles (a run folder; its dip_model.pt is the prior's DIP)
+    designed/, equidistant/   FBP/TV/DIP from pilot + designed angles and from as many equidistant angles, with
+                           PSNR/SSIM against the ground truth in their metrics.json (when the scan has one)
+    work/design_state.pt   the design checkpoint (fingerprinted; ``--resume`` continues from it)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
+from ctuq.design.criteria import CRITERIA
+
+__all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "STATE_NAME"]
+
+DESIGN_NAME = "design.json"
+ANGLES_NAME = "angles.txt"
+STATE_NAME = "work/design_state.pt"
+
+
+def _log(msg: str) -> None:
+    print(f"[ctuq design] {msg}", file=sys.stderr, flush=True)
+
+
+def read_angles_file(path) -> np.ndarray:
+    """Angles in degrees from a text file (one per line or whitespace-separated, ``#`` comments) or ``.npy``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--pilot-angles {path}: no such file")
+    try:
+        if path.suffix == ".npy":
+            values = np.load(path).astype(np.float64).ravel()
+        else:
+            lines = [ln.split("#", 1)[0] for ln in path.read_text().splitlines()]
+            values = np.array([float(v) for ln in lines for v in ln.split()], dtype=np.float64)
+    except (ValueError, OSError) as exc:
+        raise DesignError(f"--pilot-angles {path}: not a list of angles in degrees ({exc})") from None
+    if values.size == 0:
+        raise DesignError(f"--pilot-angles {path}: holds no angles")
+    return values
+
+
+def _reconstruct(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
+    """A run folder of FBP/TV/DIP from ``op``/``y`` (the pipeline's phases); reused when already finished."""
+    from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
+    from ctuq.pipeline.runner import run_phases
+    from ctuq.studies.common import read_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = RunState(cfg=cfg, out_dir=folder, device=device, resume=(folder / "dip_checkpoint.pt").is_file(),
+                     uq=False, progress=progress, command="design")
+    state.op, state.y, state.ground_truth = op, y.to(device), None if gt is None else gt.to(device)
+    state.metrics["data"] = {"angles_deg": np.degrees(op.angles).tolist(), "measurement_shape": list(op.measurement_shape)}
+    if (folder / "metrics.json").is_file():
+        if need_model:
+            run_phases(state, [Phase("restore_dip", phase_restore_dip)])
+        return state, read_json(folder / "metrics.json")
+    phases = [Phase("fbp", phase_fbp)] + ([Phase("tv", phase_tv)] if cfg.tv.enabled else [])
+    run_phases(state, phases + [Phase("dip", phase_dip), Phase("write", phase_write)])
+    return state, read_json(folder / "metrics.json")
+
+
+def _prior_model(cfg, kind, cand_op, y_cand, pilot, pilot_state, device, work, progress):
+    """``(DesignModel, updater)`` of the configured prior."""
+    from ctuq.design.dip_prior import DIPPrior
+    from ctuq.design.priors import isotropic_model, matern_model
+
+    ds, scale = cfg.design, float(cfg.dip.scale)
+    nv = ds.noise_variance
+    if kind == "dip":
+        prior = DIPPrior(pilot_state.model, pilot_state.net_input, cand_op, y_cand, scale, settings=ds,
+                         sigma2=None if nv is None else nv * scale**2, dip_settings=cfg.dip, work_dir=work,
+                         seed=cfg.seed, progress=progress, log=_log)
+        return prior.build(pilot, n_steps=ds.acquire), prior.updater
+    if nv is None:  # the pilot DIP's mean squared residual, data units
+        op_p = cand_op.subset(pilot)
+        r = op_p.forward_flat(pilot_state.images["dip"].reshape(1, -1).to(op_p.dtype)) - y_cand[pilot].reshape(1, -1)
+        nv = float(r.double().pow(2).mean())
+    y_p = y_cand[pilot].reshape(-1).double()
+    if kind == "isotropic":
+        return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None
+    return matern_model(cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale,
+                        log=_log), None
+
+
+def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progress: bool = True) -> dict:
+    """Programmatic ``ctuq design`` (module docstring). Returns the ``design.json`` record.
+
+    Parameters
+    ----------
+    cfg : Config
+        Resolved config (``design`` section; ``data``/``model``/``dip``/``fbp``/``tv`` for the scan and the
+        reconstructions).
+    out_dir : path
+        Output folder; one holding a finished design is refused unless ``resume``.
+    pilot_angles : array-like, optional
+        Pilot angles in degrees (``--pilot-angles``); default ``design.pilot`` equidistant candidates.
+    resume : bool
+        Continue a killed design (finished reconstructions and the design checkpoint are reused).
+    """
+    from ctuq import __version__
+    from ctuq.design.engine import DesignEngine, auto_route
+    from ctuq.design.greedy import baseline_design, greedy_design
+    from ctuq.design.plots import plot_design_polar, plot_std_maps
+    from ctuq.outputs import write_metrics, write_tiff
+    from ctuq.pipeline import run_folder as rf
+    from ctuq.pipeline.runner import _write_config
+    from ctuq.pipeline.scan import check_device, load_scan
+    from ctuq.utils import resolve_device
+
+    t_start = time.perf_counter()
+    ds = cfg.design
+    device = resolve_device(cfg.device)
+    check_device(cfg, device)
+    out = rf.check_writable_folder(out_dir)
+    if (out / DESIGN_NAME).is_file() and not resume:
+        raise DesignError(f"--out {out}: already holds a finished design ({DESIGN_NAME}); choose another --out or "
+                          f"pass --resume")
+    work = out / "work"
+    if not resume and (work / "design_state.pt").exists():
+        (work / "design_state.pt").unlink()
+    work.mkdir(exist_ok=True)
+    _write_config(cfg, out)
+
+    # ---------------------------------------------------------------- scan, candidates, pilot
+    data, scan_path, warnings = load_scan(cfg, device, progress=progress)
+    for w in warnings:
+        _log(f"warning: {w}")
+    op = data.op
+    n_scan = op.n_angles
+    period = math.pi if op.geometry is not None and op.geometry.is_parallel else 2 * math.pi
+    if ds.candidates is not None and ds.candidates > n_scan:
+        raise DesignError(f"--candidates: {ds.candidates} candidate angles but the scan {scan_path} has {n_scan}")
+    cand_idx = (np.arange(n_scan) if ds.candidates is None else equidistant_indices(n_scan, ds.candidates))
+    cand_deg = np.mod(np.degrees(op.angles[cand_idx]), math.degrees(period))
+    if pilot_angles is not None:
+        match_angles(pilot_angles, op.angles, period, what="--pilot-angles (the scan's angles)")
+        pilot = match_angles(pilot_angles, op.angles[cand_idx], period, what="--pilot-angles").tolist()
+    else:
+        check_design_sizes(len(cand_idx), ds.pilot, ds.acquire)
+        pilot = equidistant_indices(len(cand_idx), ds.pilot).tolist()
+    check_design_sizes(len(cand_idx), len(pilot), ds.acquire)
+    cand_op = op if ds.candidates is None else op.subset(cand_idx)
+    y_cand = data.y[torch.as_tensor(cand_idx)]
+    gt = data.ground_truth
+    _log(f"{scan_path}: {n_scan} angles × {op.measurement_shape[1]} detector pixels; {len(cand_idx)} candidates, "
+         f"pilot {len(pilot)}, acquiring {ds.acquire} ({ds.criterion}, prior {ds.prior})")
+
+    # ---------------------------------------------------------------- pilot DIP, prior, design
+    pilot_state, pilot_metrics = _reconstruct(cfg, out / "pilot", cand_op.subset(pilot), y_cand[pilot], gt, device,
+                                              progress, need_model=True)
+    t0 = time.perf_counter()
+    model, updater = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
+    refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
+    route = auto_route(model, refreshed) if ds.route == "auto" else ds.route
+    engine = DesignEngine(model, route=route, n_samples=ds.samples, seed=cfg.seed, sample_chunk=ds.sample_chunk)
+    prior_s = time.perf_counter() - t0
+    std: dict[str, torch.Tensor] = {}
+    shape = tuple(op.image_shape)
+
+    def std_map(chosen) -> torch.Tensor:
+        if list(engine.chosen) != list(chosen):
+            engine.reset(chosen)
+        s = engine.posterior_std(ds.std_samples, seed=cfg.seed + 11) / engine.model.image_scale
+        return s.reshape(shape)
+
+    fingerprint = {"scan": str(scan_path), "y_sum": float(data.y.double().sum()), "candidates": cand_idx.tolist(),
+                   "prior": ds.prior, "route": route, "samples": ds.samples, "jitter": ds.jitter,
+                   "refresh_every": ds.refresh_every, "retrain_every": ds.retrain_every, "seed": cfg.seed,
+                   "sigma2": float(model.sigma2), "a": float(model.a)}
+    if ds.criterion in CRITERIA:
+        result = greedy_design(engine, pilot, ds.acquire, criterion=ds.criterion, angles_deg=cand_deg,
+                               jitter=ds.jitter, updater=updater, checkpoint=out / STATE_NAME,
+                               fingerprint=fingerprint, progress=progress, log=_log,
+                               on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)))
+    else:
+        result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
+        std["after the pilot"] = std_map(pilot)
+    std["after the design"] = std_map(result.chosen)
+    write_tiff(out / "std_pilot.tif", std["after the pilot"])
+    write_tiff(out / "std_design.tif", std["after the design"])
+    plot_std_maps(out / "std.png", std)
+    pilot_deg, acq_deg = cand_deg[pilot].tolist(), cand_deg[result.acquired].tolist()
+    plot_design_polar(out / "design_polar.png", pilot_deg, acq_deg, period_deg=math.degrees(period))
+    lines = [f"# ctuq design: {ds.criterion}, prior {ds.prior}; angle_deg role order"]
+    lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(pilot_deg)]
+    lines += [f"{a:.6f} acquired {i + 1}" for i, a in enumerate(acq_deg)]
+    (out / ANGLES_NAME).write_text("\n".join(lines) + "\n")
+
+    # ---------------------------------------------------------------- reconstructions
+    comparison = {}
+    if ds.reconstruct:
+        n_total = len(result.chosen)
+        for name, idx in (("designed", sorted(result.chosen)),
+                          ("equidistant", sorted(equidistant_indices(len(cand_idx), n_total).tolist()))):
+            _, m = _reconstruct(cfg, out / name, cand_op.subset(idx), y_cand[idx], gt, device, progress,
+                                need_model=False)
+            comparison[name] = {"n_angles": len(idx), "angles_deg": cand_deg[idx].tolist(), "psnr": m.get("psnr"),
+                                "ssim": m.get("ssim")}
+            if m.get("psnr"):
+                _log(f"{name} ({len(idx)} angles): PSNR " + ", ".join(f"{k} {v:.2f} dB" for k, v in m["psnr"].items()
+                                                                       if v is not None))
+    record = {
+        "ctuq_version": __version__,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": str(device),
+        "scan": str(scan_path),
+        "strategy": ds.criterion,
+        "route": route if ds.criterion in CRITERIA else None,
+        "period_deg": math.degrees(period),
+        "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
+        "pilot": {"candidates": pilot, "angles_deg": pilot_deg},
+        "acquired": [{"step": s["step"], "candidate": s["candidate"], "scan_index": int(cand_idx[s["candidate"]]),
+                      "angle_deg": s["angle_deg"], "criterion": s["criterion"], "jitter": s["jitter"],
+                      "time_s": s["time_s"], "update_s": s["update_s"]} for s in result.steps],
+        "angles_deg": pilot_deg + acq_deg,
+        "criterion_traces": [s["values"] for s in result.steps],
+        "prior": {**engine.model.summary(), "evidence_grid": engine.model.info.get("evidence_grid")},
+        "std_mean": {k: float(v.mean()) for k, v in std.items()},
+        "pilot_reconstruction": {"psnr": pilot_metrics.get("psnr"), "ssim": pilot_metrics.get("ssim")},
+        "comparison": comparison,
+        "timings": {"prior_s": prior_s, **result.timings, "resumed_steps": result.resumed_steps,
+                    "total_s": time.perf_counter() - t_start},
+        "config": cfg.to_dict(),
+    }
+    write_metrics(out / DESIGN_NAME, record)
+    _log(f"chose {len(acq_deg)} angles in {result.timings['total_s']:.1f} s; wrote {out}")
+    return record

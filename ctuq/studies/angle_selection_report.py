@@ -1,0 +1,126 @@
+"""Running the angle-selection study over its images, and its tables and figures.
+
+Outputs in the study folder (``scripts/angle_selection.py``)::
+
+    results.md, results.json     PSNR mean ± standard error over images per strategy × angle count, for each
+                                 reconstruction (TV, DIP) at the fixed iteration budget and as the oracle best over
+                                 iterations; design timings per strategy
+    psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
+    study.json                   the options (a rerun with other options that change numbers is refused)
+    img_<i>/                     per image: dip_model.pt (pilot DIP), per strategy result.json (+ checkpoints)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ctuq.studies.angle_selection import NEUTRAL, load_images, run_image
+from ctuq.studies.common import Log, check_study_folder, study_fingerprint
+
+__all__ = ["run_study", "aggregate", "markdown_tables", "LABELS"]
+
+LABELS = {"equidistant": "equidistant", "equidistant_grid": "equidistant (grid)", "random": "random",
+          "isotropic": "isotropic EIG", "matern": "Matérn-½ EIG", "dip_eig": "lin. DIP EIG", "dip_ese": "lin. DIP ESE",
+          "dip_eig_retrain": "lin. DIP EIG + retrain", "dip_ese_retrain": "lin. DIP ESE + retrain"}
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None, int]:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return float("nan"), None, 0
+    return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else None), int(v.size)
+
+
+def aggregate(per_image: list[dict]) -> dict:
+    """``{method: {kind: {strategy: {count: {"mean", "se", "n"}}}}}`` with kind ``psnr`` / ``best_psnr``, and
+    ``timings[strategy]`` (means over images of the design's timings)."""
+    table: dict = {}
+    timings: dict = {}
+    for results in per_image:
+        for strategy, rec in results.items():
+            for count, methods in rec["recon"].items():
+                for method, m in methods.items():
+                    for kind in ("psnr", "best_psnr"):
+                        (table.setdefault(method, {}).setdefault(kind, {}).setdefault(strategy, {})
+                         .setdefault(int(count), []).append(m[kind]))
+            t = rec.get("timings") or {}
+            for key in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s", "step_s_mean", "step_s_first5",
+                        "step_s_last5"):
+                if key in t:
+                    timings.setdefault(strategy, {}).setdefault(key, []).append(t[key])
+    out = {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
+                   for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in table.items()}
+    return {"psnr": out, "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
+
+
+def markdown_tables(agg: dict, strategies: list[str]) -> str:
+    """One table per (reconstruction, fixed/oracle): rows strategies, columns angle counts, ``mean ± se`` dB."""
+    parts = []
+    names = {"psnr": "fixed iteration budget", "best_psnr": "oracle: best PSNR over iterations"}
+    for method, kinds in agg["psnr"].items():
+        for kind in ("psnr", "best_psnr"):
+            rows = {s: kinds[kind][s] for s in strategies if s in kinds.get(kind, {})}
+            counts = sorted({c for r in rows.values() for c in r})
+            parts.append(f"\n**{method.upper()} — {names[kind]}** (PSNR dB, mean ± s.e. over images)\n")
+            parts.append("| strategy | " + " | ".join(str(c) for c in counts) + " |")
+            parts.append("|---" * (len(counts) + 1) + "|")
+            for s, r in rows.items():
+                cells = []
+                for c in counts:
+                    e = r.get(c)
+                    cells.append("" if e is None else (f"{e['mean']:.2f}" + (f" ± {e['se']:.2f}" if e["se"] else "")))
+                parts.append(f"| {LABELS.get(s, s)} (n={max(e['n'] for e in r.values())}) | " + " | ".join(cells) + " |")
+    if agg["timings"]:
+        parts.append("\n**design time** (s, mean over images; per step: mean / first 5 / last 5)\n")
+        parts.append("| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 | last 5 |")
+        parts.append("|---|---|---|---|---|---|---|---|---|")
+        for s, t in agg["timings"].items():
+            cells = [f"{t.get(k, float('nan')):.2f}" for k in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s",
+                                                              "step_s_mean", "step_s_first5", "step_s_last5")]
+            parts.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + " |")
+    return "\n".join(parts) + "\n"
+
+
+def _figures(out: Path, agg: dict, strategies: list[str]) -> None:
+    from ctuq.design.plots import plot_psnr_curves
+
+    for method, kinds in agg["psnr"].items():
+        for kind, suffix in (("psnr", ""), ("best_psnr", "_oracle")):
+            curves = {}
+            for s in strategies:
+                r = kinds.get(kind, {}).get(s)
+                if r:
+                    c = sorted(r)
+                    curves[LABELS.get(s, s)] = (c, [r[x]["mean"] for x in c], [r[x]["se"] or 0.0 for x in c])
+            title = f"{method.upper()} reconstruction" + (" (oracle: best over iterations)" if suffix else "")
+            plot_psnr_curves(out / f"psnr_{method}{suffix}.png", curves, title=title)
+
+
+def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "") -> dict:
+    """Every image × strategy (resumable), then ``results.md``/``results.json`` and the figures."""
+    import torch
+
+    from ctuq.utils import atomic_write_json, resolve_device
+
+    log = log or Log("angle_selection")
+    out.mkdir(parents=True, exist_ok=True)
+    check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=())
+    if opts.get("threads"):
+        torch.set_num_threads(int(opts["threads"]))
+    device = resolve_device(opts["device"])
+    images = load_images(opts)
+    per_image = []
+    for i, gt in enumerate(images):
+        per_image.append(run_image(i, gt, opts, out, device, log))
+    agg = aggregate(per_image)
+    text = (f"# angle-selection study\n\n`{command}`\n\n{len(images)} images of {images.shape[1]}², "
+            f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
+            f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|\n" + markdown_tables(agg, opts["strategies"]))
+    (out / "results.md").write_text(text)
+    atomic_write_json(out / "results.json", {"options": opts, "command": command, **agg})
+    _figures(out, agg, opts["strategies"])
+    log(f"wrote {out / 'results.md'}")
+    return agg

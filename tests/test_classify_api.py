@@ -1,0 +1,170 @@
+"""ctuq.classify front end: batch-norm / group-norm networks, weight subsets, bad input with clear errors, and the
+save/load round trip (weights_only loading)."""
+
+import pytest
+import torch
+from torch import nn
+
+from ctuq.classify import LinearizedLaplace
+
+
+def _blobs(n, shape, n_classes, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % n_classes
+    centres = torch.randn(n_classes, *shape, generator=g)
+    return centres[y] + 0.7 * torch.randn(n, *shape, generator=g), y
+
+
+def _loader(X, y, batch=16):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=batch)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, norm="batch"):
+        super().__init__()
+        layer = (lambda c: nn.BatchNorm2d(c)) if norm == "batch" else (lambda c: nn.GroupNorm(2, c))
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), layer(4), nn.ReLU(), nn.Conv2d(4, 4, 3), layer(4),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _train(model, X, y, steps=60):
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+    return model
+
+
+@pytest.fixture(scope="module")
+def cnn_data():
+    torch.manual_seed(0)
+    X, y = _blobs(40, (1, 6, 6), 3, seed=2)
+    return X[:30], y[:30], X[30:], y[30:]
+
+
+@pytest.mark.parametrize("norm", ["batch", "group"])
+def test_normalised_networks_are_linearised_in_eval_mode(cnn_data, norm):
+    X, y, Xt, yt = cnn_data
+    model = _train(SmallCNN(norm), X, y)
+    model.train()  # left in train mode by the user: the linearisation still uses eval mode (running statistics)
+    la = LinearizedLaplace(model, solver="cg", solver_options={"rank": 10}, seed=0).fit(_loader(X, y))
+    assert model.training and all(m.training for m in model.modules())  # modes restored
+    names = [n for n, _ in model.named_parameters()]
+    assert la.param_names == names and any("1.weight" in n for n in names)  # norm parameters included ("all")
+    # per-example Jacobians (g-prior) agree with the full-batch products: examples are independent in eval mode
+    P0 = la.posterior.base.to_dense()
+    s = la.scales
+    torch.testing.assert_close(1.0 / P0.pow(2).sum(0).sqrt()[s > 0], s[s > 0], rtol=1e-8, atol=0)
+    la.optimize_prior("sampled_em", max_steps=2, n_samples=8)
+    assert len(la.em_trace) == 2 and la.prior_precision > 0
+    p = la.predict(Xt, samples=16)
+    assert p.shape == (10, 3) and torch.allclose(p.sum(1), torch.ones(10, dtype=torch.float64))
+    with torch.no_grad():
+        model.eval()
+        f = model(Xt).double()
+    torch.testing.assert_close(la.predict_logits(Xt, n_samples=4)[0], f, rtol=1e-5, atol=1e-5)  # mean = network
+
+
+def test_last_layer_and_named_subsets(cnn_data):
+    X, y, Xt, _ = cnn_data
+    model = _train(SmallCNN(), X, y, steps=20)
+    la = LinearizedLaplace(model, weights="last_layer", solver="exact").fit(_loader(X, y))
+    assert la.param_names == ["head.weight", "head.bias"] and la.n_params == 51
+    la.optimize_prior("exact", max_steps=20)
+    assert la.log_evidence() < 0 and la.predict(Xt, link="probit").shape == (10, 3)
+    la2 = LinearizedLaplace(model, weights=["body.0.weight", "head.weight"], solver="exact").fit(_loader(X, y))
+    assert la2.n_params == 36 + 48
+    with pytest.raises(ValueError, match=r"unknown parameter name\(s\) \['head.wieght'\].*head.weight"):
+        LinearizedLaplace(model, weights=["head.wieght"])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    X, y = _blobs(24, (4,), 3, seed=1)
+    model = _train(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), X, y, steps=30)
+    return model, X, y
+
+
+class Squeeze(nn.Module):
+    def forward(self, x):
+        return self.lin(x)[:, 0]
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+
+def test_bad_input_gets_clear_errors(mlp):
+    model, X, y = mlp
+    with pytest.raises(ValueError, match=r"logits of shape \(N, C\) with C >= 2 classes; for 24 inputs it returned \(24,\)"):
+        LinearizedLaplace(Squeeze()).fit(_loader(X, y))
+    bad = y.clone()
+    bad[3] = 5
+    with pytest.raises(ValueError, match=r"labels must lie in 0..2 \(the model returns 3 logits\), got labels in 0..5"):
+        LinearizedLaplace(model).fit(_loader(X, bad))
+    with pytest.raises(ValueError, match="yielded no examples"):
+        LinearizedLaplace(model).fit([])
+    with pytest.raises(ValueError, match="integer class indices"):
+        LinearizedLaplace(model).fit(_loader(X, y.float()))
+    with pytest.raises(ValueError, match=r"expected \(inputs, labels\)"):
+        LinearizedLaplace(model).fit([X])
+    with pytest.raises(ValueError, match="the model failed on inputs of shape"):
+        LinearizedLaplace(model).fit(_loader(X[:, :3], y))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        LinearizedLaplace(model, weights="first_layer")
+    with pytest.raises(ValueError, match="prior_precision must be positive"):
+        LinearizedLaplace(model, prior_precision=0.0)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        LinearizedLaplace(model, solver="magic")
+    la = LinearizedLaplace(model, solver="exact")
+    with pytest.raises(RuntimeError, match=r"call fit\(train_loader\) first"):
+        la.predict(X)
+    la.fit(_loader(X, y))
+    with pytest.raises(ValueError, match="link must be one of"):
+        la.predict(X, link="laplace")
+    with pytest.raises(ValueError, match="method must be one of"):
+        la.optimize_prior("gradient")
+    with pytest.raises(ValueError, match="the model failed on inputs"):
+        la.predict(X[:, :2])
+    with pytest.raises(ValueError, match="positive int"):
+        la.predict(X, samples=0)
+    cg = LinearizedLaplace(model, solver="cg", solver_options={"rank": 10}).fit(_loader(X, y))
+    with pytest.raises(ValueError, match="log_evidence needs an exact solver"):
+        cg.log_evidence()
+
+
+# ------------------------------------------------------------------------------------------ save / load
+def test_state_round_trip_with_weights_only_loading(mlp, tmp_path):
+    model, X, y = mlp
+    la = LinearizedLaplace(model, solver="cg", solver_options={"rank": 20}, seed=3).fit(_loader(X, y))
+    la.optimize_prior("sampled_em", max_steps=2)
+    probs = la.predict(X, samples=32, seed=5)
+    torch.save(la.state_dict(), tmp_path / "la.pt")
+    state = torch.load(tmp_path / "la.pt", weights_only=True)
+    loaded = LinearizedLaplace.from_state_dict(model, state)
+    assert loaded.prior_precision == la.prior_precision and loaded.em_trace == la.em_trace
+    # the stored posterior samples predict without the training data
+    torch.testing.assert_close(loaded.predict(X, samples=32, seed=5), probs)
+    # fit() resumes: no g-prior work, the same EM continues exactly as the uninterrupted object does
+    loaded.fit(_loader(X, y))
+    torch.testing.assert_close(loaded.scales, la.scales)
+    loaded.optimize_prior("sampled_em", max_steps=2)
+    la.optimize_prior("sampled_em", max_steps=2)
+    assert [r["a_new"] for r in loaded.em_trace] == pytest.approx([r["a_new"] for r in la.em_trace], rel=1e-6)
+    # another network, or other weights, is refused
+    other = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match="was saved for parameters"):
+        LinearizedLaplace(other).load_state_dict(state)
+    changed = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    with pytest.raises(ValueError, match="weights differ"):
+        LinearizedLaplace(changed).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a LinearizedLaplace state"):
+        LinearizedLaplace(model).load_state_dict({"version": 1})
