@@ -8,6 +8,17 @@ os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny problems: OpenMP hand-offs cost ~10 ms per operation when the two CI
+    cores are shared (measured: 1.2 s vs 32 s for the same EM), and gloo subprocesses must not oversubscribe the
+    cores; restored afterwards. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -13,12 +13,7 @@ from ctuq.operators import SlicewiseParallelRayTransform, make_ray_transform
 from ctuq.operators.fbp import fbp, fdk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

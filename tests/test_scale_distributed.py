@@ -104,12 +104,7 @@ def _worker(rank: int, world: int, port: int, solver: str, work: str, out: str) 
         dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.filterwarnings("ignore::ctuq.inference.ConvergenceWarning")

@@ -24,7 +24,7 @@ Names are imported lazily so that :mod:`ctuq.config` can take the option vocabul
 
 from __future__ import annotations
 
-import importlib
+from ctuq.utils import lazy_exports
 
 _LAZY = {
     "DesignError": "candidates", "BASELINES": "candidates", "equidistant_indices": "candidates",
@@ -46,13 +46,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"ctuq.design.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ctuq.design' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

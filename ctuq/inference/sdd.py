@@ -51,7 +51,7 @@ from ctuq.utils import derived_seed_words
 
 __all__ = ["SDDSolver", "SDD_DEFAULTS"]
 
-SDD_DEFAULTS = {"step_size": 1.0, "momentum": 0.9, "batch_size": None, "max_iter": 1000, "rtol": 1e-2,
+SDD_DEFAULTS = {"step_size": 1.0, "momentum": 0.99, "batch_size": None, "max_iter": 1000, "rtol": 1e-2,
                 "averaging": None}
 """Defaults of :class:`SDDSolver` (``averaging=None``: the published ``χ = 100/max_iter``). The step size and
 budget are from the CPU tuning table in docs/NOTES.md (full batch)."""
@@ -65,7 +65,7 @@ class SDDSolver(FirstOrderSolver):
     features : FeatureOperator
         ``Ψ`` (``c × d``).
     step_size : float
-        ``β·λ_max(C)`` (scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.36 is stable for the full batch with ``ρ = 0.9``).
+        ``β·λ_max(C)`` (scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.34 is stable for the full batch with the default ``ρ = 0.99``).
     momentum : float
         Nesterov momentum ``ρ ∈ [0, 1)``.
     batch_size : int or None

@@ -57,7 +57,7 @@ from ctuq.inference.solvers import SolveStats
 __all__ = ["SGDSolver", "SGD_DEFAULTS", "LR_DECAYS"]
 
 LR_DECAYS = ("linear", "none")
-SGD_DEFAULTS = {"lr": 1.0, "momentum": 0.9, "max_iter": 1000, "rtol": 1e-2, "lr_decay": "none", "clip": None,
+SGD_DEFAULTS = {"lr": 1.0, "momentum": 0.99, "max_iter": 1000, "rtol": 1e-2, "lr_decay": "none", "clip": None,
                 "check_every": 10}
 """Defaults of :class:`SGDSolver`, from the CPU tuning table in docs/NOTES.md."""
 
@@ -70,7 +70,7 @@ class SGDSolver(FirstOrderSolver):
     features : FeatureOperator
         ``Ψ`` (``c × d``).
     lr : float
-        ``η₀ · λ_max(ΨᵀΨ/σ² + aI)`` (scale free; ≲ 1.36 is stable with ``ρ = 0.9``).
+        ``η₀ · λ_max(ΨᵀΨ/σ² + aI)`` (scale free; ≲ 1.34 is stable with the default ``ρ = 0.99``).
     momentum : float
         Nesterov momentum ``ρ ∈ [0, 1)``.
     lr_decay : {"linear", "none"}

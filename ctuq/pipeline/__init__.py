@@ -16,10 +16,10 @@ Errors meant for the person running ctuq are :mod:`ctuq.errors` user errors; ``c
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from ctuq.pipeline import run_folder
+from ctuq.utils import lazy_exports
 
 # The phases are imported on first use: ctuq.uq (a lower layer) takes its file names from run_folder, and that
 # import must not pull in the phases, which import ctuq.config and, lazily, ctuq.uq itself.
@@ -40,13 +40,4 @@ if TYPE_CHECKING:
 __all__ = ["run_folder", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"ctuq.pipeline.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ctuq.pipeline' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
