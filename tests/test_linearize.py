@@ -128,7 +128,8 @@ def test_chunking_does_not_change_results(unet_case):
         net.chunk_size = 0
     # An explicit budget too small for even one product is refused with the sizes, not run past its promise.
     tight = LinearizedNetwork(model, x, memory_budget=1, mode="recompute")
-    with pytest.raises(MemoryBudgetError, match=r"one JVP of this network \(output \(1, 1, 8, 8\), [0-9,]+ weights\).*budget is 0.00 GiB"):
+    with pytest.raises(MemoryBudgetError,
+                       match=r"one JVP of this network \(output \(1, 1, 8, 8\), [0-9,]+ weights\).*budget is 0.00 GiB"):
         tight.chunk_size_for("jvp")
 
 

@@ -32,9 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
     p.add_argument("--config", metavar="FILE",
-                   help="YAML config file or bundled name (demo, demo_pretrained, walnut_2d_60, walnut_2d_120, walnut_3d, "
-                        "walnut_3d_published); "
-                        "default: demo, or the run folder's config.yaml with --resume")
+                   help="YAML config file or bundled name (demo, demo_pretrained, walnut_2d_60, walnut_2d_120, "
+                        "walnut_3d, walnut_3d_published); default: demo, or the run folder's config.yaml with --resume")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a config value, e.g. --set dip.lr=1e-3 (repeatable)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<timestamp>)")

@@ -65,7 +65,8 @@ class SDDSolver(FirstOrderSolver):
     features : FeatureOperator
         ``Ψ`` (``c × d``).
     step_size : float
-        ``β·λ_max(C)`` (scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.34 is stable for the full batch with the default ``ρ = 0.99``).
+        ``β·λ_max(C)`` (scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.34 is stable for the full batch with the default
+        ``ρ = 0.99``).
     momentum : float
         Nesterov momentum ``ρ ∈ [0, 1)``.
     batch_size : int or None
