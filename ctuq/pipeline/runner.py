@@ -24,9 +24,16 @@ def uq_phases(state: RunState) -> list[Phase]:
 
 
 def build_phases(state: RunState) -> list[Phase]:
-    """The phase list of ``ctuq reconstruct`` for ``state.cfg``: load → fbp → [tv] → dip → [uq] → write."""
-    phases = [Phase("load", phase_load), Phase("fbp", phase_fbp)]
-    if state.cfg.tv.enabled:
+    """The phase list of ``ctuq reconstruct`` for ``state.cfg``: load → fbp → [tv] → dip → [uq] → write.
+
+    A state whose problem is already given (``state.op`` set, :func:`reconstruct_problem`) skips the load, and the
+    2D-only TV baseline with a warning when that problem is a volume.
+    """
+    phases = [Phase("load", phase_load)] if state.op is None else []
+    phases.append(Phase("fbp", phase_fbp))
+    if state.cfg.tv.enabled and state.op is not None and state.op.ndim != 2:
+        state.warn("tv.enabled: the TV baseline is 2D only; skipped for this volume")
+    elif state.cfg.tv.enabled:
         phases.append(Phase("tv", phase_tv))
     phases.append(Phase("dip", phase_dip))
     if state.uq:
@@ -167,13 +174,4 @@ def reconstruct_problem(cfg: Config, out_dir: str | Path, data, *, uq: bool = Tr
                              "measurement_shape": list(data.op.measurement_shape),
                              "operator": type(data.op).__name__, "has_ground_truth": state.ground_truth is not None,
                              "meta": dict(getattr(data, "meta", {}) or {})}
-    phases = [Phase("fbp", phase_fbp)]
-    if cfg.tv.enabled and data.op.ndim == 2:
-        phases.append(Phase("tv", phase_tv))
-    elif cfg.tv.enabled:
-        state.warn("tv.enabled: the TV baseline is 2D only; skipped for this volume")
-    phases.append(Phase("dip", phase_dip))
-    if uq:
-        phases.extend(uq_phases(state))
-    phases.append(Phase("write", phase_write))
-    return run_phases(state, phases)
+    return run_phases(state, build_phases(state))
