@@ -233,14 +233,13 @@ def _check_shard_checkpoints(work: Path, shard) -> None:
 
 
 def moments_bytes(image_shape, settings: UQConfig) -> int:
-    """Bytes of the streaming statistics (:class:`ctuq.metrics.SampleMoments`, float64): the pixel sums of squares
-    plus, per patch size ``p``, ``n_p · p⁴`` patch sums (``p×p`` patches tiling each slice of the ROI's box)."""
+    """Bytes of the streaming statistics (:class:`ctuq.metrics.SampleMoments`, float64) of ``image_shape`` with
+    ``settings``' ROI and patch sizes: the pixel sums of squares plus, per patch size ``p``, ``n_p · p⁴`` patch sums
+    (:meth:`ctuq.metrics.SampleMoments.memory_bytes`)."""
+    from ctuq.metrics import SampleMoments
+
     shape = tuple(int(n) for n in image_shape)
-    box = [s.stop - s.start for s in _roi(settings, shape)] if settings.roi == "inner_square" else list(shape)
-    depth = box[0] if len(box) == 3 else 1
-    h, w = box[-2], box[-1]
-    numel = math.prod(shape) + sum(depth * (h // p) * (w // p) * p**4 for p in settings.patch_sizes)
-    return 8 * numel
+    return SampleMoments.memory_bytes(shape, roi=_roi(settings, shape), patch_sizes=settings.patch_sizes)
 
 
 def _check_moments_memory(settings: UQConfig, image_shape) -> None:

@@ -287,3 +287,13 @@ def test_streaming_1024_samples_keeps_the_peak_far_below_holding_them():
     peak = peak_cpu_bytes(stream)
     assert acc.n_samples == k
     assert 0 < peak < all_samples_bytes / 4
+
+
+@pytest.mark.parametrize("shape", [(12, 14), (3, 10, 11)])
+def test_memory_bytes_is_what_an_accumulator_holds(shape):
+    from ctuq.metrics import inner_square_roi
+
+    for roi in (None, inner_square_roi(shape)):
+        m = M.SampleMoments(shape, roi=roi, patch_sizes=[1, 2, 3], dtype=torch.float32)
+        held = m._sum_sq.numel() * 4 + sum(t.numel() * 4 for t in m._patch_sums.values())
+        assert M.SampleMoments.memory_bytes(shape, roi=roi, patch_sizes=[1, 2, 3], dtype=torch.float32) == held

@@ -243,6 +243,19 @@ class SampleMoments:
         self._patch_sums = {p: torch.zeros((g.n_patches, p * p, p * p), dtype=dtype, device=self._device)
                             for p, g in self._grids.items()}
 
+    @staticmethod
+    def memory_bytes(image_shape: Sequence[int], roi: Roi = None, patch_sizes: Iterable[int] = range(1, 11),
+                     dtype: torch.dtype = torch.float64) -> int:
+        """Bytes of the running sums an accumulator with these arguments holds, without allocating them: the
+        pixel sums of squares (``prod(image_shape)``) plus, per patch size ``p``, ``n_patches(p) · p⁴`` patch sums
+        (the same ROI and patch tiling as the constructor; its errors for a bad shape, ROI or patch size)."""
+        where = "SampleMoments"
+        shape = tuple(int(n) for n in image_shape)
+        region = _resolve_roi(roi, shape, where)
+        sizes = _check_patch_sizes(patch_sizes, where)
+        numel = math.prod(shape) + sum(_patch_grid(region, p, where).n_patches * p**4 for p in sizes)
+        return torch.empty((), dtype=dtype).element_size() * numel
+
     # ----------------------------------------------------------------------------------------- properties
     @property
     def image_shape(self) -> tuple[int, ...]:
