@@ -4,7 +4,7 @@
 * Features: a :class:`~ctuq.inference.LinearizedFeatures` of the network on all training inputs with the output
   map ``Lᵀ`` (adjoint ``L``) per example — Jacobian products, for CG and the first-order solvers — or, for the exact
   solvers, ``Ψ₀`` assembled densely from per-example Jacobians (:mod:`ctuq.classify.jacobians`) when twice its
-  ``n·C·d`` float64 numbers fit :func:`~ctuq.inference.dense_memory_budget`.
+  ``n·C·d`` float64 numbers fit the dense budget (:func:`~ctuq.inference.dense_features_fit`).
 * Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
   passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
   ``Ψ₀ᵀ``, :func:`ctuq.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get ``s_j = 0``.
@@ -16,14 +16,9 @@ import torch
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.classify.jacobians import assemble_whitened_jacobian, ggn_diagonal
-from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures, dense_memory_budget
+from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
 
-__all__ = ["whitened_features", "dense_fits", "prior_scales"]
-
-
-def dense_fits(n_outputs: int, n_params: int) -> bool:
-    """Whether two float64 copies of ``Ψ₀`` (``n_outputs × n_params``) fit the dense memory budget."""
-    return 2 * n_outputs * n_params * 8 <= dense_memory_budget("cpu")
+__all__ = ["whitened_features", "prior_scales"]
 
 
 def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRoot, *, dense: bool,

@@ -40,8 +40,9 @@ from ctuq.classify.hessian import ROOTS, SoftmaxHessianRoot
 from ctuq.classify.mode import LINEAR_MODELS, LinearMode
 from ctuq.classify.predictive import PredictiveMixin
 from ctuq.classify import state as _state
-from ctuq.classify.build import dense_fits, prior_scales, whitened_features
-from ctuq.inference import SOLVER_CHOICES, CategoricalLikelihood, LinearizedPosterior, Workload
+from ctuq.classify.build import prior_scales, whitened_features
+from ctuq.inference import (SOLVER_CHOICES, CategoricalLikelihood, LinearizedPosterior, Workload,
+                            dense_features_fit)
 
 __all__ = ["LinearizedLaplace", "PRIOR_METHODS", "EXACT_SOLVERS"]
 
@@ -215,7 +216,7 @@ class LinearizedLaplace(PredictiveMixin):
         return self
 
     def _features(self, X, dense: bool):
-        if dense and not dense_fits(X.shape[0] * self.n_classes, self.n_params):
+        if dense and not dense_features_fit(X.shape[0] * self.n_classes, self.n_params, "cpu"):
             self.say("Ψ₀ does not fit the dense memory budget: the exact solver goes through Jacobian products")
             dense = False
         return whitened_features(self._model, self._net, X, self.param_names, self._root, dense=dense,

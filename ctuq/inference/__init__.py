@@ -95,6 +95,7 @@ from ctuq.inference.solvers import (
     SOLVER_CHOICES,
     SOLVERS,
     SolverSpec,
+    dense_features_fit,
     dense_memory_budget,
     resolve_solver,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
     "StackedFeatures", "stack_features",
     "SOLVERS", "SOLVER_CHOICES", "PRECONDITIONERS", "SolverSpec", "resolve_solver", "dense_memory_budget",
+    "dense_features_fit",
     "KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
     "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
     "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",

@@ -81,6 +81,7 @@ __all__ = [
     "PRECONDITIONERS",
     "resolve_solver",
     "dense_memory_budget",
+    "dense_features_fit",
 ]
 
 
@@ -936,11 +937,18 @@ def resolve_solver(
     if kind == "auto":
         kind, estimates = choose_solver(features, workload)
     if kind == "exact":
-        if memory_budget is None:
-            memory_budget = dense_memory_budget(features.device)
         c, d = features.n_outputs, features.n_features
-        kind = "exact_primal" if d < c and 2 * c * d * 8 <= memory_budget else "exact_dual"
+        kind = ("exact_primal" if d < c and dense_features_fit(c, d, features.device, memory_budget)
+                else "exact_dual")
     return kind, estimates
+
+
+def dense_features_fit(c: int, d: int, device: torch.device | str, memory_budget: float | None = None) -> bool:
+    """Whether an assembled ``Ψ`` (``c × d``) fits the dense budget: two float64 copies, ``2·c·d·8`` bytes, against
+    ``memory_budget`` (bytes; default :func:`dense_memory_budget` of ``device``)."""
+    if memory_budget is None:
+        memory_budget = dense_memory_budget(device)
+    return 2 * c * d * 8 <= memory_budget
 
 
 def dense_memory_budget(device: torch.device | str) -> int:
