@@ -87,6 +87,8 @@ class FirstOrderSolver(Solver):
     rtol : float
         Early stop per right-hand side when its relative residual falls below it; above it at ``max_iter`` a
         :class:`~ctuq.inference.solvers.ConvergenceWarning` is raised.
+    momentum : float
+        Nesterov momentum ``ρ ∈ [0, 1)`` of the iteration.
     seed : int
         Seeds the Lanczos start vector and any random coordinate blocks (CPU generators).
     lanczos_steps : int
@@ -99,9 +101,11 @@ class FirstOrderSolver(Solver):
     warm_starts = True
     name = "first_order"
 
-    def __init__(self, features: FeatureOperator, *, max_iter: int, rtol: float, seed: int = 0,
+    def __init__(self, features: FeatureOperator, *, max_iter: int, rtol: float, momentum: float, seed: int = 0,
                  lanczos_steps: int = 20, lambda_max: float | None = None):
         cls = type(self).__name__
+        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise ValueError(f"{cls}: momentum must lie in [0, 1), got {momentum!r}")
         if not isinstance(max_iter, int) or isinstance(max_iter, bool) or max_iter < 1:
             raise ValueError(f"{cls}: max_iter must be a positive int, got {max_iter!r}")
         if not (isinstance(rtol, (int, float)) and rtol > 0 and math.isfinite(rtol)):
@@ -114,6 +118,7 @@ class FirstOrderSolver(Solver):
         self.kernel = KernelOperator(features=features)
         self.max_iter = int(max_iter)
         self.rtol = float(rtol)
+        self.momentum = float(momentum)
         self.seed = int(seed)
         self.lanczos_steps = int(lanczos_steps)
         self._lambda_max = None if lambda_max is None else float(lambda_max)

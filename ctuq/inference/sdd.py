@@ -85,19 +85,16 @@ class SDDSolver(FirstOrderSolver):
                  averaging: float | None = SDD_DEFAULTS["averaging"], max_iter: int = SDD_DEFAULTS["max_iter"],
                  rtol: float = SDD_DEFAULTS["rtol"], seed: int = 0, lanczos_steps: int = 20,
                  lambda_max: float | None = None):
-        super().__init__(features, max_iter=max_iter, rtol=rtol, seed=seed, lanczos_steps=lanczos_steps,
-                         lambda_max=lambda_max)
+        super().__init__(features, max_iter=max_iter, rtol=rtol, momentum=momentum, seed=seed,
+                         lanczos_steps=lanczos_steps, lambda_max=lambda_max)
         if not (isinstance(step_size, (int, float)) and step_size > 0 and math.isfinite(step_size)):
             raise ValueError(f"SDDSolver: step_size must be positive and finite, got {step_size!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ValueError(f"SDDSolver: momentum must lie in [0, 1), got {momentum!r}")
         if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
                                        or batch_size < 1):
             raise ValueError(f"SDDSolver: batch_size must be a positive int or None (full batch), got {batch_size!r}")
         if averaging is not None and not (isinstance(averaging, (int, float)) and 0 < averaging <= 1):
             raise ValueError(f"SDDSolver: averaging (χ) must lie in (0, 1], got {averaging!r}")
         self.step_size = float(step_size)
-        self.momentum = float(momentum)
         c = features.n_outputs
         self.batch_size = None if batch_size is None or batch_size >= c else int(batch_size)
         self.averaging = min(1.0, 100.0 / self.max_iter) if averaging is None else float(averaging)

@@ -90,12 +90,10 @@ class SGDSolver(FirstOrderSolver):
                  clip: float | None = SGD_DEFAULTS["clip"], check_every: int = SGD_DEFAULTS["check_every"],
                  max_iter: int = SGD_DEFAULTS["max_iter"], rtol: float = SGD_DEFAULTS["rtol"], seed: int = 0,
                  lanczos_steps: int = 20, lambda_max: float | None = None):
-        super().__init__(features, max_iter=max_iter, rtol=rtol, seed=seed, lanczos_steps=lanczos_steps,
-                         lambda_max=lambda_max)
+        super().__init__(features, max_iter=max_iter, rtol=rtol, momentum=momentum, seed=seed,
+                         lanczos_steps=lanczos_steps, lambda_max=lambda_max)
         if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
             raise ValueError(f"SGDSolver: lr must be positive and finite, got {lr!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ValueError(f"SGDSolver: momentum must lie in [0, 1), got {momentum!r}")
         if lr_decay not in LR_DECAYS:
             raise ValueError(f"SGDSolver: lr_decay must be one of {list(LR_DECAYS)}, got {lr_decay!r}")
         if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
@@ -103,7 +101,6 @@ class SGDSolver(FirstOrderSolver):
         if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
             raise ValueError(f"SGDSolver: check_every must be a positive int, got {check_every!r}")
         self.lr = float(lr)
-        self.momentum = float(momentum)
         self.lr_decay = lr_decay
         self.clip = None if clip is None else float(clip)
         self.check_every = int(check_every)
