@@ -90,7 +90,6 @@ class DesignEngine:
         self.F: torch.Tensor | None = None  # Ψ_τ rows (weight space), a view of _Fbuf
         self._Fbuf: torch.Tensor | None = None
         self.chol: BorderedCholesky | None = None
-        self.pilot_moment: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ state
     def reset(self, chosen, model=None) -> None:
@@ -114,7 +113,7 @@ class DesignEngine:
             else:
                 self.chol.reset(mdl.block_kernel(chosen, chosen) + eye, block=mdl.k)
             self.chosen = chosen
-            self.Y = self._draw(self.m, self.chunk_seed(), keep_moment=True)
+            self.Y = self._draw(self.m, self.chunk_seed())
         self.n_resets += 1
 
     def chunk_seed(self) -> int:
@@ -126,21 +125,17 @@ class DesignEngine:
         feats = DenseFeatures(self.F) if self.weight_space and self.F is not None else self.model.features(self.chosen)
         return self.chol.bind(feats)
 
-    def _draw(self, n: int, seed: int, keep_moment: bool = False) -> torch.Tensor:
+    def _draw(self, n: int, seed: int) -> torch.Tensor:
         """``n`` posterior pseudo-measurement samples ``(n, n_cand, k)`` via the core sampler."""
         mdl = self.model
         chol = self._bound()
         out = torch.empty((n, mdl.c), dtype=torch.float32)
-        moment = torch.zeros(mdl.d_x, dtype=torch.float64)
         for i, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk,
                                    seed=seed):
             with torch.no_grad():
                 x = mdl.images(ps.weights)
                 lo = i * self.sample_chunk
                 out[lo:lo + x.shape[0]] = mdl.op.forward_flat(x.to(mdl.op.dtype)).float().cpu()
-                moment += x.double().pow(2).sum(0).cpu()
-        if keep_moment:
-            self.pilot_moment = moment / max(n, 1)
         return out.reshape(n, mdl.n_candidates, mdl.k)
 
     def posterior_std(self, n: int = 256, seed: int = 0) -> torch.Tensor:

@@ -159,6 +159,30 @@ class DenseFactor(_Factor):
                              f"{tuple(matrix.shape)}")
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
         self.matrix = matrix
+        self._projection: tuple[object, torch.Tensor | None] | None = None
+        self.projection_s = 0.0
+
+    def projected(self, op, memory_fraction: float = 0.25) -> torch.Tensor | None:
+        """``T Φ`` ``(c, d)`` for the whole candidate operator ``op``, computed once (one sparse × dense product)
+        and kept, so that the rows of any candidate set are a slice instead of a sparse product per call (a design
+        asks for them at every step and every g-prior refresh). ``None`` when ``c·d`` floats would take more than
+        ``memory_fraction`` of the free memory; callers then project the rows they need.
+        """
+        if self._projection is not None and self._projection[0] is op:
+            return self._projection[1]
+        import time
+
+        from ctuq.utils import free_memory_bytes
+
+        free = free_memory_bytes(self.device)
+        need = op.c * self.d * self.matrix.element_size()
+        A = None
+        if free is None or need <= memory_fraction * free:
+            t0 = time.perf_counter()
+            A = (sparse_rows(op) @ self.matrix).to(self.dtype)
+            self.projection_s += time.perf_counter() - t0
+        self._projection = (op, A)
+        return A
 
     def _jvp(self, W):
         return W @ self.matrix.T

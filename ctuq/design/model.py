@@ -124,10 +124,18 @@ class DesignModel:
             return True
         return self.c * self.d * 4 <= max_bytes
 
+    def projected_rows(self, blocks: Sequence[int]) -> torch.Tensor:
+        """``T_B L`` ``(c_B, d)`` dense (factor dtype): a slice of the kept ``T L`` of all candidates for an
+        assembled Jacobian (:meth:`DenseFactor.projected`), else :func:`project_rows` (sparse products or VJPs)."""
+        if isinstance(self.factor, DenseFactor):
+            A = self.factor.projected(self.op)
+            if A is not None:
+                return A[self.rows(blocks).to(A.device)]
+        return project_rows(self.factor, self.subset(blocks)).to(self.factor.dtype)
+
     def weight_rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """``Ψ_B = T_B L diag(s)`` ``(c_B, d)`` dense, in the factor's dtype and device."""
-        F = project_rows(self.factor, self.subset(blocks))
-        return F.to(self.factor.dtype) * self.scales
+        return self.projected_rows(blocks) * self.scales
 
     def block_kernel(self, blocks_a: Sequence[int], blocks_b: Sequence[int], chunk: int = 512) -> torch.Tensor:
         """``T_A K T_Bᵀ`` ``(c_A, c_B)`` float64 (CPU).
@@ -135,14 +143,15 @@ class DesignModel:
         Sparse-sparse for the isotropic prior, through ``T L`` rows for dense and network factors, else ``c_B``
         kernel products in chunks.
         """
-        op_a, op_b = self.subset(blocks_a), self.subset(blocks_b)
         unit = bool((self.scales == 1).all())
         if isinstance(self.factor, IdentityFactor) and unit:
+            op_a, op_b = self.subset(blocks_a), self.subset(blocks_b)
             return torch.from_numpy((op_a.matrix @ op_b.matrix.T).toarray()) / self.a
         if not isinstance(self.factor, MaternFactor):
-            Fa = project_rows(self.factor, op_a).double() * self.scales.double()
-            Fb = Fa if list(blocks_a) == list(blocks_b) else project_rows(self.factor, op_b).double() * self.scales.double()
+            Fa = self.projected_rows(blocks_a).double() * self.scales.double()
+            Fb = Fa if list(blocks_a) == list(blocks_b) else self.projected_rows(blocks_b).double() * self.scales.double()
             return (Fa @ Fb.T).cpu() / self.a
+        op_a, op_b = self.subset(blocks_a), self.subset(blocks_b)
         out = torch.empty((op_a.c, op_b.c), dtype=torch.float64)
         for lo in range(0, op_b.c, chunk):
             hi = min(op_b.c, lo + chunk)
@@ -163,18 +172,18 @@ class DesignModel:
                 for j, i in enumerate(idx):
                     out[i] = full[j * k:(j + 1) * k, j * k:(j + 1) * k]
             else:  # only the diagonal blocks: (T^β L s)(T^β L s)ᵀ / a, batched
-                F = (project_rows(self.factor, self.subset(idx)).double() * self.scales.double()).cpu()
+                F = (self.projected_rows(idx).double() * self.scales.double()).cpu()
                 F = F.reshape(len(idx), k, -1)
                 out[lo:lo + len(idx)] = F @ F.mT / self.a
         return out
 
     def column_sq_norms(self, blocks: Sequence[int]) -> torch.Tensor:
         """``‖(T_B L)_{:,i}‖²`` ``(d,)`` float64 over the rows of ``blocks``: the exact g-prior's sums (``c_B``
-        VJPs for a network, a sparse product for a dense Jacobian)."""
+        VJPs for a network, a slice of the kept ``T Φ`` for a dense Jacobian)."""
         out = torch.zeros(self.d, dtype=torch.float64)
         blocks = list(blocks)
         for lo in range(0, len(blocks), 8):
-            out += project_rows(self.factor, self.subset(blocks[lo:lo + 8])).double().pow(2).sum(0).cpu()
+            out += self.projected_rows(blocks[lo:lo + 8]).double().pow(2).sum(0).cpu()
         return out
 
     def summary(self) -> dict:
