@@ -75,7 +75,7 @@ def run_map(model, d, shifts):
 def run_ctuq(model, d, shifts, args, exact: bool):
     t0 = time.perf_counter()
     la = LinearizedLaplace(model, prior="gprior", solver="exact" if exact else "cg", seed=args.seed,
-                           solver_options={} if exact else {"rank": args.rank})
+                           solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank})
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
     if exact:
@@ -209,7 +209,9 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=64, help="prediction samples")
     ap.add_argument("--em-steps", type=int, default=5)
     ap.add_argument("--em-samples", type=int, default=16)
-    ap.add_argument("--rank", type=int, default=400, help="CG preconditioner rank")
+    ap.add_argument("--rank", type=int, default=400, help="CG preconditioner rank (the cap with --adaptive-rank)")
+    ap.add_argument("--adaptive-rank", action="store_true",
+                    help="grow the Nyström preconditioner until λ_r/a < σ² (up to --rank) instead of a fixed rank")
     ap.add_argument("--exact", choices=["auto", "all", "none"], default="auto",
                     help="exact EM: auto = MLPs only (d < c), all = also the CNNs, none")
     ap.add_argument("--laplace-torch", dest="lt", action=argparse.BooleanOptionalAction, default=True)

@@ -133,6 +133,27 @@ def test_exact_route_equals_the_dense_reference(op, kind):
     np.testing.assert_allclose(eng.chol.L.numpy(), torch.linalg.cholesky(C).numpy(), atol=1e-9)
 
 
+def test_dense_factor_rows_come_from_one_kept_projection(op):
+    """An assembled Jacobian projects all candidates once (T Φ kept on the factor); the rows of any candidate set,
+    the g-prior column norms and the prior blocks are slices of it and equal the per-call sparse products (the
+    fallback when T Φ does not fit in memory)."""
+    from ctuq.design.factors import project_rows
+
+    model = dense_model(op)
+    A = model.factor.projected(op)
+    assert A is not None and tuple(A.shape) == (op.c, model.d)
+    assert model.factor.projected(op) is A  # computed once per operator
+    blocks = [7, 2, 9]
+    ref = project_rows(model.factor, op.subset(blocks))
+    torch.testing.assert_close(model.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.column_sq_norms(blocks), ref.pow(2).sum(0), rtol=1e-12, atol=1e-12)
+    # no room for T Φ: nothing kept, the same numbers from sparse products
+    small = dense_model(op)
+    assert small.factor.projected(op, memory_fraction=0.0) is None
+    torch.testing.assert_close(small.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(small.prior_blocks(), model.prior_blocks(), rtol=1e-12, atol=1e-12)
+
+
 def test_sequential_sample_update_equals_conditioning_on_all_rows_at_once(op):
     """Pathwise conditioning block by block (engine) == the core sampler's formula on all rows, same draws."""
     model = dense_model(op)
