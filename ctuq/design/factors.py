@@ -151,6 +151,7 @@ class DenseFactor(_Factor):
     """``L = Φ`` given as a dense ``(d_x, d)`` matrix (an assembled network Jacobian).
 
     ``Φ`` is kept in float32 (``d_x·d`` floats; 328 MB for the CPU-demo U-Net at 128²): every product is a GEMM.
+    :meth:`projected` keeps ``T̄Φ`` of all candidate rows as well (``c̄·d`` floats), so row sets are slices.
     """
 
     def __init__(self, matrix: torch.Tensor, image_shape):
