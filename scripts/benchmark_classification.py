@@ -78,11 +78,15 @@ def run_ctuq(model, d, shifts, args, exact: bool):
                            solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank})
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
+    print(f"  ctuq {'exact' if exact else 'sampled'}: fit (linearisation, g-prior, solver set-up) {t_fit:.1f} s",
+          flush=True)  # long runs (the CNNs) otherwise print nothing for many minutes
     if exact:
         la.optimize_prior("exact", max_steps=100, tol=1e-4)
     else:
         la.optimize_prior("sampled_em", max_steps=args.em_steps, n_samples=args.em_samples, tol=0.0)
     t_em = time.perf_counter() - t0 - t_fit
+    print(f"  ctuq {'exact' if exact else 'sampled'}: prior optimisation {t_em:.1f} s, a = {la.prior_precision:.4g}",
+          flush=True)
     f, Z = la.logit_deviations(d["Xt"], args.samples, seed=args.seed)  # draws the posterior samples
     t_total = time.perf_counter() - t0
     shifted = [(f"{kind}={sev}", *la.logit_deviations(X, args.samples, seed=args.seed)) for kind, sev, X in shifts]
