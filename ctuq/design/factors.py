@@ -161,7 +161,6 @@ class DenseFactor(_Factor):
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
         self.matrix = matrix
         self._projection: tuple[object, torch.Tensor | None] | None = None
-        self.projection_s = 0.0
 
     def projected(self, op, memory_fraction: float = 0.25) -> torch.Tensor | None:
         """``T Φ`` ``(c, d)`` for the whole candidate operator ``op``, computed once (one sparse × dense product)
@@ -171,17 +170,11 @@ class DenseFactor(_Factor):
         """
         if self._projection is not None and self._projection[0] is op:
             return self._projection[1]
-        import time
-
         from ctuq.utils import free_memory_bytes
 
         free = free_memory_bytes(self.device)
         need = op.c * self.d * self.matrix.element_size()
-        A = None
-        if free is None or need <= memory_fraction * free:
-            t0 = time.perf_counter()
-            A = (sparse_rows(op) @ self.matrix).to(self.dtype)
-            self.projection_s += time.perf_counter() - t0
+        A = (sparse_rows(op) @ self.matrix).to(self.dtype) if free is None or need <= memory_fraction * free else None
         self._projection = (op, A)
         return A
 
