@@ -13,6 +13,7 @@ from ctuq.design.candidates import (DesignError, check_design_sizes, equidistant
                                     match_angles, random_indices)
 from ctuq.design.criteria import (criteria_from_blocks, criteria_from_samples, dense_posterior_blocks,
                                   information_gain_bruteforce)
+from ctuq.design.bordered import lower_gram
 from ctuq.design.engine import BorderedCholesky, DesignEngine, auto_route
 from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, matern_matrix
 from ctuq.design.greedy import DesignCheckpointMismatch, baseline_design, greedy_design
@@ -106,6 +107,13 @@ def test_bordered_cholesky_equals_recomputation_and_serves_the_core_sampler(op):
         new = slice(i * K, (i + 1) * K)
         chol.append(C[rows, new], C[new, new])
     np.testing.assert_allclose(chol.L.numpy(), torch.linalg.cholesky(C).numpy(), atol=1e-10)
+    # a reset from the lower triangle of the Gram of the rows, blockwise (the upper triangle is never read)
+    G = lower_gram(model.weight_rows(blocks).double(), model.a, model.sigma2, rows=7)
+    iu = torch.triu_indices(len(C), len(C), 1)
+    G[iu[0], iu[1]] = float("nan")
+    again = BorderedCholesky(model.a, model.sigma2)
+    again.reset(G, block=K, lower=True)
+    np.testing.assert_allclose(again.L.numpy(), chol.L.numpy(), atol=1e-10)
     rhs = torch.randn(5, C.shape[0], dtype=torch.float64)
     np.testing.assert_allclose(chol.solve_rows(rhs).numpy(), torch.linalg.solve(C, rhs.T).T.numpy(), atol=1e-10)
     # the core Matheron sampler gives the same samples with it as with its own exact solver
@@ -133,23 +141,25 @@ def test_exact_route_equals_the_dense_reference(op, kind):
     np.testing.assert_allclose(eng.chol.L.numpy(), torch.linalg.cholesky(C).numpy(), atol=1e-9)
 
 
-def test_dense_factor_rows_come_from_one_kept_projection(op):
-    """An assembled Jacobian projects all candidates once (T Φ kept on the factor); the rows of any candidate set,
-    the g-prior column norms and the prior blocks are slices of it and equal the per-call sparse products (the
-    fallback when T Φ does not fit in memory)."""
+def test_dense_factor_projects_each_block_once(op):
+    """An assembled Jacobian projects a candidate block on first request and keeps it (T^β Φ on the factor): the
+    rows of any candidate set, the g-prior column norms and the prior blocks equal the per-call sparse products
+    (the fallback when T Φ does not fit in memory), and a block asked for again is not projected again."""
     from ctuq.design.factors import project_rows
 
     model = dense_model(op)
-    A = model.factor.projected(op)
-    assert A is not None and tuple(A.shape) == (op.c, model.d)
-    assert model.factor.projected(op) is A  # computed once per operator
-    blocks = [7, 2, 9]
+    blocks = [7, 2, 9, 2]
     ref = project_rows(model.factor, op.subset(blocks))
     torch.testing.assert_close(model.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
+    _, buf, filled = model.factor._projection
+    assert filled.nonzero()[:, 0].tolist() == [2, 7, 9]  # only the blocks asked for
+    buf[model.rows([7])] = 0.0  # a kept block is read back, not projected again
+    assert float(model.projected_rows([7]).abs().max()) == 0.0
+    model = dense_model(op)
     torch.testing.assert_close(model.column_sq_norms(blocks), ref.pow(2).sum(0), rtol=1e-12, atol=1e-12)
     # no room for T Φ: nothing kept, the same numbers from sparse products
     small = dense_model(op)
-    assert small.factor.projected(op, memory_fraction=0.0) is None
+    assert small.factor.projected_blocks(op, [0], memory_fraction=0.0) is None
     torch.testing.assert_close(small.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(small.prior_blocks(), model.prior_blocks(), rtol=1e-12, atol=1e-12)
 
@@ -273,11 +283,19 @@ def test_refreshing_updater_resets_the_engine(op):
         calls.append((n, list(chosen)))
         return engine.model.with_updates(a=engine.model.a * 2) if n == 2 else None
 
+    kw = dict(criterion="ese", angles_deg=np.arange(N_ANG), jitter=0.0, updater=updater, progress=False)
     eng = DesignEngine(model, "sampled", n_samples=32, seed=0)
-    greedy_design(eng, [0], 3, criterion="ese", angles_deg=np.arange(N_ANG), jitter=0.0, updater=updater,
-                  progress=False)
-    assert [n for n, _ in calls] == [1, 2, 3] and eng.model.a == pytest.approx(2 * model.a)
+    greedy_design(eng, [0], 3, **kw)
+    assert [n for n, _ in calls] == [1, 2] and eng.model.a == pytest.approx(2 * model.a)
     assert eng.n_resets == 2 and eng.chol.size == 4 * K
+    # after the last acquisition only on request: it changes no choice of this design
+    calls.clear()
+    eng = DesignEngine(model, "sampled", n_samples=32, seed=0)
+    first = greedy_design(eng, [0], 2, **kw)
+    assert [n for n, _ in calls] == [1] and eng.n_resets == 1 and eng.model.a == model.a
+    calls.clear()
+    again = greedy_design(DesignEngine(model, "sampled", n_samples=32, seed=0), [0], 2, update_last=True, **kw)
+    assert [n for n, _ in calls] == [1, 2] and again.chosen == first.chosen
     assert auto_route(model, refreshed=True) == "sampled" and auto_route(model, refreshed=False) == "exact"
 
 

@@ -89,7 +89,8 @@ def test_retraining_updater_refits_and_restores(problem, tmp_path):
     prior = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05, work_dir=tmp_path)
     model = prior.build([0, 5])
     res = greedy_design(DesignEngine(model, "sampled", n_samples=16), [0, 5], 1, criterion="ese",
-                        angles_deg=np.arange(10) * 18.0, jitter=0.0, updater=prior.updater, progress=False)
+                        angles_deg=np.arange(10) * 18.0, jitter=0.0, updater=prior.updater, progress=False,
+                       update_last=True)
     saved = tmp_path / "retrain_001.pt"
     assert saved.is_file() and prior.n_retrains == 1 and len(res.acquired) == 1
     again = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05, work_dir=tmp_path)

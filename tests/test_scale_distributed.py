@@ -127,10 +127,11 @@ def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(solver, tmp_path):
     sharded = torch.load(out, weights_only=False)
     assert sharded["n"] == single["n"] == 20
     # The same EM probes and sample chunks, solved on other ranks in other batches: equal up to float32 product
-    # round-off and float64 summation order.
+    # round-off and float64 summation order (patch covariances to 1e-3 relative or 1e-7 absolute against a
+    # diagonal of ~1e-3: a small off-diagonal entry carries the round-off of the whole patch).
     np.testing.assert_allclose(sharded["em"], single["em"], rtol=1e-4)
     np.testing.assert_allclose(sharded["std"], single["std"], rtol=1e-3, atol=1e-7)
-    np.testing.assert_allclose(sharded["patch2"], single["patch2"], rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(sharded["patch2"], single["patch2"], rtol=1e-3, atol=1e-7)
     # resuming with another number of ranks is refused, naming the count that wrote the checkpoints
     with pytest.raises(UQCheckpointMismatch, match="written by 2 rank\\(s\\), this run has 3"):
         from ctuq.uq import _check_shard_checkpoints

@@ -12,7 +12,24 @@ import torch
 from ctuq.inference import SolveStats, Solver
 from ctuq.inference.kernel import KernelOperator, _check_hyper
 
-__all__ = ["BorderedCholesky"]
+__all__ = ["BorderedCholesky", "lower_gram"]
+
+
+def lower_gram(F: torch.Tensor, a: float, sigma2: float, rows: int = 1024) -> torch.Tensor:
+    """The lower triangle of ``F Fᵀ/a + σ² I`` ``(c, c)`` float64 on the CPU, for rows ``F`` ``(c, d)``.
+
+    Block rows ``F_i F_{≤i}ᵀ`` in ``F``'s dtype: half the flops of ``F Fᵀ`` (measured on 2 CPU cores at
+    ``c = 6405, d = 5008``: 1.3 s against 2.8 s with the conversions); the upper triangle is left unset, for
+    :meth:`BorderedCholesky.reset` with ``lower=True``.
+    """
+    c = F.shape[0]
+    out = torch.empty((c, c), dtype=torch.float64)
+    for lo in range(0, c, rows):
+        hi = min(c, lo + rows)
+        out[lo:hi, :hi] = (F[lo:hi] @ F[:hi].T).cpu()
+    out.div_(a)
+    out.diagonal().add_(sigma2)
+    return out
 
 
 class BorderedCholesky(Solver):
@@ -67,8 +84,11 @@ class BorderedCholesky(Solver):
             out[lo:hi, lo:hi] = Lii
         return out
 
-    def _chol(self, D: torch.Tensor) -> torch.Tensor:
-        D = 0.5 * (D + D.T)
+    def _chol(self, D: torch.Tensor, lower: bool = False) -> torch.Tensor:
+        # LAPACK reads only the lower triangle; a full matrix is symmetrised first so that round-off asymmetry
+        # of the caller's products cannot bias it
+        if not lower:
+            D = 0.5 * (D + D.T)
         L, info = torch.linalg.cholesky_ex(D)
         jitter = 1e-10 * float(D.diagonal().mean().abs())
         while int(info) != 0:
@@ -77,9 +97,12 @@ class BorderedCholesky(Solver):
             jitter *= 2.0
         return L
 
-    def reset(self, C: torch.Tensor, block: int | None = None) -> None:
-        """Factorise ``C`` (``c × c``) from scratch, stored in block rows of ``block`` rows (default: one)."""
-        L = self._chol(C.double().cpu())
+    def reset(self, C: torch.Tensor, block: int | None = None, lower: bool = False) -> None:
+        """Factorise ``C`` (``c × c``) from scratch, stored in block rows of ``block`` rows (default: one).
+
+        ``lower=True``: only the lower triangle of ``C`` is filled (:func:`lower_gram`); the upper is not read.
+        """
+        L = self._chol(C.double().cpu(), lower=lower)
         n = L.shape[0]
         block = n if not block else int(block)
         self.blocks, self.offsets = [], [0]

@@ -121,7 +121,6 @@ class DIPPrior:
             Phi = assemble_features(LinearizedFeatures(net, ones), by="auto", progress=self.progress)
             self.factor = DenseFactor(Phi.to(torch.float32), self.op.image_shape)
             del Phi
-            self.factor.projected(self.op)  # T̄Φ of all candidates, kept: every later row set is a slice
         else:
             self.factor = net
         self.timings["linearize_s"] += time.perf_counter() - t0

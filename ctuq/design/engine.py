@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ctuq.design.bordered import BorderedCholesky
+from ctuq.design.bordered import BorderedCholesky, lower_gram
 from ctuq.design.criteria import criteria_from_blocks, criteria_from_samples
 from ctuq.inference import sample_chunks
 from ctuq.inference.sampler import chunk_generator
@@ -106,11 +106,11 @@ class DesignEngine:
             for b in chosen:
                 self._condition(b, None)
         else:
-            eye = mdl.sigma2 * torch.eye(len(chosen) * mdl.k, dtype=torch.float64)
             if self.weight_space:
                 self._rows_append(mdl.weight_rows(chosen))
-                self.chol.reset((self.F @ self.F.T).double().cpu() / mdl.a + eye, block=mdl.k)
+                self.chol.reset(lower_gram(self.F, mdl.a, mdl.sigma2), block=mdl.k, lower=True)
             else:
+                eye = mdl.sigma2 * torch.eye(len(chosen) * mdl.k, dtype=torch.float64)
                 self.chol.reset(mdl.block_kernel(chosen, chosen) + eye, block=mdl.k)
             self.chosen = chosen
             self.Y = self._draw(self.m, self.chunk_seed())

@@ -151,7 +151,8 @@ class DenseFactor(_Factor):
     """``L = Φ`` given as a dense ``(d_x, d)`` matrix (an assembled network Jacobian).
 
     ``Φ`` is kept in float32 (``d_x·d`` floats; 328 MB for the CPU-demo U-Net at 128²): every product is a GEMM.
-    :meth:`projected` keeps ``T̄Φ`` of all candidate rows as well (``c̄·d`` floats), so row sets are slices.
+    :meth:`projected_blocks` keeps ``T^β Φ`` of every candidate block it was asked for, so a block is projected
+    once however often a design needs its rows.
     """
 
     def __init__(self, matrix: torch.Tensor, image_shape):
@@ -160,23 +161,38 @@ class DenseFactor(_Factor):
                              f"{tuple(matrix.shape)}")
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
         self.matrix = matrix
-        self._projection: tuple[object, torch.Tensor | None] | None = None
+        # (operator, T Φ buffer (c, d) or None when it does not fit, which of its blocks are filled)
+        self._projection: tuple[object, torch.Tensor | None, torch.Tensor] | None = None
 
-    def projected(self, op, memory_fraction: float = 0.25) -> torch.Tensor | None:
-        """``T Φ`` ``(c, d)`` for the whole candidate operator ``op``, computed once (one sparse × dense product)
-        and kept, so that the rows of any candidate set are a slice instead of a sparse product per call (a design
-        asks for them at every step and every g-prior refresh). ``None`` when ``c·d`` floats would take more than
-        ``memory_fraction`` of the free memory; callers then project the rows they need.
+    def projected_blocks(self, op, blocks, memory_fraction: float = 0.25) -> torch.Tensor | None:
+        """``T_B Φ`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of the operator ``op`` (``k`` rows per angle).
+
+        A design asks for the rows of the same blocks again and again (the chosen angles at every g-prior refresh,
+        each acquired block once more at its step), so each block is projected once — one sparse × dense product
+        for all blocks not yet kept — into a ``(c, d)`` buffer that is filled as blocks are asked for (a design
+        of 40 out of 200 angles projects 40). ``None`` when ``c·d`` floats would take more than
+        ``memory_fraction`` of the free memory; callers then project the rows they need each time.
         """
-        if self._projection is not None and self._projection[0] is op:
-            return self._projection[1]
-        from ctuq.utils import free_memory_bytes
+        if self._projection is None or self._projection[0] is not op:
+            from ctuq.utils import free_memory_bytes
 
-        free = free_memory_bytes(self.device)
-        need = op.c * self.d * self.matrix.element_size()
-        A = (sparse_rows(op) @ self.matrix).to(self.dtype) if free is None or need <= memory_fraction * free else None
-        self._projection = (op, A)
-        return A
+            free = free_memory_bytes(self.device)
+            need = op.c * self.d * self.matrix.element_size()
+            keep = free is None or need <= memory_fraction * free
+            # torch.empty touches no page: only the blocks filled below take memory
+            buf = torch.empty((op.c, self.d), dtype=self.dtype, device=self.device) if keep else None
+            self._projection = (op, buf, torch.zeros(op.n_angles, dtype=torch.bool))
+        _, buf, filled = self._projection
+        if buf is None:
+            return None
+        k = op.c // op.n_angles
+        blocks = torch.as_tensor([int(b) for b in blocks], dtype=torch.long)
+        missing = torch.unique(blocks[~filled[blocks]])
+        if len(missing):
+            rows = (missing[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
+            buf[rows.to(buf.device)] = (sparse_rows(op.subset(missing.tolist())) @ self.matrix).to(self.dtype)
+            filled[missing] = True
+        return buf[(blocks[:, None] * k + torch.arange(k)[None, :]).reshape(-1).to(buf.device)]
 
     def _jvp(self, W):
         return W @ self.matrix.T

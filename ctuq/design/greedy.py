@@ -3,7 +3,8 @@
 Each acquisition step scores every remaining candidate with the criterion, takes the argmax (ties: the lowest
 index), conditions the engine on it and records the step (its time, the criterion values of all candidates, the
 chosen angle). A prior *updater* may then replace the model — the linearised DIP refreshes its g-prior scales
-and ``a`` every few angles, or retrains the network — after which the engine is reset on all chosen angles.
+and ``a`` every few angles, or retrains the network — after which the engine is reset on all chosen angles
+(not after the last acquisition unless asked: it would change no choice).
 
 Resuming: after every step the records are written atomically to ``checkpoint`` with a fingerprint of the
 problem and settings. A rerun with the same fingerprint replays the recorded acquisitions through the engine
@@ -86,7 +87,7 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
                   updater: Callable | None = None, checkpoint: str | Path | None = None,
                   fingerprint: dict | None = None, progress: bool = True,
                   log: Callable[[str], None] | None = None,
-                  on_setup: Callable | None = None) -> DesignResult:
+                  on_setup: Callable | None = None, update_last: bool = False) -> DesignResult:
     """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
 
     Parameters
@@ -108,6 +109,10 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
     on_setup : callable, optional
         ``on_setup(engine)`` right after the engine was conditioned on the pilot (before any replay), e.g. to
         take the std map after the pilot without a second reset.
+    update_last : bool
+        Also call ``updater`` after the last acquisition. It changes no choice of this design (a g-prior refresh
+        after 35 angles is the dearest: its measurement covariance has the most rows), so it is skipped unless
+        the caller uses the engine afterwards (the std map after the design). A resumed longer design replays it.
     """
     if criterion not in CRITERIA:
         raise DesignError(f"design.criterion must be one of {list(CRITERIA)}, got {criterion!r}")
@@ -128,7 +133,7 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
         say(f"resuming the design: replaying {len(steps)} recorded acquisitions")
     for rec in steps:  # replay: same conditioning, same noise streams, stored prior updates
         engine.acquire(rec["candidate"], rec["step"])
-        if updater is not None:
+        if updater is not None and (rec["step"] < n_acquire or update_last):
             new = updater(engine, rec["step"], engine.chosen, True)
             if new is not None:
                 engine.reset(engine.chosen, model=new)
@@ -143,7 +148,7 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
             engine.acquire(beta, step)
             dt = time.perf_counter() - t0
             t1 = time.perf_counter()
-            if updater is not None:
+            if updater is not None and (step < n_acquire or update_last):
                 new = updater(engine, step, engine.chosen, False)
                 if new is not None:
                     engine.reset(engine.chosen, model=new)

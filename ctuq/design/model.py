@@ -125,12 +125,12 @@ class DesignModel:
         return self.c * self.d * 4 <= max_bytes
 
     def projected_rows(self, blocks: Sequence[int]) -> torch.Tensor:
-        """``T_B L`` ``(c_B, d)`` dense (factor dtype): a slice of the kept ``T L`` of all candidates for an
-        assembled Jacobian (:meth:`DenseFactor.projected`), else :func:`project_rows` (sparse products or VJPs)."""
+        """``T_B L`` ``(c_B, d)`` dense (factor dtype): for an assembled Jacobian from the blocks it keeps
+        projected (:meth:`DenseFactor.projected_blocks`), else :func:`project_rows` (sparse products or VJPs)."""
         if isinstance(self.factor, DenseFactor):
-            A = self.factor.projected(self.op)
+            A = self.factor.projected_blocks(self.op, blocks)
             if A is not None:
-                return A[self.rows(blocks).to(A.device)]
+                return A
         return project_rows(self.factor, self.subset(blocks)).to(self.factor.dtype)
 
     def weight_rows(self, blocks: Sequence[int]) -> torch.Tensor:

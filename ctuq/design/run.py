@@ -189,7 +189,7 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     if ds.criterion in CRITERIA:
         result = greedy_design(engine, pilot, ds.acquire, criterion=ds.criterion, angles_deg=cand_deg,
                                jitter=ds.jitter, updater=updater, checkpoint=out / STATE_NAME,
-                               fingerprint=fingerprint, progress=progress, log=_log,
+                               fingerprint=fingerprint, progress=progress, log=_log, update_last=True,
                                on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)))
     else:
         result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
