@@ -10,15 +10,18 @@ and without retraining every 5 angles. Every 5 angles: TV and DIP (warm-started 
 reconstructions, PSNR after a fixed iteration budget and the oracle best over iterations. Mean ± standard error
 over images. The study is :mod:`ctuq.studies.angle_selection`; this script is its command line.
 
-Outputs in ``--out``: results.md / results.json (tables), psnr_<tv|dip>[_oracle].png, study.json, and per image
-img_<i>/ (pilot DIP, per strategy result.json and design checkpoints). A rerun skips finished (image, strategy)
-pairs; more images or strategies may be added to an existing study.
+Outputs in ``--out``: results.md / results.json (tables, with each strategy's paired difference to equidistant
+angles), psnr_<tv|dip>[_oracle].png, study.json, and per image img_<i>/ (pilot DIP, per strategy result.json and
+design checkpoints). A rerun skips finished (image, strategy) pairs; more images or strategies may be added to an
+existing study, and several processes may share the folder with different ``--strategies``: the tables hold
+every finished result in the folder, and ``--report`` rebuilds them without running anything.
 
 Examples::
 
     python scripts/angle_selection.py --out runs/angles                     # the published setting (hours on CPU)
     python scripts/angle_selection.py --tiny --out /tmp/angles               # seconds: CI size
     python scripts/angle_selection.py --images 10 --recon tv --samples 1000 --out runs/angles10
+    python scripts/angle_selection.py --images 10 --recon tv --samples 1000 --out runs/angles10 --report
     python scripts/angle_selection.py --images-file phantoms.npy --orientation-std 5 --out runs/mine
 """
 
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="CI size: 2 images of 24², 20 candidates, pilot 4, 4 "
                                                        "acquired, 64 samples, a few iterations")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--report", action="store_true", help="run nothing: rebuild results.md/json and the figures "
+                   "from the finished results in --out (e.g. after several processes shared the folder)")
     return p
 
 
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = resolve_options(args)
         command = shlex.join(["python", "scripts/angle_selection.py", *(sys.argv[1:] if argv is None else argv)])
-        agg = run_study(opts, Path(args.out), command=command)
+        agg = run_study(opts, Path(args.out), command=command, report_only=args.report)
     except StudyError as exc:
         print(f"angle_selection: {exc}", file=sys.stderr)
         return 2

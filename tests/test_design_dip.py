@@ -158,3 +158,34 @@ def test_study_script_options_and_images_file(tmp_path, capsys):
     tifffile.imwrite(good, np.random.default_rng(0).random((3, 12, 12)).astype(np.float32), photometric="minisblack")
     stack = load_images(dict(DEFAULTS, images=2, images_file=str(good)))
     assert stack.shape == (2, 12, 12) and stack.dtype == np.float32
+
+
+def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_path):
+    """Two processes sharing a study folder with different strategies: each writes the tables of everything
+    finished in it; ``--report`` rebuilds them without running; the paired difference to equidistant is the mean
+    over images of the per-image PSNR differences."""
+    import json
+
+    from ctuq.studies.angle_selection import DEFAULTS, TINY
+    from ctuq.studies.angle_selection_report import run_study
+
+    opts = dict(DEFAULTS, **TINY, recon=["tv"], progress=False, device="cpu", threads=None, tiny=True)
+    out = tmp_path / "study"
+    run_study(dict(opts, strategies=["equidistant"]), out)
+    agg = run_study(dict(opts, strategies=["random"]), out)
+    text = (out / "results.md").read_text()
+    assert "| equidistant (n=2)" in text and "| random (n=2)" in text and "minus equidistant" in text
+    recs = [{s: json.loads((out / f"img_{i:03d}" / s / "result.json").read_text()) for s in ("equidistant", "random")}
+            for i in range(2)]
+    for count in ("4", "6", "8"):
+        d = [r["random"]["recon"][count]["tv"]["psnr"] - r["equidistant"]["recon"][count]["tv"]["psnr"] for r in recs]
+        cell = agg["paired"]["tv"]["psnr"]["random"][int(count)]
+        assert cell["n"] == 2 and cell["mean"] == pytest.approx(np.mean(d), abs=1e-12)
+        assert cell["se"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(2), abs=1e-12)
+    (out / "results.md").unlink()
+    again = run_study(dict(opts, strategies=["random"]), out, report_only=True)
+    assert (out / "results.md").read_text() == text and again["paired"] == agg["paired"]
+    from ctuq.studies import StudyError
+
+    with pytest.raises(StudyError, match="holds no study"):
+        run_study(opts, tmp_path / "empty", report_only=True)

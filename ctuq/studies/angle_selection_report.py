@@ -4,7 +4,10 @@ Outputs in the study folder (``scripts/angle_selection.py``)::
 
     results.md, results.json     PSNR mean ± standard error over images per strategy × angle count, for each
                                  reconstruction (TV, DIP) at the fixed iteration budget and as the oracle best over
-                                 iterations; design timings per strategy
+                                 iterations; the paired difference of each strategy to equidistant angles (same
+                                 images); design timings per strategy. Built from every finished (image, strategy)
+                                 result in the folder, so processes that share a study folder with different
+                                 ``--strategies`` each write the whole table, and ``--report`` rebuilds it
     psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
     study.json                   the options (a rerun with other options that change numbers is refused)
     img_<i>/                     per image: dip_model.pt (pilot DIP), per strategy result.json (+ checkpoints)
@@ -17,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ctuq.studies.angle_selection import NEUTRAL, load_images, run_image
-from ctuq.studies.common import Log, check_study_folder, study_fingerprint
+from ctuq.studies.angle_selection import NEUTRAL, STRATEGIES, load_images, run_image
+from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
 
-__all__ = ["run_study", "aggregate", "markdown_tables", "LABELS"]
+__all__ = ["run_study", "aggregate", "paired_differences", "collect_results", "markdown_tables", "LABELS"]
 
 LABELS = {"equidistant": "equidistant", "equidistant_grid": "equidistant (grid)", "random": "random",
           "isotropic": "isotropic EIG", "matern": "Matérn-½ EIG", "dip_eig": "lin. DIP EIG", "dip_ese": "lin. DIP ESE",
@@ -56,6 +59,55 @@ def aggregate(per_image: list[dict]) -> dict:
     return {"psnr": out, "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
 
 
+def collect_results(out: Path, n_images: int) -> list[dict]:
+    """``[{strategy: result}]`` per image ``0 … n_images − 1``: every finished ``img_<i>/<strategy>/result.json`` in
+    the study folder, whichever process wrote it (strategies in :data:`STRATEGIES` order)."""
+    per_image = []
+    for i in range(n_images):
+        idir = out / f"img_{i:03d}"
+        per_image.append({s: read_json(idir / s / "result.json") for s in STRATEGIES
+                          if (idir / s / "result.json").is_file()})
+    return per_image
+
+
+def paired_differences(per_image: list[dict], reference: str = "equidistant") -> dict:
+    """``{method: {kind: {strategy: {count: {"mean", "se", "n"}}}}}``: PSNR of ``strategy`` minus PSNR of
+    ``reference`` on the same image at the same angle count (dB), mean ± standard error over the images that have
+    both. Pairing removes the image-to-image spread that dominates the unpaired standard errors."""
+    diffs: dict = {}
+    for results in per_image:
+        ref = results.get(reference)
+        if ref is None:
+            continue
+        for strategy, rec in results.items():
+            if strategy == reference:
+                continue
+            for count, methods in rec["recon"].items():
+                for method, m in methods.items():
+                    r = ref["recon"].get(count, {}).get(method)
+                    if r is None:
+                        continue
+                    for kind in ("psnr", "best_psnr"):
+                        if m[kind] is not None and r[kind] is not None:
+                            (diffs.setdefault(method, {}).setdefault(kind, {}).setdefault(strategy, {})
+                             .setdefault(int(count), []).append(m[kind] - r[kind]))
+    return {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
+                    for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in diffs.items()}
+
+
+def _table(rows: dict, signed: bool = False) -> list[str]:
+    counts = sorted({c for r in rows.values() for c in r})
+    lines = ["| strategy | " + " | ".join(str(c) for c in counts) + " |", "|---" * (len(counts) + 1) + "|"]
+    fmt = "{:+.2f}" if signed else "{:.2f}"
+    for s, r in rows.items():
+        cells = []
+        for c in counts:
+            e = r.get(c)
+            cells.append("" if e is None else (fmt.format(e["mean"]) + (f" ± {e['se']:.2f}" if e["se"] else "")))
+        lines.append(f"| {LABELS.get(s, s)} (n={max(e['n'] for e in r.values())}) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_tables(agg: dict, strategies: list[str]) -> str:
     """One table per (reconstruction, fixed/oracle): rows strategies, columns angle counts, ``mean ± se`` dB."""
     parts = []
@@ -63,16 +115,14 @@ def markdown_tables(agg: dict, strategies: list[str]) -> str:
     for method, kinds in agg["psnr"].items():
         for kind in ("psnr", "best_psnr"):
             rows = {s: kinds[kind][s] for s in strategies if s in kinds.get(kind, {})}
-            counts = sorted({c for r in rows.values() for c in r})
             parts.append(f"\n**{method.upper()} — {names[kind]}** (PSNR dB, mean ± s.e. over images)\n")
-            parts.append("| strategy | " + " | ".join(str(c) for c in counts) + " |")
-            parts.append("|---" * (len(counts) + 1) + "|")
-            for s, r in rows.items():
-                cells = []
-                for c in counts:
-                    e = r.get(c)
-                    cells.append("" if e is None else (f"{e['mean']:.2f}" + (f" ± {e['se']:.2f}" if e["se"] else "")))
-                parts.append(f"| {LABELS.get(s, s)} (n={max(e['n'] for e in r.values())}) | " + " | ".join(cells) + " |")
+            parts += _table(rows)
+            paired = agg.get("paired", {}).get(method, {}).get(kind, {})
+            rows = {s: paired[s] for s in strategies if s in paired}
+            if rows:
+                parts.append(f"\n**{method.upper()} — {names[kind]}: minus equidistant on the same image** (dB, "
+                             f"mean ± s.e. of the paired differences)\n")
+                parts += _table(rows, signed=True)
     if agg["timings"]:
         parts.append("\n**design time** (s, mean over images; per step: mean / first 5 / last 5)\n")
         parts.append("| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 | last 5 |")
@@ -99,28 +149,37 @@ def _figures(out: Path, agg: dict, strategies: list[str]) -> None:
             plot_psnr_curves(out / f"psnr_{method}{suffix}.png", curves, title=title)
 
 
-def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "") -> dict:
-    """Every image × strategy (resumable), then ``results.md``/``results.json`` and the figures."""
+def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", report_only: bool = False) -> dict:
+    """Every image × strategy (resumable), then ``results.md``/``results.json`` and the figures from all finished
+    results in ``out`` (also those of other processes sharing the folder). ``report_only``: run nothing, only
+    rebuild those from what the folder holds."""
     import torch
 
-    from ctuq.utils import atomic_write_json, resolve_device
+    from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
     log = log or Log("angle_selection")
+    if report_only and not (out / "study.json").is_file():
+        raise StudyError(f"--report: {out} holds no study (no study.json)")
     out.mkdir(parents=True, exist_ok=True)
     check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=())
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
-    device = resolve_device(opts["device"])
     images = load_images(opts)
-    per_image = []
-    for i, gt in enumerate(images):
-        per_image.append(run_image(i, gt, opts, out, device, log))
-    agg = aggregate(per_image)
-    text = (f"# angle-selection study\n\n`{command}`\n\n{len(images)} images of {images.shape[1]}², "
+    if not report_only:
+        device = resolve_device(opts["device"])
+        for i, gt in enumerate(images):
+            run_image(i, gt, opts, out, device, log)
+    n_images = len(images)
+    per_image = collect_results(out, n_images)
+    present = [s for s in STRATEGIES if any(s in r for r in per_image)]
+    agg = {**aggregate(per_image), "paired": paired_differences(per_image)}
+    text = (f"# angle-selection study\n\n`{command}`\n\n{n_images} images of {images.shape[1]}², "
             f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
-            f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|\n" + markdown_tables(agg, opts["strategies"]))
-    (out / "results.md").write_text(text)
-    atomic_write_json(out / "results.json", {"options": opts, "command": command, **agg})
-    _figures(out, agg, opts["strategies"])
+            f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|; every finished result in the folder "
+            f"(n: images in a row)\n" + markdown_tables(agg, present))
+    with atomic_path(out / "results.md") as tmp:
+        tmp.write_text(text)
+    atomic_write_json(out / "results.json", {"options": opts, "command": command, "strategies": present, **agg})
+    _figures(out, agg, present)
     log(f"wrote {out / 'results.md'}")
     return agg
