@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ctuq.inference import (SOLVER_CHOICES, DenseFeatures, DenseLinearGaussian, GaussianLikelihood,
+from ctuq.inference import (SOLVER_CHOICES, SOLVERS, DenseFeatures, DenseLinearGaussian, GaussianLikelihood,
                             LinearizedFeatures, LinearizedPosterior, resolve_solver)
 from ctuq.linearize import LinearizedNetwork
 from ctuq.metrics import SampleMoments
@@ -149,6 +149,22 @@ def test_solver_registry_is_the_one_vocabulary():
         resolve_solver("magic", feats)
     field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "solver")
     assert tuple(field.metadata["choices"]) == SOLVER_CHOICES
+    # solvers are built in one place from the registry's option lists: every name builds, each gets its options
+    from ctuq.inference import CGSolver, ExactEigSolver, make_solver
+    from ctuq.inference.sdd import SDDSolver
+    from ctuq.inference.sgd import SGDSolver
+
+    built = {n: make_solver(feats, n, rank=5, max_iter=7, seed=3) for n in SOLVERS}
+    assert [type(built[n]) for n in SOLVERS] == [ExactEigSolver, ExactEigSolver, CGSolver, SDDSolver, SGDSolver]
+    assert built["cg"].rank == 5 and built["sdd"].max_iter == built["sgd"].max_iter == 7
+    post = LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="sdd",
+                               solver_options={"rank": 5, "sdd": {"max_iter": 9}}).setup()
+    assert isinstance(post.solver, SDDSolver) and post.solver.max_iter == 9
+    # a misspelt option is refused by name, not silently ignored
+    with pytest.raises(ValueError, match=r"unknown solver option 'rnak'"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver_options={"rnak": 5})
+    with pytest.raises(ValueError, match=r"unknown sgd option\(s\) \['learning_rate'\]"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver_options={"sgd": {"learning_rate": 1}})
 
 
 def test_state_dict_resumes_the_em_exactly(regression, tmp_path):

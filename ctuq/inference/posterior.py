@@ -48,7 +48,7 @@ from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
 from ctuq.inference.preconditioners import LowRankEig
 from ctuq.inference.sampler import PosteriorSamples, _check_y, posterior_mean, sample_chunks
 from ctuq.inference.solvers import (CGSolver, ExactEigSolver, SOLVERS, Solver, SolverCostEstimate, Workload,
-                                    resolve_solver)
+                                    make_solver, resolve_solver)
 
 __all__ = ["LinearizedPosterior", "PRIORS", "GPRIOR_METHODS", "POSTERIOR_STATE_VERSION"]
 
@@ -57,6 +57,21 @@ PRIORS = ("gprior", "isotropic")
 GPRIOR_METHODS = ("exact", "stochastic")
 """How the g-prior's column norms are found: ``c`` VJPs, or ``n`` Rademacher probes (unbiased)."""
 POSTERIOR_STATE_VERSION = 1
+
+
+def _check_solver_options(options: dict) -> None:
+    """Refuse names no solver takes: flat options of the exact solvers and CG, and ``"sdd"``/``"sgd"`` dicts of
+    their own (the vocabulary is each :class:`~ctuq.inference.solvers.SolverSpec`'s ``options``)."""
+    flat = set().union(*(SOLVERS[n].options for n in SOLVERS if n not in ("sdd", "sgd")))
+    for key, value in options.items():
+        if key in ("sdd", "sgd"):
+            bad = sorted(set(dict(value)) - SOLVERS[key].options)
+            if bad:
+                raise ValueError(f"LinearizedPosterior: unknown {key} option(s) {bad}; valid: "
+                                 f"{sorted(SOLVERS[key].options)}")
+        elif key not in flat:
+            raise ValueError(f"LinearizedPosterior: unknown solver option {key!r}; valid: {sorted(flat)} and "
+                             f"'sdd' / 'sgd' dicts")
 
 
 class LinearizedPosterior:
@@ -135,6 +150,7 @@ class LinearizedPosterior:
         self.a, _ = _check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
         self.solver_option = solver
         self.solver_options = dict(solver_options or {})
+        _check_solver_options(self.solver_options)
         self.workload = workload or Workload()
         self.seed = int(seed)
         self._output_map = output_map
@@ -272,44 +288,38 @@ class LinearizedPosterior:
                              chunk_size=64, progress=self.progress)
 
     def _build_solver(self, name: str) -> Solver:
-        opts = self.solver_options
-        if name == "exact_primal":
-            solver = ExactEigSolver(self.features, side="primal", progress=self.progress)
-            solver.decompose()  # dense GEMM + eigh of the d × d Gram matrix: no Jacobian products
-        elif name == "exact_dual":
-            solver = ExactEigSolver(self.features, side="dual", progress=self.progress,
-                                    chunk_size=int(opts.get("chunk_size", 64)))
-            saved = self._pending.get("solver_state")
-            if saved is not None:
-                solver.load_decomposition(saved["eigenvalues"], saved["eigenvectors"])
-            else:
-                solver.decompose()
+        """Construct through :func:`~ctuq.inference.make_solver` (the solver options: flat for exact and CG,
+        nested under ``"sdd"``/``"sgd"`` for the first-order solvers, as :meth:`from_settings` writes them), then
+        decompose, precondition or restore."""
+        opts = dict(self.solver_options)
+        if name in ("sdd", "sgd"):
+            kw = dict(opts.get(name, {}))
+        else:
+            kw = {k: v for k, v in opts.items() if k not in ("sdd", "sgd") and k in SOLVERS[name].options}
+        kw.setdefault("seed", self.seed)
+        saved = self._pending.get("solver_state")
+        if name.startswith("exact"):
+            kw.setdefault("progress", self.progress)
         elif name == "cg":
-            kw = {k: opts[k] for k in ("rank", "oversampling", "rtol", "max_iter", "adaptive_rank", "rank_threshold")
-                  if k in opts}
-            pre: str | LowRankEig = opts.get("preconditioner", "nystrom")
+            kw.setdefault("preconditioner", "nystrom")
             if "solver_state" in self._pending:
-                saved = self._pending["solver_state"]
-                pre = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
-            solver = CGSolver(self.features, preconditioner=pre, seed=self.seed, **kw)
+                kw["preconditioner"] = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
+        solver = make_solver(self.features, name, self.workload, **kw)
+        if name == "exact_dual" and saved is not None:
+            solver.load_decomposition(saved["eigenvalues"], saved["eigenvectors"])
+        elif name.startswith("exact"):
+            solver.decompose()  # primal: dense GEMM + eigh of the d × d Gram ΨᵀΨ, no Jacobian products
+        elif name == "cg":
             solver.build_preconditioner(self.a, self.sigma2)
             eig = solver.low_rank
             if eig is not None and solver.adaptive_rank:
                 self.say(f"adaptive preconditioner: rank {eig.rank} ({eig.n_products} kernel products; cap "
                          f"{solver.rank}, smallest eigenvalue/a {float(eig.eigenvalues[-1]) / self.a:.3g} vs "
                          f"{solver.rank_threshold:g}·σ² = {solver.rank_threshold * self.sigma2:.3g})")
-        elif name in ("sdd", "sgd"):
-            if name == "sdd":
-                from ctuq.inference.sdd import SDDSolver as cls
-            else:
-                from ctuq.inference.sgd import SGDSolver as cls
-            solver = cls(self.features, seed=self.seed, **dict(opts.get(name, {})))
-            saved = self._pending.get("solver_state")
+        else:
             if saved is not None:
                 solver.load_state_dict(saved)
             solver.build()
-        else:  # pragma: no cover - resolve_solver only returns registry names
-            raise ValueError(f"unknown solver {name!r}; valid: {list(SOLVERS)}")
         return solver
 
     def _require_setup(self, what: str) -> None:

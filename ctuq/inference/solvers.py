@@ -831,47 +831,41 @@ def choose_solver(
 
 
 def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workload = Workload(), **options) -> Solver:
-    """A solver for ``features``: ``kind`` ``"exact"``, ``"cg"``, ``"sdd"``, ``"sgd"`` or ``"auto"``
-    (:func:`choose_solver`).
+    """A solver for ``features``, constructed (not yet decomposed or preconditioned): ``kind`` one of
+    :data:`SOLVER_CHOICES` (``"auto"`` by :func:`choose_solver`, ``"exact"`` by :func:`resolve_solver`, or a
+    :data:`SOLVERS` name). The one place solvers are built (:class:`~ctuq.inference.LinearizedPosterior` builds
+    through it too).
 
-    ``options`` go to the chosen solver's constructor (CG: ``preconditioner``, ``rank``, ``oversampling``,
-    ``rtol``, ``max_iter``, ``backend``, ``seed``, ``pivoted_diagonal``, ``adaptive_rank``, ``rank_threshold``,
-    ``initial_rank``; exact: ``chunk_size``, ``memory_budget``, ``progress``, ``side``; SDD:
-    :class:`~ctuq.inference.sdd.SDDSolver`'s; SGD: :class:`~ctuq.inference.sgd.SGDSolver`'s); options of the other
-    solvers are ignored (so ``"auto"`` can be given all), unknown names raise. For ``"auto"``,
+    ``options`` go to the chosen solver's constructor: each :class:`SolverSpec` lists the ones its solver takes
+    (``SOLVERS[name].options``); options of the other solvers are ignored (so ``"auto"`` can be given all), names
+    no solver takes raise. ``side="primal"|"dual"`` with ``kind="exact"`` picks the exact side. For ``"auto"``,
     ``rank``/``oversampling`` given here also enter the cost model.
     """
-    exact_opts = {"chunk_size", "memory_budget", "progress", "side"}
-    cg_opts = {"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend", "seed", "pivoted_diagonal",
-               "adaptive_rank", "rank_threshold", "initial_rank"}
-    sdd_opts = {"step_size", "momentum", "batch_size", "averaging", "max_iter", "rtol", "seed", "lanczos_steps",
-                "lambda_max"}
-    sgd_opts = {"lr", "momentum", "lr_decay", "clip", "check_every", "max_iter", "rtol", "seed", "lanczos_steps",
-                "lambda_max"}
-    unknown = sorted(set(options) - exact_opts - cg_opts - sdd_opts - sgd_opts)
+    known = set().union(*(spec.options for spec in SOLVERS.values()))
+    unknown = sorted(set(options) - known - {"side"})
     if unknown:
-        raise ValueError(f"make_solver: unknown option(s) {unknown}; valid: "
-                         f"{sorted(exact_opts | cg_opts | sdd_opts | sgd_opts)}")
-    if kind == "auto":
-        wl = dataclasses.replace(
-            workload,
-            rank=int(options.get("rank", workload.rank)),
-            oversampling=int(options.get("oversampling", workload.oversampling)),
-        )
-        kind, _ = choose_solver(features, wl)
-    if kind == "exact":
-        return ExactEigSolver(features, **{k: v for k, v in options.items() if k in exact_opts})
-    if kind == "cg":
-        return CGSolver(features, **{k: v for k, v in options.items() if k in cg_opts})
-    if kind == "sdd":
+        raise ValueError(f"make_solver: unknown option(s) {unknown}; valid: {sorted(known | {'side'})}")
+    if kind not in SOLVER_CHOICES:
+        raise ValueError(f"make_solver: kind must be one of {list(SOLVER_CHOICES)}, got {kind!r}")
+    side = options.pop("side", "auto")
+    if kind == "exact" and side in ("primal", "dual"):
+        kind = f"exact_{side}"
+    wl = dataclasses.replace(workload, rank=int(options.get("rank", workload.rank)),
+                             oversampling=int(options.get("oversampling", workload.oversampling)))
+    name, _ = resolve_solver(kind, features, wl)
+    spec = SOLVERS[name]
+    kw = {k: v for k, v in options.items() if k in spec.options}
+    if name in ("exact_primal", "exact_dual"):
+        return ExactEigSolver(features, side=name[len("exact_"):], **kw)
+    if name == "cg":
+        return CGSolver(features, **kw)
+    if name == "sdd":
         from ctuq.inference.sdd import SDDSolver
 
-        return SDDSolver(features, **{k: v for k, v in options.items() if k in sdd_opts})
-    if kind == "sgd":
-        from ctuq.inference.sgd import SGDSolver
+        return SDDSolver(features, **kw)
+    from ctuq.inference.sgd import SGDSolver
 
-        return SGDSolver(features, **{k: v for k, v in options.items() if k in sgd_opts})
-    raise ValueError(f"make_solver: kind must be 'auto', 'exact', 'cg', 'sdd' or 'sgd', got {kind!r}")
+    return SGDSolver(features, **kw)
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -889,28 +883,40 @@ class SolverSpec:
         Assembles ``Ψ`` itself (``d`` JVPs; needs ``c·d`` floats): the exact g-prior then comes free.
     summary : str
         One line for ``--help`` and docs.
+    options : frozenset of str
+        The constructor options of its solver (:func:`make_solver` passes these and drops the others').
     """
 
     name: str
     exact: bool
     assembles_features: bool
     summary: str
+    options: frozenset = frozenset()
+
+
+_EXACT_OPTIONS = frozenset({"chunk_size", "memory_budget", "progress"})
+_FIRST_ORDER_OPTIONS = frozenset({"momentum", "max_iter", "rtol", "seed", "lanczos_steps", "lambda_max"})
 
 
 SOLVERS: dict[str, SolverSpec] = {
     "exact_primal": SolverSpec("exact_primal", True, True,
-                               "assemble Ψ (d JVPs) and eigendecompose the d × d Gram ΨᵀΨ; small networks (d < c)"),
+                               "assemble Ψ (d JVPs) and eigendecompose the d × d Gram ΨᵀΨ; small networks (d < c)",
+                               _EXACT_OPTIONS),
     "exact_dual": SolverSpec("exact_dual", True, False,
-                             "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c"),
+                             "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c", _EXACT_OPTIONS),
     "cg": SolverSpec("cg", False, False,
                      "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner "
-                     "(fixed or adaptive rank)"),
+                     "(fixed or adaptive rank)",
+                     frozenset({"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend", "seed",
+                                "pivoted_diagonal", "adaptive_rank", "rank_threshold", "initial_rank"})),
     "sdd": SolverSpec("sdd", False, False,
                       "stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or "
-                      "coordinate blocks); large c"),
+                      "coordinate blocks); large c",
+                      _FIRST_ORDER_OPTIONS | {"step_size", "batch_size", "averaging"}),
     "sgd": SolverSpec("sgd", False, False,
                       "primal sample-then-optimise: Nesterov gradient descent over the weights, C⁻¹r = "
-                      "(r − Ψz*)/σ²; large c"),
+                      "(r − Ψz*)/σ²; large c",
+                      _FIRST_ORDER_OPTIONS | {"lr", "lr_decay", "clip", "check_every"}),
 }
 """Every solver ctuq has, by option name."""
 
