@@ -218,20 +218,8 @@ class SampledEM:
             gamma = self.solver.gamma(a, s2)
             wnorm = self.solver.weight_norm_sq(y, a, s2)
             rnorm = self.solver.residual_norm_sq(y, a, s2)
-        elif not (self.fixed_probes or self.shard.distributed):
-            k = self.n_samples
-            w0, eps = draw_prior_and_noise(k, self.features, a, s2, self.generator, likelihood=self.likelihood)
-            rhs = torch.cat([y[None], eps - self.features.matvec(w0)], dim=0)
-            V, stats = self.solver.solve(rhs, a, s2)
-            solver_summary = stats.summary()
-            u = V[0].double()
-            psi_zeta = eps.double() - s2 * V[1:].double()
-            gamma = float(psi_zeta.pow(2).sum(1).mean() / s2)
-            # uᵀ(K̄/a)u ≥ 0 exactly; clamp the round-off of the difference.
-            wnorm = max(float(u @ y.double() - s2 * (u @ u)) / a, 0.0)
-            rnorm = float(s2**2 * (u @ u))
         else:
-            gamma, wnorm, rnorm, solver_summary = self._shared_step(a, s2, y)
+            gamma, wnorm, rnorm, solver_summary = self._sampled_step(a, s2, y)
         log_ev = self.solver.log_evidence(y, a, s2) if self.solver.exact else None
         if not wnorm > 0:
             raise FloatingPointError(
@@ -292,8 +280,13 @@ class SampledEM:
             self._probes = (eta_o, psi_xi, idx)
         return self._probes[0], self._probes[1]
 
-    def _shared_step(self, a: float, s2: float, y: torch.Tensor) -> tuple[float, float, float, dict]:
-        """One sampled step with fixed probes and/or across shards: ``(γ̂, ‖w*‖², ‖ỹ − Ψw*‖², solver summary)``."""
+    def _sampled_step(self, a: float, s2: float, y: torch.Tensor) -> tuple[float, float, float, dict]:
+        """One sampled step — fresh or fixed probes, in one process or across shards (one process is a shard that
+        owns every probe and whose reductions are the identity): ``(γ̂, ‖w*‖², ‖ỹ − Ψw*‖², solver summary)``.
+
+        With the posterior-mean solve ``u = C⁻¹ỹ`` and the probe solves ``v_j = C⁻¹(ε_j − Ψw_j)``:
+        ``Ψζ_j = ε_j − σ² v_j`` are the fitted parts of the zero-mean posterior samples, ``γ̂ = Σ_j ‖Ψζ_j‖²/(kσ²)``,
+        ``‖w*‖² = (ỹᵀu − σ²‖u‖²)/a`` and ``‖ỹ − Ψw*‖² = σ⁴‖u‖²``."""
         k, f, sh = self.n_samples, self.features, self.shard
         own = self._own_rows()
         if self.fixed_probes:
