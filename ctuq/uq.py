@@ -215,12 +215,18 @@ def _load_checkpoint(path: Path, fingerprint: dict) -> dict:
     return state
 
 
-def _check_shard_checkpoints(work: Path, shard) -> None:
-    """Refuse to resume a sharded prediction with another number of ranks than the one that wrote it."""
+def _shard_world_sizes(work: Path) -> set[int]:
+    """The rank counts of the per-rank running sums in ``work`` (files named by :data:`MOMENTS_SHARD_PATTERN`)."""
     import re
 
-    other = sorted({int(m.group(2)) for p in work.glob("uq_moments.rank*of*.pt")
-                    if (m := re.fullmatch(r"uq_moments\.rank(\d+)of(\d+)\.pt", p.name))} - {shard.world_size})
+    rx = re.compile(re.escape(MOMENTS_SHARD_PATTERN).replace(r"\{rank\}", r"(\d+)").replace(r"\{world\}", r"(\d+)"))
+    glob = MOMENTS_SHARD_PATTERN.format(rank="*", world="*")
+    return {int(m.group(2)) for p in work.glob(glob) if (m := rx.fullmatch(p.name))}
+
+
+def _check_shard_checkpoints(work: Path, shard) -> None:
+    """Refuse to resume a sharded prediction with another number of ranks than the one that wrote it."""
+    other = sorted(_shard_world_sizes(work) - {shard.world_size})
     if other:
         raise UQCheckpointMismatch(
             f"cannot resume the sharded prediction in {work}: its running sums were written by {other[0]} rank(s), "
