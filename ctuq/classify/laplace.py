@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -195,12 +196,19 @@ class LinearizedLaplace(PredictiveMixin):
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
         self._root = root = SoftmaxHessianRoot(torch.softmax(logits.double(), 1), self.hessian_root)
+        # A network's fit can take minutes (every product runs over all n training inputs): say what runs.
+        t0 = time.perf_counter()
         base, sq_norms = self._features(X, dense=self.solver in EXACT_SOLVERS)
+        self.say(f"features Ψ₀ ({n * C} × {self.n_params}, "
+                 f"{'assembled' if sq_norms is not None else 'Jacobian products'}): {time.perf_counter() - t0:.1f} s")
         if self.scales is None:  # else restored from a state
+            t0 = time.perf_counter()
             self.scales = prior_scales(self.prior, base=base, model=self._model, X=X, names=self.param_names,
                                        root=root, n_params=self.n_params, sq_norms=sq_norms,
                                        gprior_method=self.gprior_method, gprior_probes=self.gprior_probes,
                                        seed=self.seed, chunk_size=self.jacobian_chunk, progress=self.progress)
+            self.say(f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
+                     f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): {time.perf_counter() - t0:.1f} s")
         self._mode_finder = LinearMode(self._net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
         targets = self._refresh_mode(a, self._mode_w)
@@ -225,7 +233,10 @@ class LinearizedLaplace(PredictiveMixin):
     def _refresh_mode(self, a: float, w0: torch.Tensor | None = None) -> torch.Tensor:
         """Mode at ``a`` (warm start) and the pseudo-targets ``ỹ = Ψ w* + ρ`` ``(n·C,)`` float64."""
         start = w0 if w0 is not None else (self._mode.w if self._mode is not None else None)
+        t0 = time.perf_counter()
         self._mode = mode = self._mode_finder.fit(a, start)
+        self.say(f"mode of the linearised model at a = {a:.4g}: {mode.evaluations} L-BFGS evaluations (a JVP and a "
+                 f"VJP each), ‖∇‖ {mode.grad_norm:.2e}, {time.perf_counter() - t0:.1f} s")
         self._rho = self._root.residual_targets(self._labels, mode.probs)
         eta = self._mode_finder._jvp(mode.w)  # J (s ⊙ w*), flat
         return self._root.apply_transpose(eta[None])[0] + self._rho

@@ -272,6 +272,8 @@ class LinearizedPosterior:
         t0 = time.perf_counter()
         self.solver = self._build_solver(name)
         self.timings["solver_setup"] = time.perf_counter() - t0
+        self.say(f"solver {name} set up (decomposition, preconditioner or step sizes): "
+                 f"{self.timings['solver_setup']:.1f} s")
         hook("solver")
         return self
 
