@@ -19,6 +19,8 @@ precisions, symmetrised KL between the two MC predictives). Prints markdown tabl
 
     python scripts/benchmark_classification.py                       # everything (long on 2 CPU cores)
     python scripts/benchmark_classification.py --datasets digits --models mlp
+    python scripts/benchmark_classification.py --datasets mnist1d --models cnn --exact none --no-laplace-torch \
+        --dtype float32 --dense-features always           # the CNN through an assembled Ψ₀ (5.4 GB)
     python scripts/benchmark_classification.py --datasets digits --models mlp --exact none --no-laplace-torch \
         --a-multiples 1 3 10 30 100 1000 [--weight-decay 10]     # evidence optimum vs predictive optimum
 """
@@ -75,7 +77,9 @@ def run_map(model, d, shifts):
 def run_ctuq(model, d, shifts, args, exact: bool):
     t0 = time.perf_counter()
     la = LinearizedLaplace(model, prior="gprior", solver="exact" if exact else "cg", seed=args.seed,
-                           solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank})
+                           solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
+                           dtype=getattr(torch, args.dtype), dense_features=args.dense_features,
+                           log=lambda m: print(f"    {m}", flush=True))
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
     print(f"  ctuq {'exact' if exact else 'sampled'}: fit (linearisation, g-prior, solver set-up) {t_fit:.1f} s",
@@ -221,6 +225,10 @@ def main(argv=None):
     ap.add_argument("--laplace-torch", dest="lt", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--lt-timeout", type=float, default=600.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="precision of ctuq's posterior")
+    ap.add_argument("--dense-features", choices=["auto", "always", "never"], default="auto",
+                    help="ctuq: assemble Ψ₀ from per-example Jacobians for every solver (always; then CG's products "
+                         "are GEMMs), only for the exact EM (auto), or never")
     ap.add_argument("--weight-decay", type=float, default=0.0,
                     help="MAP training: weight_decay/2 ‖v‖²/n added to the mean cross-entropy (default 0)")
     ap.add_argument("--a-multiples", type=float, nargs="*", default=[],

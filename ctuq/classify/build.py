@@ -2,9 +2,10 @@
 ``Ψ₀ = blockdiag(L_iᵀ) J`` and the prior scales ``s``.
 
 * Features: a :class:`~ctuq.inference.LinearizedFeatures` of the network on all training inputs with the output
-  map ``Lᵀ`` (adjoint ``L``) per example — Jacobian products, for CG and the first-order solvers — or, for the exact
-  solvers, ``Ψ₀`` assembled densely from per-example Jacobians (:mod:`ctuq.classify.jacobians`) when twice its
-  ``n·C·d`` float64 numbers fit the dense budget (:func:`~ctuq.inference.dense_features_fit`).
+  map ``Lᵀ`` (adjoint ``L``) per example — Jacobian products over all ``n`` inputs per product — or ``Ψ₀``
+  assembled densely from per-example Jacobians (:mod:`ctuq.classify.jacobians`; ``C`` backward passes over the
+  data), after which every product is a GEMM: for the exact solvers when twice its ``n·C·d`` float64 numbers fit
+  the dense budget (:func:`~ctuq.inference.dense_features_fit`), for any solver with ``dense_features="always"``.
 * Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
   passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
   ``Ψ₀ᵀ``, :func:`ctuq.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get ``s_j = 0``.
@@ -26,8 +27,11 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
                       progress: bool = False) -> tuple[FeatureOperator, torch.Tensor | None]:
     """``(Ψ₀, squared column norms or None)``: dense from per-example Jacobians, or through ``net``'s products."""
     if dense:
-        P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress)
-        return DenseFeatures(P0.to(dtype)), P0.pow(2).sum(0)
+        P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
+        sq = torch.zeros(P0.shape[1], dtype=torch.float64)
+        for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
+            sq += P0[lo:lo + 4096].double().pow(2).sum(0)
+        return DenseFeatures(P0), sq
     ones = torch.ones(net.d, dtype=dtype)
     return LinearizedFeatures(net, ones, output_map=root.apply_transpose, output_adjoint=root.apply,
                               n_outputs=net.d_out), None

@@ -62,9 +62,17 @@ def ggn_diagonal(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: 
 
 
 def assemble_whitened_jacobian(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: SoftmaxHessianRoot,
-                               *, chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
-    """Dense ``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` float64 (row ``i·C + k``: class ``k`` of example ``i``)."""
-    rows = []
+                               *, chunk_size: int = 32, progress: bool = False,
+                               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dense ``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` in ``dtype`` (row ``i·C + k``: class ``k`` of example ``i``),
+    written chunk by chunk into one tensor (no second copy: ``n·C·d`` numbers in all, 5.4 GB in float32 for
+    MNIST-1D's 40,000 logits × 33,930 CNN weights). The whitening runs in float64 per chunk."""
+    out = None
     for start, J in example_jacobians(model, X, names, chunk_size=chunk_size, progress=progress):
-        rows.append(root.transpose_blocks(J.double(), start).reshape(-1, J.shape[2]))
-    return torch.cat(rows)
+        rows = root.transpose_blocks(J.double(), start).reshape(-1, J.shape[2])
+        if out is None:
+            out = torch.empty((X.shape[0] * J.shape[1], J.shape[2]), dtype=dtype)
+        lo = start * J.shape[1]
+        out[lo:lo + rows.shape[0]] = rows
+    assert out is not None
+    return out

@@ -29,11 +29,9 @@ import torch
 from ctuq.design.factors import DenseFactor
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
+from ctuq.inference import DENSE_CHOICES  # design.dense: by cost and memory, always, never
 
 __all__ = ["DIPPrior", "DENSE_CHOICES", "count_conv_weights"]
-
-DENSE_CHOICES = ("auto", "always", "never")
-"""Whether the DIP Jacobian is assembled (``design.dense``): by cost and memory, always, never."""
 
 
 def count_conv_weights(model) -> int:

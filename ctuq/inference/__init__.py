@@ -53,6 +53,7 @@ from ctuq.inference.features import (
 )
 from ctuq.inference.kernel import (
     KernelOperator,
+    DENSE_CHOICES,
     assemble_features,
     assemble_kernel,
     kernel_diagonal,
@@ -107,7 +108,7 @@ __all__ = [
     "StackedFeatures", "stack_features",
     "SOLVERS", "SOLVER_CHOICES", "PRECONDITIONERS", "SolverSpec", "resolve_solver", "dense_memory_budget",
     "dense_features_fit",
-    "KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
+    "KernelOperator", "measurement_covariance", "assemble_features", "DENSE_CHOICES", "assemble_kernel", "kernel_diagonal",
     "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
     "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",
     "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",

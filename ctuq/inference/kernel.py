@@ -19,7 +19,12 @@ from ctuq.inference.features import DenseFeatures, FeatureOperator
 from ctuq.priors import column_sq_norms
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal"]
+__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
+           "DENSE_CHOICES"]
+
+DENSE_CHOICES = ("auto", "always", "never")
+"""Whether a front end assembles its Jacobian densely (then every product is a GEMM): by its own cost and memory
+rule, always (when it fits memory), never (``design.dense``, ``LinearizedLaplace(dense_features=...)``)."""
 
 
 class KernelOperator(LinearOperator):
