@@ -28,6 +28,7 @@ precisions, symmetrised KL between the two MC predictives). Prints markdown tabl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -286,6 +287,8 @@ def main(argv=None):
                             "em_steps_exact": exact[0]["em_steps"]}
                 print(f"  ctuq exact EM: {exact[0]['time_s']:.1f} s, a = {exact[0]['a']:.4g}; fidelity {fidelity}",
                       flush=True)
+            la_s = la_e = mc_s = mc_e = None  # free ctuq's posterior (an assembled Ψ₀ takes GBs) before laplace-torch
+            gc.collect()
             if have_lt:
                 state = {k: v.clone() for k, v in model.state_dict().items()}
                 args.model_kind, args.dataset_name = kind, ds
