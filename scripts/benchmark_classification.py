@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctuq.classify import LinearizedLaplace  # noqa: E402
+from ctuq.inference import DENSE_CHOICES  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
 from ctuq.studies.classification import (DATASETS, MODELS, SHIFTS, count_parameters, load_dataset,  # noqa: E402
                                          make_model, metric_row, shifted_inputs, train_map)
@@ -227,7 +228,7 @@ def main(argv=None):
     ap.add_argument("--lt-timeout", type=float, default=600.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="precision of ctuq's posterior")
-    ap.add_argument("--dense-features", choices=["auto", "always", "never"], default="auto",
+    ap.add_argument("--dense-features", choices=DENSE_CHOICES, default="auto",
                     help="ctuq: assemble Ψ₀ from per-example Jacobians for every solver (always; then CG's products "
                          "are GEMMs), only for the exact EM (auto), or never")
     ap.add_argument("--weight-decay", type=float, default=0.0,

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 __all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "kernel_apply", "project_rows", "sparse_rows",
-           "matern_matrix"]
+           "matern_matrix", "block_rows"]
+
+
+def block_rows(blocks, k: int) -> torch.Tensor:
+    """Flat row indices ``(len(blocks)·k,)`` of candidate ``blocks`` (angle-major, ``k`` rows each), in that order."""
+    b = torch.as_tensor([int(x) for x in blocks], dtype=torch.long)
+    return (b[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
 
 
 class _Factor:
@@ -187,12 +193,11 @@ class DenseFactor(_Factor):
             return None
         k = op.c // op.n_angles
         blocks = torch.as_tensor([int(b) for b in blocks], dtype=torch.long)
-        missing = torch.unique(blocks[~filled[blocks]])
-        if len(missing):
-            rows = (missing[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
-            buf[rows.to(buf.device)] = (sparse_rows(op.subset(missing.tolist())) @ self.matrix).to(self.dtype)
+        missing = torch.unique(blocks[~filled[blocks]]).tolist()
+        if missing:
+            buf[block_rows(missing, k).to(buf.device)] = project_rows(self, op.subset(missing))
             filled[missing] = True
-        return buf[(blocks[:, None] * k + torch.arange(k)[None, :]).reshape(-1).to(buf.device)]
+        return buf[block_rows(blocks, k).to(buf.device)]
 
     def _jvp(self, W):
         return W @ self.matrix.T

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, kernel_apply, project_rows
+from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, block_rows, kernel_apply, project_rows
 from ctuq.inference import LinearizedFeatures
 
 __all__ = ["DesignModel"]
@@ -84,8 +84,7 @@ class DesignModel:
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
         """Flat row indices of candidate ``blocks`` (in that order)."""
-        b = torch.as_tensor(list(blocks), dtype=torch.long)
-        return (b[:, None] * self.k + torch.arange(self.k)[None, :]).reshape(-1)
+        return block_rows(blocks, self.k)
 
     def subset(self, blocks: Sequence[int]):
         """``T_B`` for candidate ``blocks`` (cached for the last few sets: a step reuses the chosen set's)."""

@@ -293,19 +293,14 @@ class LinearizedPosterior:
         """Construct through :func:`~ctuq.inference.make_solver` (the solver options: flat for exact and CG,
         nested under ``"sdd"``/``"sgd"`` for the first-order solvers, as :meth:`from_settings` writes them), then
         decompose, precondition or restore."""
-        opts = dict(self.solver_options)
-        if name in ("sdd", "sgd"):
-            kw = dict(opts.get(name, {}))
-        else:
-            kw = {k: v for k, v in opts.items() if k not in ("sdd", "sgd") and k in SOLVERS[name].options}
-        kw.setdefault("seed", self.seed)
+        opts = self.solver_options
+        kw = dict(opts.get(name, {})) if name in ("sdd", "sgd") else \
+            {k: v for k, v in opts.items() if k not in ("sdd", "sgd")}
+        kw.setdefault("seed", self.seed)  # make_solver passes each solver only the options it takes
+        kw.setdefault("progress", self.progress)
         saved = self._pending.get("solver_state")
-        if name.startswith("exact"):
-            kw.setdefault("progress", self.progress)
-        elif name == "cg":
-            kw.setdefault("preconditioner", "nystrom")
-            if "solver_state" in self._pending:
-                kw["preconditioner"] = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
+        if name == "cg" and "solver_state" in self._pending:  # a restored preconditioner (or none) instead of a new one
+            kw["preconditioner"] = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
         solver = make_solver(self.features, name, self.workload, **kw)
         if name == "exact_dual" and saved is not None:
             solver.load_decomposition(saved["eigenvalues"], saved["eigenvectors"])

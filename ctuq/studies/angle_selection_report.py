@@ -37,6 +37,12 @@ def _mean_se(values: list[float]) -> tuple[float, float | None, int]:
     return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else None), int(v.size)
 
 
+def _summarise(table: dict) -> dict:
+    """``{method: {kind: {strategy: {count: [values]}}}}`` → the same with ``{"mean", "se", "n"}`` per cell."""
+    return {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
+                    for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in table.items()}
+
+
 def aggregate(per_image: list[dict]) -> dict:
     """``{method: {kind: {strategy: {count: {"mean", "se", "n"}}}}}`` with kind ``psnr`` / ``best_psnr``, and
     ``timings[strategy]`` (means over images of the design's timings)."""
@@ -54,9 +60,7 @@ def aggregate(per_image: list[dict]) -> dict:
                         "step_s_last5"):
                 if key in t:
                     timings.setdefault(strategy, {}).setdefault(key, []).append(t[key])
-    out = {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
-                   for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in table.items()}
-    return {"psnr": out, "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
+    return {"psnr": _summarise(table), "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
 
 
 def collect_results(out: Path, n_images: int) -> list[dict]:
@@ -91,8 +95,7 @@ def paired_differences(per_image: list[dict], reference: str = "equidistant") ->
                         if m[kind] is not None and r[kind] is not None:
                             (diffs.setdefault(method, {}).setdefault(kind, {}).setdefault(strategy, {})
                              .setdefault(int(count), []).append(m[kind] - r[kind]))
-    return {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
-                    for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in diffs.items()}
+    return _summarise(diffs)
 
 
 def _table(rows: dict, signed: bool = False) -> list[str]:
