@@ -33,7 +33,7 @@ from ctuq.design.engine import ROUTES
 from ctuq.design.greedy import STRATEGIES
 from ctuq.design.priors import PRIOR_KINDS, PRIOR_SCALES
 from ctuq.inference import GPRIOR_METHODS, PRECONDITIONERS, PRIORS, SOLVER_CHOICES
-from ctuq.inference import EM_STOP_RULES, LR_DECAYS, SDD_DEFAULTS, SGD_DEFAULTS
+from ctuq.inference import EM_STOP_RULES, EM_UPDATES, LR_DECAYS, SDD_DEFAULTS, SGD_DEFAULTS
 from ctuq.models.unet import PRESETS
 from ctuq.operators import BACKENDS
 from ctuq.operators.fbp import FILTER_TYPES
@@ -216,6 +216,8 @@ class UQConfig:
     em_tol: float = option(1e-2, ge=0.0, help="stop the EM when a changes by less than this (relative)")
     em_stop_on: str = option("a", choices=EM_STOP_RULES,
                              help="EM convergence: a alone, or a and σ² (both below em_tol)")
+    em_update: str = option("mackay", choices=EM_UPDATES,
+                            help="EM update of a: MacKay's, or damped where it oscillates (secant in log a)")
     em_fixed_probes: Optional[bool] = option(None, help="EM probes drawn once and rescaled to each (a, σ²), with "
                                                         "warm starts; null: on for sdd/sgd, off otherwise")
     memory_budget_gb: Optional[float] = option(None, gt=0.0,

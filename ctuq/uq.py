@@ -198,7 +198,7 @@ def _fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: UQ
 
 _LATER_KEYS = ("adaptive_rank", "rank_threshold", "sdd_step", "sdd_momentum", "sdd_batch", "sdd_iterations",
                "sgd_lr", "sgd_momentum", "sgd_lr_decay", "sgd_clip", "sgd_iterations", "first_order_tol",
-               "em_stop_on", "em_fixed_probes")
+               "em_stop_on", "em_fixed_probes", "em_update")
 
 
 def _load_checkpoint(path: Path, fingerprint: dict) -> dict:
@@ -411,7 +411,7 @@ def run_linearized_uq(
     try:
         em_result = posterior.fit(max_steps=settings.em_steps, n_samples=settings.em_samples, tol=settings.em_tol,
                                   callback=after_step, fixed_probes=settings.em_fixed_probes,
-                                  stop_on=settings.em_stop_on)
+                                  stop_on=settings.em_stop_on, update=settings.em_update)
     finally:
         bar.close()
     spent("em")

@@ -267,10 +267,19 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
         la = _fit(tiny, dense_features=dense, **kw)
         la.optimize_prior("sampled_em", max_steps=3, n_samples=16, tol=0.0)
         runs[dense] = (la, [r["a_new"] for r in la.em_trace], la.predict(tiny["Xt"], link="mc", samples=64, seed=2))
-    from ctuq.inference import DenseFeatures, LinearizedFeatures
+    from ctuq.classify.jacobians import DenseJacobian
+    from ctuq.inference import DenseFeatures
+    from ctuq.linearize import LinearizedNetwork
 
-    assert isinstance(runs["always"][0].posterior.base, DenseFeatures)
-    assert isinstance(runs["never"][0].posterior.base, LinearizedFeatures)
+    # the iterative route keeps J itself (Ψ₀ = blockdiag(Lᵀ) J per product), which the mode finder needs too
+    assert isinstance(runs["always"][0].posterior.base.network, DenseJacobian)
+    assert runs["always"][0]._mode_finder.net is runs["always"][0].posterior.base.network
+    assert isinstance(runs["never"][0].posterior.base.network, LinearizedNetwork)
+    # an exact EM after the iterative one whitens the held J instead of computing Jacobians again
+    la = runs["always"][0]
+    la.optimize_prior("exact", max_steps=1)
+    torch.testing.assert_close(la.posterior.base.matrix, runs["never"][0].posterior.base.to_dense(), rtol=1e-9,
+                               atol=1e-12)
     np.testing.assert_allclose(runs["always"][1], runs["never"][1], rtol=1e-6)
     torch.testing.assert_close(runs["always"][2], runs["never"][2], rtol=1e-6, atol=1e-9)
     import ctuq.classify.laplace as lap

@@ -84,6 +84,31 @@ def test_last_layer_and_named_subsets(cnn_data):
         LinearizedLaplace(model, weights=["head.wieght"])
 
 
+def test_auto_features_are_assembled_for_weight_sharing_networks_only(cnn_data):
+    """``dense_features="auto"`` with an iterative solver: ``Ψ₀`` assembled when a forward pass costs ``≥ 2·C·d`` flops
+    per example (the CNN: every filter weight used at every position), Jacobian products for an MLP (each weight
+    used once); counting the flops runs the copy in eval mode, leaving a train-mode model's batch-norm statistics
+    and modes as they were."""
+    from ctuq.classify.build import assembly_pays, forward_flops_per_example
+    from ctuq.classify.jacobians import DenseJacobian
+    from ctuq.linearize import LinearizedNetwork
+
+    X, y, _, _ = cnn_data
+    assert forward_flops_per_example(nn.Linear(4, 3), torch.randn(5, 4)) == 2 * 4 * 3  # one multiply-add per weight
+    cnn = SmallCNN("batch").train()
+    before = {k: v.clone() for k, v in cnn.state_dict().items()}
+    flops = forward_flops_per_example(cnn, X)
+    assert cnn.training and all(torch.equal(before[k], v) for k, v in cnn.state_dict().items())
+    d = sum(p.numel() for p in cnn.parameters())
+    assert flops > 2 * 3 * d and assembly_pays(flops, 3, d) and not assembly_pays(2.0 * d, 3, d)
+    said = []
+    la = LinearizedLaplace(cnn, solver="cg", solver_options={"rank": 5}, log=said.append).fit(_loader(X, y))
+    assert isinstance(la.posterior.base.network, DenseJacobian) and any("Ψ₀ assembled" in m for m in said)
+    mlp = nn.Sequential(nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3))
+    la = LinearizedLaplace(mlp, solver="cg", solver_options={"rank": 5}).fit(_loader(X.flatten(1), y))
+    assert isinstance(la.posterior.base.network, LinearizedNetwork)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.fixture(scope="module")
 def mlp():

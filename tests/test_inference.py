@@ -454,6 +454,34 @@ def test_exact_em_reaches_the_exact_fixed_point(learn_noise):
     assert all(b >= a - 1e-9 for a, b in zip(evs, evs[1:]))
 
 
+def test_damped_em_update_takes_the_secant_root_and_keeps_the_fixed_point():
+    """``update="damped"``: for an oscillating map that is affine in ``log a`` (slope ``κ = −0.6``) the secant step
+    from two MacKay evaluations lands on the fixed point exactly; a monotone map (``κ > 0``) gets MacKay's step; and
+    exact-γ EM reaches the same fixed point as MacKay's update (to 1e-9), with both values in each record."""
+    Psi, y = _problem(c=30, d=60)
+    feats = DenseFeatures(Psi)
+    ex = ExactEigSolver(feats)
+    em = SampledEM(feats, ex, y, a=1.0, sigma2=0.25, update="damped")
+    for kappa in (-0.6, 0.4):
+        T = lambda x: 5.0 + kappa * (x - 5.0)  # noqa: E731 - the map x = log a ↦ log(γ/‖w*‖²)
+        em.trace = [{"a": math.exp(0.0), "a_mackay": math.exp(T(0.0))}]
+        x1 = T(0.0)
+        a_new, omega = em._damped(math.exp(x1), math.exp(T(x1)))
+        if kappa < 0:
+            assert math.log(a_new) == pytest.approx(5.0, abs=1e-12) and omega == pytest.approx(1 / 1.6)
+        else:
+            assert (a_new, omega) == (pytest.approx(math.exp(T(x1))), 1.0)
+    results = {}
+    for update in ("mackay", "damped"):
+        em = SampledEM(feats, ex, y, a=1.0, sigma2=0.25, max_steps=1000, tol=1e-12, update=update)
+        results[update] = em.run()
+        assert all(r["a_mackay"] == pytest.approx(r["gamma"] / r["weight_norm_sq"], rel=1e-12) for r in em.trace)
+    assert results["damped"].a == pytest.approx(results["mackay"].a, rel=1e-9)
+    assert results["damped"].converged and len(results["damped"].trace) <= len(results["mackay"].trace)
+    with pytest.raises(ValueError, match=r"update must be one of \['mackay', 'damped'\]"):
+        SampledEM(feats, ex, y, update="newton")
+
+
 def test_sampled_em_converges_to_exact_fixed_point():
     Psi, y = _problem(c=30, d=60)
     ref = DenseLinearGaussian(Psi, y)

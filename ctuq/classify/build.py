@@ -5,7 +5,9 @@
   map ``Lᵀ`` (adjoint ``L``) per example — Jacobian products over all ``n`` inputs per product — or ``Ψ₀``
   assembled densely from per-example Jacobians (:mod:`ctuq.classify.jacobians`; ``C`` backward passes over the
   data), after which every product is a GEMM: for the exact solvers when twice its ``n·C·d`` float64 numbers fit
-  the dense budget (:func:`~ctuq.inference.dense_features_fit`), for any solver with ``dense_features="always"``.
+  the dense budget (:func:`~ctuq.inference.dense_features_fit`); for the iterative solvers when one copy fits and
+  a product over the data costs more than a GEMM with ``Ψ₀`` (:func:`assembly_pays`: weight sharing, as in a
+  CNN); for any solver with ``dense_features="always"``.
 * Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
   passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
   ``Ψ₀ᵀ``, :func:`ctuq.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get ``s_j = 0``.
@@ -16,25 +18,87 @@ from __future__ import annotations
 import torch
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
-from ctuq.classify.jacobians import assemble_whitened_jacobian, ggn_diagonal
+from ctuq.classify.jacobians import DenseJacobian, assemble_jacobian, assemble_whitened_jacobian, ggn_diagonal
 from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
 
-__all__ = ["whitened_features", "prior_scales"]
+__all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays",
+           "whitened_matrix"]
+
+
+def forward_flops_per_example(model, X: torch.Tensor, batch: int = 64) -> float:
+    """Floating-point operations of one forward pass per example (matrix products and convolutions, as counted by
+    :class:`torch.utils.flop_counter.FlopCounterMode` on the first ``batch`` rows of ``X`` ``(n, ...)``, in eval
+    mode; the model's modes and buffers are left as they were); ``0.0`` when its operations cannot be counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ctuq.linearize import _eval_mode
+
+    Xb = X[:batch]
+    if Xb.shape[0] == 0:
+        return 0.0
+    try:
+        # eval mode, as linearised: a training-mode pass would update batch-norm running statistics
+        with torch.no_grad(), _eval_mode(model), FlopCounterMode(display=False) as counter:
+            model(Xb)
+    except Exception:  # an op the counter does not know: fall back to products (the conservative route)
+        return 0.0
+    return float(counter.get_total_flops()) / Xb.shape[0]
+
+
+def assembly_pays(flops_per_example: float, n_classes: int, n_params: int) -> bool:
+    """Whether assembling ``Ψ₀`` pays for an iterative solver: a forward pass of ``F`` flops per example against
+    ``2·C·d``.
+
+    A JVP/VJP pair over the data costs about ``3F`` flops per example, the GEMM pair with ``Ψ₀`` ``4·C·d``, so
+    GEMMs win per product when ``F > 4/3·C·d``; with ``F ≥ 2·C·d`` the assembly (``C`` backward passes, about
+    ``3·C·F`` per example) is repaid after ``2C`` product pairs, and an iterative solver runs hundreds (the rank of
+    its preconditioner alone). An MLP uses each weight once (``F = 2d < 2·C·d``): products; a CNN uses each
+    filter weight at every position (``F ≫ C·d`` on images): assembled.
+    """
+    return flops_per_example >= 2.0 * n_classes * n_params
 
 
 def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRoot, *, dense: bool,
-                      dtype: torch.dtype, chunk_size: int = 32,
-                      progress: bool = False) -> tuple[FeatureOperator, torch.Tensor | None]:
-    """``(Ψ₀, squared column norms or None)``: dense from per-example Jacobians, or through ``net``'s products."""
+                      dtype: torch.dtype, chunk_size: int = 32, keep_jacobian: bool = False,
+                      progress: bool = False) -> tuple[FeatureOperator, torch.Tensor | None, object]:
+    """``(Ψ₀, squared column norms or None, the network of the mode finder)``.
+
+    ``dense`` and not ``keep_jacobian`` (the exact solvers): ``Ψ₀`` assembled as a matrix, products through
+    ``net``. ``dense`` and ``keep_jacobian`` (the iterative solvers): ``J`` assembled (:class:`DenseJacobian`), and
+    both ``Ψ₀ = blockdiag(L_iᵀ) J`` and the mode finder multiply by it. Otherwise: products through ``net``.
+    """
+    if dense and keep_jacobian:
+        jac = DenseJacobian(assemble_jacobian(model, X, names, chunk_size=chunk_size, progress=progress,
+                                              dtype=dtype), net)
+        C = jac.d_out // X.shape[0]
+        sq = torch.zeros(jac.d, dtype=torch.float64)
+        step = max(1, 4096 // C)
+        for start in range(0, X.shape[0], step):  # float64 column norms of Ψ₀, a chunk of examples at a time
+            J = jac.matrix[start * C:(start + step) * C].double().reshape(-1, C, jac.d)
+            sq += root.transpose_blocks(J, start).pow(2).sum((0, 1))
+        features = LinearizedFeatures(jac, torch.ones(jac.d, dtype=dtype), output_map=root.apply_transpose,
+                                      output_adjoint=root.apply, n_outputs=jac.d_out)
+        return features, sq, jac
     if dense:
         P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
         sq = torch.zeros(P0.shape[1], dtype=torch.float64)
         for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
             sq += P0[lo:lo + 4096].double().pow(2).sum(0)
-        return DenseFeatures(P0), sq
+        return DenseFeatures(P0), sq, net
     ones = torch.ones(net.d, dtype=dtype)
     return LinearizedFeatures(net, ones, output_map=root.apply_transpose, output_adjoint=root.apply,
-                              n_outputs=net.d_out), None
+                              n_outputs=net.d_out), None, net
+
+
+def whitened_matrix(jac: DenseJacobian, root: SoftmaxHessianRoot) -> torch.Tensor:
+    """``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` from an assembled Jacobian (no Jacobian products), in ``J``'s dtype."""
+    C = root.C
+    out = torch.empty_like(jac.matrix)
+    step = max(1, 4096 // C)
+    for start in range(0, root.n, step):
+        J = jac.matrix[start * C:(start + step) * C].double().reshape(-1, C, jac.d)
+        out[start * C:start * C + J.shape[0] * C] = root.transpose_blocks(J, start).reshape(-1, jac.d)
+    return out
 
 
 def prior_scales(prior, *, base: FeatureOperator, model, X: torch.Tensor, names, root: SoftmaxHessianRoot,

@@ -6,7 +6,8 @@ g-prior of :func:`ctuq.priors.gprior_scales`). A classifier's rows are independe
 norm uses running statistics), so the same numbers come from ``n`` single-example Jacobians ``J_i`` (``C × d``,
 ``C`` VJPs each, batched with ``torch.func.vmap`` over examples): ``‖Ψ₀[:, j]‖² = Σ_i ‖(L_iᵀ J_i)[:, j]‖²`` — the
 diagonal of the GGN ``Σ_i J_iᵀ B_i J_i`` — at the cost of ``C`` backward passes over the data instead of ``n·C``.
-The same rows assemble ``Ψ₀`` densely for the exact solvers.
+The same rows assemble ``Ψ₀`` densely for the exact solvers, and ``J`` itself (:class:`DenseJacobian`) for the
+iterative solvers and the mode finder.
 
 Memory: one chunk holds ``chunk_size · C · d`` numbers.
 """
@@ -21,7 +22,7 @@ from torch import nn
 from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.utils import progress as _progress
 
-__all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian"]
+__all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian", "assemble_jacobian", "DenseJacobian"]
 
 
 def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32,
@@ -67,12 +68,70 @@ def assemble_whitened_jacobian(model: nn.Module, X: torch.Tensor, names: Sequenc
     """Dense ``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` in ``dtype`` (row ``i·C + k``: class ``k`` of example ``i``),
     written chunk by chunk into one tensor (no second copy: ``n·C·d`` numbers in all, 5.4 GB in float32 for
     MNIST-1D's 40,000 logits × 33,930 CNN weights). The whitening runs in float64 per chunk."""
+    return _assemble(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
+
+
+def assemble_jacobian(model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32,
+                      progress: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dense logit Jacobian ``J`` ``(n·C, d)`` in ``dtype`` (row ``i·C + k``: class ``k`` of example ``i``), one
+    tensor written chunk by chunk (``n·C·d`` numbers)."""
+    return _assemble(model, X, names, None, chunk_size=chunk_size, progress=progress, dtype=dtype)
+
+
+def _assemble(model, X, names, root, *, chunk_size, progress, dtype) -> torch.Tensor:
     out = None
     for start, J in example_jacobians(model, X, names, chunk_size=chunk_size, progress=progress):
-        rows = root.transpose_blocks(J.double(), start).reshape(-1, J.shape[2])
+        rows = (J if root is None else root.transpose_blocks(J.double(), start)).reshape(-1, J.shape[2])
         if out is None:
             out = torch.empty((X.shape[0] * J.shape[1], J.shape[2]), dtype=dtype)
         lo = start * J.shape[1]
         out[lo:lo + rows.shape[0]] = rows
     assert out is not None
     return out
+
+
+class DenseJacobian:
+    """A classifier's logit Jacobian on its training inputs, held densely: the product interface of
+    :class:`ctuq.linearize.LinearizedNetwork` (``jvp``, ``vjp``, ``params``, ``output``, ``d``, ``d_out``) as GEMMs.
+
+    Behind the whitened features ``Ψ₀ = blockdiag(L_iᵀ) J`` of the iterative solvers (the softmax roots applied
+    per product, ``n·C²`` work) and behind the mode finder, whose objective needs ``J`` itself: the roots are
+    singular (``B_i 1 = 0``, and ``B_i ≈ 0`` for confidently fitted examples), so ``J`` cannot be recovered from
+    an assembled ``Ψ₀``. One JVP/VJP pair over the data becomes two GEMMs with ``J``.
+
+    Parameters
+    ----------
+    matrix : torch.Tensor
+        ``J`` ``(n·C, d)``.
+    network : LinearizedNetwork
+        The same network's product route (weights ``ṽ`` and outputs ``g(ṽ)``, the net input; not used for products).
+    """
+
+    def __init__(self, matrix: torch.Tensor, network):
+        if matrix.shape != (network.d_out, network.d):
+            raise ValueError(f"DenseJacobian: matrix has shape {tuple(matrix.shape)}, the network's Jacobian is "
+                             f"({network.d_out}, {network.d})")
+        self.matrix = matrix
+        self.d, self.d_out = int(network.d), int(network.d_out)
+        self.dtype, self.device = matrix.dtype, matrix.device
+        self.net_input = network.net_input
+        self._network = network
+        self.n_jvp = self.n_vjp = 0
+
+    def params(self) -> torch.Tensor:
+        """``ṽ`` ``(d,)`` (a copy)."""
+        return self._network.params()
+
+    def output(self) -> torch.Tensor:
+        """``g(ṽ)`` ``(n·C,)`` (a copy)."""
+        return self._network.output()
+
+    def jvp(self, U: torch.Tensor) -> torch.Tensor:
+        """``J u`` for rows ``U`` ``(B, d)`` → ``(B, n·C)``; counts ``B`` JVPs."""
+        self.n_jvp += U.shape[0]
+        return U.to(self.dtype) @ self.matrix.T
+
+    def vjp(self, R: torch.Tensor) -> torch.Tensor:
+        """``Jᵀ r`` for rows ``R`` ``(B, n·C)`` → ``(B, d)``; counts ``B`` VJPs."""
+        self.n_vjp += R.shape[0]
+        return R.to(self.dtype) @ self.matrix

@@ -41,7 +41,9 @@ from ctuq.classify.hessian import ROOTS, SoftmaxHessianRoot
 from ctuq.classify.mode import LINEAR_MODELS, LinearMode
 from ctuq.classify.predictive import PredictiveMixin
 from ctuq.classify import state as _state
-from ctuq.classify.build import prior_scales, whitened_features
+from ctuq.classify.build import (assembly_pays, forward_flops_per_example, prior_scales, whitened_features,
+                                 whitened_matrix)
+from ctuq.classify.jacobians import DenseJacobian
 from ctuq.inference import (DENSE_CHOICES, SOLVER_CHOICES, CategoricalLikelihood, DenseFeatures, LinearizedPosterior,
                             Workload, dense_features_fit, dense_memory_budget)
 
@@ -91,7 +93,9 @@ class LinearizedLaplace(PredictiveMixin):
     dense_features : {"auto", "always", "never"}
         Whether ``Ψ₀`` (``n·C × d``) is assembled from per-example Jacobians (``C`` backward passes over the data;
         then every solver product is a GEMM) or applied through Jacobian products over all ``n`` inputs. ``"auto"``:
-        assembled for the exact solvers when two float64 copies fit the dense budget; ``"always"``: for every
+        assembled for the exact solvers when two float64 copies fit the dense budget, and for the iterative ones
+        when one copy in ``dtype`` fits and a forward pass costs at least ``2·C·d`` flops per example
+        (:func:`~ctuq.classify.build.assembly_pays`: CNNs, not MLPs); ``"always"``: for every
         solver, when one copy in ``dtype`` fits it (else a ``MemoryError`` naming the sizes) — measured on the
         MNIST-1D CNN (4,000 signals, d = 33,930, float32): assembling ``Ψ₀`` (5.4 GB) 36–43 s, against 0.8 s for one
         JVP and one VJP over the data and ≈ 0.03 s for one GEMM pair with ``Ψ₀``; ``"never"``: products always.
@@ -208,7 +212,7 @@ class LinearizedLaplace(PredictiveMixin):
         self._root = root = SoftmaxHessianRoot(torch.softmax(logits.double(), 1), self.hessian_root)
         # A network's fit can take minutes (every product runs over all n training inputs): say what runs.
         t0 = time.perf_counter()
-        base, sq_norms = self._features(X)
+        base, sq_norms, mode_net = self._features(X)
         self.say(f"features Ψ₀ ({n * C} × {self.n_params}, "
                  f"{'assembled' if sq_norms is not None else 'Jacobian products'}): {time.perf_counter() - t0:.1f} s")
         if self.scales is None:  # else restored from a state
@@ -219,7 +223,7 @@ class LinearizedLaplace(PredictiveMixin):
                                        seed=self.seed, chunk_size=self.jacobian_chunk, progress=self.progress)
             self.say(f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
                      f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): {time.perf_counter() - t0:.1f} s")
-        self._mode_finder = LinearMode(self._net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
+        self._mode_finder = LinearMode(mode_net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
         targets = self._refresh_mode(a, self._mode_w)
         post = LinearizedPosterior(base, targets.to(self.dtype), prior=self.scales.to(self.dtype),
@@ -234,22 +238,40 @@ class LinearizedLaplace(PredictiveMixin):
         return self
 
     def _features(self, X, exact: bool | None = None):
-        """``(Ψ₀, squared column norms or None)`` by :attr:`dense_features` for an exact (or the configured)
-        solver."""
+        """``(Ψ₀, squared column norms or None, the mode finder's network)`` by :attr:`dense_features` for an exact
+        (or the configured) solver (:func:`~ctuq.classify.build.whitened_features`)."""
         c, d = X.shape[0] * self.n_classes, self.n_params
         exact = self.solver in EXACT_SOLVERS if exact is None else exact
-        dense = self.dense_features == "always" or (self.dense_features == "auto" and exact)
+        need = c * d * torch.empty((), dtype=self.dtype).element_size()
+        budget = dense_memory_budget("cpu")
         if self.dense_features == "always":
-            need = c * d * torch.empty((), dtype=self.dtype).element_size()
-            if need > dense_memory_budget("cpu"):
+            dense = True
+            if need > budget:
                 raise MemoryError(f"LinearizedLaplace(dense_features='always'): Ψ₀ ({c} × {d}, {self.dtype}) needs "
-                                  f"{need / 2**30:.1f} GiB, the dense budget is {dense_memory_budget('cpu') / 2**30:.1f} "
+                                  f"{need / 2**30:.1f} GiB, the dense budget is {budget / 2**30:.1f} "
                                   f"GiB; use dtype=torch.float32, dense_features='auto', or fewer training examples")
-        elif dense and not dense_features_fit(c, d, "cpu"):
-            self.say("Ψ₀ does not fit the dense memory budget: the exact solver goes through Jacobian products")
+        elif self.dense_features == "never":
             dense = False
+        elif exact:
+            dense = dense_features_fit(c, d, "cpu")
+            if not dense:
+                self.say("Ψ₀ does not fit the dense memory budget: the exact solver goes through Jacobian products")
+        else:
+            flops = forward_flops_per_example(self._model, X)
+            dense = assembly_pays(flops, self.n_classes, d)
+            why = (f"a forward pass costs {flops:.3g} flops per example "
+                   f"{'≥' if dense else '<'} 2·C·d = {2.0 * self.n_classes * d:.3g}")
+            if dense and need > budget:
+                dense = False
+                self.say(f"Ψ₀ would pay ({why}) but needs {need / 2**30:.1f} GiB of a {budget / 2**30:.1f} GiB dense "
+                         f"budget: Jacobian products"
+                         + (" (with dtype=torch.float32 it would fit)" if need / 2 <= budget and
+                            self.dtype == torch.float64 else ""))
+            else:
+                self.say(f"Ψ₀ {'assembled' if dense else 'through Jacobian products'}: {why}")
         return whitened_features(self._model, self._net, X, self.param_names, self._root, dense=dense,
-                                 dtype=self.dtype, chunk_size=self.jacobian_chunk, progress=self.progress)
+                                 dtype=self.dtype, chunk_size=self.jacobian_chunk, keep_jacobian=not exact,
+                                 progress=self.progress)
 
     def _refresh_mode(self, a: float, w0: torch.Tensor | None = None) -> torch.Tensor:
         """Mode at ``a`` (warm start) and the pseudo-targets ``ỹ = Ψ w* + ρ`` ``(n·C,)`` float64."""
@@ -264,10 +286,12 @@ class LinearizedLaplace(PredictiveMixin):
 
     # ------------------------------------------------------------------------------------------ EM
     def optimize_prior(self, method: str = "sampled_em", *, max_steps: int = 5, n_samples: int = 16,
-                       tol: float = 1e-2, callback: Callable[[dict], None] | None = None):
+                       tol: float = 1e-2, callback: Callable[[dict], None] | None = None, update: str = "damped"):
         """MacKay EM for ``a`` (module docstring): ``"sampled_em"`` (``γ̂`` from ``n_samples`` posterior samples
         per step) or ``"exact"`` (exact ``γ``; switches to an exact solver if needed). Runs up to ``max_steps``
-        more steps, stopping when ``|Δa|/a < tol``; ``callback(record)`` after each. Returns the core's
+        more steps, stopping when ``|Δa|/a < tol``; ``callback(record)`` after each. ``update``: ``"damped"``
+        (default: the MacKay map oscillates for networks whose effective dimension falls steeply with ``a``) or
+        ``"mackay"`` (:class:`~ctuq.inference.SampledEM`). Returns the core's
         :class:`~ctuq.inference.EMResult`; the trace is :attr:`em_trace`."""
         self._require("optimize_prior")
         if method not in PRIOR_METHODS:
@@ -277,7 +301,13 @@ class LinearizedLaplace(PredictiveMixin):
         if method == "exact" and not post.exact:
             self.say("optimize_prior('exact'): rebuilding the posterior with an exact solver")
             self._old_trace += post.em_trace
-            base = post.base if isinstance(post.base, DenseFeatures) else self._features(self._net.net_input, True)[0]
+            if isinstance(post.base, DenseFeatures):
+                base = post.base
+            elif isinstance(getattr(post.base, "network", None), DenseJacobian) and dense_features_fit(
+                    post.base.n_outputs, post.base.n_features, "cpu"):
+                base = DenseFeatures(whitened_matrix(post.base.network, self._root))  # no Jacobians again
+            else:
+                base = self._features(self._net.net_input, True)[0]
             post = LinearizedPosterior(base, post.targets, prior=self.scales.to(self.dtype),
                                        likelihood=CategoricalLikelihood(), a=post.a, solver="exact", seed=self.seed,
                                        progress=self.progress, log=self.say).setup()
@@ -301,7 +331,8 @@ class LinearizedLaplace(PredictiveMixin):
             post.set_targets(self._refresh_mode(post.a).to(self.dtype))
             state["mode"] = self._mode
             self._samples = None
-            self.say(f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}, "
+            damped = f" (damped {record['damping']:.2f}; MacKay {record['a_mackay']:.4g})" if record["damping"] < 1 else ""
+            self.say(f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
                      f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}")
             if bar is not None:
                 bar.update(1)
@@ -310,10 +341,10 @@ class LinearizedLaplace(PredictiveMixin):
 
         gamma = "sampled" if method == "sampled_em" else "exact"
         if post.em is None:  # create the EM first (it restores a loaded EM state): steps count from there
-            post.fit(max_steps=0, n_samples=int(n_samples), tol=float(tol), gamma=gamma)
+            post.fit(max_steps=0, n_samples=int(n_samples), tol=float(tol), gamma=gamma, update=update)
         steps = post.em.step_count
         result = post.fit(max_steps=steps + int(max_steps), n_samples=int(n_samples), tol=float(tol), gamma=gamma,
-                          callback=after)
+                          callback=after, update=update)
         if bar is not None:
             bar.close()
         return result

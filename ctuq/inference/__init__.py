@@ -41,7 +41,7 @@ VJPs (including image-space ones).
 """
 
 from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env
-from ctuq.inference.em import EM_STOP_RULES, EMResult, EMStateMismatch, SampledEM
+from ctuq.inference.em import EM_STOP_RULES, EM_UPDATES, EMResult, EMStateMismatch, SampledEM
 from ctuq.inference.features import (
     DenseFeatures,
     FeatureOperator,
@@ -114,7 +114,7 @@ __all__ = [
     "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",
     "PosteriorSamples", "sample_posterior", "posterior_mean", "chunk_generator", "sample_chunks",
     "draw_prior_and_noise",
-    "SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES",
+    "SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES", "EM_UPDATES",
     "FirstOrderSolver", "lanczos_top_eigenvalue", "SDDSolver", "SDD_DEFAULTS", "SGDSolver", "SGD_DEFAULTS",
     "LR_DECAYS", "adaptive_nystrom_eig",
     "Shard", "LocalShard", "TorchShard", "current_shard", "init_from_env",

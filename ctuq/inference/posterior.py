@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ctuq.inference.distributed import LocalShard, Shard
-from ctuq.inference.em import EMResult, SampledEM
+from ctuq.inference.em import EM_UPDATES, EMResult, SampledEM
 from ctuq.inference.features import DenseFeatures, FeatureOperator, ScaledFeatures, stack_features
 from ctuq.inference.kernel import _check_hyper, assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
@@ -326,7 +326,7 @@ class LinearizedPosterior:
     # ------------------------------------------------------------------------------------------ EM
     def fit(self, *, max_steps: int = 5, n_samples: int = 16, tol: float = 1e-2, gamma: str = "auto",
             callback: Callable[[dict], None] | None = None, fixed_probes: bool | None = None,
-            stop_on: str = "a") -> EMResult:
+            stop_on: str = "a", update: str = "mackay") -> EMResult:
         """Sampled (or, with an exact solver, exact) EM for ``a`` (and ``σ²`` if the likelihood learns it).
 
         ``callback(record)`` after every step (:meth:`SampledEM.step`'s record), after :attr:`a` and the
@@ -334,18 +334,21 @@ class LinearizedPosterior:
         again continues the same EM (same generator) up to the new ``max_steps`` and ``tol``.
 
         ``fixed_probes`` (see :class:`SampledEM`): ``None`` uses them with the solvers that take warm starts
-        (``sdd``, ``sgd``) and fresh probes otherwise. ``stop_on``: ``"a"`` or ``"a_and_sigma2"``. With a
+        (``sdd``, ``sgd``) and fresh probes otherwise. ``stop_on``: ``"a"`` or ``"a_and_sigma2"``; ``update``:
+        ``"mackay"`` or ``"damped"`` (:class:`SampledEM`). With a
         :attr:`shard`, the probes are split across ranks.
         """
+        if update not in EM_UPDATES:
+            raise ValueError(f"LinearizedPosterior.fit: update must be one of {list(EM_UPDATES)}, got {update!r}")
         self.setup()
         if fixed_probes is None:
             fixed_probes = bool(getattr(self.solver, "warm_starts", False))
         if self.em is not None:
-            self.em.max_steps, self.em.tol = int(max_steps), float(tol)
+            self.em.max_steps, self.em.tol, self.em.update = int(max_steps), float(tol), update
         else:
             self.em = SampledEM(self.features, self.solver, self.targets, a=self.a, likelihood=self.likelihood,
                                 n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed,
-                                fixed_probes=fixed_probes, stop_on=stop_on, shard=self.shard)
+                                fixed_probes=fixed_probes, stop_on=stop_on, shard=self.shard, update=update)
             if "em" in self._pending:
                 self.em.load_state_dict(self._pending["em"])
                 self.a = self.em.a
