@@ -391,6 +391,49 @@ class LinearizedNetwork:
         self.n_jvp += U.shape[0]
         return out
 
+    def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """JVPs of the scaled unit vectors ``values[k] · e_(start+k)``: Jacobian columns ``start … stop − 1`` (times
+        ``values``, default ones) as rows ``(stop − start, d_out)``; counts ``stop − start`` JVPs.
+
+        Computed per parameter tensor, with a tangent for that tensor only (``torch.func.jvp``, untraced): layers
+        before the tensor's first use carry no tangent, and no tracing is needed. Same numbers as :meth:`jvp` of
+        the same rows (the skipped tangents are exact zeros); assembling the tiny U-Net's 5008 columns: 14.4 s
+        against 16.7 s (tracing 2.1 s + 14.6 s).
+        """
+        from torch.func import functional_call, jvp, vmap
+
+        if not 0 <= start <= stop <= self.d:
+            raise ValueError(f"LinearizedNetwork.jvp_basis: need 0 <= start <= stop <= d = {self.d}, got "
+                             f"start={start}, stop={stop}")
+        n = stop - start
+        if values is None:
+            values = torch.ones(n, dtype=self.dtype, device=self.device)
+        elif tuple(values.shape) != (n,):
+            raise ValueError(f"LinearizedNetwork.jvp_basis: values must have shape ({n},), got {tuple(values.shape)}")
+        values = values.to(device=self.device, dtype=self.dtype)
+        out = torch.empty((n, self.d_out), dtype=self.dtype, device=self.device)
+        base = dict(self._fixed)
+        base.update(zip(self.param_names, (part.view(shape) for part, shape in
+                                           zip(torch.split(self._v, self._numels), self._shapes))))
+        chunk = self.chunk_size_for("jvp")
+        offset = 0
+        with torch.no_grad(), _eval_mode(self.model):
+            for name, numel, shape in zip(self.param_names, self._numels, self._shapes):
+                lo, hi = max(start, offset), min(stop, offset + numel)
+                if lo < hi:
+                    def g(p, name=name):
+                        return functional_call(self.model, {**base, name: p}, (self.net_input,)).reshape(-1)
+
+                    fn = vmap(lambda u, g=g, p=base[name]: jvp(g, (p,), (u,))[1])
+                    for a in range(lo, hi, chunk):
+                        b = min(hi, a + chunk)
+                        U = torch.zeros((b - a, numel), dtype=self.dtype, device=self.device)
+                        U[torch.arange(b - a), torch.arange(a - offset, b - offset)] = values[a - start:b - start]
+                        out[a - start:b - start] = fn(U.view(b - a, *shape))
+                offset += numel
+        self.n_jvp += n
+        return out
+
     def vjp(self, R: torch.Tensor) -> torch.Tensor:
         """Vector-Jacobian products ``Φᵀr``: ``R`` ``(B, d_out)`` → ``(B, d)`` (outputs → weights).
 

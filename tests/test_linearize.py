@@ -1,5 +1,6 @@
 """ctuq.linearize: JVP/VJP of a network at fixed weights against an assembled Jacobian (float64)."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -78,6 +79,35 @@ def test_products_match_assembled_jacobian(unet_case, mode):
     assert net.counters() == {"jvp": 5, "vjp": 4}
     net.reset_counters()
     assert net.n_jvp == net.n_vjp == 0
+
+
+def test_jvp_basis_gives_scaled_jacobian_columns_across_parameter_boundaries(unet_case):
+    """``jvp_basis``: the columns ``start … stop − 1`` of the reverse-mode Jacobian times ``values``, over a range
+    that spans several parameter tensors (per-tensor tangents, untraced), counted as JVPs; equal to the general
+    :meth:`jvp` of the same scaled unit rows; the features' ``columns`` (which uses it) match unit-vector
+    matvecs; a bad range or values shape is refused."""
+    from ctuq.inference import FeatureOperator, LinearizedFeatures
+
+    model, x, _, J = unet_case
+    net = LinearizedNetwork(model, x, mode="recompute", chunk_size=7)
+    bounds = np.cumsum(net._numels)
+    start, stop = int(bounds[0]) - 5, int(bounds[2]) + 3  # ends inside the first and fourth tensors
+    values = torch.linspace(0.5, 2.0, stop - start, dtype=torch.float64)
+    got = net.jvp_basis(start, stop, values)
+    torch.testing.assert_close(got, (J[:, start:stop] * values).T, rtol=1e-10, atol=1e-12)
+    assert net.counters() == {"jvp": stop - start, "vjp": 0}
+    E = torch.zeros(stop - start, net.d, dtype=torch.float64)
+    E[torch.arange(stop - start), torch.arange(start, stop)] = values
+    torch.testing.assert_close(got, net.jvp(E), rtol=1e-12, atol=1e-14)
+    scales = torch.rand(net.d, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+    feats = LinearizedFeatures(net, scales, output_map=lambda X: 2.0 * X[:, ::2], output_adjoint=lambda R: (
+        torch.zeros(R.shape[0], net.d_out, dtype=R.dtype).index_copy_(1, torch.arange(0, net.d_out, 2), 2.0 * R)))
+    torch.testing.assert_close(feats.columns(10, 40), FeatureOperator.columns(feats, 10, 40), rtol=1e-12, atol=1e-14)
+    for bad in ((5, 3), (-1, 2), (0, net.d + 1)):
+        with pytest.raises(ValueError, match="jvp_basis: need 0 <= start <= stop <= d"):
+            net.jvp_basis(*bad)
+    with pytest.raises(ValueError, match=r"values must have shape \(3,\)"):
+        net.jvp_basis(0, 3, torch.ones(4))
 
 
 def test_output_and_params_are_the_model_at_fixed_weights(unet_case):

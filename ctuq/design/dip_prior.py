@@ -104,9 +104,9 @@ class DIPPrior:
             free = free_memory_bytes(self.op.device) or 8 * 1024**3
             # per step: k VJPs (Ψ_β) + k JVPs (T̄ L H) on the weight-space route
             dense = d * d_x * 4 <= 0.25 * free and min(d, d_x) <= 2 * k * max(1, n_steps)
-        # Tracing the JVP (mode "linearize") costs seconds once and pays off only over many JVPs: assembling Φ by
-        # columns, or a design through JVPs; assembling by rows (d_x < d) needs one JVP (the offset).
-        jvps = d if dense and d <= d_x else 1 if dense else n_steps * k + 3 * self.settings.samples
+        # Tracing the JVP (mode "linearize") costs seconds once and pays off only over many JVPs: a design through
+        # JVPs. Assembling Φ needs one (the offset): its columns come from per-parameter JVPs (jvp_basis), untraced.
+        jvps = 1 if dense else n_steps * k + 3 * self.settings.samples
         net = LinearizedNetwork(self.net_model, self.net_input.to(self.op.device),
                                 mode="linearize" if jvps >= 2000 else "recompute")
         with torch.no_grad():

@@ -82,6 +82,13 @@ class FeatureOperator(abc.ABC):
         self.n_rmatvec += R.shape[0]
         return out
 
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``Ψ e_j`` for those unit vectors
+        (counted as matvecs). Subclasses with a cheaper way (:class:`LinearizedFeatures`) override it."""
+        E = torch.zeros((stop - start, self.n_features), dtype=self.dtype, device=self.device)
+        E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+        return self.matvec(E)
+
     def reset_counters(self) -> None:
         """Zero :attr:`n_matvec` and :attr:`n_rmatvec`."""
         self.n_matvec = 0
@@ -233,6 +240,17 @@ class LinearizedFeatures(FeatureOperator):
 
     def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
         return self.network.vjp(self._apply_Lt(R)) * self.scales
+
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``L`` of the network's
+        :meth:`~ctuq.linearize.LinearizedNetwork.jvp_basis` (one parameter tensor's tangent at a time) when it has
+        one, else unit-vector matvecs. Counts ``stop − start`` matvecs."""
+        basis = getattr(self.network, "jvp_basis", None)
+        if basis is None:
+            return super().columns(start, stop)
+        out = self._apply_L(basis(start, stop, self.scales[start:stop]))
+        self.n_matvec += stop - start
+        return out
 
     def network_matvec(self, W: torch.Tensor) -> torch.Tensor:
         """``Φ diag(s) w`` for rows ``W`` ``(B, d)`` → ``(B, d_out)``: network-output (image-space) samples.

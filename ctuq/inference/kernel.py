@@ -196,11 +196,11 @@ def assemble_features(features: FeatureOperator, *, chunk_size: int = 64, by: st
     bar = _progress_bar(starts, total=len(starts), desc=f"assemble Ψ ({by})", disable=not progress)
     for start in bar:
         stop = min(n, start + chunk_size)
-        E = torch.zeros((stop - start, n), dtype=features.dtype, device=features.device)
-        E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
         if by == "columns":
-            out[:, start:stop] = features.matvec(E).double().T
+            out[:, start:stop] = features.columns(start, stop).double().T
         else:
+            E = torch.zeros((stop - start, n), dtype=features.dtype, device=features.device)
+            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
             out[start:stop] = features.rmatvec(E).double()
     return out
 
