@@ -280,6 +280,14 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
     la.optimize_prior("exact", max_steps=1)
     torch.testing.assert_close(la.posterior.base.matrix, runs["never"][0].posterior.base.to_dense(), rtol=1e-9,
                                atol=1e-12)
+    # columns of Ψ₀ over the held J are slices, not products (an exact solver's assembly)
+    from ctuq.inference import assemble_features
+
+    base = _fit(tiny, dense_features="always", **kw).posterior.base
+    with monkeypatch.context() as m:
+        m.setattr(DenseJacobian, "jvp", lambda *a: pytest.fail("a product where a slice of J does"))
+        torch.testing.assert_close(assemble_features(base, by="columns"), la.posterior.base.matrix, rtol=1e-12,
+                                   atol=1e-14)
     np.testing.assert_allclose(runs["always"][1], runs["never"][1], rtol=1e-6)
     torch.testing.assert_close(runs["always"][2], runs["never"][2], rtol=1e-6, atol=1e-9)
     import ctuq.classify.laplace as lap

@@ -135,3 +135,10 @@ class DenseJacobian:
         """``Jᵀ r`` for rows ``R`` ``(B, n·C)`` → ``(B, d)``; counts ``B`` VJPs."""
         self.n_vjp += R.shape[0]
         return R.to(self.dtype) @ self.matrix
+
+    def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns ``start … stop − 1`` of ``J`` times ``values`` as rows ``(stop − start, n·C)`` (a slice, no
+        products; what an exact solver's assembly of ``Ψ₀`` asks for); counts ``stop − start`` JVPs."""
+        cols = self.matrix[:, start:stop].T
+        self.n_jvp += stop - start
+        return cols.clone() if values is None else cols * values.to(self.dtype)[:, None]
