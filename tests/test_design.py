@@ -294,8 +294,22 @@ def test_refreshing_updater_resets_the_engine(op):
     first = greedy_design(eng, [0], 2, **kw)
     assert [n for n, _ in calls] == [1] and eng.n_resets == 1 and eng.model.a == model.a
     calls.clear()
-    again = greedy_design(DesignEngine(model, "sampled", n_samples=32, seed=0), [0], 2, update_last=True, **kw)
+    eng = DesignEngine(model, "sampled", n_samples=32, seed=0)
+    again = greedy_design(eng, [0], 2, update_last=True, **kw)
     assert [n for n, _ in calls] == [1, 2] and again.chosen == first.chosen
+    # the samples of the refresh after the last step are drawn only when needed (a std map does not need them)
+    assert eng.Y is None and eng.posterior_std(8).shape == (model.d_x,) and eng.Y is None
+    lazy, eager = DesignEngine(model, "sampled", n_samples=32, seed=0), DesignEngine(model, "sampled", n_samples=32,
+                                                                                        seed=0)
+    lazy.reset([0, 3])
+    eager.reset([0, 3])
+    eager.prepare()
+    torch.testing.assert_close(lazy.criteria("eig", 0.01)[0], eager.criteria("eig", 0.01)[0], rtol=0, atol=0)
+    lazy2 = DesignEngine(model, "sampled", n_samples=32, seed=0)
+    lazy2.reset([0, 3])
+    lazy2.acquire(5, 1)  # drawn before β joins the kept rows and the factor
+    eager.acquire(5, 1)
+    torch.testing.assert_close(lazy2.Y, eager.Y, rtol=0, atol=0)
     assert auto_route(model, refreshed=True) == "sampled" and auto_route(model, refreshed=False) == "exact"
 
 

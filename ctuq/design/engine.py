@@ -113,7 +113,8 @@ class DesignEngine:
                 eye = mdl.sigma2 * torch.eye(len(chosen) * mdl.k, dtype=torch.float64)
                 self.chol.reset(mdl.block_kernel(chosen, chosen) + eye, block=mdl.k)
             self.chosen = chosen
-            self.Y = self._draw(self.m, self.chunk_seed())
+            # drawn when first needed: a prior refreshed after the last acquisition (for a std map) is never scored
+            self.Y, self._draw_seed = None, self.chunk_seed()
         self.n_resets += 1
 
     def chunk_seed(self) -> int:
@@ -124,6 +125,18 @@ class DesignEngine:
 
         feats = DenseFeatures(self.F) if self.weight_space and self.F is not None else self.model.features(self.chosen)
         return self.chol.bind(feats)
+
+    def prepare(self) -> None:
+        """Draw the samples of the sampled route now (else at their first use)."""
+        if self.route == "sampled":
+            self.samples()
+
+    def samples(self) -> torch.Tensor:
+        """The ``m`` pseudo-measurement samples ``(m, n_cand, k)`` of the sampled route (drawn at first use after a
+        reset, from that reset's seed)."""
+        if self.Y is None:
+            self.Y = self._draw(self.m, self._draw_seed)
+        return self.Y
 
     def _draw(self, n: int, seed: int) -> torch.Tensor:
         """``n`` posterior pseudo-measurement samples ``(n, n_cand, k)`` via the core sampler."""
@@ -206,6 +219,7 @@ class DesignEngine:
 
     def _condition(self, beta: int, eps: torch.Tensor | None) -> None:
         mdl, k = self.model, self.model.k
+        Y = self.samples() if self.route == "sampled" else None  # drawn before β joins the kept rows and factor
         X, B, D, Zf = self._cross_weight(beta) if self.weight_space else self._cross_image(beta)
         Xb = X.reshape(k, mdl.n_candidates, k)  # [p, i, q] = Cov(y_β,p ; y_i,q | τ), float32 or float64
         S = Xb[:, beta, :].double()
@@ -215,9 +229,9 @@ class DesignEngine:
             G = torch.linalg.solve_triangular(Ls, Xb.double().permute(1, 0, 2), upper=False)  # Ls⁻¹ Cov(y_β, y_i)
             self.M -= G.mT @ G
         else:
-            R = eps - self.Y[:, beta, :].double()  # (m, k)
+            R = eps - Y[:, beta, :].double()  # (m, k)
             coef = torch.cholesky_solve(R.T, Ls).T  # (ε − y_β) S⁻¹
-            self.Y.view(self.m, -1).addmm_(coef.to(self.Y.dtype), X.to(self.Y.dtype))  # in place, no (m, c̄) temp
+            Y.view(self.m, -1).addmm_(coef.to(Y.dtype), X.to(Y.dtype))  # in place, no (m, c̄) temp
         self.chol.append(B if B is not None else torch.zeros((0, k), dtype=torch.float64),
                          D + mdl.sigma2 * torch.eye(k, dtype=torch.float64), forwarded=Zf)
         self.chosen.append(beta)
@@ -229,7 +243,8 @@ class DesignEngine:
         if self.route == "exact":
             got, eta = criteria_from_blocks(self.M[left], self.model.sigma2, criterion, jitter)
         else:
-            got, eta = criteria_from_samples(self.Y, self.model.sigma2, criterion, jitter, index=left.nonzero()[:, 0])
+            got, eta = criteria_from_samples(self.samples(), self.model.sigma2, criterion, jitter,
+                                             index=left.nonzero()[:, 0])
         vals = torch.full((self.model.n_candidates,), -float("inf"), dtype=torch.float64)
         vals[left] = got
         return vals, eta

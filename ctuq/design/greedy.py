@@ -126,6 +126,7 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
     steps: list[dict] = [dict(s) for s in saved["steps"]][:n_acquire]
     t_start = time.perf_counter()
     engine.reset(pilot)
+    engine.prepare()  # the set-up's samples are timed as set-up, not as the first step
     timings = {"setup_s": time.perf_counter() - t_start, "steps_s": 0.0, "updates_s": 0.0}
     if on_setup is not None:
         on_setup(engine)
@@ -152,6 +153,8 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
                 new = updater(engine, step, engine.chosen, False)
                 if new is not None:
                     engine.reset(engine.chosen, model=new)
+                    if step < n_acquire:
+                        engine.prepare()  # timed with the update; after the last step nothing is scored
             du = time.perf_counter() - t1
             rec = {"step": step, "candidate": beta, "angle_deg": float(angles_deg[beta]),
                    "criterion": float(values[beta]), "jitter": eta, "time_s": dt, "update_s": du,
