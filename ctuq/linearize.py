@@ -412,9 +412,7 @@ class LinearizedNetwork:
             raise ValueError(f"LinearizedNetwork.jvp_basis: values must have shape ({n},), got {tuple(values.shape)}")
         values = values.to(device=self.device, dtype=self.dtype)
         out = torch.empty((n, self.d_out), dtype=self.dtype, device=self.device)
-        base = dict(self._fixed)
-        base.update(zip(self.param_names, (part.view(shape) for part, shape in
-                                           zip(torch.split(self._v, self._numels), self._shapes))))
+        base = {**self._fixed, **self.unflatten(self._v)}
         chunk = self.chunk_size_for("jvp")
         offset = 0
         with torch.no_grad(), _eval_mode(self.model):

@@ -70,12 +70,9 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
     if dense and keep_jacobian:
         jac = DenseJacobian(assemble_jacobian(model, X, names, chunk_size=chunk_size, progress=progress,
                                               dtype=dtype), net)
-        C = jac.d_out // X.shape[0]
         sq = torch.zeros(jac.d, dtype=torch.float64)
-        step = max(1, 4096 // C)
-        for start in range(0, X.shape[0], step):  # float64 column norms of Ψ₀, a chunk of examples at a time
-            J = jac.matrix[start * C:(start + step) * C].double().reshape(-1, C, jac.d)
-            sq += root.transpose_blocks(J, start).pow(2).sum((0, 1))
+        for _, rows in jac.whitened_chunks(root):  # float64 column norms of Ψ₀
+            sq += rows.pow(2).sum((0, 1))
         features = LinearizedFeatures(jac, torch.ones(jac.d, dtype=dtype), output_map=root.apply_transpose,
                                       output_adjoint=root.apply, n_outputs=jac.d_out)
         return features, sq, jac
@@ -92,12 +89,9 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
 
 def whitened_matrix(jac: DenseJacobian, root: SoftmaxHessianRoot) -> torch.Tensor:
     """``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` from an assembled Jacobian (no Jacobian products), in ``J``'s dtype."""
-    C = root.C
     out = torch.empty_like(jac.matrix)
-    step = max(1, 4096 // C)
-    for start in range(0, root.n, step):
-        J = jac.matrix[start * C:(start + step) * C].double().reshape(-1, C, jac.d)
-        out[start * C:start * C + J.shape[0] * C] = root.transpose_blocks(J, start).reshape(-1, jac.d)
+    for start, rows in jac.whitened_chunks(root):
+        out[start * root.C:(start + rows.shape[0]) * root.C] = rows.reshape(-1, jac.d)
     return out
 
 

@@ -92,7 +92,8 @@ def _assemble(model, X, names, root, *, chunk_size, progress, dtype) -> torch.Te
 
 class DenseJacobian:
     """A classifier's logit Jacobian on its training inputs, held densely: the product interface of
-    :class:`ctuq.linearize.LinearizedNetwork` (``jvp``, ``vjp``, ``params``, ``output``, ``d``, ``d_out``) as GEMMs.
+    :class:`ctuq.linearize.LinearizedNetwork` that the features and the mode finder use (``jvp``, ``vjp``,
+    ``jvp_basis``, ``params``, ``d``, ``d_out``) as GEMMs and slices.
 
     Behind the whitened features ``Ψ₀ = blockdiag(L_iᵀ) J`` of the iterative solvers (the softmax roots applied
     per product, ``n·C²`` work) and behind the mode finder, whose objective needs ``J`` itself: the roots are
@@ -104,7 +105,7 @@ class DenseJacobian:
     matrix : torch.Tensor
         ``J`` ``(n·C, d)``.
     network : LinearizedNetwork
-        The same network's product route (weights ``ṽ`` and outputs ``g(ṽ)``, the net input; not used for products).
+        The same network's product route (for its weights ``ṽ``; not used for products).
     """
 
     def __init__(self, matrix: torch.Tensor, network):
@@ -114,17 +115,12 @@ class DenseJacobian:
         self.matrix = matrix
         self.d, self.d_out = int(network.d), int(network.d_out)
         self.dtype, self.device = matrix.dtype, matrix.device
-        self.net_input = network.net_input
         self._network = network
         self.n_jvp = self.n_vjp = 0
 
     def params(self) -> torch.Tensor:
         """``ṽ`` ``(d,)`` (a copy)."""
         return self._network.params()
-
-    def output(self) -> torch.Tensor:
-        """``g(ṽ)`` ``(n·C,)`` (a copy)."""
-        return self._network.output()
 
     def jvp(self, U: torch.Tensor) -> torch.Tensor:
         """``J u`` for rows ``U`` ``(B, d)`` → ``(B, n·C)``; counts ``B`` JVPs."""
@@ -135,6 +131,15 @@ class DenseJacobian:
         """``Jᵀ r`` for rows ``R`` ``(B, n·C)`` → ``(B, d)``; counts ``B`` VJPs."""
         self.n_vjp += R.shape[0]
         return R.to(self.dtype) @ self.matrix
+
+    def whitened_chunks(self, root: SoftmaxHessianRoot, rows: int = 4096) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(start, L_iᵀ J_i)`` float64 ``(m, C, d)`` for examples ``start … start + m − 1``, about ``rows``
+        rows of ``J`` at a time: ``Ψ₀ = blockdiag(L_iᵀ) J`` chunk by chunk, without a float64 copy of ``J``."""
+        C = root.C
+        step = max(1, rows // C)
+        for start in range(0, root.n, step):
+            J = self.matrix[start * C:(start + step) * C].double().reshape(-1, C, self.d)
+            yield start, root.transpose_blocks(J, start)
 
     def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
         """Columns ``start … stop − 1`` of ``J`` times ``values`` as rows ``(stop − start, n·C)`` (a slice, no

@@ -30,6 +30,13 @@ __all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeat
            "StackedFeatures", "stack_features"]
 
 
+def _unit_rows(start: int, stop: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``(stop − start, n)`` rows ``e_start … e_(stop−1)``."""
+    E = torch.zeros((stop - start, n), dtype=dtype, device=device)
+    E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+    return E
+
+
 class FeatureOperator(abc.ABC):
     """Abstract ``Ψ`` (``n_outputs × n_features`` = ``c × d``) used through batched row products.
 
@@ -85,9 +92,12 @@ class FeatureOperator(abc.ABC):
     def columns(self, start: int, stop: int) -> torch.Tensor:
         """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``Ψ e_j`` for those unit vectors
         (counted as matvecs). Subclasses with a cheaper way (:class:`LinearizedFeatures`) override it."""
-        E = torch.zeros((stop - start, self.n_features), dtype=self.dtype, device=self.device)
-        E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-        return self.matvec(E)
+        return self.matvec(_unit_rows(start, stop, self.n_features, self.dtype, self.device))
+
+    def row_range(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start … stop − 1`` of ``Ψ`` ``(stop − start, d)``: ``Ψᵀ e_j`` for those unit vectors (counted as
+        rmatvecs; the counterpart of :meth:`columns`)."""
+        return self.rmatvec(_unit_rows(start, stop, self.n_outputs, self.dtype, self.device))
 
     def reset_counters(self) -> None:
         """Zero :attr:`n_matvec` and :attr:`n_rmatvec`."""
@@ -108,9 +118,7 @@ class FeatureOperator(abc.ABC):
         out = torch.empty((c, self.n_features), dtype=self.dtype, device=self.device)
         for start in range(0, c, chunk_size):
             stop = min(c, start + chunk_size)
-            E = torch.zeros((stop - start, c), dtype=self.dtype, device=self.device)
-            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            out[start:stop] = self.rmatvec(E)
+            out[start:stop] = self.row_range(start, stop)
         return out
 
     def __repr__(self) -> str:

@@ -162,9 +162,7 @@ def kernel_diagonal(
         out = torch.empty(c, dtype=torch.float64, device=features.device)
         for start in range(0, c, chunk_size):
             stop = min(c, start + chunk_size)
-            E = torch.zeros((stop - start, c), dtype=features.dtype, device=features.device)
-            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            out[start:stop] = features.rmatvec(E).double().pow(2).sum(1)
+            out[start:stop] = features.row_range(start, stop).double().pow(2).sum(1)
         return out.to(features.dtype)
     if method == "stochastic":
         # Column norms of Ψᵀ (d × c) from products with (Ψᵀ)ᵀ = Ψ.
@@ -199,9 +197,7 @@ def assemble_features(features: FeatureOperator, *, chunk_size: int = 64, by: st
         if by == "columns":
             out[:, start:stop] = features.columns(start, stop).double().T
         else:
-            E = torch.zeros((stop - start, n), dtype=features.dtype, device=features.device)
-            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            out[start:stop] = features.rmatvec(E).double()
+            out[start:stop] = features.row_range(start, stop).double()
     return out
 
 
@@ -238,9 +234,7 @@ def assemble_kernel(
         G = torch.empty((c, d), dtype=features.dtype, device=features.device)
         for start in bar:
             stop = min(c, start + chunk_size)
-            E = torch.zeros((stop - start, c), dtype=features.dtype, device=features.device)
-            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            G[start:stop] = features.rmatvec(E)
+            G[start:stop] = features.row_range(start, stop)
         G64 = G.double()
         del G
         K = G64 @ G64.T
@@ -248,7 +242,5 @@ def assemble_kernel(
         K = torch.empty((c, c), dtype=torch.float64, device=features.device)
         for start in bar:
             stop = min(c, start + chunk_size)
-            E = torch.zeros((stop - start, c), dtype=features.dtype, device=features.device)
-            E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-            K[start:stop] = features.matvec(features.rmatvec(E)).double()
+            K[start:stop] = features.matvec(features.row_range(start, stop)).double()
     return 0.5 * (K + K.T)
