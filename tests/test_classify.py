@@ -280,6 +280,8 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
     la.optimize_prior("exact", max_steps=1)
     torch.testing.assert_close(la.posterior.base.matrix, runs["never"][0].posterior.base.to_dense(), rtol=1e-9,
                                atol=1e-12)
+    with pytest.raises(ValueError, match=r"DenseJacobian: matrix has shape \(3, 4\), the network's Jacobian is"):
+        DenseJacobian(torch.zeros(3, 4, dtype=torch.float64), runs["never"][0].posterior.base.network)
     # columns of Ψ₀ over the held J are slices, not products (an exact solver's assembly)
     from ctuq.inference import assemble_features
 

@@ -165,6 +165,11 @@ def test_solver_registry_is_the_one_vocabulary():
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver_options={"rnak": 5})
     with pytest.raises(ValueError, match=r"unknown sgd option\(s\) \['learning_rate'\]"):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver_options={"sgd": {"learning_rate": 1}})
+    # the EM's update vocabulary, checked before any set-up work
+    with pytest.raises(ValueError, match=r"LinearizedPosterior.fit: update must be one of \['mackay', 'damped'\]"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64)).fit(update="newton")
+    field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "em_update")
+    assert tuple(field.metadata["choices"]) == ("mackay", "damped")
 
 
 def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
