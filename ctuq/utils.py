@@ -195,7 +195,7 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     The ``ctuq`` command and the scripts call it; library users may call it once at start-up. It does nothing (and
     returns ``False``) outside Linux/glibc, when ``CTUQ_TUNE_MALLOC=0``, or when the environment already tunes
     malloc (``GLIBC_TUNABLES`` with ``glibc.malloc``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``).
-    Returns ``True`` when both thresholds were set (or already had been by an earlier call).
+    Returns ``True`` when both thresholds were set (or already had been: a later call changes nothing).
     """
     global _MALLOC_TUNED
     import sys
