@@ -182,6 +182,10 @@ def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_pat
         cell = agg["paired"]["tv"]["psnr"]["random"][int(count)]
         assert cell["n"] == 2 and cell["mean"] == pytest.approx(np.mean(d), abs=1e-12)
         assert cell["se"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(2), abs=1e-12)
+    # generated phantoms: the random design's distance to each phantom's orientation (equidistant left out)
+    assert "against the phantoms' orientation" in text and set(agg["orientation"]) == {"random"}
+    cells = agg["orientation"]["random"]
+    assert cells["all"]["n"] == 2 and all(0.0 <= c["mean"] <= 45.0 for c in cells.values())
     (out / "results.md").unlink()
     again = run_study(dict(opts, strategies=["random"]), out, report_only=True)
     assert (out / "results.md").read_text() == text and again["paired"] == agg["paired"]
@@ -189,3 +193,16 @@ def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_pat
 
     with pytest.raises(StudyError, match="holds no study"):
         run_study(opts, tmp_path / "empty", report_only=True)
+
+
+def test_orientation_distances_modulo_90_degrees():
+    """Distances of the acquired angles (pilot left out) to φ modulo 90°: 30° and 120° are on φ = 30°'s sharp
+    projections (0°), 75° and 165° halfway between them (45°); prefixes longer than the acquisitions are left out."""
+    from ctuq.studies.angle_selection_report import orientation_distances
+
+    rec = {"angles_deg": {"2": [0.0, 90.0], "6": [0.0, 90.0, 30.0, 120.0, 75.0, 165.0]}}
+    eq = {"angles_deg": {"6": [0.0, 30.0, 60.0, 90.0, 120.0, 150.0]}}
+    got = orientation_distances([{"dip_ese": rec, "equidistant": eq}, {"dip_ese": rec}], [30.0, 210.0], pilot=2)
+    assert set(got) == {"dip_ese"} and set(got["dip_ese"]) == {"first 1", "all"}
+    assert got["dip_ese"]["first 1"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert got["dip_ese"]["all"]["mean"] == pytest.approx(22.5) and got["dip_ese"]["all"]["n"] == 2

@@ -5,7 +5,9 @@ Outputs in the study folder (``scripts/angle_selection.py``)::
     results.md, results.json     PSNR mean ± standard error over images per strategy × angle count, for each
                                  reconstruction (TV, DIP) at the fixed iteration budget and as the oracle best over
                                  iterations; the paired difference of each strategy to equidistant angles (same
-                                 images); design timings per strategy. Built from every finished (image, strategy)
+                                 images); design timings per strategy; for generated phantoms, how close each
+                                 sequential strategy's acquired angles are to the phantom's orientation. Built from
+                                 every finished (image, strategy)
                                  result in the folder, so processes that share a study folder with different
                                  ``--strategies`` each write the whole table, and ``--report`` rebuilds it
     psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
@@ -23,7 +25,8 @@ import numpy as np
 from ctuq.studies.angle_selection import NEUTRAL, STRATEGIES, load_images, run_image
 from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
 
-__all__ = ["run_study", "aggregate", "paired_differences", "collect_results", "markdown_tables", "LABELS"]
+__all__ = ["run_study", "aggregate", "paired_differences", "orientation_distances", "collect_results",
+           "markdown_tables", "LABELS"]
 
 LABELS = {"equidistant": "equidistant", "equidistant_grid": "equidistant (grid)", "random": "random",
           "isotropic": "isotropic EIG", "matern": "Matérn-½ EIG", "dip_eig": "lin. DIP EIG", "dip_ese": "lin. DIP ESE",
@@ -98,6 +101,47 @@ def paired_differences(per_image: list[dict], reference: str = "equidistant") ->
     return _summarise(diffs)
 
 
+ORIENTATION_PREFIXES = (1, 5, 10, None)
+"""Acquisitions over which :func:`orientation_distances` averages: the first 1, 5, 10 and all."""
+
+
+def orientation_distances(per_image: list[dict], phis, pilot: int) -> dict:
+    """``{strategy: {label: {"mean", "se", "n"}}}``: how close a strategy's acquired angles come to the phantom's
+    orientation — the mean angular distance (degrees, modulo 90°) of the acquired angles (the ``pilot`` first angles
+    left out) to the image's preferential angle ``φ`` (a rectangle's projections are sharpest at ``φ`` and
+    ``φ + 90°``), over the first 1, 5, 10 and all acquisitions (``label`` "first k" / "all"), mean ± standard error
+    over images. Angles spread evenly give 22.5°. The equidistant strategies are left out (their sets are not
+    sequential). ``phis``: one ``φ`` per image, degrees."""
+    table: dict = {}
+    for phi, results in zip(phis, per_image):
+        for strategy, rec in results.items():
+            if strategy.startswith("equidistant"):
+                continue
+            sets = rec["angles_deg"]
+            d = (np.asarray(sets[max(sets, key=int)][pilot:], dtype=np.float64) - float(phi)) % 90.0
+            d = np.minimum(d, 90.0 - d)
+            for k in ORIENTATION_PREFIXES:
+                if d.size and (k is None or d.size >= k):
+                    table.setdefault(strategy, {}).setdefault("all" if k is None else f"first {k}", []).append(
+                        float(d[:k].mean()))
+    return {s: {lab: dict(zip(("mean", "se", "n"), _mean_se(v))) for lab, v in labs.items()}
+            for s, labs in table.items()}
+
+
+def _orientation_table(dist: dict, strategies: list[str]) -> list[str]:
+    labels = [f"first {k}" for k in ORIENTATION_PREFIXES if k is not None] + ["all"]
+    lines = ["\n**acquired angles against the phantoms' orientation** (mean angular distance, modulo 90°, of the "
+             "acquired angles to each phantom's preferential angle φ, degrees, mean ± s.e. over images; 22.5 for "
+             "angles spread evenly)\n", "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for s in strategies:
+        if s in dist:
+            cells = [f"{dist[s][lab]['mean']:.1f}" + (f" ± {dist[s][lab]['se']:.1f}" if dist[s][lab]["se"] else "")
+                     if lab in dist[s] else "" for lab in labels]
+            lines.append(f"| {LABELS.get(s, s)} (n={max(e['n'] for e in dist[s].values())}) | " + " | ".join(cells)
+                         + " |")
+    return lines
+
+
 def _table(rows: dict, signed: bool = False) -> list[str]:
     counts = sorted({c for r in rows.values() for c in r})
     lines = ["| strategy | " + " | ".join(str(c) for c in counts) + " |", "|---" * (len(counts) + 1) + "|"]
@@ -112,7 +156,8 @@ def _table(rows: dict, signed: bool = False) -> list[str]:
 
 
 def markdown_tables(agg: dict, strategies: list[str]) -> str:
-    """One table per (reconstruction, fixed/oracle): rows strategies, columns angle counts, ``mean ± se`` dB."""
+    """One table per (reconstruction, fixed/oracle): rows strategies, columns angle counts, ``mean ± se`` dB; the
+    design times; the distances to the phantoms' orientation when ``agg`` has them."""
     parts = []
     names = {"psnr": "fixed iteration budget", "best_psnr": "oracle: best PSNR over iterations"}
     for method, kinds in agg["psnr"].items():
@@ -134,6 +179,8 @@ def markdown_tables(agg: dict, strategies: list[str]) -> str:
             cells = [f"{t.get(k, float('nan')):.2f}" for k in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s",
                                                               "step_s_mean", "step_s_first5", "step_s_last5")]
             parts.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + " |")
+    if agg.get("orientation"):
+        parts += _orientation_table(agg["orientation"], strategies)
     return "\n".join(parts) + "\n"
 
 
@@ -168,6 +215,12 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
     images = load_images(opts)
+    phis = None
+    if not opts["images_file"]:  # generated phantoms: their preferential angles are known
+        from ctuq.data.rectangles import rectangles_stack
+
+        phis = rectangles_stack(len(images), opts["size"], seed=opts["seed"], orientation_mean=opts["orientation_mean"],
+                                orientation_std=opts["orientation_std"])[1]
     if not report_only:
         device = resolve_device(opts["device"])
         for i, gt in enumerate(images):
@@ -176,6 +229,8 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     per_image = collect_results(out, n_images)
     present = [s for s in STRATEGIES if any(s in r for r in per_image)]
     agg = {**aggregate(per_image), "paired": paired_differences(per_image)}
+    if phis is not None:
+        agg["orientation"] = orientation_distances(per_image, phis, opts["pilot"])
     text = (f"# angle-selection study\n\n`{command}`\n\n{n_images} images of {images.shape[1]}², "
             f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
             f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|; every finished result in the folder "
