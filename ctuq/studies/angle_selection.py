@@ -60,8 +60,11 @@ TINY: dict[str, Any] = {
 NEUTRAL = frozenset({"device", "progress", "tiny", "threads", "images", "strategies"})
 
 
-def load_images(opts: dict) -> np.ndarray:
-    """``(N, H, H)`` float32 ground truths: the rectangles generator, or ``images_file`` (``.npy`` / TIFF stack)."""
+def load_images(opts: dict, with_angles: bool = False):
+    """``(N, H, H)`` float32 ground truths: the rectangles generator, or ``images_file`` (``.npy`` / TIFF stack).
+
+    ``with_angles``: return ``(images, φ)`` with the generated phantoms' preferential angles ``(N,)`` in degrees
+    (``None`` for an ``images_file``)."""
     if opts["images_file"]:
         path = Path(opts["images_file"])
         if not path.is_file():
@@ -80,12 +83,12 @@ def load_images(opts: dict) -> np.ndarray:
             stack = stack[None]
         if stack.ndim != 3 or stack.shape[1] != stack.shape[2] or not np.isfinite(stack).all():
             raise StudyError(f"--images-file {path}: need a finite stack (N, H, W) with H = W, got {stack.shape}")
-        return stack[: opts["images"]]
+        return (stack[: opts["images"]], None) if with_angles else stack[: opts["images"]]
     from ctuq.data.rectangles import rectangles_stack
 
-    stack, _ = rectangles_stack(opts["images"], opts["size"], seed=opts["seed"],
-                                orientation_mean=opts["orientation_mean"], orientation_std=opts["orientation_std"])
-    return stack
+    stack, phis = rectangles_stack(opts["images"], opts["size"], seed=opts["seed"],
+                                   orientation_mean=opts["orientation_mean"], orientation_std=opts["orientation_std"])
+    return (stack, phis) if with_angles else stack
 
 
 def _operator(size: int, angles_rad, device):

@@ -214,13 +214,7 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=())
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
-    images = load_images(opts)
-    phis = None
-    if not opts["images_file"]:  # generated phantoms: their preferential angles are known
-        from ctuq.data.rectangles import rectangles_stack
-
-        phis = rectangles_stack(len(images), opts["size"], seed=opts["seed"], orientation_mean=opts["orientation_mean"],
-                                orientation_std=opts["orientation_std"])[1]
+    images, phis = load_images(opts, with_angles=True)  # phis: None for an images file
     if not report_only:
         device = resolve_device(opts["device"])
         for i, gt in enumerate(images):
