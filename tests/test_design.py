@@ -164,6 +164,25 @@ def test_dense_factor_projects_each_block_once(op):
     torch.testing.assert_close(small.prior_blocks(), model.prior_blocks(), rtol=1e-12, atol=1e-12)
 
 
+def test_column_sq_norms_cache_projects_only_new_blocks(op, monkeypatch):
+    """A g-prior refresh with the block cache projects only the blocks not seen before (a network through VJPs:
+    one VJP per row) and gives the sums of projecting all chosen blocks anew, to rounding (float64, rtol 1e-12)."""
+    model = network_model(op)
+    ref_model = model.with_updates()  # the same Φ, no cache, not watched
+    asked = []
+    project = model.projected_rows
+    monkeypatch.setattr(model, "projected_rows", lambda blocks: asked.append(list(blocks)) or project(blocks))
+    cache = {}
+    first = model.column_sq_norms([0, 6, 3], cache=cache)
+    assert asked == [[0, 6, 3]] and sorted(cache) == [0, 3, 6]
+    asked.clear()
+    grown = model.column_sq_norms([0, 6, 3, 10, 1], cache=cache)
+    assert asked == [[10, 1]]
+    torch.testing.assert_close(first, ref_model.column_sq_norms([0, 6, 3]), rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(grown, ref_model.column_sq_norms([0, 6, 3, 10, 1]), rtol=1e-12, atol=0.0)
+    assert float(grown.sub(first).min()) >= 0.0 and float(grown.sub(first).max()) > 0.0
+
+
 def test_sequential_sample_update_equals_conditioning_on_all_rows_at_once(op):
     """Pathwise conditioning block by block (engine) == the core sampler's formula on all rows, same draws."""
     model = dense_model(op)

@@ -82,6 +82,7 @@ class DIPPrior:
         self.say = log or (lambda _m: None)
         self.factor = None
         self.delta = None
+        self._sq_norms: dict[int, torch.Tensor] = {}  # block → its g-prior sums under the current Φ
         self.timings: dict[str, float] = {"linearize_s": 0.0}
         self.n_refreshes = 0
         self.n_retrains = 0
@@ -95,6 +96,7 @@ class DIPPrior:
         from ctuq.linearize import LinearizedNetwork
 
         t0 = time.perf_counter()
+        self._sq_norms = {}  # a new Φ
         d, d_x = count_conv_weights(self.net_model), self.op.d_x
         k = self.op.c // self.op.n_angles
         dense = {"always": True, "never": False}.get(self.settings.dense, "auto")
@@ -154,7 +156,7 @@ class DIPPrior:
 
         chosen = list(chosen)
         if isinstance(self.factor, DenseFactor) or self.settings.gprior_method == "exact":
-            s = scales_from_sq_norms(base.column_sq_norms(chosen))
+            s = scales_from_sq_norms(base.column_sq_norms(chosen, cache=self._sq_norms))
         else:
             feats = base.features(chosen)
             s = gprior_scales(feats.rmatvec, feats.n_outputs, method="stochastic", n_features=base.d,

@@ -176,13 +176,26 @@ class DesignModel:
                 out[lo:lo + len(idx)] = F @ F.mT / self.a
         return out
 
-    def column_sq_norms(self, blocks: Sequence[int]) -> torch.Tensor:
+    def column_sq_norms(self, blocks: Sequence[int], cache: dict | None = None) -> torch.Tensor:
         """``‖(T_B L)_{:,i}‖²`` ``(d,)`` float64 over the rows of ``blocks``: the exact g-prior's sums (``c_B``
-        VJPs for a network, a slice of the kept ``T Φ`` for a dense Jacobian)."""
+        VJPs for a network, a slice of the kept ``T Φ`` for a dense Jacobian).
+
+        ``cache`` (a dict, block → its ``(d,)`` sums, filled here) keeps each block's sums across calls. It is valid
+        while ``L`` stays the same — the caller owns it and empties it when ``L`` changes — and lets a refresh
+        after ``t`` acquisitions project only the blocks acquired since the last one instead of all chosen blocks
+        (the ``small`` U-Net: one VJP per row). The sums are added block by block in the order of ``blocks``, so a
+        resumed design gets the same scales as an uninterrupted one.
+        """
+        blocks = [int(b) for b in blocks]
+        cache = {} if cache is None else cache
+        missing = list(dict.fromkeys(b for b in blocks if b not in cache))
+        for lo in range(0, len(missing), 8):
+            part = missing[lo:lo + 8]
+            sq = self.projected_rows(part).double().pow(2).reshape(len(part), self.k, self.d).sum(1).cpu()
+            cache.update(zip(part, sq))
         out = torch.zeros(self.d, dtype=torch.float64)
-        blocks = list(blocks)
-        for lo in range(0, len(blocks), 8):
-            out += self.projected_rows(blocks[lo:lo + 8]).double().pow(2).sum(0).cpu()
+        for b in blocks:
+            out += cache[b]
         return out
 
     def summary(self) -> dict:
