@@ -183,6 +183,28 @@ def test_column_sq_norms_cache_projects_only_new_blocks(op, monkeypatch):
     assert float(grown.sub(first).min()) >= 0.0 and float(grown.sub(first).max()) > 0.0
 
 
+def test_block_row_store_projects_each_block_once(op):
+    """A network's rows T^β L are projected (one VJP per row) the first time a block is asked for and read back
+    after; the chosen blocks in order come back as a view of the first slots; a request that does not fit is
+    answered without keeping anything; the numbers are those of projecting anew (float64 network, rtol 1e-12)."""
+    from ctuq.design.factors import BlockRowStore, project_rows
+
+    model = network_model(op)
+    ref = lambda blocks: project_rows(model.factor, op.subset(blocks))  # noqa: E731
+    store = BlockRowStore(4, K, model.d, torch.float64)
+    kept = model.with_updates(row_store=store)
+    torch.testing.assert_close(kept.projected_rows([0, 6, 3]), ref([0, 6, 3]), rtol=1e-12, atol=1e-12)
+    assert store.n_projected == 3 and kept.with_updates(a=9.0).row_store is store
+    got = kept.projected_rows([0, 6, 3, 10])
+    assert store.n_projected == 4 and got.data_ptr() == store.buf.data_ptr()  # a view, no copy
+    torch.testing.assert_close(kept.projected_rows([10, 0, 10]), ref([10, 0, 10]), rtol=1e-12, atol=1e-12)
+    assert store.n_projected == 4
+    torch.testing.assert_close(kept.projected_rows([1, 6, 2]), ref([1, 6, 2]), rtol=1e-12, atol=1e-12)
+    assert store.n_projected == 6 and sorted(store.slots) == [0, 3, 6, 10]  # full: 1 and 2 not kept
+    with pytest.raises(ValueError, match="capacity"):
+        BlockRowStore(0, K, model.d)
+
+
 def test_sequential_sample_update_equals_conditioning_on_all_rows_at_once(op):
     """Pathwise conditioning block by block (engine) == the core sampler's formula on all rows, same draws."""
     model = dense_model(op)

@@ -83,6 +83,30 @@ def test_assembled_and_jvp_dip_priors_give_the_same_design(problem):
     assert torch.allclose(vals[0][f], vals[1][f], rtol=1e-3)
 
 
+def test_refreshed_design_through_vjps_keeps_the_chosen_rows(problem, monkeypatch):
+    """A design through the network's VJPs with g-prior refreshes keeps the chosen angles' rows once projected
+    (BlockRowStore): each chosen block is projected once over the whole design, and the angles and final scales
+    are those of the design that projects them anew at every refresh (to float32 rounding)."""
+    from ctuq.design.factors import BlockRowStore
+
+    p = problem
+    ds = DesignConfig(refresh_every=2, dense="never", samples=32)
+    runs = []
+    for keep in (True, False):
+        monkeypatch.setattr(BlockRowStore, "fits", staticmethod(lambda *a, **k: keep))
+        prior = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05)
+        model = prior.build([0, 5], n_steps=4)
+        assert (model.row_store is not None) == keep
+        eng = DesignEngine(model, "sampled", n_samples=32)
+        res = greedy_design(eng, [0, 5], 4, criterion="ese", angles_deg=np.arange(10) * 18.0, jitter=0.0,
+                            updater=prior.updater, progress=False)
+        runs.append((res.acquired, eng.model.scales, model.row_store))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 4
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-5, atol=0.0)
+    store = runs[0][2]
+    assert store.n_projected == 6 and sorted(store.slots) == sorted([0, 5] + runs[0][0])
+
+
 def test_retraining_updater_refits_and_restores(problem, tmp_path):
     p = problem
     ds = DesignConfig(refresh_every=0, retrain_every=1, retrain_iterations=3, dense="never", samples=16)

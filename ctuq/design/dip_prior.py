@@ -5,7 +5,9 @@
   :func:`ctuq.inference.assemble_features`) and every later product is a GEMM
   (:class:`~ctuq.design.factors.DenseFactor`); otherwise the design uses JVPs/VJPs directly (``dense="auto"``
   assembles when that costs fewer products than the per-step products of the whole design and ``d_x·d`` floats
-  fit in a quarter of the free memory).
+  fit in a quarter of the free memory); the rows ``T^β Φ`` of the chosen angles are then kept once projected
+  (:class:`~ctuq.design.factors.BlockRowStore`, when the design's rows fit in a quarter of the free memory),
+  because every refresh below needs them all.
 * ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹`` (:func:`ctuq.priors.scales_from_sq_norms`;
   for a network without the assembled Jacobian, :func:`ctuq.priors.gprior_scales` with ``exact`` or
   ``stochastic`` probes), refreshed every ``refresh_every`` acquired angles together with ``a`` — this is what
@@ -26,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ctuq.design.factors import DenseFactor
+from ctuq.design.factors import BlockRowStore, DenseFactor
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
 from ctuq.inference import DENSE_CHOICES  # design.dense: by cost and memory, always, never
@@ -83,12 +85,14 @@ class DIPPrior:
         self.factor = None
         self.delta = None
         self._sq_norms: dict[int, torch.Tensor] = {}  # block → its g-prior sums under the current Φ
+        self._rows = None  # BlockRowStore of the current Φ (network through VJPs)
+        self._n_blocks = 0  # pilot + acquisitions of the design: the blocks a store must hold
         self.timings: dict[str, float] = {"linearize_s": 0.0}
         self.n_refreshes = 0
         self.n_retrains = 0
 
     # ------------------------------------------------------------------------------------------ linearisation
-    def _linearize(self, n_steps: int) -> None:
+    def _linearize(self, n_steps: int, n_blocks: int) -> None:
         import time
 
         from ctuq.inference import LinearizedFeatures, assemble_features
@@ -96,7 +100,7 @@ class DIPPrior:
         from ctuq.linearize import LinearizedNetwork
 
         t0 = time.perf_counter()
-        self._sq_norms = {}  # a new Φ
+        self._sq_norms, self._rows = {}, None  # a new Φ
         d, d_x = count_conv_weights(self.net_model), self.op.d_x
         k = self.op.c // self.op.n_angles
         dense = {"always": True, "never": False}.get(self.settings.dense, "auto")
@@ -123,6 +127,10 @@ class DIPPrior:
             del Phi
         else:
             self.factor = net
+            # every g-prior refresh needs T^τ Φ of all chosen angles (C_τ and the scales): one VJP per row, kept
+            # once projected when the design's rows fit in a quarter of the free memory (3.0 GB for 'small')
+            if BlockRowStore.fits(n_blocks, k, net.d, torch.finfo(net.dtype).bits // 8, self.op.device):
+                self._rows = BlockRowStore(n_blocks, k, net.d, net.dtype, self.op.device)
         self.timings["linearize_s"] += time.perf_counter() - t0
 
     def targets(self, blocks) -> torch.Tensor:
@@ -140,15 +148,16 @@ class DIPPrior:
     # ------------------------------------------------------------------------------------------ models
     def build(self, chosen, n_steps: int = 1) -> DesignModel:
         """Linearise (first call), then the model with the g-prior and ``a`` of the ``chosen`` angles."""
+        self._n_blocks = max(self._n_blocks, len(list(chosen)) + int(n_steps))
         if self.factor is None:
-            self._linearize(n_steps)
+            self._linearize(n_steps, self._n_blocks)
         if self.sigma2_given is None:
             self.sigma2_given = self._residual_sigma2(chosen)
             if not self.sigma2_given > 0:
                 raise FloatingPointError("the DIP fits the pilot exactly (zero residual); give the noise variance "
                                          "(design.noise_variance)")
         base = DesignModel(self.op, self.factor, torch.ones(self.factor.d), a=1.0, sigma2=self.sigma2_given,
-                           kind="dip", image_scale=self.scale)
+                           kind="dip", image_scale=self.scale, row_store=self._rows)
         return self._scaled(base, chosen)
 
     def _scaled(self, base: DesignModel, chosen) -> DesignModel:

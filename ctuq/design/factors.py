@@ -25,8 +25,8 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "kernel_apply", "project_rows", "sparse_rows",
-           "matern_matrix", "block_rows"]
+__all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "BlockRowStore", "kernel_apply", "project_rows",
+           "sparse_rows", "matern_matrix", "block_rows"]
 
 
 def block_rows(blocks, k: int) -> torch.Tensor:
@@ -204,6 +204,76 @@ class DenseFactor(_Factor):
 
     def _vjp(self, R):
         return R @ self.matrix
+
+
+class BlockRowStore:
+    """Keeps the projected rows ``T^β L`` ``(k, d)`` of up to ``capacity`` candidate blocks while ``L`` stays the same.
+
+    For a network through VJPs (no assembled Jacobian) a row of ``T L`` costs one VJP, and a design with a
+    refreshed g-prior asks for the rows of all chosen blocks at every refresh (the measurement covariance
+    ``C_τ = T^τ K T^τᵀ + σ²I`` under the new scales); :meth:`DenseFactor.projected_blocks` does the same for an
+    assembled Jacobian. Blocks are kept in the order they are first asked for, so the chosen blocks of a design
+    (pilot first, then each acquired angle) come back as a view of the first slots, not a copy. When the store is
+    full, rows of further blocks are projected and returned without being kept.
+
+    Parameters
+    ----------
+    capacity : int
+        Blocks kept at most (the pilot plus the acquisitions of a design); ``capacity·k·d`` floats are reserved
+        with ``torch.empty`` (only filled slots take memory).
+    k, d : int
+        Rows per block and columns (weights).
+    dtype, device
+        Of the kept rows (the factor's).
+    """
+
+    def __init__(self, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu"):
+        if capacity < 1:
+            raise ValueError(f"BlockRowStore: capacity must be a positive number of blocks, got {capacity}")
+        self.k, self.d = int(k), int(d)
+        self.buf = torch.empty((int(capacity) * self.k, self.d), dtype=dtype, device=device)
+        self.slots: dict[int, int] = {}  # block → its slot
+        self.n_projected = 0  # blocks projected through the factor (kept or not): the VJP count / k
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[0] // self.k
+
+    @staticmethod
+    def fits(capacity: int, k: int, d: int, element_size: int, device, memory_fraction: float = 0.25) -> bool:
+        """Whether ``capacity·k·d`` floats take at most ``memory_fraction`` of the free memory of ``device``."""
+        from ctuq.utils import free_memory_bytes
+
+        free = free_memory_bytes(device)
+        return free is None or capacity * k * d * element_size <= memory_fraction * free
+
+    def rows(self, factor, op, blocks, chunk: int = 8) -> torch.Tensor:
+        """``T_B L`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of ``op`` (``chunk`` blocks per batch of VJPs)."""
+        blocks = [int(b) for b in blocks]
+        missing = list(dict.fromkeys(b for b in blocks if b not in self.slots))
+        room = self.capacity - len(self.slots)
+        if len(missing) > room:  # they do not all fit: this request keeps nothing new
+            extra = {}
+            for lo in range(0, len(missing), chunk):
+                part = missing[lo:lo + chunk]
+                R = project_rows(factor, op.subset(part)).to(self.buf.dtype)
+                extra.update(zip(part, R.reshape(len(part), self.k, self.d)))
+            self.n_projected += len(missing)
+            return torch.cat([extra[b] if b in extra else self._slot_rows(b) for b in blocks])
+        for lo in range(0, len(missing), chunk):
+            part = missing[lo:lo + chunk]
+            first = len(self.slots)
+            self.buf[first * self.k:(first + len(part)) * self.k] = project_rows(factor, op.subset(part))
+            self.slots.update((b, first + j) for j, b in enumerate(part))
+            self.n_projected += len(part)
+        idx = [self.slots[b] for b in blocks]
+        if idx == list(range(len(idx))):
+            return self.buf[:len(idx) * self.k]
+        return self.buf[block_rows(idx, self.k).to(self.buf.device)]
+
+    def _slot_rows(self, b: int) -> torch.Tensor:
+        i = self.slots[b]
+        return self.buf[i * self.k:(i + 1) * self.k]
 
 
 def sparse_rows(op) -> torch.Tensor:

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, block_rows, kernel_apply, project_rows
+from ctuq.design.factors import (BlockRowStore, DenseFactor, IdentityFactor, MaternFactor, block_rows, kernel_apply,
+                                 project_rows)
 from ctuq.inference import LinearizedFeatures
 
 __all__ = ["DesignModel"]
@@ -43,6 +44,10 @@ class DesignModel:
         What the builder chose (lengthscale, evidence, how ``a`` was set, ...), plain values.
     image_scale : float
         Images ``L(s ⊙ w)`` are in units of ``image_scale ×`` the scan's image units (the DIP scale).
+    row_store : BlockRowStore, optional
+        Keeps the projected rows ``T^β L`` of the blocks asked for (a network factor through VJPs; shared by the
+        copies :meth:`with_updates` makes, so a g-prior refresh reuses them). Whoever builds the model owns it
+        and replaces it when ``L`` changes.
     """
 
     op: object
@@ -53,6 +58,7 @@ class DesignModel:
     kind: str = "custom"
     info: dict = dataclasses.field(default_factory=dict)
     image_scale: float = 1.0
+    row_store: BlockRowStore | None = None
 
     def __post_init__(self):
         self.scales = self.scales.detach().to(self.factor.device, self.factor.dtype)
@@ -124,12 +130,15 @@ class DesignModel:
         return self.c * self.d * 4 <= max_bytes
 
     def projected_rows(self, blocks: Sequence[int]) -> torch.Tensor:
-        """``T_B L`` ``(c_B, d)`` dense (factor dtype): for an assembled Jacobian from the blocks it keeps
-        projected (:meth:`DenseFactor.projected_blocks`), else :func:`project_rows` (sparse products or VJPs)."""
+        """``T_B L`` ``(c_B, d)`` dense (factor dtype; may be a view of kept rows: not to be written): for an
+        assembled Jacobian from the blocks it keeps projected (:meth:`DenseFactor.projected_blocks`), with a
+        :attr:`row_store` from it, else :func:`project_rows` (sparse products or VJPs)."""
         if isinstance(self.factor, DenseFactor):
             A = self.factor.projected_blocks(self.op, blocks)
             if A is not None:
                 return A
+        elif self.row_store is not None:
+            return self.row_store.rows(self.factor, self.op, blocks)
         return project_rows(self.factor, self.subset(blocks)).to(self.factor.dtype)
 
     def weight_rows(self, blocks: Sequence[int]) -> torch.Tensor:
