@@ -183,7 +183,7 @@ def test_column_sq_norms_cache_projects_only_new_blocks(op, monkeypatch):
     assert float(grown.sub(first).min()) >= 0.0 and float(grown.sub(first).max()) > 0.0
 
 
-def test_block_row_store_projects_each_block_once(op):
+def test_block_row_store_projects_each_block_once(op, monkeypatch):
     """A network's rows T^β L are projected (one VJP per row) the first time a block is asked for and read back
     after; the chosen blocks in order come back as a view of the first slots; a request that does not fit is
     answered without keeping anything; the numbers are those of projecting anew (float64 network, rtol 1e-12)."""
@@ -203,6 +203,14 @@ def test_block_row_store_projects_each_block_once(op):
     assert store.n_projected == 6 and sorted(store.slots) == [0, 3, 6, 10]  # full: 1 and 2 not kept
     with pytest.raises(ValueError, match="capacity"):
         BlockRowStore(0, K, model.d)
+    # an image-space design with kept rows factorises C_τ from them: the Cholesky factor of T^τ K T^τᵀ + σ²I
+    eng = DesignEngine(image_space(kept), route="sampled", n_samples=4)
+    with monkeypatch.context() as mp:  # not through block_kernel's float64 product
+        mp.setattr(DesignModel, "block_kernel", lambda *a, **k: pytest.fail("block_kernel called"))
+        eng.reset([0, 6, 3, 10])
+    C = model.block_kernel([0, 6, 3, 10], [0, 6, 3, 10]) + model.sigma2 * torch.eye(4 * K, dtype=torch.float64)
+    np.testing.assert_allclose(eng.chol.L.numpy(), torch.linalg.cholesky(C).numpy(), atol=1e-9)
+    assert store.n_projected == 6
 
 
 def test_sequential_sample_update_equals_conditioning_on_all_rows_at_once(op):
