@@ -111,7 +111,7 @@ class DesignEngine:
                 self.chol.reset(lower_gram(self.F, mdl.a, mdl.sigma2), block=mdl.k, lower=True)
             elif mdl.row_store is not None:
                 # the chosen rows are kept (a network through VJPs): the weight-space route's half-flop Gram in
-                # their dtype (for 'small', 40 angles: 27 s against 91 s for the float64 product of block_kernel)
+                # their dtype (for 'small', 40 angles: 30 s against 91-95 s for the float64 product of block_kernel)
                 self.chol.reset(lower_gram(mdl.weight_rows(chosen), mdl.a, mdl.sigma2), block=mdl.k, lower=True)
             else:
                 eye = mdl.sigma2 * torch.eye(len(chosen) * mdl.k, dtype=torch.float64)
