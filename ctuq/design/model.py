@@ -192,8 +192,7 @@ class DesignModel:
         ``cache`` (a dict, block → its ``(d,)`` sums, filled here) keeps each block's sums across calls. It is valid
         while ``L`` stays the same — the caller owns it and empties it when ``L`` changes — and lets a refresh
         after ``t`` acquisitions project only the blocks acquired since the last one instead of all chosen blocks
-        (the ``small`` U-Net: one VJP per row). The sums are added block by block in the order of ``blocks``, so a
-        resumed design gets the same scales as an uninterrupted one.
+        (the ``small`` U-Net: one VJP per row). The sums are added block by block in the order of ``blocks``.
         """
         blocks = [int(b) for b in blocks]
         cache = {} if cache is None else cache
