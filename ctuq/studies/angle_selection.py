@@ -17,7 +17,9 @@ once per image on the pilot angles (candidate indices ``0, n/5, …``). Strategi
 Every ``every`` angles (5, 10, …, pilot + acquire) the angles chosen so far are reconstructed with TV (PDHG) and the
 DIP (warm-started from the pilot DIP), recording the PSNR after the fixed iteration budget and — as the authors
 reported — the best PSNR over the iterations (an *oracle*: it looks at the ground truth). Each (image, strategy) is
-finished when its ``result.json`` exists; reruns skip it (and greedy designs resume from their checkpoints).
+finished when its ``result.json`` exists; reruns skip it (and greedy designs resume from their checkpoints). A rerun
+with a reconstruction method the result lacks (``--recon tv dip`` on a TV-only study) adds it at the recorded angles
+from the same data, without redoing the designs.
 Tables and figures: :mod:`ctuq.studies.angle_selection_report`.
 """
 
@@ -175,9 +177,44 @@ def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> 
                         "route": route, "prior": engine.model.summary()}
 
 
+def _equidistant_set(n: int, gt: torch.Tensor, o: dict, i: int, device):
+    """``n`` equidistant angles over [0°, 180°) (radians), their operator and their own noisy data (seeded by the
+    image and ``n``)."""
+    from ctuq.design.candidates import equidistant_angles
+
+    ang = equidistant_angles(n)
+    op_n = _operator(gt.shape[0], ang, device)
+    y_n, _ = _noisy(op_n, gt, o["noise"], [o["seed"], i, 1000 + n])
+    return ang, op_n, y_n
+
+
+def _recorded_sets(strategy: str, record: dict, ctx: types.SimpleNamespace, gt: torch.Tensor, i: int,
+                   sdir: Path) -> dict:
+    """``{count: (operator, data)}`` of a finished result's recorded angle sets (``record["angles_deg"]``): the
+    equidistant sets with their own noise draws, the others as rows of the candidates' data — the data the
+    result's reconstructions were made from. Raises :class:`StudyError` when a recorded angle is not what the
+    study's options give (another candidate grid)."""
+    o, out = ctx.opts, {}
+    for key, deg in record["angles_deg"].items():
+        deg = np.asarray(deg, dtype=np.float64)
+        if strategy == "equidistant":
+            ang, op_n, y_n = _equidistant_set(int(key), gt, o, i, gt.device)
+            ok = np.allclose(np.degrees(ang), deg, atol=1e-9)
+        else:
+            idx = np.rint(deg * o["candidates"] / 180.0).astype(int)
+            ok = bool((idx >= 0).all() and (idx < o["candidates"]).all()) and np.allclose(
+                ctx.angles_deg[np.clip(idx, 0, o["candidates"] - 1)], deg, atol=1e-6)
+            op_n, y_n = ctx.op.subset(idx.tolist()), ctx.y_cand[idx.tolist()]
+        if not ok:
+            raise StudyError(f"{sdir / 'result.json'}: the recorded angles of {key} are not those of this study's "
+                             f"options ({o['candidates']} candidates); use the options the study was run with")
+        out[key] = (op_n, y_n)
+    return out
+
+
 def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log) -> dict:
     """All strategies for image ``i``: ``{strategy: result}`` (each also in ``out/img_<i>/<strategy>/result.json``)."""
-    from ctuq.design.candidates import equidistant_angles, equidistant_indices, random_indices
+    from ctuq.design.candidates import equidistant_indices, random_indices
     from ctuq.utils import atomic_write_json
 
     o = opts
@@ -193,16 +230,32 @@ def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log
     ctx = types.SimpleNamespace(opts=o, op=op, y_cand=y_cand, sigma=sigma, pilot=pilot, linearized=None,
                                 angles_deg=np.degrees(cand_rad), dip=None)
     results: dict[str, dict] = {}
-    for strategy in o["strategies"]:
-        sdir = idir / strategy
-        if (sdir / "result.json").is_file():
-            results[strategy] = read_json(sdir / "result.json")
-            continue
-        sdir.mkdir(exist_ok=True)
-        if ctx.dip is None and ("dip" in o["recon"] or strategy.startswith("dip")):
+
+    def pilot_dip():
+        if ctx.dip is None:
             data = types.SimpleNamespace(op=op.subset(pilot), y=y_cand[pilot], ground_truth=gt)
             model, net_input, _, _ = fit_or_load_dip("dip", idir, data, o, device, log)
             ctx.dip = (model, net_input)
+        return ctx.dip
+
+    for strategy in o["strategies"]:
+        sdir = idir / strategy
+        if (sdir / "result.json").is_file():
+            record = read_json(sdir / "result.json")
+            missing = [m for m in o["recon"] if any(m not in r for r in record["recon"].values())]
+            if missing:  # reconstruction methods added to a study: the recorded angles, the same data
+                if "dip" in missing:
+                    pilot_dip()
+                log(f"image {i}: {strategy}: adding {', '.join(missing)} reconstructions at the recorded angles")
+                for key, (op_n, y_n) in _recorded_sets(strategy, record, ctx, gt, i, sdir).items():
+                    record["recon"].setdefault(key, {}).update(
+                        reconstruct(op_n, y_n, gt, dict(o, recon=missing), ctx.dip))
+                atomic_write_json(sdir / "result.json", record)
+            results[strategy] = record
+            continue
+        sdir.mkdir(exist_ok=True)
+        if "dip" in o["recon"] or strategy.startswith("dip"):
+            pilot_dip()
         log(f"image {i}: {strategy}")
         t0 = time.perf_counter()
         timings: dict = {}
@@ -210,9 +263,7 @@ def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log
         if strategy == "equidistant":
             chosen_deg = {}
             for n in counts:
-                ang = equidistant_angles(n)
-                op_n = _operator(size, ang, device)
-                y_n, _ = _noisy(op_n, gt, o["noise"], [o["seed"], i, 1000 + n])
+                ang, op_n, y_n = _equidistant_set(n, gt, o, i, device)
                 recon[str(n)] = reconstruct(op_n, y_n, gt, o, ctx.dip)
                 chosen_deg[str(n)] = np.degrees(ang).tolist()
             record = {"angles_deg": chosen_deg}

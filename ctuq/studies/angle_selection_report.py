@@ -11,7 +11,8 @@ Outputs in the study folder (``scripts/angle_selection.py``)::
                                  result in the folder, so processes that share a study folder with different
                                  ``--strategies`` each write the whole table, and ``--report`` rebuilds it
     psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
-    study.json                   the options (a rerun with other options that change numbers is refused)
+    study.json                   the options (a rerun with other options that change numbers is refused; more
+                                 ``--recon`` methods are added to the finished results)
     img_<i>/                     per image: dip_model.pt (pilot DIP), per strategy result.json (+ checkpoints)
 """
 
@@ -211,7 +212,9 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     if report_only and not (out / "study.json").is_file():
         raise StudyError(f"--report: {out} holds no study (no study.json)")
     out.mkdir(parents=True, exist_ok=True)
-    check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=())
+    # reconstruction methods may be added to a study: finished results get them at their recorded angles
+    check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log,
+                       growable=("recon",))
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
     images, phis = load_images(opts, with_angles=True)  # phis: None for an images file
