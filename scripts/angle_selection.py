@@ -22,6 +22,7 @@ Examples::
     python scripts/angle_selection.py --tiny --out /tmp/angles               # seconds: CI size
     python scripts/angle_selection.py --images 10 --recon tv --samples 1000 --out runs/angles10
     python scripts/angle_selection.py --images 10 --recon tv --samples 1000 --out runs/angles10 --report
+    python scripts/angle_selection.py --images 10 --recon tv dip --samples 1000 --out runs/angles10  # adds DIP recons
     python scripts/angle_selection.py --images-file phantoms.npy --orientation-std 5 --out runs/mine
 """
 
