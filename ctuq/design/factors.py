@@ -180,11 +180,8 @@ class DenseFactor(_Factor):
         ``memory_fraction`` of the free memory; callers then project the rows they need each time.
         """
         if self._projection is None or self._projection[0] is not op:
-            from ctuq.utils import free_memory_bytes
-
-            free = free_memory_bytes(self.device)
-            need = op.c * self.d * self.matrix.element_size()
-            keep = free is None or need <= memory_fraction * free
+            keep = BlockRowStore.fits(op.n_angles, op.c // op.n_angles, self.d, self.matrix.element_size(),
+                                      self.device, memory_fraction)
             # torch.empty touches no page: only the blocks filled below take memory
             buf = torch.empty((op.c, self.d), dtype=self.dtype, device=self.device) if keep else None
             self._projection = (op, buf, torch.zeros(op.n_angles, dtype=torch.bool))

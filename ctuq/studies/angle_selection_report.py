@@ -7,8 +7,8 @@ Outputs in the study folder (``scripts/angle_selection.py``)::
                                  iterations; the paired difference of each strategy to equidistant angles (same
                                  images); design timings per strategy; for generated phantoms, how close each
                                  sequential strategy's acquired angles are to the phantom's orientation. Built from
-                                 every finished (image, strategy)
-                                 result in the folder, so processes that share a study folder with different
+                                 every finished (image, strategy) result in the folder, so processes that share a
+                                 study folder with different
                                  ``--strategies`` each write the whole table, and ``--report`` rebuilds it
     psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
     study.json                   the options (a rerun with other options that change numbers is refused; more
