@@ -83,16 +83,30 @@ def test_assembled_and_jvp_dip_priors_give_the_same_design(problem):
     assert torch.allclose(vals[0][f], vals[1][f], rtol=1e-3)
 
 
-def test_refreshed_design_through_vjps_keeps_the_chosen_rows(problem, monkeypatch):
+@pytest.mark.parametrize("weight_space", [True, False])
+def test_refreshed_design_through_vjps_keeps_the_chosen_rows(problem, monkeypatch, weight_space):
     """A design through the network's VJPs with g-prior refreshes keeps the chosen angles' rows once projected
     (BlockRowStore): each chosen block is projected once over the whole design, and the angles and final scales
-    are those of the design that projects them anew at every refresh (to float32 rounding)."""
+    are those of the design that projects them anew at every refresh (to float32 rounding). An acquisition takes
+    ``K T^βᵀ`` from the kept rows of ``β``: on the image-space route (the ``small`` U-Net's) its kernel products
+    are only the conditioning on the chosen angles'; the weight-space route takes no kernel products."""
     from ctuq.design.factors import BlockRowStore
+    from ctuq.design.model import DesignModel
 
     p = problem
     ds = DesignConfig(refresh_every=2, dense="never", samples=32)
     runs = []
+    kernel_rows = []
+    plain_kernel = DesignModel.kernel
+
+    def counted_kernel(self, X):
+        kernel_rows[-1] += X.shape[0]
+        return plain_kernel(self, X)
+
+    monkeypatch.setattr(DesignModel, "kernel", counted_kernel)
+    monkeypatch.setattr(DesignModel, "weight_space", lambda self, max_bytes=1 << 30: weight_space)
     for keep in (True, False):
+        kernel_rows.append(0)
         monkeypatch.setattr(BlockRowStore, "fits", staticmethod(lambda *a, **k: keep))
         prior = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05)
         model = prior.build([0, 5], n_steps=4)
@@ -105,6 +119,9 @@ def test_refreshed_design_through_vjps_keeps_the_chosen_rows(problem, monkeypatc
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-5, atol=0.0)
     store = runs[0][2]
     assert store.n_projected == 6 and sorted(store.slots) == sorted([0, 5] + runs[0][0])
+    k = p.op.c // p.op.n_angles
+    # per acquisition on the image-space route: k rows (the conditioning) with the store, 2k without
+    assert kernel_rows == ([0, 0] if weight_space else [4 * k, 8 * k])
 
 
 def test_retraining_updater_refits_and_restores(problem, tmp_path):

@@ -210,7 +210,12 @@ class DesignEngine:
         """Image space: ``(X, B, D)`` as :meth:`_cross_weight` from kernel products."""
         mdl, k = self.model, self.model.k
         op_b = mdl.subset([beta])
-        Z = mdl.kernel(op_b.adjoint_flat(torch.eye(k, dtype=op_b.dtype, device=op_b.device)))  # K T^βᵀ rows
+        if mdl.row_store is not None:
+            # K T^βᵀ = L diag(s)² (T^β L)ᵀ / a: the VJPs of T^β L go through the store, so a later g-prior refresh
+            # finds β's rows kept instead of projecting them again (the same arithmetic as kernel_apply)
+            Z = mdl.factor.jvp(mdl.projected_rows([beta]) * mdl.scales.pow(2)) / mdl.a
+        else:
+            Z = mdl.kernel(op_b.adjoint_flat(torch.eye(k, dtype=op_b.dtype, device=op_b.device)))  # K T^βᵀ rows
         D = op_b.forward_flat(Z.to(op_b.dtype)).double().cpu()
         W, B, Zf = Z, None, None
         if self.chosen:
