@@ -30,6 +30,7 @@ import torch
 
 from ctuq.design.bordered import BorderedCholesky, lower_gram
 from ctuq.design.criteria import criteria_from_blocks, criteria_from_samples
+from ctuq.design.factors import kernel_from_rows
 from ctuq.inference import sample_chunks
 from ctuq.inference.sampler import chunk_generator
 
@@ -211,9 +212,9 @@ class DesignEngine:
         mdl, k = self.model, self.model.k
         op_b = mdl.subset([beta])
         if mdl.row_store is not None:
-            # K T^βᵀ = L diag(s)² (T^β L)ᵀ / a: the VJPs of T^β L go through the store, so a later g-prior refresh
-            # finds β's rows kept instead of projecting them again (the same arithmetic as kernel_apply)
-            Z = mdl.factor.jvp(mdl.projected_rows([beta]) * mdl.scales.pow(2)) / mdl.a
+            # the VJPs of T^β L go through the store, so a later g-prior refresh finds β's rows kept instead of
+            # projecting them again
+            Z = kernel_from_rows(mdl.factor, mdl.scales, mdl.a, mdl.projected_rows([beta]))
         else:
             Z = mdl.kernel(op_b.adjoint_flat(torch.eye(k, dtype=op_b.dtype, device=op_b.device)))  # K T^βᵀ rows
         D = op_b.forward_flat(Z.to(op_b.dtype)).double().cpu()

@@ -25,7 +25,8 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "BlockRowStore", "kernel_apply", "project_rows",
+__all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "BlockRowStore", "kernel_apply", "kernel_from_rows",
+           "project_rows",
            "sparse_rows", "matern_matrix", "block_rows"]
 
 
@@ -288,7 +289,13 @@ def kernel_apply(factor, scales: torch.Tensor, a: float, X: torch.Tensor) -> tor
         return X.to(factor.dtype) / a
     if isinstance(factor, MaternFactor) and bool((scales == 1).all()):
         return factor.covariance_apply(X) / a
-    return factor.jvp(factor.vjp(X) * scales.pow(2)) / a
+    return kernel_from_rows(factor, scales, a, factor.vjp(X))
+
+
+def kernel_from_rows(factor, scales: torch.Tensor, a: float, R: torch.Tensor) -> torch.Tensor:
+    """``K Tᵀ = L diag(s)² Rᵀ / a`` from projected rows ``R = T L`` ``(B, d)`` → image rows ``(B, d_x)``: the second
+    half of :func:`kernel_apply` (one JVP per row), for rows already projected (kept by a :class:`BlockRowStore`)."""
+    return factor.jvp(R * scales.pow(2)) / a
 
 
 def project_rows(factor, op) -> torch.Tensor:
