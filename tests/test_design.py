@@ -151,10 +151,11 @@ def test_dense_factor_projects_each_block_once(op):
     blocks = [7, 2, 9, 2]
     ref = project_rows(model.factor, op.subset(blocks))
     torch.testing.assert_close(model.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
-    _, buf, filled = model.factor._projection
-    assert filled.nonzero()[:, 0].tolist() == [2, 7, 9]  # only the blocks asked for
-    buf[model.rows([7])] = 0.0  # a kept block is read back, not projected again
-    assert float(model.projected_rows([7]).abs().max()) == 0.0
+    store = model.factor._projection[1]
+    assert sorted(store.slots) == [2, 7, 9] and store.n_projected == 3  # only the blocks asked for, each once
+    assert store.capacity == op.n_angles  # room for every candidate
+    store.buf[:K] = 0.0  # block 7, the first kept: read back, not projected again
+    assert float(model.projected_rows([7]).abs().max()) == 0.0 and store.n_projected == 3
     model = dense_model(op)
     torch.testing.assert_close(model.column_sq_norms(blocks), ref.pow(2).sum(0), rtol=1e-12, atol=1e-12)
     # no room for T Φ: nothing kept, the same numbers from sparse products

@@ -168,34 +168,24 @@ class DenseFactor(_Factor):
                              f"{tuple(matrix.shape)}")
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
         self.matrix = matrix
-        # (operator, T Φ buffer (c, d) or None when it does not fit, which of its blocks are filled)
-        self._projection: tuple[object, torch.Tensor | None, torch.Tensor] | None = None
+        # (operator, the store of its projected blocks or None when T Φ does not fit)
+        self._projection: tuple[object, BlockRowStore | None] | None = None
 
     def projected_blocks(self, op, blocks, memory_fraction: float = 0.25) -> torch.Tensor | None:
         """``T_B Φ`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of the operator ``op`` (``k`` rows per angle).
 
         A design asks for the rows of the same blocks again and again (the chosen angles at every g-prior refresh,
         each acquired block once more at its step), so each block is projected once — one sparse × dense product
-        for all blocks not yet kept — into a ``(c, d)`` buffer that is filled as blocks are asked for (a design
-        of 40 out of 200 angles projects 40). ``None`` when ``c·d`` floats would take more than
+        for all blocks not yet kept — into a :class:`BlockRowStore` with room for every candidate of ``op`` (a
+        design of 40 out of 200 angles projects 40). ``None`` when its ``c·d`` floats would take more than
         ``memory_fraction`` of the free memory; callers then project the rows they need each time.
         """
         if self._projection is None or self._projection[0] is not op:
-            keep = BlockRowStore.fits(op.n_angles, op.c // op.n_angles, self.d, self.matrix.element_size(),
-                                      self.device, memory_fraction)
-            # torch.empty touches no page: only the blocks filled below take memory
-            buf = torch.empty((op.c, self.d), dtype=self.dtype, device=self.device) if keep else None
-            self._projection = (op, buf, torch.zeros(op.n_angles, dtype=torch.bool))
-        _, buf, filled = self._projection
-        if buf is None:
-            return None
-        k = op.c // op.n_angles
-        blocks = torch.as_tensor([int(b) for b in blocks], dtype=torch.long)
-        missing = torch.unique(blocks[~filled[blocks]]).tolist()
-        if missing:
-            buf[block_rows(missing, k).to(buf.device)] = project_rows(self, op.subset(missing))
-            filled[missing] = True
-        return buf[block_rows(blocks, k).to(buf.device)]
+            k = op.c // op.n_angles
+            keep = BlockRowStore.fits(op.n_angles, k, self.d, self.matrix.element_size(), self.device, memory_fraction)
+            self._projection = (op, BlockRowStore(op.n_angles, k, self.d, self.dtype, self.device) if keep else None)
+        store = self._projection[1]
+        return None if store is None else store.rows(self, op, blocks, chunk=None)
 
     def _jvp(self, W):
         return W @ self.matrix.T
@@ -209,8 +199,8 @@ class BlockRowStore:
 
     For a network through VJPs (no assembled Jacobian) a row of ``T L`` costs one VJP, and a design with a
     refreshed g-prior asks for the rows of all chosen blocks at every refresh (the measurement covariance
-    ``C_τ = T^τ K T^τᵀ + σ²I`` under the new scales); :meth:`DenseFactor.projected_blocks` does the same for an
-    assembled Jacobian. Blocks are kept in the order they are first asked for, so the chosen blocks of a design
+    ``C_τ = T^τ K T^τᵀ + σ²I`` under the new scales); :meth:`DenseFactor.projected_blocks` keeps an assembled
+    Jacobian's rows in one with room for every candidate. Blocks are kept in the order they are first asked for, so the chosen blocks of a design
     (pilot first, then each acquired angle) come back as a view of the first slots, not a copy. When the store is
     full, rows of further blocks are projected and returned without being kept.
 
@@ -245,10 +235,12 @@ class BlockRowStore:
         free = free_memory_bytes(device)
         return free is None or capacity * k * d * element_size <= memory_fraction * free
 
-    def rows(self, factor, op, blocks, chunk: int = 8) -> torch.Tensor:
-        """``T_B L`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of ``op`` (``chunk`` blocks per batch of VJPs)."""
+    def rows(self, factor, op, blocks, chunk: int | None = 8) -> torch.Tensor:
+        """``T_B L`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of ``op``: the blocks not kept yet are projected
+        ``chunk`` blocks per batch of VJPs (``None``: all in one product, for an assembled ``L``)."""
         blocks = [int(b) for b in blocks]
         missing = list(dict.fromkeys(b for b in blocks if b not in self.slots))
+        chunk = max(1, len(missing)) if chunk is None else chunk
         room = self.capacity - len(self.slots)
         if len(missing) > room:  # they do not all fit: this request keeps nothing new
             extra = {}
