@@ -200,9 +200,9 @@ class BlockRowStore:
     For a network through VJPs (no assembled Jacobian) a row of ``T L`` costs one VJP, and a design with a
     refreshed g-prior asks for the rows of all chosen blocks at every refresh (the measurement covariance
     ``C_τ = T^τ K T^τᵀ + σ²I`` under the new scales); :meth:`DenseFactor.projected_blocks` keeps an assembled
-    Jacobian's rows in one with room for every candidate. Blocks are kept in the order they are first asked for, so the chosen blocks of a design
-    (pilot first, then each acquired angle) come back as a view of the first slots, not a copy. When the store is
-    full, rows of further blocks are projected and returned without being kept.
+    Jacobian's rows in one with room for every candidate. Blocks are kept in the order they are first asked for, so
+    the chosen blocks of a design (pilot first, then each acquired angle) come back as a view of the first slots, not
+    a copy. When the store is full, rows of further blocks are projected and returned without being kept.
 
     Parameters
     ----------
