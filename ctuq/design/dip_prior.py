@@ -129,8 +129,7 @@ class DIPPrior:
             self.factor = net
             # every g-prior refresh needs T^τ Φ of all chosen angles (C_τ and the scales): one VJP per row, kept
             # once projected when the design's rows fit in a quarter of the free memory (3.0 GB for 'small')
-            if BlockRowStore.fits(n_blocks, k, net.d, torch.finfo(net.dtype).bits // 8, self.op.device):
-                self._rows = BlockRowStore(n_blocks, k, net.d, net.dtype, self.op.device)
+            self._rows = BlockRowStore.if_fits(n_blocks, k, net.d, net.dtype, self.op.device)
         self.timings["linearize_s"] += time.perf_counter() - t0
 
     def targets(self, blocks) -> torch.Tensor:

@@ -181,9 +181,9 @@ class DenseFactor(_Factor):
         ``memory_fraction`` of the free memory; callers then project the rows they need each time.
         """
         if self._projection is None or self._projection[0] is not op:
-            k = op.c // op.n_angles
-            keep = BlockRowStore.fits(op.n_angles, k, self.d, self.matrix.element_size(), self.device, memory_fraction)
-            self._projection = (op, BlockRowStore(op.n_angles, k, self.d, self.dtype, self.device) if keep else None)
+            store = BlockRowStore.if_fits(op.n_angles, op.c // op.n_angles, self.d, self.dtype, self.device,
+                                          memory_fraction)
+            self._projection = (op, store)
         store = self._projection[1]
         return None if store is None else store.rows(self, op, blocks, chunk=None)
 
@@ -234,6 +234,13 @@ class BlockRowStore:
 
         free = free_memory_bytes(device)
         return free is None or capacity * k * d * element_size <= memory_fraction * free
+
+    @classmethod
+    def if_fits(cls, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu",
+                memory_fraction: float = 0.25) -> "BlockRowStore | None":
+        """A store of ``capacity`` blocks of ``k × d`` rows, or ``None`` when they would not :meth:`fit <fits>`."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return cls(capacity, k, d, dtype, device) if cls.fits(capacity, k, d, size, device, memory_fraction) else None
 
     def rows(self, factor, op, blocks, chunk: int | None = 8) -> torch.Tensor:
         """``T_B L`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of ``op``: the blocks not kept yet are projected
