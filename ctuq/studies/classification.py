@@ -114,9 +114,22 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int = 200, lr: float = 1e-3,
-              batch_size: int = 64, weight_decay: float = 0.0, seed: int = 0) -> tuple[nn.Module, float]:
-    """Adam on the cross-entropy (plus ``weight_decay/2 ‖v‖²/n``), mini-batches of ``batch_size``; returns the model
-    in eval mode and the seconds taken."""
+              batch_size: int = 64, weight_decay: float | torch.Tensor = 0.0, seed: int = 0) -> tuple[nn.Module, float]:
+    """Adam on the mean cross-entropy plus ``½ Σ_j λ_j v_j² / n``, mini-batches of ``batch_size``; returns the model
+    in eval mode and the seconds taken.
+
+    ``weight_decay`` is ``λ``: one number for every weight, or a tensor ``(d,)`` of per-weight precisions in the
+    order of ``model.parameters()`` (a Gaussian prior ``v_j ~ N(0, 1/λ_j)``; ``λ_j = a/s_j²`` for the g-prior).
+    Training continues from the model's current weights (warm start)."""
+    params = list(model.parameters())
+    d = sum(p.numel() for p in params)
+    if isinstance(weight_decay, torch.Tensor):
+        if tuple(weight_decay.shape) != (d,):
+            raise ValueError(f"train_map: weight_decay must be a number or a tensor of shape ({d},) (one precision "
+                             f"per weight), got shape {tuple(weight_decay.shape)}")
+        lam = weight_decay.detach().to(params[0].dtype)
+    else:
+        lam = float(weight_decay)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     n = X.shape[0]
@@ -130,8 +143,11 @@ def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int
                 continue  # batch norm needs two examples
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(X[idx]), y[idx])
-            if weight_decay:
-                loss = loss + weight_decay / (2 * n) * sum(p.pow(2).sum() for p in model.parameters())
+            if isinstance(lam, torch.Tensor):
+                v = torch.cat([p.reshape(-1) for p in params])
+                loss = loss + (lam * v * v).sum() / (2 * n)
+            elif lam:
+                loss = loss + lam / (2 * n) * sum(p.pow(2).sum() for p in params)
             loss.backward()
             opt.step()
     return model.eval(), time.perf_counter() - t0
