@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctuq.classify import LinearizedLaplace  # noqa: E402
 from ctuq.inference import DENSE_CHOICES  # noqa: E402
+from ctuq.utils import atomic_torch_save  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
 from ctuq.studies.classification import (DATASETS, MODELS, SHIFTS, count_parameters, load_dataset,  # noqa: E402
                                          make_model, metric_row, shifted_inputs, train_map)
@@ -189,7 +190,6 @@ def marglik_training(model, d, args):
     evidence-optimal prior ``v_j ~ N(0, s_j²/a)`` as its regulariser (precision ``a/s_j²``; none where ``s_j = 0``,
     a weight that no training logit depends on). Then the network is, up to the Adam iterate, the mode of the
     posterior whose evidence picked ``a``, instead of an unregularised fit. Returns the model."""
-    n = d["X"].shape[0]
     for k in range(args.marglik_rounds):
         la = LinearizedLaplace(model, prior="gprior", solver="cg", seed=args.seed,
                                solver_options={"rank": args.rank, "adaptive_rank": args.adaptive_rank},
@@ -269,6 +269,9 @@ def main(argv=None):
                     help="also evaluate the sampled posterior with a fixed at these multiples of the EM's a "
                          "(test NLL, accuracy, ECE, mean logit std): is the evidence optimum the predictive optimum?")
     args = ap.parse_args(argv)
+    if args.marglik_rounds < 0 or args.marglik_epochs < 1:
+        ap.error(f"--marglik-rounds must be >= 0 and --marglik-epochs >= 1, got {args.marglik_rounds} and "
+                 f"{args.marglik_epochs}")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
     out = Path(args.out)
@@ -297,7 +300,7 @@ def main(argv=None):
             else:
                 model, t_train = train_map(model, d["X"], d["y"], epochs=args.epochs, seed=args.seed,
                                            weight_decay=args.weight_decay)
-                torch.save(model.state_dict(), cache)
+                atomic_torch_save(cache, model.state_dict())
             if args.marglik_rounds:
                 ml = out / f"{cache.stem}_marglik{args.marglik_rounds}x{args.marglik_epochs}.pt"
                 if ml.exists():
@@ -305,7 +308,7 @@ def main(argv=None):
                     model.eval()
                 else:
                     model = marglik_training(model, d, args)
-                    torch.save(model.state_dict(), ml)
+                    atomic_torch_save(ml, model.state_dict())
             n, C = d["X"].shape[0], 10
             print(f"\n{key}: d = {count_parameters(model)}, n = {n}, n·C = {n * C}, MAP training "
                   f"{'cached' if t_train is None else f'{t_train:.0f} s'}", flush=True)
