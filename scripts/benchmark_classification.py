@@ -79,12 +79,27 @@ def run_map(model, d, shifts):
     return {"method": "MAP", "link": "-", "rows": rows, "time_s": 0.0, "a": None}
 
 
+def make_laplace(model, args, exact: bool, log=None) -> LinearizedLaplace:
+    """ctuq's all-weights g-prior Laplace as benchmarked: the dense exact solver, or CG with the rank-``--rank``
+    Nyström preconditioner."""
+    return LinearizedLaplace(model, prior="gprior", solver="exact" if exact else "cg", seed=args.seed,
+                             solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
+                             dtype=getattr(torch, args.dtype), dense_features=args.dense_features, log=log)
+
+
+def cached_model(path: Path, model, train):
+    """``(model, seconds)``: the weights cached at ``path`` (``seconds`` None), else ``train(model)`` saved there."""
+    if path.exists():
+        model.load_state_dict(torch.load(path, weights_only=True))
+        return model.eval(), None
+    model, seconds = train(model)
+    atomic_torch_save(path, model.state_dict())
+    return model, seconds
+
+
 def run_ctuq(model, d, shifts, args, exact: bool):
     t0 = time.perf_counter()
-    la = LinearizedLaplace(model, prior="gprior", solver="exact" if exact else "cg", seed=args.seed,
-                           solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
-                           dtype=getattr(torch, args.dtype), dense_features=args.dense_features,
-                           log=lambda m: print(f"    {m}", flush=True))
+    la = make_laplace(model, args, exact, log=lambda m: print(f"    {m}", flush=True))
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
     print(f"  ctuq {'exact' if exact else 'sampled'}: fit (linearisation, g-prior, solver set-up) {t_fit:.1f} s",
@@ -189,11 +204,10 @@ def marglik_training(model, d, args):
     EM as in :func:`run_ctuq`) and continue the MAP training (warm start, ``--marglik-epochs`` epochs) with the
     evidence-optimal prior ``v_j ~ N(0, s_j²/a)`` as its regulariser (precision ``a/s_j²``; none where ``s_j = 0``,
     a weight that no training logit depends on). Then the network is, up to the Adam iterate, the mode of the
-    posterior whose evidence picked ``a``, instead of an unregularised fit. Returns the model."""
+    posterior whose evidence picked ``a``, instead of an unregularised fit. Returns the model and the seconds taken."""
+    t0 = time.perf_counter()
     for k in range(args.marglik_rounds):
-        la = LinearizedLaplace(model, prior="gprior", solver="cg", seed=args.seed,
-                               solver_options={"rank": args.rank, "adaptive_rank": args.adaptive_rank},
-                               dtype=getattr(torch, args.dtype), dense_features=args.dense_features)
+        la = make_laplace(model, args, exact=False)
         la.fit(loader(d["X"], d["y"]))
         la.optimize_prior("sampled_em", max_steps=args.em_steps, n_samples=args.em_samples, tol=0.0)
         a, s = la.prior_precision, la.scales
@@ -206,7 +220,7 @@ def marglik_training(model, d, args):
         la = None
         model, _ = train_map(model, d["X"], d["y"], epochs=args.marglik_epochs, seed=args.seed + k + 1,
                              weight_decay=lam)
-    return model
+    return model, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -293,22 +307,11 @@ def main(argv=None):
             model = make_model(kind, ds, seed=args.seed)
             wd = f"_wd{args.weight_decay:g}" if args.weight_decay else ""
             cache = out / f"{ds}_{kind}_seed{args.seed}_ep{args.epochs}{wd}.pt"
-            if cache.exists():
-                model.load_state_dict(torch.load(cache, weights_only=True))
-                model.eval()
-                t_train = None
-            else:
-                model, t_train = train_map(model, d["X"], d["y"], epochs=args.epochs, seed=args.seed,
-                                           weight_decay=args.weight_decay)
-                atomic_torch_save(cache, model.state_dict())
+            model, t_train = cached_model(cache, model, lambda m: train_map(
+                m, d["X"], d["y"], epochs=args.epochs, seed=args.seed, weight_decay=args.weight_decay))
             if args.marglik_rounds:
                 ml = out / f"{cache.stem}_marglik{args.marglik_rounds}x{args.marglik_epochs}.pt"
-                if ml.exists():
-                    model.load_state_dict(torch.load(ml, weights_only=True))
-                    model.eval()
-                else:
-                    model = marglik_training(model, d, args)
-                    atomic_torch_save(ml, model.state_dict())
+                model, _ = cached_model(ml, model, lambda m: marglik_training(m, d, args))
             n, C = d["X"].shape[0], 10
             print(f"\n{key}: d = {count_parameters(model)}, n = {n}, n·C = {n * C}, MAP training "
                   f"{'cached' if t_train is None else f'{t_train:.0f} s'}", flush=True)
