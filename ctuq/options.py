@@ -1,0 +1,230 @@
+"""Every option vocabulary of ctuq, as ``str`` enums, in one leaf module (it imports nothing from ctuq).
+
+A member compares equal to its string (``Prior.GPRIOR == "gprior"``), prints as its string (``f"{Prior.GPRIOR}"`` is
+``"gprior"`` on every Python version) and encodes to JSON as its string, so configs, checkpoints and messages keep
+plain strings; code names the member instead of repeating the literal. Configs and checkpoints store ``.value``
+(``torch.load(..., weights_only=True)`` cannot load an enum).
+
+Solver names are not listed here: they are the keys of the solver registry
+(:data:`ctuq.inference.solvers.SOLVERS`), which each solver class fills when its module is imported, so a new solver
+is one file plus one registry line.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "Vocabulary", "values",
+    # inference core
+    "Prior", "GPriorMethod", "Preconditioner", "CGBackend", "ExactSide", "SolverAlias", "EMUpdate", "EMStopRule",
+    "LRDecay", "DenseFeatures",
+    # CT front end and operators
+    "Backend", "FilterType",
+    # experimental design
+    "DesignPriorKind", "DesignPriorScale", "DesignRoute", "Criterion", "Baseline",
+    # classification
+    "LinearModel", "PriorMethod", "HessianRoot", "Link", "WeightSubset", "TupleSampling",
+]
+
+
+class Vocabulary(str, enum.Enum):
+    """Base of every vocabulary: a ``str`` whose ``str()``/``format()`` is its value (Python 3.11 changed the
+    default ``format()`` of mixed-in enums to ``Class.MEMBER``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def parse(cls, value, what: str):
+        """The member for ``value`` (a member or its string); ``ValueError`` naming ``what`` and the valid values."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {values(cls)}, got {value!r}") from None
+
+
+def values(vocabulary: type[Vocabulary]) -> tuple[str, ...]:
+    """The plain strings of a vocabulary, in definition order (for ``choices=``, ``--help`` and messages)."""
+    return tuple(m.value for m in vocabulary)
+
+
+# ---------------------------------------------------------------------------------------------- inference core
+class Prior(Vocabulary):
+    """Weight-prior scaling of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` or ``s = 1``."""
+
+    GPRIOR = "gprior"
+    ISOTROPIC = "isotropic"
+
+
+class GPriorMethod(Vocabulary):
+    """How the g-prior's column norms are found: ``c`` VJPs, or Rademacher probes (unbiased)."""
+
+    EXACT = "exact"
+    STOCHASTIC = "stochastic"
+
+
+class Preconditioner(Vocabulary):
+    """CG preconditioners: low-rank ``K̄ ≈ UΛUᵀ`` by single-pass Nyström, Halko's two-pass method, pivoted Cholesky,
+    or none."""
+
+    NYSTROM = "nystrom"
+    HALKO = "halko"
+    PIVOTED_CHOLESKY = "pivoted_cholesky"
+    NONE = "none"
+
+
+class CGBackend(Vocabulary):
+    """CG implementation: ctuq's deflating batched PCG, or linear_operator's ``linear_cg`` (comparison only)."""
+
+    PCG = "pcg"
+    LINEAR_CG = "linear_cg"
+
+
+class ExactSide(Vocabulary):
+    """Which Gram matrix an exact solver decomposes: ``ΨᵀΨ`` (primal, ``d × d``) or ``K̄ = ΨΨᵀ`` (dual, ``c × c``)."""
+
+    AUTO = "auto"
+    DUAL = "dual"
+    PRIMAL = "primal"
+
+
+class SolverAlias(Vocabulary):
+    """Solver option values that are not registry names: pick by estimated cost, or the cheaper exact side."""
+
+    AUTO = "auto"
+    EXACT = "exact"
+
+
+class EMUpdate(Vocabulary):
+    """The EM's update of ``a``: MacKay's fixed point, or the damped update in ``log a``."""
+
+    MACKAY = "mackay"
+    DAMPED = "damped"
+
+
+class EMStopRule(Vocabulary):
+    """What the EM's tolerance is tested on."""
+
+    A = "a"
+    A_AND_SIGMA2 = "a_and_sigma2"
+
+
+class LRDecay(Vocabulary):
+    """Learning-rate schedule of the SGD solver."""
+
+    LINEAR = "linear"
+    NONE = "none"
+
+
+class DenseFeatures(Vocabulary):
+    """Whether to assemble the features as a dense matrix."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+# ---------------------------------------------------------------------------------------------- CT
+class Backend(Vocabulary):
+    """Ray-transform backends (``operator.backend``)."""
+
+    AUTO = "auto"
+    SPARSE = "sparse"
+    ASTRA_CUDA = "astra_cuda"
+
+
+class FilterType(Vocabulary):
+    """FBP/FDK filters."""
+
+    RAM_LAK = "Ram-Lak"
+    SHEPP_LOGAN = "Shepp-Logan"
+    COSINE = "Cosine"
+    HAMMING = "Hamming"
+    HANN = "Hann"
+
+
+# ---------------------------------------------------------------------------------------------- design
+class DesignPriorKind(Vocabulary):
+    """Image priors of ``ctuq design``."""
+
+    ISOTROPIC = "isotropic"
+    MATERN = "matern"
+    DIP = "dip"
+
+
+class DesignPriorScale(Vocabulary):
+    """How ``ctuq design`` scales its image prior."""
+
+    AUTO = "auto"
+    EM = "em"
+    ENERGY = "energy"
+
+
+class DesignRoute(Vocabulary):
+    """How the design engine applies the covariance: exact (dense) or sampled."""
+
+    AUTO = "auto"
+    EXACT = "exact"
+    SAMPLED = "sampled"
+
+
+class Criterion(Vocabulary):
+    """Acquisition criteria: expected information gain, expected squared error, diagonal EIG."""
+
+    EIG = "eig"
+    ESE = "ese"
+    DIAG_EIG = "diag_eig"
+
+
+class Baseline(Vocabulary):
+    """Angle choices that need no posterior."""
+
+    EQUIDISTANT = "equidistant"
+    RANDOM = "random"
+
+
+# ---------------------------------------------------------------------------------------------- classification
+class LinearModel(Vocabulary):
+    """The linearised classifier: tangent (``Φw``) or affine (``g(ṽ) + Φ(w − ṽ)``)."""
+
+    TANGENT = "tangent"
+    AFFINE = "affine"
+
+
+class PriorMethod(Vocabulary):
+    """How ``LinearizedLaplace.optimize_prior`` chooses the prior precision."""
+
+    SAMPLED_EM = "sampled_em"
+    EXACT = "exact"
+
+
+class HessianRoot(Vocabulary):
+    """Square root of the softmax Hessian ``B = diag(p) − ppᵀ``."""
+
+    CLOSED_FORM = "closed_form"
+    SYMMETRIC = "symmetric"
+
+
+class Link(Vocabulary):
+    """Predictive link: Monte Carlo over logit samples, or the probit approximation."""
+
+    MC = "mc"
+    PROBIT = "probit"
+
+
+class WeightSubset(Vocabulary):
+    """Which weights a classifier's Laplace approximation linearises."""
+
+    ALL = "all"
+    LAST_LAYER = "last_layer"
+
+
+class TupleSampling(Vocabulary):
+    """How joint-likelihood tuples of test points are drawn."""
+
+    DYADIC = "dyadic"
+    UNIFORM = "uniform"
