@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["CTUQError", "DataError", "OutDirError", "DeviceError", "NonFiniteLossError", "LIBRARY_ERRORS",
+__all__ = ["CTUQError", "DataError", "OutDirError", "DeviceError", "NonFiniteLossError", "CheckpointMismatch", "LIBRARY_ERRORS",
            "user_error_types", "is_user_error", "format_user_error", "debug_requested"]
 
 
@@ -46,6 +46,12 @@ class OutDirError(CTUQError):
 
 class DeviceError(CTUQError, RuntimeError):
     """The requested device (e.g. ``cuda``) is not available. Also a ``RuntimeError``, as it was before."""
+
+
+class CheckpointMismatch(CTUQError):
+    """A checkpoint, state file or run folder to resume does not match this run (other settings, data, network or
+    version) or is damaged. The one such exception of ctuq: the DIP, the inference, the EM, the design and the
+    classifier's state raise it; the message names the file and the setting that differs."""
 
 
 class NonFiniteLossError(CTUQError, FloatingPointError):
