@@ -14,6 +14,8 @@ import sys
 
 from ctuq import __version__
 from ctuq.commands import COMMANDS
+from ctuq.errors import debug_requested, format_user_error, is_user_error
+from ctuq.utils import tune_malloc
 
 _DEBUG_HELP = "show the Python traceback of errors (also: environment variable CTUQ_DEBUG=1)"
 
@@ -43,15 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ctuq`` command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (0, 2 for a
     user error, 130 when interrupted)."""
-    from ctuq.errors import debug_requested, format_user_error, is_user_error
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     try:
         return int(args.func(args) or 0)

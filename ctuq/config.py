@@ -13,6 +13,11 @@ linearised-inference settings), define a dataclass whose fields use :func:`optio
 ``uq: UQConfig = dataclasses.field(default_factory=UQConfig)`` to :class:`Config`; loading, overrides,
 validation, error messages and ``to_dict()`` pick it up with no other change. Cross-field checks go in the
 section's ``validate(self)`` method (called after every layer), raising :class:`ConfigError`.
+
+Vocabularies come from :mod:`ctuq.options`; the values of ``uq.solver`` are read from the solver registry when a
+value is checked (:func:`ctuq.inference.solvers.solver_choices`), so a solver registered after import is a valid
+``uq.solver``. The config is the one place that maps its keys onto the core's keyword arguments
+(:func:`posterior_arguments`): the core never reads a config key.
 """
 
 from __future__ import annotations
@@ -23,22 +28,30 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import yaml
 
-# Option vocabularies are defined once, by the module that implements them; the config only refers to them.
-from ctuq.design.dip_prior import DENSE_CHOICES
-from ctuq.design.engine import ROUTES
-from ctuq.design.greedy import STRATEGIES
-from ctuq.design.priors import PRIOR_KINDS, PRIOR_SCALES
-from ctuq.inference import GPRIOR_METHODS, PRECONDITIONERS, PRIORS, SOLVER_CHOICES
-from ctuq.inference import EM_STOP_RULES, EM_UPDATES, LR_DECAYS, SDD_DEFAULTS, SGD_DEFAULTS
-from ctuq.models.unet import PRESETS
-from ctuq.operators import BACKENDS
-from ctuq.operators.fbp import FILTER_TYPES
-
 from ctuq.errors import CTUQError
+from ctuq.inference.solvers import Workload, solver_choices
+from ctuq.models.unet import PRESETS
+from ctuq.options import (
+    Backend,
+    Baseline,
+    Criterion,
+    DenseFeatures,
+    DesignPriorKind,
+    DesignPriorScale,
+    DesignRoute,
+    EMStopRule,
+    EMUpdate,
+    FilterType,
+    GPriorMethod,
+    LRDecay,
+    Preconditioner,
+    Prior,
+    values,
+)
 
 __all__ = [
     "ConfigError",
@@ -57,6 +70,7 @@ __all__ = [
     "resolve_config_path",
     "parse_override",
     "check_section",
+    "posterior_arguments",
 ]
 
 
@@ -66,11 +80,14 @@ class ConfigError(CTUQError):
     A :class:`ctuq.errors.CTUQError` (hence a ``ValueError``): the ``ctuq`` commands print it as one line."""
 
 
-def option(default: Any = None, *, help: str = "", choices: tuple | None = None, ge: float | None = None,
-           gt: float | None = None, le: float | None = None, lt: float | None = None, factory=None):
+def option(default: Any = None, *, help: str = "", choices: tuple | Callable[[], tuple] | None = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+           factory=None):
     """A config field with its documentation and value constraints (checked on every assignment).
 
-    ``choices``: allowed values; ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied to list items).
+    ``choices``: allowed values, or a function returning them when a value is checked (for vocabularies that grow
+    at run time, such as the solver registry); ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied to list
+    items).
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
     if factory is not None:
@@ -90,7 +107,7 @@ class DataConfig:
     detector_subsampling: int = option(6, ge=1, help="use every k-th detector column (6 → 128 of 768)")
     slice_index: Optional[int] = option(None, ge=0, help="volume slice; null: the central slice")
     image_shape: Optional[list[int]] = option(None, ge=1, help="reconstruction grid; null: the loader's default")
-    backend: str = option("auto", choices=BACKENDS, help="ray-transform backend")
+    backend: str = option("auto", choices=values(Backend), help="ray-transform backend")
     min_angles: int = option(8, ge=1,
                              help="refuse a scan and angular_subsampling that leave fewer projection angles than "
                                   "this (a reconstruction from so few is not meaningful); lower it to force a run")
@@ -123,8 +140,6 @@ class ModelConfig:
     pretrained: Optional[str] = option(None, help="weights to start from (.pt state dict / DIP checkpoint)")
 
     def validate(self) -> None:
-        from ctuq.models.unet import PRESETS
-
         channels = self.channels if self.channels is not None else list(PRESETS[self.preset]["channels"])
         skips = self.skip_channels if self.skip_channels is not None else list(PRESETS[self.preset]["skip_channels"])
         if len(channels) != len(skips) or not channels:
@@ -150,7 +165,7 @@ class DIPConfig:
 class FBPConfig:
     """Filtered back-projection baseline (``ctuq.operators.fbp``)."""
 
-    filter: str = option("Hann", choices=FILTER_TYPES, help="FBP filter")
+    filter: str = option("Hann", choices=values(FilterType), help="FBP filter")
     frequency_scaling: float = option(1.0, gt=0.0, le=1.0, help="relative filter cut-off frequency")
 
 
@@ -169,43 +184,43 @@ class TVConfig:
 class UQConfig:
     """Linearised inference (DESIGN.md §1; ``ctuq.uq.run_linearized_uq``). ``--no-uq`` skips it.
 
-    The one settings class of the inference: the ``uq`` config section, and what
-    :func:`ctuq.uq.run_linearized_uq` and :meth:`ctuq.inference.LinearizedPosterior.from_settings` take
-    (``ctuq.uq.UQSettings`` is this class). Built in code, check it with :func:`check_section`.
+    The one settings class of the inference: the ``uq`` config section, and what the CT front end takes;
+    :func:`posterior_arguments` maps it onto :class:`ctuq.inference.LinearizedPosterior`'s arguments. Built in
+    code, check it with :func:`check_section`.
 
     Units: ``noise_variance`` is in *scaled* data units (× ``dip.scale``², where the network lives);
     ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
     """
 
-    prior: str = option("gprior", choices=PRIORS, help="weight prior scaling s")
-    gprior_method: str = option("exact", choices=GPRIOR_METHODS,
+    prior: str = option("gprior", choices=values(Prior), help="weight prior scaling s")
+    gprior_method: str = option("exact", choices=values(GPriorMethod),
                                 help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)")
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
-    solver: str = option("auto", choices=SOLVER_CHOICES,
+    solver: str = option("auto", choices=solver_choices,
                          help="exact_primal (assemble Ψ, d < c), exact_dual (eigendecompose K̄, small c), cg "
                               "(preconditioned CG), sdd (stochastic dual descent), sgd (primal "
                               "sample-then-optimise); exact: the cheaper exact one; auto: by estimated cost")
-    preconditioner: str = option("nystrom", choices=PRECONDITIONERS,
+    preconditioner: str = option("nystrom", choices=values(Preconditioner),
                                  help="CG preconditioner (randomised low-rank K̄, built once)")
     rank: int = option(400, ge=1, help="preconditioner rank (the cap with adaptive_rank)")
     adaptive_rank: bool = option(False, help="grow the Nyström preconditioner until λ_r/a < rank_threshold·σ² "
                                              "(at the initial a, σ²), at most uq.rank")
     rank_threshold: float = option(1.0, gt=0.0, help="adaptive_rank: the multiple of σ² below which λ_r/a stops "
                                                      "the growth")
-    sdd_step: float = option(SDD_DEFAULTS["step_size"], gt=0.0,
-                             help="SDD step size in units of 1/λ_max(C) (scale free)")
-    sdd_momentum: float = option(SDD_DEFAULTS["momentum"], ge=0.0, lt=1.0, help="SDD Nesterov momentum ρ")
-    sdd_batch: Optional[int] = option(SDD_DEFAULTS["batch_size"], ge=1,
+    # The sdd_*/sgd_* defaults are the solvers' own (SDDSolver, SGDSolver); tests/test_config.py checks they agree.
+    sdd_step: float = option(1.0, gt=0.0, help="SDD step size in units of 1/λ_max(C) (scale free)")
+    sdd_momentum: float = option(0.99, ge=0.0, lt=1.0, help="SDD Nesterov momentum ρ")
+    sdd_batch: Optional[int] = option(None, ge=1,
                                       help="SDD coordinate block size; null: full batch (every CT step costs a "
                                            "full JVP + VJP anyway)")
-    sdd_iterations: int = option(SDD_DEFAULTS["max_iter"], ge=1, help="SDD iteration budget per solve")
-    sgd_lr: float = option(SGD_DEFAULTS["lr"], gt=0.0, help="SGD step in units of 1/λ_max(ΨᵀΨ/σ² + aI)")
-    sgd_momentum: float = option(SGD_DEFAULTS["momentum"], ge=0.0, lt=1.0, help="SGD Nesterov momentum")
-    sgd_lr_decay: str = option(SGD_DEFAULTS["lr_decay"], choices=LR_DECAYS, help="SGD learning-rate schedule")
-    sgd_clip: Optional[float] = option(SGD_DEFAULTS["clip"], gt=0.0,
+    sdd_iterations: int = option(1000, ge=1, help="SDD iteration budget per solve")
+    sgd_lr: float = option(1.0, gt=0.0, help="SGD step in units of 1/λ_max(ΨᵀΨ/σ² + aI)")
+    sgd_momentum: float = option(0.99, ge=0.0, lt=1.0, help="SGD Nesterov momentum")
+    sgd_lr_decay: str = option("none", choices=values(LRDecay), help="SGD learning-rate schedule")
+    sgd_clip: Optional[float] = option(None, gt=0.0,
                                        help="SGD gradient clip (× the first step's gradient norm); null: none")
-    sgd_iterations: int = option(SGD_DEFAULTS["max_iter"], ge=1, help="SGD iteration budget per solve")
-    first_order_tol: float = option(SDD_DEFAULTS["rtol"], gt=0.0, lt=1.0,
+    sgd_iterations: int = option(1000, ge=1, help="SGD iteration budget per solve")
+    first_order_tol: float = option(1e-2, gt=0.0, lt=1.0,
                                     help="sdd/sgd: relative residual at which a solve stops early (above it at "
                                          "the budget: a warning)")
     oversampling: int = option(10, ge=0, help="preconditioner oversampling")
@@ -214,9 +229,9 @@ class UQConfig:
     em_steps: int = option(5, ge=0, help="sampled-EM steps (0: keep the initial a, σ²)")
     em_samples: int = option(16, ge=1, help="posterior samples per EM step")
     em_tol: float = option(1e-2, ge=0.0, help="stop the EM when a changes by less than this (relative)")
-    em_stop_on: str = option("a", choices=EM_STOP_RULES,
+    em_stop_on: str = option("a", choices=values(EMStopRule),
                              help="EM convergence: a alone, or a and σ² (both below em_tol)")
-    em_update: str = option("mackay", choices=EM_UPDATES,
+    em_update: str = option("mackay", choices=values(EMUpdate),
                             help="EM update of a: MacKay's, or damped where it oscillates (secant in log a)")
     em_fixed_probes: Optional[bool] = option(None, help="EM probes drawn once and rescaled to each (a, σ²), with "
                                                         "warm starts; null: on for sdd/sgd, off otherwise")
@@ -237,6 +252,33 @@ class UQConfig:
                                             "statistics never need them")
 
 
+def posterior_arguments(uq: UQConfig) -> dict:
+    """The keyword arguments of :class:`ctuq.inference.LinearizedPosterior` that the ``uq`` section sets:
+    ``prior``, ``gprior_method``, ``gprior_probes``, ``a`` (``prior_precision``), ``solver``, ``solver_options``
+    and ``workload`` (for ``solver="auto"``'s cost model). The front end adds what is not configuration
+    (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``, ``shard``).
+
+    ``solver_options`` holds one mapping per solver that has configuration keys (``cg``: ``preconditioner``,
+    ``rank``, ``oversampling``, ``rtol`` = ``cg_tol``, ``max_iter`` = ``cg_max_iter``, ``adaptive_rank``,
+    ``rank_threshold``; ``sdd``: ``sdd_*`` and ``first_order_tol``; ``sgd``: ``sgd_*`` and ``first_order_tol``), so
+    each solver gets exactly its own keys; the exact solvers take none.
+    """
+    options = {
+        "cg": {"preconditioner": uq.preconditioner, "rank": uq.rank, "oversampling": uq.oversampling,
+               "rtol": uq.cg_tol, "max_iter": uq.cg_max_iter, "adaptive_rank": bool(uq.adaptive_rank),
+               "rank_threshold": float(uq.rank_threshold)},
+        "sdd": {"step_size": uq.sdd_step, "momentum": uq.sdd_momentum, "batch_size": uq.sdd_batch,
+                "max_iter": uq.sdd_iterations, "rtol": uq.first_order_tol},
+        "sgd": {"lr": uq.sgd_lr, "momentum": uq.sgd_momentum, "lr_decay": uq.sgd_lr_decay, "clip": uq.sgd_clip,
+                "max_iter": uq.sgd_iterations, "rtol": uq.first_order_tol},
+    }
+    workload = Workload(em_steps=uq.em_steps, em_samples=uq.em_samples, prediction_samples=uq.samples,
+                        rank=uq.rank, oversampling=uq.oversampling, sdd_iterations=float(uq.sdd_iterations),
+                        sgd_iterations=float(uq.sgd_iterations), chunk=int(uq.sample_chunk))
+    return {"prior": uq.prior, "gprior_method": uq.gprior_method, "gprior_probes": uq.gprior_probes,
+            "a": uq.prior_precision, "solver": uq.solver, "solver_options": options, "workload": workload}
+
+
 @dataclasses.dataclass
 class DesignConfig:
     """Experimental design of scan angles (``ctuq design``; :mod:`ctuq.design`, ``docs/design.md``).
@@ -246,15 +288,16 @@ class DesignConfig:
     works in scaled units (× ``dip.scale``²) and converts it.
     """
 
-    criterion: str = option("eig", choices=STRATEGIES,
+    criterion: str = option("eig", choices=values(Criterion) + values(Baseline),
                             help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: "
                                  "equidistant, random")
-    prior: str = option("dip", choices=PRIOR_KINDS, help="image prior: linearised DIP, isotropic, Matérn-1/2")
+    prior: str = option("dip", choices=values(DesignPriorKind),
+                        help="image prior: linearised DIP, isotropic, Matérn-1/2")
     pilot: int = option(20, ge=1, help="pilot angles, equidistant among the candidates")
     acquire: int = option(40, help="angles to acquire after the pilot")
     candidates: Optional[int] = option(None, ge=1, help="candidate angles: this many evenly spaced among the "
                                                         "scan's angles; null: all of the scan's angles")
-    route: str = option("auto", choices=ROUTES,
+    route: str = option("auto", choices=values(DesignRoute),
                         help="exact candidate blocks, m pathwise-conditioned samples, or auto (exact unless the "
                              "prior is refreshed during the design)")
     samples: int = option(1000, ge=2, help="m, pseudo-measurement samples (sampled route)")
@@ -265,12 +308,12 @@ class DesignConfig:
                                               "(0: never)")
     retrain_every: int = option(0, ge=0, help="retrain the DIP (warm start) every this many angles (0: never)")
     retrain_iterations: int = option(300, ge=1, help="Adam iterations of one retraining")
-    prior_scale: str = option("auto", choices=PRIOR_SCALES,
+    prior_scale: str = option("auto", choices=values(DesignPriorScale),
                               help="a by exact EM on the chosen rows, or by the signal energy; auto: em for "
                                    "isotropic/Matérn, energy for the DIP")
-    gprior_method: str = option("exact", choices=GPRIOR_METHODS, help="g-prior of a non-assembled network")
+    gprior_method: str = option("exact", choices=values(GPriorMethod), help="g-prior of a non-assembled network")
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
-    dense: str = option("auto", choices=DENSE_CHOICES,
+    dense: str = option("auto", choices=values(DenseFeatures),
                         help="assemble the DIP Jacobian (d JVPs) so every product is a GEMM: auto, always, never")
     matern_lengthscales: Optional[list[float]] = option(None, gt=0.0,
                                                         help="Matérn lengthscale grid (pixels); null: 1 … image "
@@ -413,6 +456,8 @@ def _coerce(value: Any, tp) -> Any:
 def _check_bounds(value: Any, meta: dict, key: str, source: str) -> None:
     items = value if isinstance(value, list) else [value]
     choices = meta.get("choices")
+    if callable(choices):
+        choices = choices()
     if choices is not None and value is not None and value not in choices:
         raise ConfigError(f"{source}: {key} must be one of {list(choices)}, got {value!r}")
     for v in items:

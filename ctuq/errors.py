@@ -9,9 +9,9 @@ keeps its traceback.
 
 User errors are
 
-* :class:`CTUQError` and its subclasses (:class:`ctuq.config.ConfigError` is one);
-* the library's own error classes, named in :data:`LIBRARY_ERRORS` (the walnut loader's
-  ``WalnutFormatError``, ``ModelFileError``, the DIP's and the inference's checkpoint mismatches);
+* :class:`CTUQError` and its subclasses: every error class of the library meant for the user is one
+  (:class:`ctuq.config.ConfigError`, the walnut loader's ``WalnutFormatError``, ``ModelFileError``,
+  :class:`CheckpointMismatch`, the design's ``DesignError``, the studies' ``StudyError``, ...);
 * ``FileNotFoundError``, ``PermissionError``, ``NotADirectoryError``, ``IsADirectoryError``, ``FileExistsError``;
 * ``FloatingPointError``, which ctuq raises deliberately when a fit diverges (numpy raises it only when asked
   to with ``np.seterr``).
@@ -26,9 +26,8 @@ This module imports nothing from ctuq, so every layer may use it.
 from __future__ import annotations
 
 import os
-import sys
 
-__all__ = ["CTUQError", "DataError", "OutDirError", "DeviceError", "NonFiniteLossError", "CheckpointMismatch", "LIBRARY_ERRORS",
+__all__ = ["CTUQError", "DataError", "OutDirError", "DeviceError", "NonFiniteLossError", "CheckpointMismatch",
            "user_error_types", "is_user_error", "format_user_error", "debug_requested"]
 
 
@@ -58,31 +57,16 @@ class NonFiniteLossError(CTUQError, FloatingPointError):
     """A fit's loss became NaN or infinite. Also a ``FloatingPointError``, as ``fit_dip`` raises it."""
 
 
-# Module → class names of library exceptions that are user errors. Looked up in sys.modules only: an exception
-# of a class whose module was never imported cannot have been raised, and the error path imports nothing heavy.
-LIBRARY_ERRORS: dict[str, tuple[str, ...]] = {
-    "ctuq.data.walnut": ("WalnutFormatError",),
-    "ctuq.models.model_file": ("ModelFileError",),
-    "ctuq.reconstruct.dip": ("CheckpointMismatch",),
-    "ctuq.uq": ("UQCheckpointMismatch",),
-    "ctuq.config": ("ConfigError",),
-}
-# DesignError and DesignCheckpointMismatch (ctuq.design) are CTUQError subclasses: no entry needed.
-
-_BUILTIN_USER_ERRORS: tuple[type[BaseException], ...] = (
+# One tuple, no look-up table: a library error meant for the user subclasses CTUQError.
+_USER_ERRORS: tuple[type[BaseException], ...] = (
     CTUQError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError,
     FloatingPointError,
 )
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """The exception classes reported as one line (see the module docstring), among those imported so far."""
-    found = list(_BUILTIN_USER_ERRORS)
-    for module_name, names in LIBRARY_ERRORS.items():
-        module = sys.modules.get(module_name)
-        if module is not None:
-            found += [getattr(module, name) for name in names if hasattr(module, name)]
-    return tuple(found)
+    """The exception classes reported as one line (see the module docstring)."""
+    return _USER_ERRORS
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from ctuq import metrics as _metrics
-from ctuq.outputs import central_slice, to_numpy
-from ctuq.utils import atomic_path
+from ctuq.outputs import central_slice
+from ctuq.utils import atomic_path, to_numpy
 
 __all__ = [
     "plot_uq_panels",
@@ -34,6 +37,8 @@ __all__ = [
     "plot_error_vs_std",
     "plot_em_trace",
     "plot_orthogonal_slices",
+    "new_figure",
+    "save_figure",
 ]
 
 _PANEL_IN = 3.2  # inches per image panel
@@ -42,9 +47,9 @@ _CLIP_QUANTILE = 0.999  # error/std colour scale: robust to a few hot pixels, sh
 
 
 # ================================================================================================ helpers
-def _figure(figsize, default, dpi):
-    from matplotlib.figure import Figure
-
+def new_figure(figsize: Sequence[float] | None, default: Sequence[float], dpi: float) -> Figure:
+    """A stand-alone constrained-layout ``Figure`` of ``figsize`` (or ``default``) inches ``(width, height)`` at
+    ``dpi``; ``ValueError`` for a size or dpi that is not positive and finite."""
     size = tuple(float(v) for v in (figsize if figsize is not None else default))
     if len(size) != 2 or min(size) <= 0 or not all(math.isfinite(v) for v in size):
         raise ValueError(f"figsize must be (width, height) in inches, both > 0, got {figsize!r}")
@@ -53,13 +58,18 @@ def _figure(figsize, default, dpi):
     return Figure(figsize=size, dpi=dpi, layout="constrained")
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
+    """Write ``fig`` as a PNG at ``fig.dpi`` to ``path`` (must end in ``.png``) atomically; returns the path."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"figure path must end in .png, got {os.fspath(path)!r}")
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=fig.dpi)
     return path
+
+
+# Transitional: design/plots.py imports the old private names; remove once it imports new_figure/save_figure.
+_figure, _save = new_figure, save_figure
 
 
 def _image(x, name: str, where: str) -> np.ndarray:
@@ -87,8 +97,6 @@ def _roi_slice_mask(roi, shape: tuple[int, ...]) -> np.ndarray | None:
 def _draw_roi(ax, mask2d: np.ndarray | None) -> None:
     if mask2d is None or not mask2d.any():
         return
-    from matplotlib.patches import Rectangle
-
     rows, cols = np.nonzero(mask2d.any(axis=1))[0], np.nonzero(mask2d.any(axis=0))[0]
     r0, r1, c0, c1 = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
     if mask2d[r0:r1, c0:c1].all():
@@ -135,9 +143,19 @@ def _uq_triplet(reconstruction, abs_error, std, ground_truth, where):
 
 
 # ============================================================================================ image panels
-def plot_uq_panels(path: str | os.PathLike, reconstruction, abs_error, std, ground_truth=None,
-                   titles: Sequence[str] | None = None, *, roi=None, error_vmax: float | None = None,
-                   dpi: int = 120, figsize: tuple[float, float] | None = None) -> Path:
+def plot_uq_panels(
+    path: str | os.PathLike,
+    reconstruction,
+    abs_error,
+    std,
+    ground_truth=None,
+    titles: Sequence[str] | None = None,
+    *,
+    roi=None,
+    error_vmax: float | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
     """One row: (ground truth |) reconstruction | |error| | std, written as a PNG.
 
     ``reconstruction``, ``abs_error``, ``std``, ``ground_truth``: ``(H, W)`` or ``(D, H, W)`` of one shape,
@@ -164,7 +182,7 @@ def plot_uq_panels(path: str | os.PathLike, reconstruction, abs_error, std, grou
         raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
     # one "extend" for both maps keeps their colour bars identical
     extend = "max" if max(err.max(), sd.max()) > vmax else "neither"
-    fig = _figure(figsize, (_PANEL_IN * len(panels), 3.0), dpi)
+    fig = new_figure(figsize, (_PANEL_IN * len(panels), 3.0), dpi)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for i, (ax, (name, arr)) in enumerate(zip(axes, panels)):
         arr = central_slice(arr)
@@ -172,17 +190,28 @@ def plot_uq_panels(path: str | os.PathLike, reconstruction, abs_error, std, grou
         if name in ("|error|", "std"):
             _image_panel(fig, ax, arr, title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend)
         else:
-            _image_panel(fig, ax, arr, title, {"cmap": "gray", "vmin": float(grey.min()),
-                                               "vmax": float(grey.max())}, roi2d)
-    return _save(fig, path)
+            _image_panel(
+                fig, ax, arr, title, {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())}, roi2d
+            )
+    return save_figure(fig, path)
 
 
 ORTHOGONAL_PLANES = ("axial (z)", "coronal (y)", "sagittal (x)")
 
 
-def plot_orthogonal_slices(path: str | os.PathLike, reconstruction, abs_error, std, ground_truth=None, *,
-                           index: Sequence[int] | None = None, roi=None, error_vmax: float | None = None,
-                           dpi: int = 100, figsize: tuple[float, float] | None = None) -> Path:
+def plot_orthogonal_slices(
+    path: str | os.PathLike,
+    reconstruction,
+    abs_error,
+    std,
+    ground_truth=None,
+    *,
+    index: Sequence[int] | None = None,
+    roi=None,
+    error_vmax: float | None = None,
+    dpi: int = 100,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
     """Three orthogonal planes of a volume: rows axial / coronal / sagittal, columns (ground truth |)
     reconstruction | |error| | std, written as a PNG.
 
@@ -207,27 +236,44 @@ def plot_orthogonal_slices(path: str | os.PathLike, reconstruction, abs_error, s
         raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
     grey = gt if gt is not None else rec
     extend = "max" if max(err.max(), sd.max()) > vmax else "neither"
-    columns = ([("ground truth", gt)] if gt is not None else []) + [("reconstruction", rec), ("|error|", err),
-                                                                    ("std", sd)]
+    columns = ([("ground truth", gt)] if gt is not None else []) + [
+        ("reconstruction", rec),
+        ("|error|", err),
+        ("std", sd),
+    ]
     cuts = ((lambda a: a[k], f"z = {k}"), (lambda a: a[:, i, :], f"y = {i}"), (lambda a: a[:, :, j], f"x = {j}"))
-    fig = _figure(figsize, (_PANEL_IN * len(columns), 3.0 * 3), dpi)
+    fig = new_figure(figsize, (_PANEL_IN * len(columns), 3.0 * 3), dpi)
     axes = fig.subplots(3, len(columns), squeeze=False)
     for r, (cut, label) in enumerate(cuts):
         roi2d = None if mask is None else cut(mask)
         for cidx, (name, arr) in enumerate(columns):
             title = f"{name}, {ORTHOGONAL_PLANES[r].split()[0]} {label}"
             if name in ("|error|", "std"):
-                _image_panel(fig, axes[r, cidx], cut(arr), title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax},
-                             roi2d, extend)
+                _image_panel(
+                    fig, axes[r, cidx], cut(arr), title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend
+                )
             else:
-                _image_panel(fig, axes[r, cidx], cut(arr), title, {"cmap": "gray", "vmin": float(grey.min()),
-                                                                   "vmax": float(grey.max())}, roi2d)
-    return _save(fig, path)
+                _image_panel(
+                    fig,
+                    axes[r, cidx],
+                    cut(arr),
+                    title,
+                    {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())},
+                    roi2d,
+                )
+    return save_figure(fig, path)
 
 
-def plot_uq_comparison(path: str | os.PathLike, methods: Mapping[str, tuple], ground_truth=None, *, roi=None,
-                       error_vmax: float | None = None, dpi: int = 120,
-                       figsize: tuple[float, float] | None = None) -> Path:
+def plot_uq_comparison(
+    path: str | os.PathLike,
+    methods: Mapping[str, tuple],
+    ground_truth=None,
+    *,
+    roi=None,
+    error_vmax: float | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
     """One row per method: reconstruction | |error| | std, written as a PNG.
 
     ``methods``: ``{name: (reconstruction, abs_error, std)}`` with images of one shape (``(H, W)`` or
@@ -257,16 +303,17 @@ def plot_uq_comparison(path: str | os.PathLike, methods: Mapping[str, tuple], gr
     if not (vmax > 0 and math.isfinite(vmax)):
         raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
     extend = "max" if max(float(a.max()) for a in maps) > vmax else "neither"
-    fig = _figure(figsize, (3 * _PANEL_IN, 2.9 * len(rows)), dpi)
+    fig = new_figure(figsize, (3 * _PANEL_IN, 2.9 * len(rows)), dpi)
     axes = fig.subplots(len(rows), 3, squeeze=False)
     for i, (name, (rec, err, sd)) in enumerate(rows.items()):
         col_titles = ("reconstruction", "|error|", "std") if i == 0 else ("", "", "")
         _image_panel(fig, axes[i, 0], rec, col_titles[0], {"cmap": "gray", "vmin": lo, "vmax": hi}, roi2d)
         for j, arr in ((1, err), (2, sd)):
-            _image_panel(fig, axes[i, j], arr, col_titles[j], {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax},
-                         roi2d, extend)
+            _image_panel(
+                fig, axes[i, j], arr, col_titles[j], {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend
+            )
         axes[i, 0].set_ylabel(name, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ================================================================================================= curves
@@ -279,8 +326,14 @@ def _curve(values, name: str, where: str) -> np.ndarray:
     return a
 
 
-def plot_calibration(path: str | os.PathLike, curves: Mapping[str, tuple], *, title: str | None = None,
-                     dpi: int = 120, figsize: tuple[float, float] | None = (4.5, 4.5)) -> Path:
+def plot_calibration(
+    path: str | os.PathLike,
+    curves: Mapping[str, tuple],
+    *,
+    title: str | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = (4.5, 4.5),
+) -> Path:
     """Empirical coverage against nominal credible-interval mass, one line per method, with ``y = x``.
 
     ``curves``: ``{name: (levels, coverage)}``, equal-length 1D sequences in [0, 1] (as returned by
@@ -293,29 +346,46 @@ def plot_calibration(path: str | os.PathLike, curves: Mapping[str, tuple], *, ti
     for name, pair in curves.items():
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"{where}: curves[{name!r}] must be (levels, coverage)")
-        lv, cov = _curve(pair[0], f"curves[{name!r}] levels", where), _curve(pair[1], f"curves[{name!r}] coverage", where)
+        lv, cov = (
+            _curve(pair[0], f"curves[{name!r}] levels", where),
+            _curve(pair[1], f"curves[{name!r}] coverage", where),
+        )
         if lv.shape != cov.shape:
             raise ValueError(f"{where}: curves[{name!r}] has {lv.size} levels but {cov.size} coverage values")
-        if not (np.all(np.isfinite(lv)) and np.all(np.isfinite(cov))) or min(lv.min(), cov.min()) < 0 \
-                or max(lv.max(), cov.max()) > 1:
+        if (
+            not (np.all(np.isfinite(lv)) and np.all(np.isfinite(cov)))
+            or min(lv.min(), cov.min()) < 0
+            or max(lv.max(), cov.max()) > 1
+        ):
             raise ValueError(f"{where}: curves[{name!r}] levels and coverage must lie in [0, 1]")
         data[name] = (lv, cov)
-    fig = _figure(figsize, (4.5, 4.5), dpi)
+    fig = new_figure(figsize, (4.5, 4.5), dpi)
     ax = fig.subplots()
     ax.plot([0, 1], [0, 1], color="0.5", ls="--", lw=1, label="perfect calibration")
     for name, (lv, cov) in data.items():
         ax.plot(lv, cov, marker="o", ms=3, label=name)
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="nominal level (credible interval mass)",
-           ylabel="empirical coverage", aspect="equal")
+    ax.set(
+        xlim=(0, 1),
+        ylim=(0, 1),
+        xlabel="nominal level (credible interval mass)",
+        ylabel="empirical coverage",
+        aspect="equal",
+    )
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def plot_joint_ll(path: str | os.PathLike, curves: Mapping[str, Mapping], *, title: str | None = None,
-                  dpi: int = 120, figsize: tuple[float, float] | None = (5.0, 3.8)) -> Path:
+def plot_joint_ll(
+    path: str | os.PathLike,
+    curves: Mapping[str, Mapping],
+    *,
+    title: str | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = (5.0, 3.8),
+) -> Path:
     """Patch joint test log-likelihood (nats per pixel) against patch size ``p``, one line per method.
 
     ``curves``: ``{name: {p: ll}}``; ``p`` may be an int or its string (as in ``uq_summary(...)["joint_ll"]``
@@ -335,7 +405,7 @@ def plot_joint_ll(path: str | os.PathLike, curves: Mapping[str, Mapping], *, tit
         if items[0][0] < 1:
             raise ValueError(f"{where}: curves[{name!r}] has a patch size < 1")
         data[name] = np.array(items, dtype=np.float64)
-    fig = _figure(figsize, (5.0, 3.8), dpi)
+    fig = new_figure(figsize, (5.0, 3.8), dpi)
     ax = fig.subplots()
     for name, arr in data.items():
         ax.plot(arr[:, 0], arr[:, 1], marker="o", ms=4, label=name)
@@ -346,11 +416,20 @@ def plot_joint_ll(path: str | os.PathLike, curves: Mapping[str, Mapping], *, tit
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def plot_error_vs_std(path: str | os.PathLike, abs_error, std=None, roi=None, *, bins: int = 100,
-                      log: bool = True, dpi: int = 120, figsize: tuple[float, float] | None = None) -> Path:
+def plot_error_vs_std(
+    path: str | os.PathLike,
+    abs_error,
+    std=None,
+    roi=None,
+    *,
+    bins: int = 100,
+    log: bool = True,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
     """2D histogram of |error| (y) against std (x) with log colours and the ``y = x`` line.
 
     Either ``abs_error`` and ``std`` are image-shaped (``(H, W)`` or ``(D, H, W)``, image units, every slice
@@ -359,8 +438,6 @@ def plot_error_vs_std(path: str | os.PathLike, abs_error, std=None, roi=None, *,
     edges for both axes, logarithmic when ``log``). Pixels above the line have larger errors than their std.
     Default size ``4.2 in per panel × 3.8 in``. Returns ``path``.
     """
-    from matplotlib.colors import LogNorm
-
     where = "plot_error_vs_std"
     if isinstance(abs_error, Mapping):
         if std is not None:
@@ -378,14 +455,15 @@ def plot_error_vs_std(path: str | os.PathLike, abs_error, std=None, roi=None, *,
         methods = {"": (abs_error, std)}
     # first pass: common range over all methods so panels share bins
     lo_hi = []
-    for name, (e, s) in methods.items():
+    for e, s in methods.values():
         h = _metrics.error_std_histogram(e, s, 1, roi, log=log)
         lo_hi.append((h.edges[0], h.edges[-1]))
     rng = (min(v[0] for v in lo_hi), max(v[1] for v in lo_hi))
-    hists = {name: _metrics.error_std_histogram(e, s, bins, roi, log=log, range=rng)
-             for name, (e, s) in methods.items()}
+    hists = {
+        name: _metrics.error_std_histogram(e, s, bins, roi, log=log, range=rng) for name, (e, s) in methods.items()
+    }
     vmax = max(1, max(int(h.counts.max()) for h in hists.values()))
-    fig = _figure(figsize, (4.2 * len(hists), 3.8), dpi)
+    fig = new_figure(figsize, (4.2 * len(hists), 3.8), dpi)
     axes = fig.subplots(1, len(hists), squeeze=False)[0]
     mesh = None
     for ax, (name, h) in zip(axes, hists.items()):
@@ -400,7 +478,7 @@ def plot_error_vs_std(path: str | os.PathLike, abs_error, std=None, roi=None, *,
             ax.set_title(name)
         ax.legend(fontsize=8, loc="upper left")
     fig.colorbar(mesh, ax=list(axes), label="pixels")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # =============================================================================================== EM trace
@@ -413,8 +491,9 @@ _EM_PANELS = (
 )
 
 
-def plot_em_trace(path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int = 120,
-                  figsize: tuple[float, float] | None = None) -> Path:
+def plot_em_trace(
+    path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int = 120, figsize: tuple[float, float] | None = None
+) -> Path:
     """EM diagnostics against step: a (log scale), γ̂, ‖w*‖², and σ² / log evidence when recorded.
 
     ``trace``: one dict per EM step with any of the keys ``a``, ``gamma``, ``w_norm2``, ``sigma2``,
@@ -431,7 +510,7 @@ def plot_em_trace(path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int
         if not isinstance(entry, Mapping):
             raise TypeError(f"{where}: trace[{i}] must be a dict, got {type(entry).__name__}")
         steps.append(float(entry.get("step", i)) if entry.get("step") is not None else float(i))
-        for key, label, positive, _ in _EM_PANELS:
+        for key, _label, positive, _ in _EM_PANELS:
             v = entry.get(key)
             if v is None:
                 cols[key].append(math.nan)
@@ -443,9 +522,12 @@ def plot_em_trace(path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int
             if not math.isfinite(v) or (positive and v <= 0):
                 raise ValueError(f"{where}: trace[{i}][{key!r}] = {v} must be finite{' and > 0' if positive else ''}")
             cols[key].append(v)
-    shown = [(key, label, log) for key, label, log, always in _EM_PANELS
-             if always or not all(math.isnan(v) for v in cols[key])]
-    fig = _figure(figsize, (_PANEL_IN * len(shown), 3.0), dpi)
+    shown = [
+        (key, label, log)
+        for key, label, log, always in _EM_PANELS
+        if always or not all(math.isnan(v) for v in cols[key])
+    ]
+    fig = new_figure(figsize, (_PANEL_IN * len(shown), 3.0), dpi)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
     x = np.asarray(steps)
     for ax, (key, label, log) in zip(axes, shown):
@@ -458,4 +540,4 @@ def plot_em_trace(path: str | os.PathLike, trace: Sequence[Mapping], *, dpi: int
                 ax.set_yscale("log")
         ax.set(title=label, xlabel="EM step")
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
+import astra
 import numpy as np
 
 __all__ = ["VolumeGeometry", "ProjectionGeometry", "VEC_COLUMNS", "astra_geometries"]
@@ -83,9 +84,7 @@ class VolumeGeometry:
     def extent(self) -> list[tuple[float, float]]:
         """``[(min_x, max_x), (min_y, max_y)(, (min_z, max_z))]`` in mm."""
         sizes = self.shape[::-1]  # x, y, (z)
-        return [
-            (c - n * self.voxel_size / 2.0, c + n * self.voxel_size / 2.0) for c, n in zip(self.center, sizes)
-        ]
+        return [(c - n * self.voxel_size / 2.0, c + n * self.voxel_size / 2.0) for c, n in zip(self.center, sizes)]
 
     def pixel_centers(self) -> tuple[np.ndarray, ...]:
         """1D arrays of pixel-centre coordinates (mm) per array axis: ``(y, x)`` or ``(z, y, x)``.
@@ -97,8 +96,6 @@ class VolumeGeometry:
 
     def to_astra(self) -> dict:
         """ASTRA volume geometry dict in ASTRA's own convention (see :func:`astra_geometries` for ctuq's)."""
-        import astra
-
         ext = self.extent()
         if self.ndim == 2:
             (x0, x1), (y0, y1) = ext
@@ -107,7 +104,7 @@ class VolumeGeometry:
         nz, ny, nx = self.shape
         return astra.create_vol_geom(ny, nx, nz, x0, x1, y0, y1, z0, z1)
 
-    def coarsened(self, shape: Sequence[int]) -> "VolumeGeometry":
+    def coarsened(self, shape: Sequence[int]) -> VolumeGeometry:
         """Same field of view sampled on a coarser (or finer) square grid ``shape``.
 
         The field of view of a square grid is kept; ``shape`` must keep the aspect ratio.
@@ -142,7 +139,9 @@ class ProjectionGeometry:
         det_shape = tuple(int(s) for s in np.atleast_1d(self.det_shape))
         want = 1 if self.kind in _2D_KINDS else 2
         if len(det_shape) != want or min(det_shape) < 1:
-            raise ValueError(f"ProjectionGeometry({self.kind}).det_shape must have {want} positive entries, got {det_shape}")
+            raise ValueError(
+                f"ProjectionGeometry({self.kind}).det_shape must have {want} positive entries, got {det_shape}"
+            )
         object.__setattr__(self, "det_shape", det_shape)
         if self.kind in VEC_COLUMNS:
             if self.vectors is None:
@@ -182,7 +181,7 @@ class ProjectionGeometry:
         """Angle-major sinogram shape: ``(n_angles, n_det)`` or ``(n_angles, n_rows, n_cols)``."""
         return (self.n_angles, *self.det_shape)
 
-    def subset(self, angle_indices: Sequence[int]) -> "ProjectionGeometry":
+    def subset(self, angle_indices: Sequence[int]) -> ProjectionGeometry:
         """The same geometry restricted to (and reordered by) ``angle_indices``."""
         idx = np.asarray(angle_indices, dtype=np.int64).reshape(-1)
         if idx.size == 0:
@@ -205,16 +204,18 @@ class ProjectionGeometry:
         """Parallel-beam (rays share a direction per angle) rather than divergent (fan/cone) beam."""
         return self.kind in ("parallel", "parallel_vec", "parallel3d", "parallel3d_vec")
 
-    def to_vectors(self) -> "ProjectionGeometry":
+    def to_vectors(self) -> ProjectionGeometry:
         """The same geometry as a vector kind (``parallel_vec``, ``fanflat_vec``, ``cone_vec``,
         ``parallel3d_vec``), by ASTRA's own conversion (``astra.geom_2vec``); vector kinds return ``self``."""
         if self.is_vector:
             return self
-        import astra
-
         vec = np.asarray(astra.geom_2vec(self.to_astra())["Vectors"], dtype=np.float64)
-        kind = {"parallel": "parallel_vec", "fanflat": "fanflat_vec", "cone": "cone_vec",
-                "parallel3d": "parallel3d_vec"}[self.kind]
+        kind = {
+            "parallel": "parallel_vec",
+            "fanflat": "fanflat_vec",
+            "cone": "cone_vec",
+            "parallel3d": "parallel3d_vec",
+        }[self.kind]
         return ProjectionGeometry(kind, self.det_shape, angles=self.angles, vectors=vec)
 
     def detector_centers(self) -> np.ndarray:
@@ -228,8 +229,11 @@ class ProjectionGeometry:
         d, u, v = vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]
         r = np.arange(self.det_shape[0]) - (self.det_shape[0] - 1) / 2.0
         k = np.arange(self.det_shape[1]) - (self.det_shape[1] - 1) / 2.0
-        return (d[:, None, None, :] + k[None, None, :, None] * u[:, None, None, :]
-                + r[None, :, None, None] * v[:, None, None, :])
+        return (
+            d[:, None, None, :]
+            + k[None, None, :, None] * u[:, None, None, :]
+            + r[None, :, None, None] * v[:, None, None, :]
+        )
 
     def sources(self) -> np.ndarray:
         """Source positions ``(n_angles, ndim)`` (mm) of a fan/cone geometry."""
@@ -245,15 +249,17 @@ class ProjectionGeometry:
 
     def to_astra(self) -> dict:
         """ASTRA projection geometry dict in ASTRA's own convention (see :func:`astra_geometries`)."""
-        import astra
-
         k = self.kind
         if k == "parallel":
             return astra.create_proj_geom("parallel", float(self.det_spacing), self.det_shape[0], self.angles)
         if k == "fanflat":
             return astra.create_proj_geom(
-                "fanflat", float(self.det_spacing), self.det_shape[0], self.angles,
-                float(self.source_origin), float(self.origin_det),
+                "fanflat",
+                float(self.det_spacing),
+                self.det_shape[0],
+                self.angles,
+                float(self.source_origin),
+                float(self.origin_det),
             )
         if k in ("fanflat_vec", "parallel_vec"):
             return astra.create_proj_geom(k, self.det_shape[0], self.vectors)
@@ -262,8 +268,14 @@ class ProjectionGeometry:
         if k == "cone":
             sv, su = _pair(self.det_spacing)
             return astra.create_proj_geom(
-                "cone", su, sv, self.det_shape[0], self.det_shape[1], self.angles,
-                float(self.source_origin), float(self.origin_det),
+                "cone",
+                su,
+                sv,
+                self.det_shape[0],
+                self.det_shape[1],
+                self.angles,
+                float(self.source_origin),
+                float(self.origin_det),
             )
         sv, su = _pair(self.det_spacing)
         return astra.create_proj_geom("parallel3d", su, sv, self.det_shape[0], self.det_shape[1], self.angles)
@@ -283,8 +295,6 @@ def astra_geometries(volume: VolumeGeometry, geometry: ProjectionGeometry) -> tu
         )
     if volume.ndim == 3:
         return volume.to_astra(), geometry.to_astra()
-    import astra
-
     cx, cy = volume.center
     mirrored_vol = VolumeGeometry(volume.shape, volume.voxel_size, (cx, -cy))
     vec = geometry.to_vectors().vectors.copy()
@@ -304,5 +314,8 @@ def _vector_angles(kind: str, vec: np.ndarray) -> np.ndarray:
         x, y = vec[:, 0], vec[:, 1]
     else:
         # source minus detector centre points from the detector towards the source
-        x, y = vec[:, 0] - vec[:, 2 if kind == "fanflat_vec" else 3], vec[:, 1] - vec[:, 3 if kind == "fanflat_vec" else 4]
+        x, y = (
+            vec[:, 0] - vec[:, 2 if kind == "fanflat_vec" else 3],
+            vec[:, 1] - vec[:, 3 if kind == "fanflat_vec" else 4],
+        )
     return np.unwrap(np.arctan2(y, x))

@@ -55,17 +55,25 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import os
 import warnings
 from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.func import functional_call, jvp, linearize, vjp, vmap
 
 from ctuq.errors import CTUQError
-from ctuq.utils import as_rows, free_memory_bytes
+from ctuq.memory import Budget
+from ctuq.memory import memory_budget as budget_for
+from ctuq.utils import as_rows
 
-__all__ = ["LinearizedNetwork", "default_linearized_parameters", "LINEARIZED_MODULE_TYPES", "MemoryBudgetError"]
+try:  # a private torch switch; without it the check in _traced_jvp_agrees still guards the result
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+except ImportError:  # pragma: no cover - depends on the torch version
+    _set_fwd_grad_enabled = None
+
+__all__ = ["LinearizedNetwork", "default_linearized_parameters", "count_linearized_weights", "eval_mode",
+           "LINEARIZED_MODULE_TYPES", "MemoryBudgetError"]
 
 
 class MemoryBudgetError(CTUQError, MemoryError):
@@ -83,7 +91,6 @@ LINEARIZED_MODULE_TYPES: tuple[type[nn.Module], ...] = (
 # U-Net 2.8 / 2.8 / 4.4 (its whole 5008-column Jacobian: 13.9 / 14.1 / 21.9 s), `small` 5.9 / 6.7 / 9.1.
 _CPU_MAX_CHUNK = 16
 _CUDA_MAX_CHUNK = 1024
-_GIB = 1024**3
 
 
 def default_linearized_parameters(model: nn.Module) -> list[str]:
@@ -99,10 +106,18 @@ def default_linearized_parameters(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters() if name in wanted]
 
 
+def count_linearized_weights(model: nn.Module) -> int:
+    """``d``: the number of weights :func:`default_linearized_parameters` selects (without building a
+    :class:`LinearizedNetwork`)."""
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() for n in default_linearized_parameters(model))
+
+
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    # Set every submodule to eval and restore each one's own flag (a parent may be in train mode while a
-    # child was deliberately frozen in eval, so model.train(flag) would not restore it).
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every submodule of ``model`` in eval mode inside the block, each one's own flag restored afterwards (a
+    parent may be in train mode while a child was deliberately frozen in eval, so ``model.train(flag)`` would not
+    restore it). The mode every Jacobian product of ctuq runs in."""
     modes = [(m, m.training) for m in model.modules()]
     for m, _ in modes:
         m.training = False
@@ -117,9 +132,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 def _forward_ad_enabled() -> Iterator[None]:
     # Inside a custom autograd.Function's forward (linear_operator's Matmul, PivotedCholesky) forward-mode AD is
     # disabled, which makes torch.func.linearize trace an all-zero tangent graph. Re-enable it while tracing.
-    try:
-        from torch.autograd.forward_ad import _set_fwd_grad_enabled
-    except ImportError:  # the check in _traced_jvp_agrees still guards the result
+    if _set_fwd_grad_enabled is None:
         yield
         return
     with _set_fwd_grad_enabled(True):
@@ -144,8 +157,8 @@ class LinearizedNetwork:
     chunk_size : int, optional
         Maximum number of vectors per ``vmap`` call; ``None`` chooses it from ``memory_budget``.
     memory_budget : int, optional
-        Bytes one chunk's products may use. Default: on CUDA half the free device memory, on CPU
-        ``min(2 GiB, 25 %`` of the available host memory).
+        Bytes one chunk's products may use. Default: the :attr:`~ctuq.memory.Budget.PRODUCT_CHUNK` budget (on
+        CUDA half the free device memory, on CPU ``min(2 GiB, 25 %`` of the available host memory)).
     mode : {"linearize", "recompute"}
         Reuse traced linearisations (faster, keeps intermediates) or recompute the forward pass per chunk
         (leaner); see the module docstring.
@@ -234,7 +247,7 @@ class LinearizedNetwork:
         self.net_input = net_input.detach().to(device=self.device, dtype=self.dtype)
         self.mode = mode
 
-        with torch.no_grad(), _eval_mode(model):
+        with torch.no_grad(), eval_mode(model):
             try:
                 out = self._forward(self._v)
             except Exception as exc:  # noqa: BLE001 - re-raised with context
@@ -261,8 +274,6 @@ class LinearizedNetwork:
     # ------------------------------------------------------------------------------------------ basics
     def _forward(self, flat: torch.Tensor) -> torch.Tensor:
         """``g(v)`` for flat ``v`` ``(d,)`` → output tensor of :attr:`output_shape` (no flattening)."""
-        from torch.func import functional_call
-
         tensors = dict(self._fixed)
         for name, part, shape in zip(self.param_names, torch.split(flat, self._numels), self._shapes):
             tensors[name] = part.view(shape)
@@ -296,13 +307,11 @@ class LinearizedNetwork:
 
     # ------------------------------------------------------------------------------------------ products
     def _batched_jvp(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        from torch.func import jvp, linearize, vmap
-
         if self.jvp_impl == "jvp":
             v = self._v
             return vmap(lambda u: jvp(self._g, (v,), (u,))[1])
         if self._jvp_fn is None:
-            with torch.no_grad(), _eval_mode(self.model), _forward_ad_enabled(), warnings.catch_warnings():
+            with torch.no_grad(), eval_mode(self.model), _forward_ad_enabled(), warnings.catch_warnings():
                 # make_fx's constant folding warns about an internal detail that does not affect results.
                 warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
                 _, fn = linearize(self._g, self._v)
@@ -319,8 +328,6 @@ class LinearizedNetwork:
         runs matmuls), forward-mode AD is switched off and the traced tangent graph is identically zero. The
         tracing re-enables it, and this check catches any other mismatch; on failure JVPs use ``torch.func.jvp``.
         """
-        from torch.func import jvp
-
         gen = torch.Generator(device="cpu").manual_seed(0)
         probe = torch.randn(self.d, generator=gen, dtype=self.dtype).to(self.device)
         traced = fn(probe)
@@ -339,13 +346,11 @@ class LinearizedNetwork:
         return False
 
     def _batched_vjp(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        from torch.func import vjp, vmap
-
         if self.mode == "recompute":
             v = self._v
             return vmap(lambda r: vjp(self._g, v)[1](r)[0])
         if self._vjp_fn is None:
-            with _eval_mode(self.model):
+            with eval_mode(self.model):
                 _, self._vjp_fn = vjp(self._g, self._v)
         fn = self._vjp_fn
         return vmap(lambda r: fn(r)[0])
@@ -375,7 +380,7 @@ class LinearizedNetwork:
         if B == 0:
             return out
         chunk = self.chunk_size_for(kind)
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for start in range(0, B, chunk):
                 stop = min(B, start + chunk)
                 out[start:stop] = self._apply_block(kind, X[start:stop].contiguous())
@@ -400,8 +405,6 @@ class LinearizedNetwork:
         the same rows (the skipped tangents are exact zeros). Assembling the ``tiny`` U-Net's 5008 columns at 128² on 2
         CPU cores, as a whole process: 14.3 s against 18.9 s with the traced :meth:`jvp` (its trace included).
         """
-        from torch.func import functional_call, jvp, vmap
-
         if not 0 <= start <= stop <= self.d:
             raise ValueError(f"LinearizedNetwork.jvp_basis: need 0 <= start <= stop <= d = {self.d}, got "
                              f"start={start}, stop={stop}")
@@ -415,7 +418,7 @@ class LinearizedNetwork:
         base = {**self._fixed, **self.unflatten(self._v)}
         chunk = self.chunk_size_for("jvp")
         offset = 0
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for name, numel, shape in zip(self.param_names, self._numels, self._shapes):
                 lo, hi = max(start, offset), min(stop, offset + numel)
                 if lo < hi:
@@ -459,10 +462,7 @@ class LinearizedNetwork:
         """Bytes one chunk may use (the constructor's value or the device-dependent default)."""
         if self._memory_budget is not None:
             return int(self._memory_budget)
-        avail = free_memory_bytes(self.device)
-        if self.device.type == "cuda":
-            return int(0.5 * avail)
-        return int(min(2 * _GIB, 0.25 * avail)) if avail else _GIB
+        return int(budget_for(Budget.PRODUCT_CHUNK, self.device))
 
     def chunk_size_for(self, kind: str) -> int:
         """Samples per ``vmap`` call for ``kind`` ``"jvp"`` or ``"vjp"`` (fixed, or chosen once from the budget)."""
@@ -515,7 +515,7 @@ class LinearizedNetwork:
     def _measure_cuda_memory(self, kind: str) -> tuple[int, int]:
         """``(fixed, per-vector)`` bytes measured from the peaks of 1- and 2-vector products on CUDA."""
         width = self.d if kind == "jvp" else self.d_out
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             # Build (and check) the traced linearisation first: it stays allocated and is not per-chunk.
             self._apply_block(kind, torch.zeros((2, width), dtype=self.dtype, device=self.device))
         peaks = []
@@ -524,7 +524,7 @@ class LinearizedNetwork:
             torch.cuda.synchronize(self.device)
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            with torch.no_grad(), _eval_mode(self.model):
+            with torch.no_grad(), eval_mode(self.model):
                 res = self._apply_block(kind, X)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
@@ -541,7 +541,7 @@ class LinearizedNetwork:
 
         handles = [m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())]
         try:
-            with torch.no_grad(), _eval_mode(self.model):
+            with torch.no_grad(), eval_mode(self.model):
                 self._forward(self._v)
         finally:
             for h in handles:

@@ -25,6 +25,8 @@ __all__ = [
     "DesignPriorKind", "DesignPriorScale", "DesignRoute", "Criterion", "Baseline",
     # classification
     "LinearModel", "PriorMethod", "HessianRoot", "Link", "WeightSubset", "TupleSampling",
+    # uncertainty metrics
+    "Centering",
 ]
 
 
@@ -54,7 +56,8 @@ def values(vocabulary: type[Vocabulary]) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- inference core
 class Prior(Vocabulary):
-    """Weight-prior scaling of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` or ``s = 1``."""
+    """Weight-prior scaling of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` or
+    ``s = 1``."""
 
     GPRIOR = "gprior"
     ISOTROPIC = "isotropic"
@@ -228,3 +231,13 @@ class TupleSampling(Vocabulary):
 
     DYADIC = "dyadic"
     UNIFORM = "uniform"
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class Centering(Vocabulary):
+    """How :mod:`ctuq.metrics` turns samples into zero-mean deviations: already zero-mean, minus their own
+    average (Bessel-corrected), or minus the given predictive mean."""
+
+    NONE = "none"
+    EMPIRICAL = "empirical"
+    MEAN = "mean"

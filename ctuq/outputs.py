@@ -7,22 +7,23 @@ only writes. All files are written atomically (``ctuq.utils``), so a killed run 
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata as md
 import math
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
-from ctuq.utils import atomic_path, atomic_write_json, atomic_write_tiff
+from ctuq.metrics.image import image_metrics  # noqa: F401 - transitional: import it from ctuq.metrics.image
+from ctuq.utils import atomic_path, atomic_write_json, atomic_write_tiff, to_numpy
 
 __all__ = [
     "new_run_dir",
-    "to_numpy",
-    "image_metrics",
     "package_versions",
     "write_tiff",
     "write_figure",
@@ -45,39 +46,19 @@ def new_run_dir(root: str | os.PathLike = "runs") -> Path:
     raise RuntimeError(f"could not create a new run folder under {root}")
 
 
-def to_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """float32 numpy copy of an image tensor/array (any device)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().to("cpu", torch.float32).numpy()
-    return np.asarray(x, dtype=np.float32)
-
-
-def image_metrics(x: torch.Tensor | np.ndarray, ground_truth: torch.Tensor | np.ndarray) -> dict[str, float]:
-    """PSNR (dB) and SSIM of ``x`` against ``ground_truth`` (same shape, 2D or 3D).
-
-    Both use ``skimage.metrics`` with ``data_range = max − min`` of the ground truth (so the numbers do not
-    depend on the reconstruction's own range).
-    """
-    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
-
-    a, gt = to_numpy(x).astype(np.float64), to_numpy(ground_truth).astype(np.float64)
-    if a.shape != gt.shape:
-        raise ValueError(f"image_metrics: reconstruction shape {a.shape} != ground-truth shape {gt.shape}")
-    data_range = float(gt.max() - gt.min())
-    if data_range <= 0:
-        raise ValueError("image_metrics: the ground truth is constant (data range 0); PSNR/SSIM are undefined")
-    psnr = float(peak_signal_noise_ratio(gt, a, data_range=data_range))
-    ssim = float(structural_similarity(gt, a, data_range=data_range))
-    return {"psnr": psnr if math.isfinite(psnr) else None, "ssim": ssim}
-
-
 def package_versions() -> dict[str, str | None]:
     """Versions of the packages a result depends on (``None`` when a package is missing)."""
-    import importlib.metadata as md
-
     out: dict[str, str | None] = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for dist, key in (("torch", "torch"), ("numpy", "numpy"), ("scipy", "scipy"), ("astra-toolbox", "astra"),
-                      ("odl", "odl"), ("scikit-image", "scikit-image"), ("tifffile", "tifffile"), ("ctuq", "ctuq")):
+    for dist, key in (
+        ("torch", "torch"),
+        ("numpy", "numpy"),
+        ("scipy", "scipy"),
+        ("astra-toolbox", "astra"),
+        ("odl", "odl"),
+        ("scikit-image", "scikit-image"),
+        ("tifffile", "tifffile"),
+        ("ctuq", "ctuq"),
+    ):
         try:
             out[key] = md.version(dist)
         except md.PackageNotFoundError:
@@ -108,12 +89,9 @@ def write_figure(
     dpi: int = 120,
 ) -> Path:
     """A one-row PNG: ground truth (if given), each image in ``images`` (titles with their PSNR), and
-    ``|images[error_of] − ground truth|``. Volumes are shown by their central slice. Written atomically."""
-    import matplotlib
+    ``|images[error_of] − ground truth|``. Volumes are shown by their central slice. Written atomically.
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    Drawn on a stand-alone ``Figure`` (Agg canvas, no pyplot state), as :mod:`ctuq.figures` does."""
     panels: list[tuple[str, np.ndarray, dict]] = []
     gt = central_slice(to_numpy(ground_truth)) if ground_truth is not None else None
     arrays = {k: central_slice(to_numpy(v)) for k, v in images.items()}
@@ -127,9 +105,11 @@ def write_figure(
         panels.append((title, arr, {"vmin": vmin, "vmax": vmax, "cmap": "gray"}))
     if gt is not None and error_of in arrays:
         err = np.abs(arrays[error_of] - gt)
-        panels.append((f"|{error_of} − ground truth|", err, {"vmin": 0.0, "vmax": float(err.max()) or 1.0,
-                                                            "cmap": "magma"}))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+        panels.append(
+            (f"|{error_of} − ground truth|", err, {"vmin": 0.0, "vmax": float(err.max()) or 1.0, "cmap": "magma"})
+        )
+    fig = Figure(figsize=(3.2 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, arr, kw) in zip(axes[0], panels):
         im = ax.imshow(arr, **kw)
         ax.set_title(title, fontsize=10)
@@ -139,7 +119,6 @@ def write_figure(
     path = Path(path)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
-    plt.close(fig)
     return path
 
 

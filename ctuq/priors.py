@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from ctuq.options import GPriorMethod, Prior, values
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["column_sq_norms", "gprior_scales", "isotropic_scales", "scales_from_sq_norms"]
@@ -90,7 +91,7 @@ def column_sq_norms(
     progress : bool
         Show a progress bar over chunks.
     """
-    if method not in ("exact", "stochastic"):
+    if method not in values(GPriorMethod):
         raise ValueError(f"column_sq_norms: method must be 'exact' or 'stochastic', got {method!r}")
     if not isinstance(n_rows, int) or n_rows < 1:
         raise ValueError(f"column_sq_norms: n_rows must be a positive int, got {n_rows!r}")
@@ -99,7 +100,7 @@ def column_sq_norms(
     device = torch.device(device)
     total: torch.Tensor | None = None
     d: int | None = None
-    if method == "exact":
+    if method == GPriorMethod.EXACT:
         n = n_rows
     else:
         if not isinstance(n_probes, int) or n_probes < 1:
@@ -181,7 +182,7 @@ def gprior_scales(
     dtype, device
         Of the probes and of the returned scales.
     """
-    if method == "isotropic":
+    if method == Prior.ISOTROPIC:
         return isotropic_scales(n_features, dtype=dtype, device=device)  # type: ignore[arg-type]
     if A_rmatvec is None or n_rows is None:
         raise ValueError(f"gprior_scales: method {method!r} needs A_rmatvec and n_rows")

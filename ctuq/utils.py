@@ -1,18 +1,29 @@
-"""Small shared helpers: atomic file output, seeding, device selection, progress bars."""
+"""Small shared helpers: atomic file output, seeding, device selection, progress bars, array conversion.
+
+Memory budgets and the free memory of a device live in :mod:`ctuq.memory`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib
 import json
 import math
 import os
 import random
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+import tifffile
 import torch
+from tqdm.auto import tqdm
+
+from ctuq.errors import DeviceError
 
 __all__ = [
     "lazy_exports",
@@ -25,7 +36,7 @@ __all__ = [
     "progress",
     "as_rows",
     "check_fingerprint",
-    "free_memory_bytes",
+    "to_numpy",
     "derived_seed_words",
     "tune_malloc",
 ]
@@ -80,8 +91,6 @@ def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
 
 def atomic_write_tiff(path: str | os.PathLike, array: np.ndarray) -> None:
     """Write a float32 (or given dtype) TIFF atomically with tifffile."""
-    import tifffile
-
     with atomic_path(path) as tmp:
         tifffile.imwrite(tmp, np.ascontiguousarray(array))
 
@@ -97,8 +106,6 @@ def seed_everything(seed: int) -> torch.Generator:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None``/``"auto"`` → CUDA when available else CPU; ``"cuda"`` without CUDA raises
     :class:`ctuq.errors.DeviceError` (a ``RuntimeError``) saying so."""
-    from ctuq.errors import DeviceError
-
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -112,15 +119,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def progress(iterable=None, *, total=None, desc: str = "", disable: bool | None = None, **kw):
     """A tqdm progress bar writing to stderr; silenced when ``CTUQ_NO_PROGRESS=1`` or ``disable``."""
-    from tqdm.auto import tqdm
-
     if disable is None:
         disable = os.environ.get("CTUQ_NO_PROGRESS", "") == "1"
     return tqdm(iterable, total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=False, **kw)
 
 
-def as_rows(X: torch.Tensor, width: int, where: str, what: str, *, device: torch.device,
-            dtype: torch.dtype) -> torch.Tensor:
+def as_rows(
+    X: torch.Tensor, width: int, where: str, what: str, *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """``X`` checked to be a ``(batch, width)`` tensor and moved to ``device``/``dtype``.
 
     ``where`` (e.g. ``"LinearizedNetwork.jvp"``) and ``what`` (the argument's name) go into the error, which
@@ -133,8 +139,16 @@ def as_rows(X: torch.Tensor, width: int, where: str, what: str, *, device: torch
     return X.to(device=device, dtype=dtype)
 
 
-def check_fingerprint(saved: dict, now: dict, *, what: str, error: type[Exception] = ValueError,
-                      hint: str = "", rel_tol: float = 1e-6, abs_tol: float = 1e-12) -> None:
+def check_fingerprint(
+    saved: dict,
+    now: dict,
+    *,
+    what: str,
+    error: type[Exception] = ValueError,
+    hint: str = "",
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-12,
+) -> None:
     """Raise ``error`` naming the first key where a checkpoint's fingerprint ``saved`` differs from ``now``.
 
     Every checkpoint in ctuq (DIP fit, linearised inference, EM) stores a small dict of what determines its
@@ -163,16 +177,11 @@ def check_fingerprint(saved: dict, now: dict, *, what: str, error: type[Exceptio
             raise error(f"{what}: its {key} is {old!r} but this run has {value!r}" + (f" ({hint})" if hint else ""))
 
 
-def free_memory_bytes(device: torch.device | str) -> int | None:
-    """Free memory on ``device`` in bytes: CUDA's free memory, or the host's available physical memory (``None``
-    where the OS does not say). The one source of every memory budget in ctuq."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
+def to_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A float32 numpy copy of an image tensor (any device, autograd detached) or array (same shape)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(x, dtype=np.float32)
 
 
 # glibc mallopt(3) parameters
@@ -198,27 +207,28 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     Returns ``True`` when both thresholds were set (or already had been: a later call changes nothing).
     """
     global _MALLOC_TUNED
-    import sys
-
     if _MALLOC_TUNED is not None:
         return _MALLOC_TUNED
     env = os.environ
-    if (not sys.platform.startswith("linux") or env.get("CTUQ_TUNE_MALLOC", "1") == "0"
-            or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
-            or "MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env):
+    if (
+        not sys.platform.startswith("linux")
+        or env.get("CTUQ_TUNE_MALLOC", "1") == "0"
+        or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
+        or "MALLOC_MMAP_THRESHOLD_" in env
+        or "MALLOC_TRIM_THRESHOLD_" in env
+    ):
         return False
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl's mallopt ignores these parameters
+        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError outside glibc: musl's mallopt ignores these
     except (OSError, AttributeError):
         _MALLOC_TUNED = False
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _MALLOC_TUNED = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
-        mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)))
+        mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
+    )
     return _MALLOC_TUNED
 
 
@@ -239,8 +249,6 @@ def lazy_exports(package: str, table: dict[str, str]):
     that submodule and caches the value in the package's namespace. Packages use it where an eager import would
     make a cycle (``ctuq.pipeline``) or pull heavy modules into ``ctuq.config`` (``ctuq.design``).
     """
-    import importlib
-    import sys
 
     def __getattr__(name: str):
         if name in table:
@@ -253,4 +261,3 @@ def lazy_exports(package: str, table: dict[str, str]):
         return sorted(set(vars(sys.modules[package])) | set(table))
 
     return __getattr__, __dir__
-

@@ -35,7 +35,9 @@ import sys
 from pathlib import Path
 
 from ctuq.studies import StudyError
-from ctuq.studies.angle_selection import DEFAULTS, STRATEGIES, TINY
+from ctuq.studies.angle_selection import DEFAULTS, STUDY_STRATEGIES, TINY
+from ctuq.studies.angle_selection_report import markdown_tables, run_study
+from ctuq.utils import tune_malloc
 
 _HELP = {
     "images": "number of images (default 30)", "images_file": ".npy or TIFF stack (N, H, W), H = W: own phantoms",
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     for key, default in DEFAULTS.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(default, list):
-            choices = STRATEGIES if key == "strategies" else ("tv", "dip") if key == "recon" else None
+            choices = STUDY_STRATEGIES if key == "strategies" else ("tv", "dip") if key == "recon" else None
             p.add_argument(flag, nargs="+", choices=choices, help=_HELP[key])
         elif key == "images_file":
             p.add_argument(flag, metavar="FILE", help=_HELP[key])
@@ -108,8 +110,6 @@ def resolve_options(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ctuq.studies.angle_selection_report import markdown_tables, run_study
-
     args = build_parser().parse_args(argv)
     try:
         opts = resolve_options(args)
@@ -123,7 +123,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     sys.exit(main())

@@ -44,11 +44,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctuq.classify import LinearizedLaplace  # noqa: E402
-from ctuq.inference import DENSE_CHOICES  # noqa: E402
-from ctuq.utils import atomic_torch_save  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
-from ctuq.studies.classification import (DATASETS, MODELS, SHIFTS, count_parameters, load_dataset,  # noqa: E402
-                                         make_model, metric_row, shifted_inputs, train_map)
+from ctuq.metrics.classification import accuracy, expected_calibration_error, nll  # noqa: E402
+from ctuq.models import count_parameters  # noqa: E402
+from ctuq.options import DenseFeatures as DenseChoice  # noqa: E402
+from ctuq.options import values  # noqa: E402
+from ctuq.studies.classification import (  # noqa: E402
+    DATASETS,
+    MODELS,
+    SHIFTS,
+    load_dataset,
+    make_model,
+    metric_row,
+    shifted_inputs,
+    train_map,
+)
+from ctuq.utils import atomic_torch_save, tune_malloc  # noqa: E402
 
 KAPPAS = list(range(1, 11))
 LT_VARIANTS = [("last_layer", "kron"), ("all", "diag"), ("all", "kron"), ("all", "full")]
@@ -179,8 +190,6 @@ def run_laplace_torch(state, d, shifts, subset, structure, args):
 def a_sweep(la, d, args):
     """Test metrics of the sampled posterior with ``a`` fixed at multiples of the EM's value (same posterior object;
     the samples are redrawn at each ``a``). Restores ``a`` afterwards."""
-    from ctuq.metrics.classification import accuracy, expected_calibration_error, nll
-
     a0 = la.posterior.a
     gamma = la.em_trace[-1].get("gamma") if la.em_trace else None
     print(f"  a sweep (EM: a = {a0:.4g}, γ = {gamma if gamma is None else f'{gamma:.4g}'} of d = {la.n_params}):")
@@ -252,7 +261,8 @@ def print_tables(title, entries, shifts):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--out", default="runs/classification", help="folder for cached MAP networks and results.json")
@@ -270,7 +280,7 @@ def main(argv=None):
     ap.add_argument("--lt-timeout", type=float, default=600.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="precision of ctuq's posterior")
-    ap.add_argument("--dense-features", choices=DENSE_CHOICES, default="auto",
+    ap.add_argument("--dense-features", choices=values(DenseChoice), default="auto",
                     help="ctuq: assemble Ψ₀ from per-example Jacobians for every solver (always; then CG's products "
                          "are GEMMs), only for the exact EM (auto), or never")
     ap.add_argument("--weight-decay", type=float, default=0.0,
@@ -354,7 +364,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     main()

@@ -25,6 +25,14 @@ import time
 import numpy as np
 import torch
 
+from ctuq.config import DesignConfig
+from ctuq.data.rectangles import parallel_geometry, rectangles_image
+from ctuq.design import DesignEngine, auto_route, equidistant_indices, greedy_design
+from ctuq.design.dip_prior import DIPPrior
+from ctuq.design.priors import isotropic_model, matern_model
+from ctuq.models import build_unet, count_parameters, make_net_input
+from ctuq.operators import SparseRayTransform
+from ctuq.reconstruct.dip import fit_dip
 from ctuq.utils import tune_malloc
 
 
@@ -50,15 +58,6 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
-
-    from ctuq.config import DesignConfig
-    from ctuq.data.rectangles import parallel_geometry, rectangles_image
-    from ctuq.design import DesignEngine, auto_route, equidistant_indices, greedy_design
-    from ctuq.design.dip_prior import DIPPrior
-    from ctuq.design.priors import isotropic_model, matern_model
-    from ctuq.models import build_unet, count_parameters, make_net_input
-    from ctuq.operators import SparseRayTransform
-    from ctuq.reconstruct.dip import fit_dip
 
     dev = torch.device(args.device)
     img, _ = rectangles_image(np.random.default_rng(args.seed), args.size)

@@ -62,21 +62,32 @@ import warnings
 import numpy as np
 import torch
 
+from ctuq.config import UQConfig, load_config
 from ctuq.inference import (
     CGSolver,
+    ConvergenceWarning,
     DenseFeatures,
     ExactEigSolver,
+    FeatureOperator,
+    GaussianLikelihood,
     LinearizedFeatures,
+    LinearizedPosterior,
     SampledEM,
+    ScaledFeatures,
+    SDDSolver,
+    SGDSolver,
     Workload,
     choose_solver,
     posterior_mean,
     sample_chunks,
 )
 from ctuq.linearize import LinearizedNetwork
-from ctuq.models import build_unet, count_parameters, make_net_input
+from ctuq.models import build_unet, count_parameters, make_net_input, read_model_file
+from ctuq.pipeline import run_folder
+from ctuq.pipeline.scan import load_scan
+from ctuq.pipeline.uq import ct_posterior
 from ctuq.priors import gprior_scales
-from ctuq.utils import resolve_device
+from ctuq.utils import resolve_device, tune_malloc
 
 
 def _sync(device: torch.device) -> None:
@@ -230,7 +241,7 @@ def run_main(args) -> None:
     n_zero = int((s == 0).sum())
     table.add(f"g-prior scales ({args.gprior})", ph.wall, ph.jvp, ph.vjp, 0, 0, floor, None, f"{n_zero} zero columns")
 
-    feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+    feats = ScaledFeatures(LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c), s)
     y = make_targets(args, feats, net, T, device)
 
     if args.solver == "auto":
@@ -381,7 +392,7 @@ def run_compare_preconditioners(args) -> None:
         net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
         s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
                           n_features=net.d, seed=args.seed, device=device)
-        feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+        feats = ScaledFeatures(LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c), s)
         rows += _precond_rows(f"U-Net {args.preset} {args.size}², c={T.c}, a={args.a0}", feats, args.ranks,
                               args.oversampling, args.a0, args.sigma2, args.samples + 1, args.seed)
     print("# CG iterations to rtol 1e-3 (max over right-hand sides); in brackets: kernel products of the "
@@ -399,7 +410,7 @@ def run_compare_cg(args) -> None:
     net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
     s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
                       n_features=net.d, seed=args.seed, device=device)
-    feats = LinearizedFeatures(net, s, T.forward, T.adjoint, n_outputs=T.c)
+    feats = ScaledFeatures(LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c), s)
     base = CGSolver(feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling,
                     seed=args.seed)
     eig = base.build_preconditioner()
@@ -422,8 +433,6 @@ class RotatedFeatures:
     """``Ψ' = Λ^½`` (diagonal, ``c × c``) of a kernel ``K̄ = QΛQᵀ`` in its eigenbasis: products cost ``O(c)``."""
 
     def __new__(cls, lam: torch.Tensor, dtype=torch.float32):
-        from ctuq.inference import FeatureOperator
-
         class _Rotated(FeatureOperator):
             def __init__(self, root):
                 super().__init__()
@@ -443,15 +452,7 @@ class RotatedFeatures:
 def _exact_problem(args, device):
     """``(posterior with an exact_dual solver, network, description)`` for the synthetic problem or ``--run``; the
     posterior's state (scales + eigendecomposition) is cached in ``--cache``."""
-    from ctuq.inference import GaussianLikelihood, LinearizedPosterior
-
     if args.run:
-        from ctuq.config import UQConfig, load_config
-        from ctuq.models import read_model_file
-        from ctuq.pipeline import run_folder
-        from ctuq.pipeline.scan import load_scan
-        from ctuq.uq import ct_posterior
-
         cfg = load_config(run_folder.require_run_folder(args.run), [f"device={device.type}"])
         data, path, _ = load_scan(cfg, device, progress=False)
         mf = read_model_file(f"{args.run}/{run_folder.MODEL_NAME}", need_input=True)
@@ -466,9 +467,7 @@ def _exact_problem(args, device):
     else:
         model, x, T = build_problem(args, device)
         net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
-        from ctuq.inference import LinearizedFeatures
-
-        base = LinearizedFeatures(net, torch.ones(net.d, device=device), T.forward, T.adjoint, n_outputs=T.c)
+        base = LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c)
         y = make_targets(args, base, net, T, device)
         post = LinearizedPosterior(base, y, prior="isotropic" if args.gprior == "isotropic" else "gprior",
                                    gprior_method="exact" if args.gprior == "exact" else "stochastic",
@@ -495,8 +494,6 @@ def _solve_counts(make, feats, R, a, s2, X_ref, kernel_diag=None):
     j0, v0 = feats.n_matvec, feats.n_rmatvec
     t0 = time.perf_counter()
     with warnings.catch_warnings():
-        from ctuq.inference import ConvergenceWarning
-
         warnings.simplefilter("ignore", ConvergenceWarning)
         X, st = solver.solve(R, a, s2)
     wall = time.perf_counter() - t0
@@ -514,13 +511,10 @@ def _solve_counts(make, feats, R, a, s2, X_ref, kernel_diag=None):
 
 
 def run_compare_solvers(args) -> None:
-    from ctuq.inference import (CGSolver, DenseFeatures, ExactEigSolver, GaussianLikelihood, LinearizedPosterior,
-                                SDDSolver, SGDSolver, SampledEM)
-
     device = resolve_device(args.device)
     post, net, desc, (t_setup, j_setup, v_setup) = _exact_problem(args, device)
     lam, Q = post.solver.decompose()
-    c, d = post.n_outputs, post.n_features
+    c = post.n_outputs
     feats = post.features
     print(f"# {desc}")
     print(f"# exact reference: K̄ assembled and eigendecomposed in {t_setup:.0f} s ({j_setup} JVPs, {v_setup} VJPs "
@@ -604,8 +598,9 @@ def run_compare_solvers(args) -> None:
     rows = []
     for name, make, fixed in ((f"cg rank {args.rank}", cg(args.rank), False),
                               ("cg adaptive", cg(args.adaptive_cap, True, threshold=args.rank_thresholds[0]), False),
-                              ("sdd (fixed probes, warm)", sdd(args.em_tol_solver, args.fo_budget,
-                                                              step_size=args.sdd_step, momentum=args.sdd_momentum), True),
+                              ("sdd (fixed probes, warm)",
+                               sdd(args.em_tol_solver, args.fo_budget, step_size=args.sdd_step,
+                                   momentum=args.sdd_momentum), True),
                               ("sgd (fixed probes, warm)", sgd(args.em_tol_solver, args.fo_budget, lr=args.sdd_step,
                                                               momentum=args.sdd_momentum), True)):
         solver = make(rot)
@@ -620,7 +615,8 @@ def run_compare_solvers(args) -> None:
                 continue
         prods = sum(rec["solver"]["n_products"] for rec in out.trace)
         rows.append((name, f"{out.a:.5g}", f"{abs(out.a / a_star - 1):.2e}", f"{out.sigma2:.5g}",
-                     f"{abs(out.sigma2 / s2_star - 1):.2e}", prods, f"{out.trace[-1]['solver']['max_relative_residual']:.2e}"))
+                     f"{abs(out.sigma2 / s2_star - 1):.2e}", prods,
+                     f"{out.trace[-1]['solver']['max_relative_residual']:.2e}"))
         print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     _print_table(head, rows)
 
@@ -629,8 +625,6 @@ def run_compare_solvers(args) -> None:
 
 
 def _tuning_tables(args, rot, R_rot, X_rot, a, s2, lam, Q, k):
-    from ctuq.inference import DenseFeatures, SDDSolver, SGDSolver
-
     print(f"\n## SDD tuning (rotated problem, {k + 1} right-hand sides, budget {args.fo_budget}); products per "
           f"right-hand side to reach the relative residual (— : not within the budget)")
     head = ("variant", "step η", "ρ", "batch", "start", *[f"rtol {t:g}" for t in args.tune_tols], "res. at budget")
@@ -659,7 +653,7 @@ def _tuning_tables(args, rot, R_rot, X_rot, a, s2, lam, Q, k):
     if args.blocks:
         _block_table(args, lam, Q, R_rot, a, s2)
 
-    print(f"\n## SGD (primal) tuning, same right-hand sides and budget")
+    print("\n## SGD (primal) tuning, same right-hand sides and budget")
     head = ("step η", "ρ", "lr decay", "clip", *[f"rtol {t:g}" for t in args.tune_tols], "res. at budget")
     rows = []
     for eta, rho, decay, clip in ((1.0, 0.9, "none", None), (1.0, 0.99, "none", None), (1.0, 0.999, "none", None),
@@ -681,8 +675,6 @@ def _tuning_tables(args, rot, R_rot, X_rot, a, s2, lam, Q, k):
 def _block_table(args, lam, Q, R_rot, a, s2):
     """Coordinate blocks against the full batch at the same budget (original basis Ψ' = QΛ^½: blocks are not
     rotation invariant). The published step βn for unit-diagonal kernels is η = βn·λ_max(C)/tr(C) here."""
-    from ctuq.inference import DenseFeatures, SDDSolver
-
     c = Q.shape[0]
     QL = DenseFeatures((Q * lam.clamp_min(0).sqrt()).to(torch.float32))
     R_q = (R_rot[: args.block_rhs] @ Q.T).to(torch.float32)
@@ -807,7 +799,8 @@ def main(argv=None) -> None:
     ap.add_argument("--noise-std", type=float, default=1.0, help="std of the synthetic measurement noise")
     ap.add_argument("--target", default="prior", choices=("prior", "network"),
                     help="ỹ = Ψw + ε with w ~ N(0, I/a_true) (prior), or T g(ṽ) + ε for the untrained network")
-    ap.add_argument("--a-true", type=float, default=1.0, help="prior precision of the synthetic weights (--target prior)")
+    ap.add_argument("--a-true", type=float, default=1.0,
+                    help="prior precision of the synthetic weights (--target prior)")
     ap.add_argument("--learn-noise", action="store_true")
     ap.add_argument("--pred-samples", type=int, default=64, help="prediction samples (0: skip)")
     ap.add_argument("--pred-chunk", type=int, default=16, help="prediction samples per seeded chunk")
@@ -834,7 +827,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     main()

@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
+from ctuq.operators import SparseRayTransform
+from ctuq.operators.fbp import fbp
+from ctuq.utils import tune_malloc
 
 FOV_MM = 50.1  # the walnut ground truth: 501 voxels of 0.1 mm
 SOURCE_ORIGIN, SOURCE_DETECTOR = 66.0, 199.0
@@ -88,8 +91,6 @@ def bench_operator(rows, label, op, batches, repeats, fbp_too):
                        fwd_ips=b / statistics.median(tf), adj_ips=b / statistics.median(ta),
                        fwd_min_ms=1e3 * min(tf), adj_min_ms=1e3 * min(ta))
             if fbp_too:
-                from ctuq.operators.fbp import fbp
-
                 tb = time_calls(lambda t: fbp(op, t), y, device, max(1, repeats // 2))
                 row["fbp_ms"] = 1e3 * statistics.median(tb)
             rows.append(row)
@@ -134,8 +135,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, args.threads))
     if args.repeats < 1 or min(args.batches) < 1 or min(args.sizes) < 2:
         parser.error("--repeats, --batches must be positive and --sizes at least 2")
-
-    from ctuq.operators import SparseRayTransform
 
     devices = []
     if args.device in ("auto", "cpu"):
@@ -190,7 +189,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     sys.exit(main())

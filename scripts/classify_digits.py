@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ctuq.classify import LinearizedLaplace  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
 from ctuq.metrics import reliability_diagram  # noqa: E402
-from ctuq.studies.classification import (SHIFTS, load_dataset, make_model, metric_row, shifted_inputs,  # noqa: E402
-                                         train_map)
-from ctuq.utils import atomic_path  # noqa: E402
+from ctuq.studies.classification import SHIFTS, load_dataset, make_model, metric_row, shifted_inputs, train_map  # noqa: E402
+from ctuq.utils import atomic_path, tune_malloc  # noqa: E402
 
 
 def _figure(ncols, width=4.2, height=3.6):
@@ -142,7 +140,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     main()

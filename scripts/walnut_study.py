@@ -7,7 +7,7 @@ study loads the 2D slice problem and
 
 1. fits the DIP once (U-Net without dropout): its reconstruction ``x̃`` is the mean of both linearised methods;
 2. **linearised (sampled)**: g-prior, sampled EM with preconditioned CG, ``--samples`` dual Matheron samples
-   (:func:`ctuq.uq.run_linearized_uq` with ``solver="cg"``);
+   (:func:`ctuq.pipeline.uq.run_linearized_uq` with ``solver="cg"``);
 3. **linearised (exact)**: the exact reference (``solver="exact"``: the dense route ``TΦ`` for ``d < c``, the
    ``c × c`` eigendecomposition otherwise; exact EM to convergence, exact samples) when ``--exact`` permits:
    ``auto`` runs it when its memory estimate (:func:`ctuq.inference.estimate_solver_costs` from ``c``, ``d`` and
@@ -60,6 +60,7 @@ from typing import Any
 
 from ctuq.studies import StudyError
 from ctuq.studies.walnut import DEFAULTS, TINY, markdown_table, run_study, table_rows
+from ctuq.utils import tune_malloc
 
 
 # ================================================================================================ options
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--iterations", type=int, help=f"DIP iterations (default {d['iterations']})")
     g.add_argument("--lr", type=float, help=f"Adam learning rate (default {d['lr']})")
     g.add_argument("--tv-weight", type=float, help=f"TV weight (default {d['tv_weight']})")
-    g.add_argument("--clip-grad-norm", type=float, help=f"gradient-norm clip, 0 disables (default {d['clip_grad_norm']})")
+    g.add_argument("--clip-grad-norm", type=float,
+                   help=f"gradient-norm clip, 0 disables (default {d['clip_grad_norm']})")
     g.add_argument("--scale", type=float, help=f"data/image scale of the DIP (default {d['scale']})")
     g.add_argument("--input-std", type=float, help=f"std of the fixed noise input (default {d['input_std']})")
     g = p.add_argument_group("linearised inference")
@@ -185,7 +187,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ctuq.utils import tune_malloc
-
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     sys.exit(main())

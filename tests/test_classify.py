@@ -12,7 +12,7 @@ from torch import nn
 
 from ctuq.classify import LinearizedLaplace, SoftmaxHessianRoot, softmax_hessian
 from ctuq.classify.jacobians import assemble_whitened_jacobian
-from ctuq.inference import CategoricalLikelihood, LIKELIHOODS
+from ctuq.inference import LIKELIHOODS, CategoricalLikelihood
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -268,7 +268,6 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
         la.optimize_prior("sampled_em", max_steps=3, n_samples=16, tol=0.0)
         runs[dense] = (la, [r["a_new"] for r in la.em_trace], la.predict(tiny["Xt"], link="mc", samples=64, seed=2))
     from ctuq.classify.jacobians import DenseJacobian
-    from ctuq.inference import DenseFeatures
     from ctuq.linearize import LinearizedNetwork
 
     # the iterative route keeps J itself (Ψ₀ = blockdiag(Lᵀ) J per product), which the mode finder needs too
@@ -294,7 +293,7 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
     torch.testing.assert_close(runs["always"][2], runs["never"][2], rtol=1e-6, atol=1e-9)
     import ctuq.classify.laplace as lap
 
-    monkeypatch.setattr(lap, "dense_memory_budget", lambda device: 1024)
+    monkeypatch.setattr(lap, "memory_budget", lambda purpose, device: 1024)
     with pytest.raises(MemoryError, match=r"Ψ₀ \(\d+ × \d+, torch.float64\) needs .* dense budget"):
         _fit(tiny, dense_features="always", **kw)
     with pytest.raises(ValueError, match="dense_features must be one of"):

@@ -161,3 +161,64 @@ def test_a_new_section_needs_only_a_dataclass():
     with pytest.raises(ConfigError, match="extra.samples must be >= 1"):
         apply_dict(cfg, {"extra": {"samples": 0}}, "test")
     assert isinstance(cfg.dip, DIPConfig)
+
+
+# ------------------------------------------------------------------------------------------------ uq → the core
+def test_posterior_arguments_give_each_solver_exactly_its_keys():
+    from ctuq.config import UQConfig, posterior_arguments
+    from ctuq.inference import SOLVERS, Workload, solver_kwargs
+
+    uq = UQConfig(prior="isotropic", gprior_method="stochastic", gprior_probes=9, solver="cg", preconditioner="halko",
+                  rank=12, oversampling=3, cg_tol=1e-5, cg_max_iter=77, adaptive_rank=False, sdd_step=0.7,
+                  sdd_momentum=0.9, sdd_batch=5, sdd_iterations=33, sgd_lr=0.5, sgd_momentum=0.8,
+                  sgd_lr_decay="linear", sgd_clip=2.0, sgd_iterations=44, first_order_tol=1e-3, prior_precision=3.0,
+                  em_steps=2, em_samples=3, samples=10, sample_chunk=5)
+    args = posterior_arguments(uq)
+    assert set(args) == {"prior", "gprior_method", "gprior_probes", "a", "solver", "solver_options", "workload"}
+    assert (args["prior"], args["gprior_method"], args["gprior_probes"], args["a"], args["solver"]) == (
+        "isotropic", "stochastic", 9, 3.0, "cg")
+    assert args["workload"] == Workload(em_steps=2, em_samples=3, prediction_samples=10, rank=12, oversampling=3,
+                                        sdd_iterations=33.0, sgd_iterations=44.0, chunk=5)
+    opts = args["solver_options"]
+    assert solver_kwargs(opts, "cg") == {"preconditioner": "halko", "rank": 12, "oversampling": 3, "rtol": 1e-5,
+                                         "max_iter": 77, "adaptive_rank": False, "rank_threshold": 1.0}
+    assert solver_kwargs(opts, "sdd") == {"step_size": 0.7, "momentum": 0.9, "batch_size": 5, "max_iter": 33,
+                                          "rtol": 1e-3}
+    assert solver_kwargs(opts, "sgd") == {"lr": 0.5, "momentum": 0.8, "lr_decay": "linear", "clip": 2.0,
+                                          "max_iter": 44, "rtol": 1e-3}
+    assert solver_kwargs(opts, "exact_primal") == solver_kwargs(opts, "exact_dual") == {}
+    for name in ("cg", "sdd", "sgd"):
+        assert set(solver_kwargs(opts, name)) <= SOLVERS[name].option_names()
+
+
+def test_uq_defaults_are_the_solvers_defaults():
+    import inspect
+
+    from ctuq.config import UQConfig
+    from ctuq.inference import CGSolver, SDDSolver, SGDSolver
+
+    uq = UQConfig()
+
+    def default(cls, name):
+        return inspect.signature(cls.__init__).parameters[name].default
+
+    assert (uq.sdd_step, uq.sdd_momentum, uq.sdd_batch, uq.sdd_iterations) == tuple(
+        default(SDDSolver, n) for n in ("step_size", "momentum", "batch_size", "max_iter"))
+    assert (uq.sgd_lr, uq.sgd_momentum, uq.sgd_lr_decay, uq.sgd_clip, uq.sgd_iterations) == tuple(
+        default(SGDSolver, n) for n in ("lr", "momentum", "lr_decay", "clip", "max_iter"))
+    assert uq.first_order_tol == default(SDDSolver, "rtol") == default(SGDSolver, "rtol")
+    assert (uq.preconditioner, uq.rank, uq.oversampling, uq.cg_tol, uq.cg_max_iter, uq.adaptive_rank,
+            uq.rank_threshold) == tuple(default(CGSolver, n) for n in ("preconditioner", "rank", "oversampling", "rtol",
+                                                                        "max_iter", "adaptive_rank", "rank_threshold"))
+
+
+def test_the_config_imports_no_front_end():
+    import subprocess
+    import sys
+
+    code = ("import sys, ctuq.config\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith(('ctuq.design', 'ctuq.classify', "
+            "'ctuq.pipeline', 'ctuq.studies', 'ctuq.uq')))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

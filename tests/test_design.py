@@ -9,15 +9,27 @@ import numpy as np
 import pytest
 import torch
 
-from ctuq.design.candidates import (DesignError, check_design_sizes, equidistant_angles, equidistant_indices,
-                                    match_angles, random_indices)
-from ctuq.design.criteria import (criteria_from_blocks, criteria_from_samples, dense_posterior_blocks,
-                                  information_gain_bruteforce)
+from ctuq.design import factors
 from ctuq.design.bordered import lower_gram
+from ctuq.design.candidates import (
+    DesignError,
+    check_design_sizes,
+    equidistant_angles,
+    equidistant_indices,
+    match_angles,
+    random_indices,
+)
+from ctuq.design.criteria import (
+    criteria_from_blocks,
+    criteria_from_samples,
+    dense_posterior_blocks,
+    information_gain_bruteforce,
+)
 from ctuq.design.engine import BorderedCholesky, DesignEngine, auto_route
 from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, matern_matrix
-from ctuq.design.greedy import DesignCheckpointMismatch, baseline_design, greedy_design
+from ctuq.design.greedy import baseline_design, greedy_design
 from ctuq.design.model import DesignModel
+from ctuq.errors import CheckpointMismatch
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import ExactEigSolver, draw_prior_and_noise, sample_posterior
 from ctuq.operators import SparseRayTransform
@@ -36,7 +48,7 @@ def dense_model(op, d=20, seed=0, a=2.0, sigma2=0.3):
     g = torch.Generator().manual_seed(seed)
     Phi = torch.randn(H * H, d, generator=g, dtype=torch.float64)
     scales = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
-    return DesignModel(op, DenseFactor(Phi, (H, H)), scales, a, sigma2, kind="dense")
+    return DesignModel(op, DenseFactor(Phi, (H, H)), scales, a, sigma2, image_prior="dense")
 
 
 def dense_K(model):
@@ -60,7 +72,7 @@ def network_model(op):
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(3, 1, 3, padding=1))
     lin = LinearizedNetwork(net.double(), torch.randn(1, 1, H, H, dtype=torch.float64))
     scales = torch.rand(lin.d, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
-    return DesignModel(op, lin, scales, 1.5, 0.25, kind="network")
+    return DesignModel(op, lin, scales, 1.5, 0.25, image_prior="network")
 
 
 def image_space(model):
@@ -141,7 +153,7 @@ def test_exact_route_equals_the_dense_reference(op, kind):
     np.testing.assert_allclose(eng.chol.L.numpy(), torch.linalg.cholesky(C).numpy(), atol=1e-9)
 
 
-def test_dense_factor_projects_each_block_once(op):
+def test_dense_factor_projects_each_block_once(op, monkeypatch):
     """An assembled Jacobian projects a candidate block on first request and keeps it (T^β Φ on the factor): the
     rows of any candidate set, the g-prior column norms and the prior blocks equal the per-call sparse products
     (the fallback when T Φ does not fit in memory), and a block asked for again is not projected again."""
@@ -160,7 +172,9 @@ def test_dense_factor_projects_each_block_once(op):
     torch.testing.assert_close(model.column_sq_norms(blocks), ref.pow(2).sum(0), rtol=1e-12, atol=1e-12)
     # no room for T Φ: nothing kept, the same numbers from sparse products
     small = dense_model(op)
-    assert small.factor.projected_blocks(op, [0], memory_fraction=0.0) is None
+    with monkeypatch.context() as m:
+        m.setattr(factors, "memory_budget", lambda purpose, device: 0)
+        assert small.factor.projected_blocks(op, [0]) is None
     torch.testing.assert_close(small.projected_rows(blocks), ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(small.prior_blocks(), model.prior_blocks(), rtol=1e-12, atol=1e-12)
 
@@ -321,7 +335,7 @@ def test_greedy_resume_replays_and_continues_like_an_uninterrupted_design(op, tm
     assert resumed.acquired == full.acquired
     np.testing.assert_allclose([s["criterion"] for s in resumed.steps], [s["criterion"] for s in full.steps],
                                rtol=1e-5)
-    with pytest.raises(DesignCheckpointMismatch, match="pilot"):
+    with pytest.raises(CheckpointMismatch, match="pilot"):
         greedy_design(DesignEngine(model, "sampled", n_samples=64, seed=2), [0, 5], 5, checkpoint=ck, **kw)
 
 

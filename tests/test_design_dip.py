@@ -47,11 +47,11 @@ def test_dip_prior_scales_precision_and_refresh(problem):
     prior = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05)
     pilot = [0, 5]
     model = prior.build(pilot)
-    assert isinstance(model.factor, DenseFactor) and model.kind == "dip"
+    assert isinstance(model.factor, DenseFactor) and model.image_prior == "dip"
     # the exact g-prior on the pilot rows, as the core computes it with VJPs
     op_p = p.op.subset(pilot)
     net = LinearizedNetwork(p.net, p.ni, mode="recompute")
-    feats = LinearizedFeatures(net, torch.ones(net.d), op_p.forward_flat, op_p.adjoint_flat)
+    feats = LinearizedFeatures(net, op_p.forward_flat, op_p.adjoint_flat)
     s_ref = gprior_scales(feats.rmatvec, feats.n_outputs, method="exact", n_features=net.d)
     assert torch.allclose(model.scales, s_ref, rtol=1e-4)
     # energy rule: a = #non-zero scales / (‖ỹ‖² − c σ²) with ỹ = scale·y + T(Φṽ − g(ṽ))

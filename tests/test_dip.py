@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from ctuq.errors import CheckpointMismatch
+from ctuq.metrics import psnr
 from ctuq.models import build_unet, make_net_input
 from ctuq.operators.base import RayTransform
-from ctuq.reconstruct.dip import CheckpointMismatch, fit_dip, load_checkpoint, psnr, tv_anisotropic
+from ctuq.reconstruct.dip import fit_dip, load_checkpoint, tv_anisotropic
 
 
 class MatrixRayTransform(RayTransform):
@@ -29,8 +31,9 @@ class MatrixRayTransform(RayTransform):
 
     def subset(self, idx):
         rows = self.matrix.reshape(*self.measurement_shape, -1)[list(idx)].reshape(-1, self.matrix.shape[1])
-        return MatrixRayTransform(rows.numpy(), self.image_shape, (len(idx), self.measurement_shape[1]),
-                                  self.angles[list(idx)])
+        return MatrixRayTransform(
+            rows.numpy(), self.image_shape, (len(idx), self.measurement_shape[1]), self.angles[list(idx)]
+        )
 
     def to(self, device):
         if torch.device(device).type != "cpu":
@@ -76,8 +79,18 @@ def test_dip_beats_fbp_on_tiny_phantom(problem):
     op, x, y, fbp = problem
     torch.manual_seed(0)
     model = build_unet("tiny")
-    res = fit_dip(op, y, model=model, net_input=make_net_input(op.image_shape, seed=0), iterations=300,
-                  lr=3e-3, tv_weight=1e-3, ground_truth=x, seed=0, progress=False)
+    res = fit_dip(
+        op,
+        y,
+        model=model,
+        net_input=make_net_input(op.image_shape, seed=0),
+        iterations=300,
+        lr=3e-3,
+        tv_weight=1e-3,
+        ground_truth=x,
+        seed=0,
+        progress=False,
+    )
     p_fbp, p_dip = psnr(fbp, x), psnr(res.reconstruction, x)
     # Seed 0: FBP 21.8 dB, DIP 24.9 dB (seeds 1, 2: 24.9, 25.4); require a 1.5 dB margin.
     assert p_dip > p_fbp + 1.5, (p_fbp, p_dip)
@@ -103,8 +116,17 @@ def test_loss_is_mean_squared_residual_plus_summed_tv(problem):
 
     scale, gamma = 3.0, 0.01
     image = 0.7 * x * scale
-    res = fit_dip(op, y, model=Fixed(image), net_input=torch.zeros(1, 1, *op.image_shape), iterations=1,
-                  lr=1e-3, tv_weight=gamma, scale=scale, progress=False)
+    res = fit_dip(
+        op,
+        y,
+        model=Fixed(image),
+        net_input=torch.zeros(1, 1, *op.image_shape),
+        iterations=1,
+        lr=1e-3,
+        tv_weight=gamma,
+        scale=scale,
+        progress=False,
+    )
     data = float((op(image) - scale * y).pow(2).mean())
     tv = float((image[1:] - image[:-1]).abs().sum() + (image[:, 1:] - image[:, :-1]).abs().sum())
     assert math.isclose(res.data_loss_history[0], data, rel_tol=1e-5)
@@ -126,9 +148,24 @@ def _fit(op, y, x, ckpt, iterations, *, resume=False, stop_at=None, **kw):
         if stop_at is not None and it == stop_at:
             raise Interrupt
 
-    return fit_dip(op, y, model=model, net_input=make_net_input(op.image_shape, seed=1), iterations=iterations,
-                   lr=2e-3, tv_weight=1e-3, scale=2.0, ground_truth=x, checkpoint_path=ckpt, checkpoint_every=3,
-                   resume=resume, seed=4, progress=False, callback=cb, **kw)
+    return fit_dip(
+        op,
+        y,
+        model=model,
+        net_input=make_net_input(op.image_shape, seed=1),
+        iterations=iterations,
+        lr=2e-3,
+        tv_weight=1e-3,
+        scale=2.0,
+        ground_truth=x,
+        checkpoint_path=ckpt,
+        checkpoint_every=3,
+        resume=resume,
+        seed=4,
+        progress=False,
+        callback=cb,
+        **kw,
+    )
 
 
 def test_interrupted_and_resumed_run_is_bit_identical(problem, tmp_path):
@@ -162,9 +199,19 @@ def test_resume_continues_to_more_iterations_and_rejects_other_settings(problem,
     assert longer.resumed_from == 4 and len(longer.loss_history) == 6
     with pytest.raises(CheckpointMismatch, match="its lr is 0.002 but this run has 0.01"):
         torch.manual_seed(1)
-        fit_dip(op, y, model=build_unet("tiny", dropout=0.1), net_input=make_net_input(op.image_shape, seed=1),
-                iterations=8, lr=1e-2, tv_weight=1e-3, scale=2.0, checkpoint_path=ckpt, resume=True,
-                progress=False)
+        fit_dip(
+            op,
+            y,
+            model=build_unet("tiny", dropout=0.1),
+            net_input=make_net_input(op.image_shape, seed=1),
+            iterations=8,
+            lr=1e-2,
+            tv_weight=1e-3,
+            scale=2.0,
+            checkpoint_path=ckpt,
+            resume=True,
+            progress=False,
+        )
     with pytest.raises(CheckpointMismatch, match="y_sum"):
         _fit(op, y * 1.1, x, ckpt, 8, resume=True)
     with pytest.raises(CheckpointMismatch, match="already done 6 iterations"):
@@ -218,8 +265,10 @@ def test_tv_baseline_with_odl_pdhg(problem):
     op, x, y, fbp = problem
     # The ODL wrapper has the exact adjoint of the torch operator.
     T = TorchRayTransformOperator(op)
-    u, v = T.domain.element(np.random.default_rng(0).standard_normal(op.image_shape).astype(np.float32)), \
-        T.range.element(np.random.default_rng(1).standard_normal(op.measurement_shape).astype(np.float32))
+    u, v = (
+        T.domain.element(np.random.default_rng(0).standard_normal(op.image_shape).astype(np.float32)),
+        T.range.element(np.random.default_rng(1).standard_normal(op.measurement_shape).astype(np.float32)),
+    )
     assert math.isclose(T(u).inner(v), u.inner(T.adjoint(v)), rel_tol=1e-4)
     res = tv_reconstruction(op, y, weight=0.05, iterations=300, progress=False)
     rec = res["reconstruction"]

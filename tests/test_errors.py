@@ -16,7 +16,7 @@ import tifffile
 import torch
 
 from ctuq.cli import main
-from ctuq.errors import CTUQError, DataError, OutDirError
+from ctuq.errors import CTUQError, DataError, OutDirError, is_user_error
 
 REPO = Path(__file__).resolve().parents[1]
 # Seconds per run: 16 angles × 32 columns, a 32² image, 2 DIP iterations, no TV, no inference.
@@ -343,3 +343,22 @@ def test_error_types():
         "x.tif: No such file or directory"
     assert format_user_error(CTUQError("a: line one\n  line two\n")) == "a: line one; line two"
     assert not is_user_error(RuntimeError("CUDA error: an illegal memory access")) and not is_user_error(KeyError("k"))
+
+
+def test_every_library_user_error_is_a_ctuq_error():
+    """One error contract: each error class of the library meant for the user subclasses CTUQError (no table of
+    names), so ``is_user_error`` recognises it whether or not its module was imported first."""
+    from ctuq.config import ConfigError
+    from ctuq.data.walnut import WalnutFormatError
+    from ctuq.design import DesignError
+    from ctuq.errors import CheckpointMismatch, user_error_types
+    from ctuq.linearize import MemoryBudgetError
+    from ctuq.models import ModelFileError
+    from ctuq.studies import StudyError
+
+    for cls in (ConfigError, WalnutFormatError, ModelFileError, CheckpointMismatch, DesignError, StudyError,
+                MemoryBudgetError):
+        assert issubclass(cls, CTUQError), cls
+        assert is_user_error(cls("x: problem"))
+    assert issubclass(StudyError, RuntimeError)  # as it was before
+    assert CTUQError in user_error_types()

@@ -11,7 +11,8 @@ import torch
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators import SparseRayTransform
-from ctuq.operators.fbp import field_of_view, FILTER_TYPES, angular_weights, fbp, fdk, ramp_filter
+from ctuq.operators.fbp import angular_weights, fbp, fdk, field_of_view, ramp_filter
+from ctuq.options import FilterType, values
 
 
 # ---------------------------------------------------------------------------------------------- analytic data
@@ -127,8 +128,12 @@ def test_parallel_fbp_matches_odl_fbp_op():
     g_odl = tomo.Parallel2dGeometry(odl.uniform_partition(0, math.pi, 90), odl.uniform_partition(-18, 18, 90))
     # ODL → ctuq: ODL's own per-angle ray direction, detector reference point and axis (world (x0, x1) = (x, y)).
     cell = float(g_odl.det_partition.cell_sides[0])
-    vec = np.array([np.concatenate([-g_odl.det_to_src(t, 0.0), g_odl.det_refpoint(t), g_odl.det_axis(t) * cell])
-                    for t in g_odl.angles])
+    vec = np.array(
+        [
+            np.concatenate([-g_odl.det_to_src(t, 0.0), g_odl.det_refpoint(t), g_odl.det_axis(t) * cell])
+            for t in g_odl.angles
+        ]
+    )
     g = ProjectionGeometry("parallel_vec", (90,), vectors=vec)
     vol = VolumeGeometry((n, n), 2 * half / n)
     phantom = [(0.0, 0.0, 8.0, 6.0, 0.0, 0.02), (3.0, -2.0, 2.0, 3.0, 0.0, 0.01)]
@@ -152,12 +157,21 @@ def test_parallel_fbp_matches_odl_fbp_op():
 def test_fan_fbp_reconstructs_analytic_phantom(variant):
     rng = np.random.default_rng(1)
     if variant == "fanflat":
-        g = ProjectionGeometry("fanflat", (128,), angles=np.linspace(0, 2 * math.pi, 180, endpoint=False),
-                               det_spacing=0.8976, source_origin=66.0, origin_det=133.0)
+        g = ProjectionGeometry(
+            "fanflat",
+            (128,),
+            angles=np.linspace(0, 2 * math.pi, 180, endpoint=False),
+            det_spacing=0.8976,
+            source_origin=66.0,
+            origin_det=133.0,
+        )
     elif variant == "fanflat_vec_perturbed":
         ang = -np.linspace(0, 2 * math.pi, 180, endpoint=False) + 0.7  # clockwise, shifted start
-        g = ProjectionGeometry("fanflat_vec", (128,), vectors=fan_vectors(
-            ang, offset=1.5, tilt=0.03, jitter=rng.normal(0.0, 0.5, ang.size)))
+        g = ProjectionGeometry(
+            "fanflat_vec",
+            (128,),
+            vectors=fan_vectors(ang, offset=1.5, tilt=0.03, jitter=rng.normal(0.0, 0.5, ang.size)),
+        )
     else:  # non-uniform angle set: weights from the actual spacing
         ang = np.sort(rng.uniform(0, 2 * math.pi, 240))
         g = ProjectionGeometry("fanflat_vec", (128,), vectors=fan_vectors(ang))
@@ -229,7 +243,7 @@ def test_angular_weights():
 def test_filters_and_cut_off_smooth_noise():
     g = ProjectionGeometry("parallel", (64,), angles=np.linspace(0, math.pi, 48, endpoint=False), det_spacing=0.5)
     noise = torch.randn(g.measurement_shape, generator=torch.Generator().manual_seed(0))
-    std = {f: float(fbp((VOLUME_SMALL, g), noise, filter_type=f).std()) for f in FILTER_TYPES}
+    std = {f: float(fbp((VOLUME_SMALL, g), noise, filter_type=f).std()) for f in values(FilterType)}
     # Noise passes the filters in order of their high-frequency response.
     assert std["Ram-Lak"] > std["Shepp-Logan"] > std["Cosine"] > std["Hann"]
     assert std["Ram-Lak"] > std["Hamming"]
@@ -258,8 +272,14 @@ def ball_projections(g: ProjectionGeometry, balls) -> torch.Tensor:
 
 def test_fdk_reconstructs_ball_on_cpu():
     vol = VolumeGeometry((32, 32, 32), 0.75)
-    g = ProjectionGeometry("cone", (40, 64), angles=np.linspace(0, 2 * math.pi, 72, endpoint=False),
-                           det_spacing=(1.0, 1.0), source_origin=66.0, origin_det=133.0)
+    g = ProjectionGeometry(
+        "cone",
+        (40, 64),
+        angles=np.linspace(0, 2 * math.pi, 72, endpoint=False),
+        det_spacing=(1.0, 1.0),
+        source_origin=66.0,
+        origin_det=133.0,
+    )
     centre, r, mu = (3.0, -2.0, 1.5), 6.0, 0.03
     y = ball_projections(g, [(centre, r, mu)])
     # The 40-row detector does not see the top/bottom voxel layers at every angle: keep them for the centroid.
@@ -287,8 +307,14 @@ def test_field_of_view_is_the_disc_every_view_sees_and_fbp_zeroes_outside_it():
     # Centred flat detector of half-width W at source-detector distance D_sd: every view sees the disc of radius
     # D_so·sin(atan(W / D_sd)) about the rotation axis (the walnut's 50.1 mm grid is wider than that disc).
     n_det, spacing, d_so, d_od = 64, 1.0, 66.0, 133.0
-    g = ProjectionGeometry("fanflat", (n_det,), angles=np.linspace(0, 2 * math.pi, 90, endpoint=False),
-                           det_spacing=spacing, source_origin=d_so, origin_det=d_od)
+    g = ProjectionGeometry(
+        "fanflat",
+        (n_det,),
+        angles=np.linspace(0, 2 * math.pi, 90, endpoint=False),
+        det_spacing=spacing,
+        source_origin=d_so,
+        origin_det=d_od,
+    )
     vol = VolumeGeometry((64, 64), 0.5)
     radius = d_so * math.sin(math.atan(n_det * spacing / 2 / (d_so + d_od)))
     mask = field_of_view(g, vol).numpy()
@@ -304,8 +330,14 @@ def test_field_of_view_is_the_disc_every_view_sees_and_fbp_zeroes_outside_it():
 
 # ---------------------------------------------------------------------------------------------- interfaces
 def test_fbp_accepts_operator_data_object_and_batches():
-    g = ProjectionGeometry("fanflat", (48,), angles=np.linspace(0, 2 * math.pi, 30, endpoint=False),
-                           det_spacing=1.2, source_origin=50.0, origin_det=50.0)
+    g = ProjectionGeometry(
+        "fanflat",
+        (48,),
+        angles=np.linspace(0, 2 * math.pi, 30, endpoint=False),
+        det_spacing=1.2,
+        source_origin=50.0,
+        origin_det=50.0,
+    )
     op = SparseRayTransform(VOLUME_SMALL, g)
     y = torch.rand(g.measurement_shape)
     ref = fbp(op, y)
@@ -320,8 +352,12 @@ def test_fbp_accepts_operator_data_object_and_batches():
     vec = g.to_vectors().vectors
     v3 = np.zeros((vec.shape[0], 12))
     v3[:, 0:2], v3[:, 3:5], v3[:, 6:8], v3[:, 11] = vec[:, 0:2], vec[:, 2:4], vec[:, 4:6], 1.0
-    slab_op = types.SimpleNamespace(volume=VOLUME_SMALL, geometry=ProjectionGeometry("cone_vec", (1, 48), vectors=v3),
-                                    slab_z=0.0, device=torch.device("cpu"))
+    slab_op = types.SimpleNamespace(
+        volume=VOLUME_SMALL,
+        geometry=ProjectionGeometry("cone_vec", (1, 48), vectors=v3),
+        slab_z=0.0,
+        device=torch.device("cpu"),
+    )
     assert torch.allclose(fbp(slab_op, y), ref, atol=1e-6)
 
 
@@ -343,15 +379,24 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match=r"\.volume"):
         fbp(object(), y)
     with pytest.raises(ValueError, match="3D geometry"):
-        fbp((VOLUME_SMALL, ProjectionGeometry("cone", (4, 20), angles=np.zeros(10), det_spacing=(1.0, 1.0),
-                                              source_origin=9.0, origin_det=9.0)), torch.zeros(10, 4, 20))
+        fbp(
+            (
+                VOLUME_SMALL,
+                ProjectionGeometry(
+                    "cone", (4, 20), angles=np.zeros(10), det_spacing=(1.0, 1.0), source_origin=9.0, origin_det=9.0
+                ),
+            ),
+            torch.zeros(10, 4, 20),
+        )
     with pytest.raises(ValueError, match="needs a 3D volume"):
         fdk((VOLUME_SMALL, g), y)
     rows_along_z = np.zeros((4, 12))
     rows_along_z[:, 0], rows_along_z[:, 3], rows_along_z[:, 8], rows_along_z[:, 10] = 50.0, -50.0, 1.0, 1.0
     with pytest.raises(ValueError, match="tilted 90° towards the rotation axis"):
-        fdk((VolumeGeometry((2, 2, 2), 1.0), ProjectionGeometry("cone_vec", (4, 4), vectors=rows_along_z)),
-            torch.zeros(4, 4, 4))
+        fdk(
+            (VolumeGeometry((2, 2, 2), 1.0), ProjectionGeometry("cone_vec", (4, 4), vectors=rows_along_z)),
+            torch.zeros(4, 4, 4),
+        )
     with pytest.raises(ValueError, match="origin is not between source and detector"):
         behind = ProjectionGeometry("fanflat_vec", (20,), vectors=np.array([[50.0, 0, 60.0, 0, 0, 1.0]] * 10))
         fbp((VOLUME_SMALL, behind), y)

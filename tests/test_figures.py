@@ -31,13 +31,13 @@ def _png_shape(path):
 def captured(monkeypatch):
     """The Figure objects the plotting functions save (to inspect colour limits)."""
     figs = []
-    save = F._save
+    save = F.save_figure
 
     def spy(fig, path):
         figs.append(fig)
         return save(fig, path)
 
-    monkeypatch.setattr(F, "_save", spy)
+    monkeypatch.setattr(F, "save_figure", spy)
     return figs
 
 
@@ -68,8 +68,7 @@ def test_uq_panels_of_a_volume_show_the_central_slice_and_compute_the_error(tmp_
 def test_uq_comparison_has_one_row_per_method_on_common_scales(tmp_path, captured):
     a, b = _maps(seed=1), _maps(seed=2)
     methods = {"linearised": a[:3], "exact": a[:3], "MC dropout": (b[0], b[1], 3 * b[2])}
-    out = F.plot_uq_comparison(tmp_path / "cmp.png", methods, roi=(slice(4, 28), slice(4, 28)), dpi=DPI,
-                               figsize=(6, 6))
+    out = F.plot_uq_comparison(tmp_path / "cmp.png", methods, roi=(slice(4, 28), slice(4, 28)), dpi=DPI, figsize=(6, 6))
     assert _png_shape(out) == (6 * DPI, 6 * DPI)
     image_axes = [ax for ax in captured[0].axes if ax.get_images()]
     assert len(image_axes) == 9
@@ -81,16 +80,23 @@ def test_uq_comparison_has_one_row_per_method_on_common_scales(tmp_path, capture
 def test_calibration_joint_ll_error_vs_std_and_em_trace_write_pngs(tmp_path):
     rec, err, std, gt = _maps()
     lv, cov = M.coverage(gt, rec, std)
-    assert _png_shape(F.plot_calibration(tmp_path / "cal.png", {"a": (lv, cov), "b": (torch.tensor(lv), cov ** 2)},
-                                         dpi=DPI, figsize=(4, 4))) == (4 * DPI, 4 * DPI)
+    assert _png_shape(
+        F.plot_calibration(
+            tmp_path / "cal.png", {"a": (lv, cov), "b": (torch.tensor(lv), cov**2)}, dpi=DPI, figsize=(4, 4)
+        )
+    ) == (4 * DPI, 4 * DPI)
     curves = {"a": {str(p): -1.0 - 0.1 * p for p in range(1, 11)}, "b": {1: -2.0, 2: None, 3: -2.5}}
     assert _png_shape(F.plot_joint_ll(tmp_path / "jll.png", curves, dpi=DPI, figsize=(5, 3))) == (3 * DPI, 5 * DPI)
-    assert _png_shape(F.plot_error_vs_std(tmp_path / "h1.png", err, std, "inner_square", dpi=DPI,
-                                          figsize=(4, 3))) == (3 * DPI, 4 * DPI)
-    assert _png_shape(F.plot_error_vs_std(tmp_path / "h2.png", {"a": (err, std), "b": (err, 2 * std)}, bins=20,
-                                          log=False, dpi=DPI)) == (round(3.8 * DPI), round(8.4 * DPI))
-    trace = [{"a": 1e-2 * 3**i, "gamma": 100.0 + i, "w_norm2": torch.tensor(5.0 - i), "log_evidence": None}
-             for i in range(4)]
+    assert _png_shape(F.plot_error_vs_std(tmp_path / "h1.png", err, std, "inner_square", dpi=DPI, figsize=(4, 3))) == (
+        3 * DPI,
+        4 * DPI,
+    )
+    assert _png_shape(
+        F.plot_error_vs_std(tmp_path / "h2.png", {"a": (err, std), "b": (err, 2 * std)}, bins=20, log=False, dpi=DPI)
+    ) == (round(3.8 * DPI), round(8.4 * DPI))
+    trace = [
+        {"a": 1e-2 * 3**i, "gamma": 100.0 + i, "w_norm2": torch.tensor(5.0 - i), "log_evidence": None} for i in range(4)
+    ]
     trace[1]["log_evidence"] = -100.0
     # a, γ̂, ‖w*‖², log evidence (σ² never recorded → no panel): 4 panels × 3.2 in
     assert _png_shape(F.plot_em_trace(tmp_path / "em.png", trace, dpi=DPI)) == (3 * DPI, round(12.8 * DPI))

@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 import torch
 
+from ctuq.errors import CheckpointMismatch
 from ctuq.inference import (
     CGSolver,
     ConvergenceWarning,
     DenseFeatures,
     DenseLinearGaussian,
-    EMStateMismatch,
     ExactEigSolver,
     KernelOperator,
     LinearizedFeatures,
     LowRankEig,
     SampledEM,
+    ScaledFeatures,
     Workload,
     assemble_kernel,
     choose_solver,
@@ -60,7 +61,8 @@ def _problem_with_spectrum(eigs, d, seed=0):
 # ----------------------------------------------------------------------------------------------- features
 @pytest.fixture(scope="module")
 def unet_features():
-    """Ψ = L Φ diag(s) for a float64 tiny U-Net (8×8, d = 5008), L random 24 × 64, exact g-prior s."""
+    """Ψ = L Φ diag(s) (ScaledFeatures of LinearizedFeatures) for a float64 tiny U-Net (8×8, d = 5008), L random
+    24 × 64, exact g-prior s."""
     from ctuq.linearize import LinearizedNetwork
     from ctuq.models import build_unet, make_net_input
     from ctuq.priors import gprior_scales
@@ -70,7 +72,7 @@ def unet_features():
     L = torch.randn(24, net.d_out, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     s = gprior_scales(lambda R: net.vjp(R @ L), 24, dtype=torch.float64)
     J = net.vjp(torch.eye(net.d_out, dtype=torch.float64))
-    feats = LinearizedFeatures(net, s, lambda X: X @ L.T, lambda R: R @ L)
+    feats = ScaledFeatures(LinearizedFeatures(net, lambda X: X @ L.T, lambda R: R @ L), s)
     return net, feats, L, J, s
 
 
@@ -85,7 +87,7 @@ def test_linearized_features_match_dense(unet_features):
     net.reset_counters()
     torch.testing.assert_close(feats.matvec(W), W @ Psi.T, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(feats.rmatvec(R), R @ Psi, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(feats.network_matvec(W), (W * s) @ J.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(feats.base.network_matvec(W * s), (W * s) @ J.T, rtol=1e-10, atol=1e-12)
     assert feats.counters() == {"matvec": 3, "rmatvec": 2}
     assert net.counters() == {"jvp": 6, "vjp": 2}  # network_matvec counts on the network only
     # g-prior: unit column norms of Ψ.
@@ -96,15 +98,18 @@ def test_linearized_features_match_dense(unet_features):
 def test_linearized_features_errors(unet_features):
     net, _, L, _, s = unet_features
     with pytest.raises(ValueError, match="both output_map"):
-        LinearizedFeatures(net, s, lambda X: X @ L.T)
+        LinearizedFeatures(net, lambda X: X @ L.T)
+    # the prior scales have one owner: ScaledFeatures
+    with pytest.raises(TypeError, match="takes no prior scales"):
+        LinearizedFeatures(net, s, lambda X: X @ L.T, lambda R: R @ L)
     with pytest.raises(ValueError, match=r"scales must have shape \(5008,\)"):
-        LinearizedFeatures(net, s[:10])
+        ScaledFeatures(LinearizedFeatures(net), s[:10])
     with pytest.raises(ValueError, match="NaN or Inf"):
-        LinearizedFeatures(net, torch.full_like(s, math.inf))
-    bad = LinearizedFeatures(net, s, lambda X: X[:, :5], lambda R: R @ L, n_outputs=24)
+        ScaledFeatures(LinearizedFeatures(net), torch.full_like(s, math.inf))
+    bad = LinearizedFeatures(net, lambda X: X[:, :5], lambda R: R @ L, n_outputs=24)
     with pytest.raises(ValueError, match=r"output_map returned \(1, 5\).*expected \(1, 24\)"):
         bad.matvec(torch.zeros(1, net.d, dtype=torch.float64))
-    feats = LinearizedFeatures(net, s)
+    feats = LinearizedFeatures(net)
     assert feats.n_outputs == net.d_out
     with pytest.raises(ValueError, match=r"W has shape \(2, 3\); expected \(batch, 5008\)"):
         feats.matvec(torch.zeros(2, 3))
@@ -541,9 +546,9 @@ def test_em_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     assert out.a == full.a and out.sigma2 == full.sigma2
 
     other = SampledEM(feats, cg, y, a=1.0, sigma2=0.25, learn_noise=True, n_samples=8, max_steps=4, seed=3)
-    with pytest.raises(EMStateMismatch, match="n_samples is 4 but this run has 8"):
+    with pytest.raises(CheckpointMismatch, match="n_samples is 4 but this run has 8"):
         other.load_state_dict(torch.load(path, weights_only=True))
-    with pytest.raises(EMStateMismatch, match="not a SampledEM state"):
+    with pytest.raises(CheckpointMismatch, match="not a SampledEM state"):
         other.load_state_dict({"version": 99})
 
 
@@ -588,7 +593,7 @@ def test_solver_choice_by_cost():
     solver = make_solver(feats, "auto", Workload(em_steps=2, prediction_samples=8), rank=5, rtol=1e-4)
     assert isinstance(solver, ExactEigSolver)
     assert isinstance(make_solver(feats, "cg", rank=5), CGSolver)
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['rnak'\]"):
+    with pytest.raises(ValueError, match=r"make_solver: unknown solver option 'rnak'"):
         make_solver(feats, "cg", rnak=5)
     with pytest.raises(ValueError, match="kind must be"):
         make_solver(feats, "direct")
@@ -607,7 +612,8 @@ def test_float32_network_pipeline_cg_matches_exact():
     # A sparse random "projection" L (40 × 64) standing in for a ray transform.
     L = (torch.rand(40, 64, generator=gen) < 0.2).float() * torch.rand(40, 64, generator=gen)
     s = gprior_scales(lambda R: net.vjp(R @ L), 40, method="stochastic", n_probes=64, seed=0)
-    feats = LinearizedFeatures(net, s, lambda X: X @ L.T, lambda R: R @ L)
+    lin = LinearizedFeatures(net, lambda X: X @ L.T, lambda R: R @ L)
+    feats = ScaledFeatures(lin, s)
     y = feats.matvec(torch.randn(1, feats.n_features, generator=gen) * 0.1)[0] + 0.05 * torch.randn(40, generator=gen)
     cg = CGSolver(feats, preconditioner="nystrom", rank=30, oversampling=5)  # default rtol 1e-3
     ex = ExactEigSolver(feats)
@@ -618,7 +624,7 @@ def test_float32_network_pipeline_cg_matches_exact():
     # rtol 1e-3 on the residual; with the preconditioner C is well conditioned, so the solution error is similar.
     assert float((w_cg - w_ex).norm() / w_ex.norm()) < 1e-2
     ps = sample_posterior(feats, cg, a, s2, 3, generator=torch.Generator().manual_seed(1))
-    x = feats.network_matvec(ps.weights)  # image-space samples Φ(s ⊙ ζ)
+    x = lin.network_matvec(ps.weights * s)  # image-space samples Φ(s ⊙ ζ)
     assert x.shape == (3, 64) and torch.isfinite(x).all()
 
 

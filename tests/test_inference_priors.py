@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ctuq.inference import DenseFeatures, LinearizedFeatures, kernel_diagonal
+from ctuq.inference import DenseFeatures, LinearizedFeatures, ScaledFeatures, kernel_diagonal
 from ctuq.linearize import LinearizedNetwork
 from ctuq.models import build_unet, make_net_input
 from ctuq.priors import column_sq_norms, gprior_scales, isotropic_scales, scales_from_sq_norms
@@ -103,7 +103,7 @@ def test_isotropic_and_errors():
 def test_kernel_diagonal_exact_and_stochastic(jac_case):
     net, J, L = jac_case
     s = gprior_scales(lambda R: net.vjp(R @ L), 20, method="exact", dtype=torch.float64)
-    feats = LinearizedFeatures(net, s, lambda X: X @ L.T, lambda R: R @ L)
+    feats = ScaledFeatures(LinearizedFeatures(net, lambda X: X @ L.T, lambda R: R @ L), s)
     Psi = (L @ J) * s
     expected = (Psi**2).sum(1)
     torch.testing.assert_close(kernel_diagonal(feats, method="exact", chunk_size=6), expected, rtol=1e-10, atol=0)

@@ -5,7 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from ctuq.linearize import LinearizedNetwork, MemoryBudgetError, default_linearized_parameters
+from ctuq.linearize import (
+    LinearizedNetwork,
+    MemoryBudgetError,
+    count_linearized_weights,
+    default_linearized_parameters,
+    eval_mode,
+)
 from ctuq.models import build_unet, make_net_input
 
 
@@ -86,7 +92,7 @@ def test_jvp_basis_gives_scaled_jacobian_columns_across_parameter_boundaries(une
     that spans several parameter tensors (per-tensor tangents, untraced), counted as JVPs; equal to the general
     :meth:`jvp` of the same scaled unit rows; the features' ``columns`` (which uses it) match unit-vector
     matvecs; a bad range or values shape is refused."""
-    from ctuq.inference import FeatureOperator, LinearizedFeatures
+    from ctuq.inference import FeatureOperator, LinearizedFeatures, ScaledFeatures
 
     model, x, _, J = unet_case
     net = LinearizedNetwork(model, x, mode="recompute", chunk_size=7)
@@ -100,9 +106,11 @@ def test_jvp_basis_gives_scaled_jacobian_columns_across_parameter_boundaries(une
     E[torch.arange(stop - start), torch.arange(start, stop)] = values
     torch.testing.assert_close(got, net.jvp(E), rtol=1e-12, atol=1e-14)
     scales = torch.rand(net.d, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
-    feats = LinearizedFeatures(net, scales, output_map=lambda X: 2.0 * X[:, ::2], output_adjoint=lambda R: (
+    base = LinearizedFeatures(net, output_map=lambda X: 2.0 * X[:, ::2], output_adjoint=lambda R: (
         torch.zeros(R.shape[0], net.d_out, dtype=R.dtype).index_copy_(1, torch.arange(0, net.d_out, 2), 2.0 * R)))
+    feats = ScaledFeatures(base, scales)  # its columns come from the base's JVP basis
     torch.testing.assert_close(feats.columns(10, 40), FeatureOperator.columns(feats, 10, 40), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(base.columns(10, 40), FeatureOperator.columns(base, 10, 40), rtol=1e-12, atol=1e-14)
     for bad in ((5, 3), (-1, 2), (0, net.d + 1)):
         with pytest.raises(ValueError, match="jvp_basis: need 0 <= start <= stop <= d"):
             net.jvp_basis(*bad)
@@ -316,3 +324,16 @@ def test_cuda_products_and_measured_chunks():
     R = torch.randn(20, cpu.d_out, dtype=torch.float64)
     torch.testing.assert_close(gpu.jvp(U.cuda()).cpu(), cpu.jvp(U), rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(gpu.vjp(R.cuda()).cpu(), cpu.vjp(R), rtol=1e-9, atol=1e-10)
+
+
+def test_weight_selection_and_eval_mode_are_public():
+    """One home for "which weights are linearised" (count without a LinearizedNetwork) and for the evaluation mode
+    every product runs in."""
+    model = _Classifier().double().train()
+    model.norm.eval()
+    x = torch.randn(2, 1, 5, 5, dtype=torch.float64)
+    assert count_linearized_weights(model) == LinearizedNetwork(model, x).d == sum(
+        p.numel() for n, p in model.named_parameters() if n in default_linearized_parameters(model))
+    with eval_mode(model):
+        assert not any(m.training for m in model.modules())
+    assert model.training and model.drop.training and not model.norm.training

@@ -28,10 +28,10 @@ def _reference_joint_ll(x_true, mean, samples, p, eta, valid=None, divisor=None)
         for j in range(0, W - p + 1, p):
             if valid is not None and not valid(i, j):
                 continue
-            X = samples[:, i:i + p, j:j + p].reshape(k, -1)
+            X = samples[:, i : i + p, j : j + p].reshape(k, -1)
             S = X.T @ X
             cov = (S + np.diag(np.diag(S))) / (2 * divisor) + eta * np.eye(p * p)
-            mu, x = mean[i:i + p, j:j + p].ravel(), x_true[i:i + p, j:j + p].ravel()
+            mu, x = mean[i : i + p, j : j + p].ravel(), x_true[i : i + p, j : j + p].ravel()
             vals.append(multivariate_normal(mu, cov).logpdf(x) / p**2)
     return float(np.mean(vals))
 
@@ -55,14 +55,17 @@ def test_marginal_ll_matches_scipy_and_respects_roi():
     full = norm.logpdf(xt.numpy(), mu.numpy(), np.sqrt(var.numpy()))
     assert M.marginal_log_likelihood(xt, mu, var) == pytest.approx(full.mean(), rel=1e-12)
     assert M.marginal_log_likelihood(xt, mu, var, roi=(slice(2, 7), slice(1, 5))) == pytest.approx(
-        full[2:7, 1:5].mean(), rel=1e-12)
+        full[2:7, 1:5].mean(), rel=1e-12
+    )
     mask = np.zeros((H, W), bool)
     mask[[0, 3, 8], [5, 2, 0]] = True
     assert M.marginal_log_likelihood(xt.numpy(), mu.numpy(), var.numpy(), roi=mask) == pytest.approx(
-        full[mask].mean(), rel=1e-12)
+        full[mask].mean(), rel=1e-12
+    )
     # scalar variance
     assert M.marginal_log_likelihood(xt, mu, 0.5) == pytest.approx(
-        norm.logpdf(xt.numpy(), mu.numpy(), math.sqrt(0.5)).mean(), rel=1e-12)
+        norm.logpdf(xt.numpy(), mu.numpy(), math.sqrt(0.5)).mean(), rel=1e-12
+    )
 
 
 def test_joint_ll_with_p1_equals_marginal_with_the_stabilised_variance():
@@ -99,14 +102,15 @@ def test_joint_ll_converges_to_the_population_value_for_a_known_gaussian_field()
     mean = rng.standard_normal((n, n))
     x_true = mean + (chol @ rng.standard_normal(n * n)).reshape(n, n)
     samples = (rng.standard_normal((k, n * n)) @ chol.T).reshape(k, n, n)
-    got = M.patch_joint_log_likelihood(torch.from_numpy(x_true), torch.from_numpy(mean),
-                                       torch.from_numpy(samples).float(), [1, 2, 3, 4], eta=eta)
+    got = M.patch_joint_log_likelihood(
+        torch.from_numpy(x_true), torch.from_numpy(mean), torch.from_numpy(samples).float(), [1, 2, 3, 4], eta=eta
+    )
     idx = np.arange(n * n).reshape(n, n)
     for p in (1, 2, 3, 4):
         vals = []
         for i in range(0, n, p):
             for j in range(0, n, p):
-                sel = idx[i:i + p, j:j + p].ravel()
+                sel = idx[i : i + p, j : j + p].ravel()
                 c = cov[np.ix_(sel, sel)]
                 c_inf = 0.5 * (c + np.diag(np.diag(c))) + eta * np.eye(p * p)
                 vals.append(multivariate_normal(mean.ravel()[sel], c_inf).logpdf(x_true.ravel()[sel]) / p**2)
@@ -122,7 +126,7 @@ def test_joint_ll_mask_roi_drops_patches_that_leave_the_mask_and_chunking_does_n
     box = s.numpy()[:, 1:10, 2:13]
 
     def valid(p):
-        return lambda i, j: mask[1 + i:1 + i + p, 2 + j:2 + j + p].all()
+        return lambda i, j: mask[1 + i : 1 + i + p, 2 + j : 2 + j + p].all()
 
     big = M.patch_joint_log_likelihood(xt, mu, s, [1, 2, 3], mask, eta=eta)
     tiny = M.patch_joint_log_likelihood(xt, mu, s, [1, 2, 3], torch.from_numpy(mask), eta=eta, chunk_bytes=1)
@@ -152,14 +156,15 @@ def test_non_zero_mean_samples_are_centred_with_bessel_or_about_the_given_mean()
     centred = (dev - dev.mean(0)).numpy()
     got = M.patch_joint_log_likelihood(xt, mu, passes, [1, 2], eta=eta, centering="empirical")
     for p in (1, 2):
-        assert got[p] == pytest.approx(_reference_joint_ll(xt.numpy(), mu.numpy(), centred, p, eta, divisor=k - 1),
-                                       rel=1e-9)
+        assert got[p] == pytest.approx(
+            _reference_joint_ll(xt.numpy(), mu.numpy(), centred, p, eta, divisor=k - 1), rel=1e-9
+        )
     about = M.patch_joint_log_likelihood(xt, mu, passes, [2], eta=eta, centering="mean")[2]
-    assert about == pytest.approx(_reference_joint_ll(xt.numpy(), mu.numpy(), (passes - mu).numpy(), 2, eta),
-                                  rel=1e-9)
+    assert about == pytest.approx(_reference_joint_ll(xt.numpy(), mu.numpy(), (passes - mu).numpy(), 2, eta), rel=1e-9)
     torch.testing.assert_close(M.pixelwise_std_about(passes), passes.std(0), rtol=1e-10, atol=0)
-    torch.testing.assert_close(M.pixelwise_std_about(passes, mu), (passes - mu).pow(2).mean(0).sqrt(),
-                               rtol=1e-10, atol=0)
+    torch.testing.assert_close(
+        M.pixelwise_std_about(passes, mu), (passes - mu).pow(2).mean(0).sqrt(), rtol=1e-10, atol=0
+    )
 
 
 def test_pixelwise_std_is_the_root_mean_square_plus_jitter_in_the_input_dtype():
@@ -250,7 +255,8 @@ def test_uq_summary_is_strict_json_and_consistent_with_the_single_metrics():
     assert out["coverage"] == pytest.approx(M.headline_coverage(xt, mu, var.sqrt(), roi), abs=1e-12)
     assert out["spearman"] == pytest.approx(M.rank_correlation(var.sqrt(), (xt - mu).abs(), roi), rel=1e-6)
     assert out["joint_ll"]["3"] == pytest.approx(
-        M.patch_joint_log_likelihood(xt, mu, s, [3], roi, eta=out["eta"])[3], rel=1e-12)
+        M.patch_joint_log_likelihood(xt, mu, s, [3], roi, eta=out["eta"])[3], rel=1e-12
+    )
     assert len(out["calibration"]["levels"]) == len(out["calibration"]["coverage"]) == 21
 
 
@@ -291,7 +297,8 @@ def test_roi_forms_agree():
     strided = (slice(0, None, 2), slice(1, -1, 3))
     assert M.roi_mask(strided, (H, W)).sum() == 15 * 10
     assert M.marginal_log_likelihood(xt, mu, var, strided) == pytest.approx(
-        M.marginal_log_likelihood(xt[::2, 1:-1:3], mu[::2, 1:-1:3], var[::2, 1:-1:3]), rel=1e-12)
+        M.marginal_log_likelihood(xt[::2, 1:-1:3], mu[::2, 1:-1:3], var[::2, 1:-1:3]), rel=1e-12
+    )
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from memory_utils import peak_cpu_bytes
 
 from ctuq import metrics as M
-from memory_utils import peak_cpu_bytes
 
 RTOL = 1e-9  # float64 sums formed in another order; nothing else may differ
 
@@ -41,7 +41,7 @@ def _assert_same_summary(a, b, rtol=RTOL):
 def _stream(samples, chunk, roi=None, patch_sizes=range(1, 11), **kw):
     acc = M.SampleMoments(tuple(samples.shape[1:]), roi, patch_sizes, **kw)
     for i in range(0, samples.shape[0], chunk):
-        acc.update(samples[i:i + chunk])
+        acc.update(samples[i : i + chunk])
     return acc
 
 
@@ -157,7 +157,7 @@ def test_chunk_order_does_not_matter():
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(0))
     shuffled = M.SampleMoments((H, W), "inner_square", [1, 2, 3])
     for i in reversed(range(0, k, 5)):  # other chunk sizes, reversed order, permuted samples
-        shuffled.update(s[perm][i:i + 5])
+        shuffled.update(s[perm][i : i + 5])
     _assert_same_state(forward, shuffled)
     _assert_same_summary(M.uq_summary_from_moments(xt, mu, forward), M.uq_summary_from_moments(xt, mu, shuffled))
 

@@ -70,7 +70,7 @@ def test_shared_start_fast_path_equals_general_path():
     rng = np.random.default_rng(2)
     src = np.array([40.0, -52.0, 1.5])
     ends = rng.uniform(-30, 30, size=(500, 3)) - src
-    shared = ph.line_integrals(src, ends)                                # one start point: fast path
+    shared = ph.line_integrals(src, ends)  # one start point: fast path
     general = ph.line_integrals(np.repeat(src[None], 500, axis=0), ends)  # per-ray starts: general path
     np.testing.assert_allclose(shared, general, rtol=1e-11, atol=1e-12)
     assert (shared > 0).mean() > 0.3

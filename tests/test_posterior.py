@@ -5,14 +5,28 @@ checkpoint/resume, and streaming prediction memory."""
 import numpy as np
 import pytest
 import torch
+from memory_utils import peak_cpu_bytes
 from torch import nn
 
-from ctuq.inference import (SOLVER_CHOICES, SOLVERS, DenseFeatures, DenseLinearGaussian, GaussianLikelihood,
-                            LinearizedFeatures, LinearizedPosterior, resolve_solver)
+from ctuq.config import UQConfig
+from ctuq.errors import CheckpointMismatch
+from ctuq.inference import (
+    SOLVERS,
+    CGSolver,
+    DenseFeatures,
+    DenseLinearGaussian,
+    ExactEigSolver,
+    GaussianLikelihood,
+    LinearizedFeatures,
+    LinearizedPosterior,
+    SDDSolver,
+    SGDSolver,
+    make_solver,
+    resolve_solver,
+    solver_choices,
+)
 from ctuq.linearize import LinearizedNetwork
 from ctuq.metrics import SampleMoments
-
-from memory_utils import peak_cpu_bytes
 
 
 # ------------------------------------------------------------------------------------------ a regression front end
@@ -31,7 +45,7 @@ def regression():
         loss.backward()
         opt.step()
     net = LinearizedNetwork(model, x)
-    base = LinearizedFeatures(net, torch.ones(net.d, dtype=torch.float64))
+    base = LinearizedFeatures(net)
     with torch.no_grad():
         y_t = y + net.jvp(net.params()[None])[0] - net.output()  # ỹ = y + Φṽ − g(ṽ) (biases held fixed)
 
@@ -136,8 +150,6 @@ def test_restrict_of_the_assembling_solver_slices_instead_of_recomputing(regress
 
 # ------------------------------------------------------------------------------------------ registry and state
 def test_solver_registry_is_the_one_vocabulary():
-    from ctuq.config import UQConfig
-
     feats = DenseFeatures(torch.randn(50, 10, dtype=torch.float64))
     assert resolve_solver("exact", feats)[0] == "exact_primal"
     assert resolve_solver("exact", DenseFeatures(torch.randn(10, 50, dtype=torch.float64)))[0] == "exact_dual"
@@ -145,21 +157,32 @@ def test_solver_registry_is_the_one_vocabulary():
     name, estimates = resolve_solver("auto", feats)
     assert name in ("exact_primal", "cg") and set(estimates) == {"exact", "cg", "sdd", "sgd"}
     assert resolve_solver("sdd", feats)[0] == "sdd" and resolve_solver("sgd", feats)[0] == "sgd"
-    with pytest.raises(ValueError, match=r"uq.solver must be one of \['auto', 'exact', 'exact_primal'"):
+    assert solver_choices()[:7] == ("auto", "exact", "exact_primal", "exact_dual", "cg", "sdd", "sgd")
+    with pytest.raises(ValueError, match=r"solver must be one of \['auto', 'exact', 'exact_primal'"):
         resolve_solver("magic", feats)
+    # the core names no config key: its own messages
+    with pytest.raises(ValueError, match=r"^LinearizedPosterior: solver must be one of \['auto', 'exact'"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="magic")
+    with pytest.raises(ValueError, match=r"^LinearizedPosterior: prior must be one of \['gprior', 'isotropic'\]"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), prior="flat")
+    with pytest.raises(ValueError, match=r"^LinearizedPosterior: gprior_method must be one of"):
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), gprior_method="guess")
+    # the config reads its choices from the registry when it checks a value
     field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "solver")
-    assert tuple(field.metadata["choices"]) == SOLVER_CHOICES
-    # solvers are built in one place from the registry's option lists: every name builds, each gets its options
-    from ctuq.inference import CGSolver, ExactEigSolver, make_solver
-    from ctuq.inference.sdd import SDDSolver
-    from ctuq.inference.sgd import SGDSolver
-
+    assert field.metadata["choices"]() == solver_choices()
+    # every name builds through the registry; each solver gets the options it takes
     built = {n: make_solver(feats, n, rank=5, max_iter=7, seed=3) for n in SOLVERS}
-    assert [type(built[n]) for n in SOLVERS] == [ExactEigSolver, ExactEigSolver, CGSolver, SDDSolver, SGDSolver]
+    assert [type(built[n]) for n in ("exact_primal", "exact_dual", "cg", "sdd", "sgd")] == [
+        SOLVERS["exact_primal"], SOLVERS["exact_dual"], CGSolver, SDDSolver, SGDSolver]
+    assert isinstance(built["exact_primal"], ExactEigSolver) and built["exact_primal"].side == "primal"
     assert built["cg"].rank == 5 and built["sdd"].max_iter == built["sgd"].max_iter == 7
+    # one rule for options: flat keys go to the chosen solver if it takes them, a mapping under its name wins
     post = LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="sdd",
-                               solver_options={"rank": 5, "sdd": {"max_iter": 9}}).setup()
+                               solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}}).setup()
     assert isinstance(post.solver, SDDSolver) and post.solver.max_iter == 9
+    post = LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="sgd",
+                               solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}}).setup()
+    assert isinstance(post.solver, SGDSolver) and post.solver.max_iter == 11
     # a misspelt option is refused by name, not silently ignored
     with pytest.raises(ValueError, match=r"unknown solver option 'rnak'"):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver_options={"rnak": 5})
@@ -170,6 +193,17 @@ def test_solver_registry_is_the_one_vocabulary():
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64)).fit(update="newton")
     field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "em_update")
     assert tuple(field.metadata["choices"]) == ("mackay", "damped")
+
+
+def test_reset_em_starts_a_new_em_at_the_current_hyperparameters(regression):
+    r = regression
+    post = LinearizedPosterior(r["base"], r["y_t"], likelihood=GaussianLikelihood(0.05), a=1.0, solver="exact_dual")
+    post.fit(max_steps=2, n_samples=4)
+    a_after = post.a
+    post.reset_em()
+    assert post.em is None and post.em_trace == []
+    res = post.fit(max_steps=1, n_samples=4)
+    assert res.steps == 1 and res.trace[0]["a"] == a_after
 
 
 def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
@@ -193,7 +227,7 @@ def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
     out = resumed.fit(max_steps=4, n_samples=8, tol=0.0)
     assert [t["a_new"] for t in out.trace] == [t["a_new"] for t in full.em_trace]
     assert resumed.a == full.a and resumed.sigma2 == full.sigma2
-    with pytest.raises(ValueError, match="version 1"):
+    with pytest.raises(CheckpointMismatch, match="version 1"):
         make().load_state_dict({"version": 0})
     # fit() called again continues the same EM: 2 + 2 steps equal 4 steps
     again = make()

@@ -12,7 +12,6 @@ from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators import SlicewiseParallelRayTransform, make_ray_transform
 from ctuq.operators.fbp import fbp, fdk
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -112,16 +111,16 @@ def test_the_3d_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_moments_memory_error_names_the_patch_sizes(monkeypatch):
-    import ctuq.utils
-    from ctuq.uq import UQSettings, _check_moments_memory, moments_bytes
+    import ctuq.memory
+    from ctuq.pipeline.uq import UQSettings, check_moments_memory, moments_bytes
 
     s = UQSettings(patch_sizes=[1, 2, 4, 8], roi="inner_square")
     need = moments_bytes((167, 167, 167), s)
     assert need == 8 * (167**3 + sum(117 * (117 // p) ** 2 * p**4 for p in (1, 2, 4, 8)))
-    monkeypatch.setattr(ctuq.utils, "free_memory_bytes", lambda device: need)  # 80 % of it is all one may use
+    monkeypatch.setattr(ctuq.memory, "free_memory_bytes", lambda device: need)  # 80 % of it is all one may use
     with pytest.raises(ValueError, match=r"uq.patch_sizes \[1, 2, 4, 8\]: the streaming statistics of a "
                                          r"167×167×167 image .* need 1.\d GiB"):
-        _check_moments_memory(s, (167, 167, 167))
+        check_moments_memory(s, (167, 167, 167))
 
 
 @pytest.mark.parametrize("name", ["walnut_3d", "walnut_3d_published"])

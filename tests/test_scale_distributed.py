@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ctuq.errors import CheckpointMismatch
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import LocalShard
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
-from ctuq.uq import UQCheckpointMismatch, UQSettings, run_linearized_uq
+from ctuq.pipeline.checkpoints import check_shard_checkpoints
+from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 
 TIMEOUT_S = 120
 
@@ -133,13 +135,11 @@ def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(solver, tmp_path):
     np.testing.assert_allclose(sharded["std"], single["std"], rtol=1e-3, atol=1e-7)
     np.testing.assert_allclose(sharded["patch2"], single["patch2"], rtol=1e-3, atol=1e-7)
     # resuming with another number of ranks is refused, naming the count that wrote the checkpoints
-    with pytest.raises(UQCheckpointMismatch, match="written by 2 rank\\(s\\), this run has 3"):
-        from ctuq.uq import _check_shard_checkpoints
-
+    with pytest.raises(CheckpointMismatch, match="written by 2 rank\\(s\\), this run has 3"):
         class Three(LocalShard):
             rank, world_size = 0, 3
 
-        _check_shard_checkpoints(tmp_path / "run", Three())
+        check_shard_checkpoints(tmp_path / "run", Three())
 
 
 def test_distributed_flag_without_torchrun_is_a_clear_error(tmp_path, monkeypatch, capsys):

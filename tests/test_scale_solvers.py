@@ -2,18 +2,30 @@
 among exact / cg / sdd / sgd, fixed-probe EM with warm starts and the memory budget of Jacobian products, on
 problems small enough to solve exactly."""
 
-import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
-from ctuq.inference import (CGSolver, ConvergenceWarning, DenseFeatures, DenseLinearGaussian, ExactEigSolver,
-                            GaussianLikelihood, KernelOperator, LinearizedPosterior, SampledEM, SDDSolver,
-                            SGDSolver, Workload, adaptive_nystrom_eig, estimate_solver_costs,
-                            lanczos_top_eigenvalue, make_solver, randomized_eig)
-
+from ctuq.inference import (
+    CGSolver,
+    ConvergenceWarning,
+    DenseFeatures,
+    DenseLinearGaussian,
+    ExactEigSolver,
+    GaussianLikelihood,
+    KernelOperator,
+    LinearizedPosterior,
+    SampledEM,
+    SDDSolver,
+    SGDSolver,
+    Workload,
+    adaptive_nystrom_eig,
+    estimate_solver_costs,
+    lanczos_top_eigenvalue,
+    make_solver,
+    randomized_eig,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,8 +194,10 @@ def test_auto_chooses_among_four_by_cost_and_memory():
     f, _ = _features(c=40, d=80)
     for kind, cls in (("sdd", SDDSolver), ("sgd", SGDSolver)):
         assert isinstance(make_solver(f, kind, max_iter=10), cls)
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['stepsize'\]"):
+    with pytest.raises(ValueError, match=r"unknown solver option 'stepsize'"):
         make_solver(f, "sdd", stepsize=1.0)
+    with pytest.raises(ValueError, match=r"unknown sdd option\(s\) \['stepsize'\]; valid: \['averaging'"):
+        make_solver(f, "sdd", sdd={"stepsize": 1.0})
 
 
 # ----------------------------------------------------------------------------------------------- EM

@@ -34,8 +34,10 @@ def test_layout_matches_the_walnut_data_set(exact_scan):
     n, rows, cols = params.n_projections, params.det_rows, params.det_cols
     proj = out / "Projections" / "tubeV2"
     names = sorted(p.name for p in proj.iterdir())
-    assert names == sorted([f"scan_{k:06}.tif" for k in range(n)]
-                           + ["di000000.tif", "io000000.tif", "io000001.tif", "scan_geom_corrected.geom"])
+    assert names == sorted(
+        [f"scan_{k:06}.tif" for k in range(n)]
+        + ["di000000.tif", "io000000.tif", "io000001.tif", "scan_geom_corrected.geom"]
+    )
     for name in ("scan_000000.tif", "di000000.tif", "io000001.tif"):
         raw = tifffile.imread(proj / name)
         assert raw.shape == (cols, rows) and raw.dtype == np.uint16  # raw files are det_cols × det_rows
@@ -52,8 +54,9 @@ def test_layout_matches_the_walnut_data_set(exact_scan):
     assert side["complete"] is True and side["gt_voxel_size_mm"] == params.gt_voxel_size
     assert side["parameters"] == params.to_dict() and len(side["phantom"]["ellipsoids"]) > 20
     # file 0 and file N−1 show the same angle: noise-free they are identical images
-    np.testing.assert_array_equal(tifffile.imread(proj / "scan_000000.tif"),
-                                  tifffile.imread(proj / f"scan_{n - 1:06}.tif"))
+    np.testing.assert_array_equal(
+        tifffile.imread(proj / "scan_000000.tif"), tifffile.imread(proj / f"scan_{n - 1:06}.tif")
+    )
 
 
 def test_orbit_geometry():
@@ -172,10 +175,15 @@ def test_seeded_and_reproducible(tmp_path):
     a = simulate_scan(tmp_path / "a", params, progress=False)
     simulate_scan(tmp_path / "b", params, progress=False)
     for name in ("scan_000003.tif", "io000001.tif", "di000000.tif"):
-        np.testing.assert_array_equal(tifffile.imread(tmp_path / "a/Projections/tubeV2" / name),
-                                      tifffile.imread(tmp_path / "b/Projections/tubeV2" / name))
-    other = simulate_scan(tmp_path / "c", SimulationParameters.preset("tiny", n_projections=5, gt_shape=(1, 16, 16),
-                                                                      seed=4), progress=False)
+        np.testing.assert_array_equal(
+            tifffile.imread(tmp_path / "a/Projections/tubeV2" / name),
+            tifffile.imread(tmp_path / "b/Projections/tubeV2" / name),
+        )
+    other = simulate_scan(
+        tmp_path / "c",
+        SimulationParameters.preset("tiny", n_projections=5, gt_shape=(1, 16, 16), seed=4),
+        progress=False,
+    )
     assert a["phantom"] != other["phantom"]
 
 
@@ -201,13 +209,46 @@ def test_cli_help_and_tiny_run(tmp_path, capsys):
         main(["simulate", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for opt in ("--out", "--preset", "--projections", "--det-rows", "--orbits", "--no-noise", "--seed",
-                "--overwrite", "walnut", "bundled", "tiny", "examples:"):
+    for opt in (
+        "--out",
+        "--preset",
+        "--projections",
+        "--det-rows",
+        "--orbits",
+        "--no-noise",
+        "--seed",
+        "--overwrite",
+        "walnut",
+        "bundled",
+        "tiny",
+        "examples:",
+    ):
         assert opt in text
     out = tmp_path / "w"
-    rc = main(["simulate", "--preset", "tiny", "--out", str(out), "--projections", "5", "--det-cols", "48",
-               "--pixel-size", "2.4", "--gt-shape", "3", "32", "32", "--gt-voxel-size", "1.6", "--seed", "7",
-               "--no-progress"])
+    rc = main(
+        [
+            "simulate",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+            "--projections",
+            "5",
+            "--det-cols",
+            "48",
+            "--pixel-size",
+            "2.4",
+            "--gt-shape",
+            "3",
+            "32",
+            "32",
+            "--gt-voxel-size",
+            "1.6",
+            "--seed",
+            "7",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "wrote" in capsys.readouterr().err
     side = json.loads((out / "ctuq_simulation.json").read_text())

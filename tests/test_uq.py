@@ -1,4 +1,4 @@
-"""CT glue of the linearised inference (ctuq.uq) against a dense float64 reference on a problem small enough to
+"""CT glue of the linearised inference (ctuq.pipeline.uq) against a dense float64 reference on a problem small enough to
 assemble Φ: offset, g-prior, posterior std of every route (dense exact, dual exact, CG), EM fixed point,
 checkpoint/resume."""
 
@@ -8,11 +8,16 @@ import numpy as np
 import pytest
 import torch
 
+from ctuq.errors import CheckpointMismatch
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import DenseLinearGaussian
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
-from ctuq.uq import MOMENTS_NAME, STATE_NAME, UQCheckpointMismatch, UQSettings, run_linearized_uq
+from ctuq.pipeline import checkpoints
+from ctuq.pipeline import uq as uq_module
+from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME as MOMENTS_NAME
+from ctuq.pipeline.run_folder import UQ_STATE_NAME as STATE_NAME
+from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 
 SCALE = 3.0
 
@@ -106,10 +111,7 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
     ev = [r["log_evidence"] for r in res.em_trace]
     assert all(b >= a - 1e-6 * abs(a) for a, b in zip(ev, ev[1:]))
     # Dual route (CG-free, c × c eigendecomposition) and sampled g-prior give the same fixed point.
-    from ctuq.inference import ExactEigSolver
-    from ctuq import uq as uq_module
-
-    from ctuq.inference import ScaledFeatures
+    from ctuq.inference import ExactEigSolver, ScaledFeatures
 
     net, base = uq_module.ct_features(model, net_input, op)
     feats = ScaledFeatures(base, s.float())
@@ -148,8 +150,6 @@ def _interrupting_log(after: str):
 
 @pytest.mark.parametrize("solver", ["exact", "cg"])
 def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, monkeypatch, solver):
-    import ctuq.uq as uq_module
-
     op, model, net_input, y = problem
     settings = UQSettings(solver=solver, em_steps=3, em_tol=0.0, samples=40, sample_chunk=10, rank=60,
                           gprior_method="stochastic", gprior_probes=64)
@@ -161,18 +161,18 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
                           progress=False, log=_interrupting_log("EM step 2"))
     assert (work / STATE_NAME).is_file()
     # Killed again during prediction, right after the running sums of the second chunk reached the disk.
-    save = uq_module.atomic_torch_save
+    save = checkpoints.atomic_torch_save
 
     def save_then_stop(path, obj):
         save(path, obj)
         if str(path).endswith(MOMENTS_NAME) and obj["next_chunk"] == 2:
             raise Stop("after chunk 1")
 
-    monkeypatch.setattr(uq_module, "atomic_torch_save", save_then_stop)
+    monkeypatch.setattr(checkpoints, "atomic_torch_save", save_then_stop)
     with pytest.raises(Stop):
         run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work,
                           resume=True, progress=False, moments_checkpoint_seconds=0)
-    monkeypatch.setattr(uq_module, "atomic_torch_save", save)
+    monkeypatch.setattr(checkpoints, "atomic_torch_save", save)
     messages = []
     resumed = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work,
                                 resume=True, progress=False, log=messages.append)
@@ -185,7 +185,7 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
         if isinstance(value, torch.Tensor):
             assert torch.equal(resumed.moments.state_dict()[key], value), key
     # Resuming with other settings is refused, naming the setting.
-    with pytest.raises(UQCheckpointMismatch, match="samples"):
+    with pytest.raises(CheckpointMismatch, match="samples"):
         run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=3, work_dir=work, resume=True, progress=False,
                           settings=UQSettings(**{**settings.__dict__, "samples": 50}))
 
@@ -209,6 +209,6 @@ def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
 
     op, model, net_input, y = problem
     atomic_torch_save(tmp_path / STATE_NAME, {"version": 1, "fingerprint": {}, "stage": "em", "em": {}})
-    with pytest.raises(UQCheckpointMismatch, match=r"version 1.*reads version 2.*delete"):
+    with pytest.raises(CheckpointMismatch, match=r"version 1.*reads version 2.*delete"):
         run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=0, work_dir=tmp_path, resume=True,
                           progress=False, settings=UQSettings(solver="exact", em_steps=0, samples=2))

@@ -11,7 +11,7 @@ import pytest
 
 def _glibc() -> bool:
     try:
-        ctypes.CDLL("libc.so.6").gnu_get_libc_version
+        ctypes.CDLL("libc.so.6").gnu_get_libc_version  # noqa: B018 - AttributeError outside glibc
     except (OSError, AttributeError):
         return False
     return sys.platform.startswith("linux")
@@ -36,8 +36,11 @@ _CHURN = textwrap.dedent("""
 
 
 def _run(env_extra: dict) -> tuple[bool, int]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("CTUQ_TUNE_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CTUQ_TUNE_MALLOC", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    }
     env.update(env_extra, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", _CHURN], env=env, capture_output=True, text=True, check=True)
     tuned, faults = out.stdout.split()

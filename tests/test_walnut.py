@@ -24,6 +24,7 @@ from ctuq.data import (
     simulate_scan,
     walnut_phantom,
 )
+from ctuq.errors import CTUQError, is_user_error
 from ctuq.geometry import VolumeGeometry
 from ctuq.operators import SparseRayTransform
 
@@ -82,13 +83,15 @@ def test_subsampling_picks_rows_files_and_columns(scan):
     assert sub.meta["projection_files"] == [f"scan_{n - 1 - r:06}.tif" for r in rows]
     assert sub.meta["detector_columns"] == {"first": 0, "last": params.det_cols - 2, "step": 2, "mode": "subsample"}
     np.testing.assert_array_equal(sub.y.numpy(), full.y.numpy()[rows][:, ::2])
-    np.testing.assert_allclose(sub.geometry.detector_centers(), full.geometry.detector_centers()[rows][:, ::2],
-                               atol=1e-10)
+    np.testing.assert_allclose(
+        sub.geometry.detector_centers(), full.geometry.detector_centers()[rows][:, ::2], atol=1e-10
+    )
     # binning: wider pixels centred on their column pairs, less noise, same signal
     binned = read_walnut_slice(out, angular_subsampling=4, detector_subsampling=2, detector_binning=True)
     c_full = full.geometry.detector_centers()[rows]
-    np.testing.assert_allclose(binned.geometry.detector_centers(), 0.5 * (c_full[:, 0::2] + c_full[:, 1::2]),
-                               atol=1e-10)
+    np.testing.assert_allclose(
+        binned.geometry.detector_centers(), 0.5 * (c_full[:, 0::2] + c_full[:, 1::2]), atol=1e-10
+    )
     pair_mean = 0.5 * (full.y.numpy()[rows][:, 0::2] + full.y.numpy()[rows][:, 1::2])
     assert np.abs(binned.y.numpy() - pair_mean).max() < 0.03  # −log of a mean vs mean of −log: a small gap
     json.dumps(sub.meta)  # JSON-serialisable
@@ -113,8 +116,7 @@ def test_area_average_is_exact_for_any_ratio():
     np.testing.assert_allclose(area_average(np.full((501, 501), 3.0), (128, 128)), 3.0, rtol=1e-12)
     # integer factors are plain block means; 3D works axis by axis
     c = rng.random((8, 12, 12))
-    np.testing.assert_allclose(area_average(c, (4, 3, 3)), c.reshape(4, 2, 3, 4, 3, 4).mean(axis=(1, 3, 5)),
-                               rtol=1e-12)
+    np.testing.assert_allclose(area_average(c, (4, 3, 3)), c.reshape(4, 2, 3, 4, 3, 4).mean(axis=(1, 3, 5)), rtol=1e-12)
     # one output pixel straddling two inputs takes their overlap-weighted mean: 3 → 2 gives [a0 + a1/2, a1/2 + a2]·2/3
     np.testing.assert_allclose(area_average(np.array([1.0, 4.0, 7.0]), (2,)), [2.0, 6.0])
 
@@ -165,8 +167,10 @@ def _rewrite(path: Path, fn) -> None:
 
 
 def test_missing_walnut_folder(tmp_path):
-    with pytest.raises(WalnutFormatError, match=r"Nope does not exist"):
+    with pytest.raises(WalnutFormatError, match=r"Nope does not exist") as info:
         read_walnut_slice(tmp_path / "Nope")
+    # A user error (one line from the CLI, exit 2), and still a ValueError as it always was.
+    assert isinstance(info.value, CTUQError) and isinstance(info.value, ValueError) and is_user_error(info.value)
 
 
 def test_missing_orbit_folder(broken):
@@ -239,8 +243,11 @@ def test_projection_with_nan(broken):
 def test_projection_with_non_positive_transmission(broken):
     dark = tifffile.imread(_proj(broken) / "di000000.tif")
     _rewrite(_proj(broken) / "scan_000032.tif", lambda a: np.minimum(a, dark))  # counts at or below dark
-    with pytest.raises(WalnutFormatError, match=r"scan_000032.tif: \d+ used pixels have counts ≤ dark, i.e. "
-                                                r"non-positive transmission"):
+    with pytest.raises(
+        WalnutFormatError,
+        match=r"scan_000032.tif: \d+ used pixels have counts ≤ dark, i.e. "
+        r"non-positive transmission",
+    ):
         read_walnut_slice(broken)
 
 
@@ -280,8 +287,9 @@ def test_bundled_scan_loads_with_the_demo_settings():
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert size < 4.2e6
     t0 = time.perf_counter()
-    d = load_walnut_slice(path, angular_subsampling=4, detector_subsampling=2, image_shape=(128, 128),
-                          backend="sparse", progress=False)
+    d = load_walnut_slice(
+        path, angular_subsampling=4, detector_subsampling=2, image_shape=(128, 128), backend="sparse", progress=False
+    )
     elapsed = time.perf_counter() - t0
     assert tuple(d.y.shape) == d.op.measurement_shape == (60, 128)
     assert d.op.image_shape == (128, 128) and tuple(d.ground_truth.shape) == (128, 128)

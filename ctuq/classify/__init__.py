@@ -14,15 +14,15 @@ Hessian square roots and pseudo-target residuals), :mod:`~ctuq.classify.mode` (t
 mode for the M-step), :mod:`~ctuq.classify.jacobians` (per-example Jacobians: exact g-prior, dense features),
 :mod:`~ctuq.classify.predictive` (MC / probit predictives), :mod:`~ctuq.classify.data` (input checks),
 :mod:`~ctuq.classify.state` (save / load). Metrics: :mod:`ctuq.metrics.classification`. Docs:
-docs/classification.md.
+docs/classification.md. Option vocabularies: :class:`ctuq.options.LinearModel`, :class:`~ctuq.options.PriorMethod`,
+:class:`~ctuq.options.HessianRoot`, :class:`~ctuq.options.Link`, :class:`~ctuq.options.WeightSubset`.
 """
 
-from ctuq.classify.data import WEIGHT_SUBSETS, resolve_weights
-from ctuq.classify.hessian import ROOTS, SoftmaxHessianRoot, softmax_hessian
-from ctuq.classify.laplace import EXACT_SOLVERS, PRIOR_METHODS, LinearizedLaplace
-from ctuq.classify.mode import LINEAR_MODELS, LinearMode, ModeResult
-from ctuq.classify.predictive import LINKS, link_probabilities, logit_samples
+from ctuq.classify.data import resolve_weights
+from ctuq.classify.hessian import SoftmaxHessianRoot, softmax_hessian
+from ctuq.classify.laplace import LinearizedLaplace, exact_solver
+from ctuq.classify.mode import LinearMode, ModeResult
+from ctuq.classify.predictive import link_probabilities, logit_samples
 
-__all__ = ["LinearizedLaplace", "PRIOR_METHODS", "EXACT_SOLVERS", "SoftmaxHessianRoot", "softmax_hessian", "ROOTS",
-           "LinearMode", "ModeResult", "LINEAR_MODELS", "LINKS", "link_probabilities", "logit_samples",
-           "WEIGHT_SUBSETS", "resolve_weights"]
+__all__ = ["LinearizedLaplace", "exact_solver", "SoftmaxHessianRoot", "softmax_hessian", "LinearMode", "ModeResult",
+           "link_probabilities", "logit_samples", "resolve_weights"]

@@ -16,10 +16,14 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.classify.jacobians import DenseJacobian, assemble_jacobian, assemble_whitened_jacobian, ggn_diagonal
 from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
+from ctuq.linearize import eval_mode
+from ctuq.options import GPriorMethod, Prior
+from ctuq.priors import gprior_scales, scales_from_sq_norms
 
 __all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays",
            "whitened_matrix"]
@@ -29,16 +33,12 @@ def forward_flops_per_example(model, X: torch.Tensor, batch: int = 64) -> float:
     """Floating-point operations of one forward pass per example (matrix products and convolutions, as counted by
     :class:`torch.utils.flop_counter.FlopCounterMode` on the first ``batch`` rows of ``X`` ``(n, ...)``, in eval
     mode; the model's modes and buffers are left as they were); ``0.0`` when its operations cannot be counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ctuq.linearize import _eval_mode
-
     Xb = X[:batch]
     if Xb.shape[0] == 0:
         return 0.0
     try:
         # eval mode, as linearised: a training-mode pass would update batch-norm running statistics
-        with torch.no_grad(), _eval_mode(model), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), eval_mode(model), FlopCounterMode(display=False) as counter:
             model(Xb)
     except Exception:  # an op the counter does not know: fall back to products (the conservative route)
         return 0.0
@@ -73,7 +73,7 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
         sq = torch.zeros(jac.d, dtype=torch.float64)
         for _, rows in jac.whitened_chunks(root):  # float64 column norms of Ψ₀
             sq += rows.pow(2).sum((0, 1))
-        features = LinearizedFeatures(jac, torch.ones(jac.d, dtype=dtype), output_map=root.apply_transpose,
+        features = LinearizedFeatures(jac, output_map=root.apply_transpose,
                                       output_adjoint=root.apply, n_outputs=jac.d_out)
         return features, sq, jac
     if dense:
@@ -82,8 +82,7 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
         for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
             sq += P0[lo:lo + 4096].double().pow(2).sum(0)
         return DenseFeatures(P0), sq, net
-    ones = torch.ones(net.d, dtype=dtype)
-    return LinearizedFeatures(net, ones, output_map=root.apply_transpose, output_adjoint=root.apply,
+    return LinearizedFeatures(net, output_map=root.apply_transpose, output_adjoint=root.apply,
                               n_outputs=net.d_out), None, net
 
 
@@ -99,18 +98,17 @@ def prior_scales(prior, *, base: FeatureOperator, model, X: torch.Tensor, names,
                  n_params: int, sq_norms: torch.Tensor | None = None, gprior_method: str = "exact",
                  gprior_probes: int = 256, seed: int = 0, chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
     """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor)."""
-    from ctuq.priors import gprior_scales, scales_from_sq_norms
-
     if isinstance(prior, torch.Tensor):
         if tuple(prior.shape) != (n_params,):
             raise ValueError(f"LinearizedLaplace: prior scales must have shape ({n_params},), got {tuple(prior.shape)}")
         if not torch.isfinite(prior).all() or (prior < 0).any():
             raise ValueError("LinearizedLaplace: prior scales must be finite and >= 0")
         return prior.detach().double()
-    if prior == "isotropic":
+    if prior == Prior.ISOTROPIC:
         return torch.ones(n_params, dtype=torch.float64)
-    if gprior_method == "stochastic":
-        return gprior_scales(base.rmatvec, base.n_outputs, method="stochastic", n_probes=gprior_probes, seed=seed,
+    if gprior_method == GPriorMethod.STOCHASTIC:
+        return gprior_scales(base.rmatvec, base.n_outputs, method=GPriorMethod.STOCHASTIC.value,
+                             n_probes=gprior_probes, seed=seed,
                              dtype=base.dtype, progress=progress).double()
     if sq_norms is None:
         sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)

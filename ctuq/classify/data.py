@@ -6,18 +6,18 @@ regression model, one-hot labels or an exhausted iterator learns it from the mes
 
 from __future__ import annotations
 
+import difflib
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ctuq.linearize import eval_mode
+from ctuq.options import WeightSubset, values
 from ctuq.utils import progress as _progress
 
-__all__ = ["collect_inputs", "collect_loader", "check_logits", "check_labels", "resolve_weights", "WEIGHT_SUBSETS",
+__all__ = ["collect_inputs", "collect_loader", "check_logits", "check_labels", "resolve_weights",
            "eval_logits"]
-
-WEIGHT_SUBSETS = ("all", "last_layer")
-"""Named weight subsets: every parameter, or the last layer's (laplace-torch's ``subset_of_weights``)."""
 
 
 def _as_tensor(x, what: str, where: str) -> torch.Tensor:
@@ -106,10 +106,8 @@ def check_logits(out, n: int, *, where: str) -> torch.Tensor:
 @torch.no_grad()
 def eval_logits(model: nn.Module, X: torch.Tensor, *, batch_size: int = 1024, where: str) -> torch.Tensor:
     """``model(X)`` in eval mode (every submodule's mode restored afterwards), in batches → ``(N, C)``."""
-    from ctuq.linearize import _eval_mode
-
     outs = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in range(0, X.shape[0], batch_size):
             xb = X[start:start + batch_size]
             try:
@@ -125,9 +123,9 @@ def resolve_weights(model: nn.Module, weights: str | Sequence[str]) -> list[str]
     order), ``"last_layer"`` (the parameters of the last leaf module that has parameters, in registration order)
     or an explicit list of names (checked by :class:`ctuq.linearize.LinearizedNetwork`)."""
     if isinstance(weights, str):
-        if weights == "all":
+        if weights == WeightSubset.ALL:
             names = [n for n, p in model.named_parameters() if p.requires_grad]
-        elif weights == "last_layer":
+        elif weights == WeightSubset.LAST_LAYER:
             last = None
             for mod_name, mod in model.named_modules():
                 if not list(mod.children()) and any(True for _ in mod.parameters(recurse=False)):
@@ -137,7 +135,7 @@ def resolve_weights(model: nn.Module, weights: str | Sequence[str]) -> list[str]
             prefix = f"{last}." if last else ""
             names = [n for n, _ in model.named_parameters() if n.startswith(prefix) and "." not in n[len(prefix):]]
         else:
-            raise ValueError(f"LinearizedLaplace: weights must be one of {list(WEIGHT_SUBSETS)} or a list of "
+            raise ValueError(f"LinearizedLaplace: weights must be one of {list(values(WeightSubset))} or a list of "
                              f"parameter names, got {weights!r}")
         if not names:
             raise ValueError(f"LinearizedLaplace: weights={weights!r} selects no parameters (all frozen?)")
@@ -149,8 +147,6 @@ def resolve_weights(model: nn.Module, weights: str | Sequence[str]) -> list[str]
     valid = [n for n, _ in model.named_parameters()]
     unknown = [n for n in names if n not in valid]
     if unknown:
-        import difflib
-
         hints = {n: difflib.get_close_matches(n, valid, n=3) for n in unknown[:5]}
         raise ValueError(f"LinearizedLaplace: unknown parameter name(s) {unknown[:10]} in weights; closest matches: "
                          f"{hints}; valid names are those of model.named_parameters()")

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SoftmaxHessianRoot", "softmax_hessian", "ROOTS"]
+from ctuq.options import HessianRoot, values
 
-ROOTS = ("closed_form", "symmetric")
-"""The square roots of ``B_i`` that :class:`SoftmaxHessianRoot` implements."""
+__all__ = ["SoftmaxHessianRoot", "softmax_hessian"]
 
 
 def softmax_hessian(probs: torch.Tensor) -> torch.Tensor:
@@ -63,8 +62,8 @@ class SoftmaxHessianRoot:
 
     def __init__(self, probs: torch.Tensor, root: str = "closed_form", prob_floor: float = 1e-12,
                  eig_floor: float = 1e-12):
-        if root not in ROOTS:
-            raise ValueError(f"SoftmaxHessianRoot: root must be one of {list(ROOTS)}, got {root!r}")
+        if root not in values(HessianRoot):
+            raise ValueError(f"SoftmaxHessianRoot: root must be one of {list(values(HessianRoot))}, got {root!r}")
         if not isinstance(probs, torch.Tensor) or probs.ndim != 2 or probs.shape[1] < 2:
             got = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
             raise ValueError(f"SoftmaxHessianRoot: probs must be (n, C) with C >= 2, got {got}")
@@ -80,7 +79,7 @@ class SoftmaxHessianRoot:
         self.prob_floor = float(prob_floor)
         self.eig_floor = float(eig_floor)
         self.n_floored = 0
-        if root == "symmetric":
+        if root == HessianRoot.SYMMETRIC:
             lam, U = torch.linalg.eigh(softmax_hessian(p))
             lam = lam.clamp_min(0.0)
             self._sym = U @ torch.diag_embed(lam.sqrt()) @ U.mT
@@ -100,7 +99,7 @@ class SoftmaxHessianRoot:
     def apply_transpose(self, X: torch.Tensor) -> torch.Tensor:
         """``Lᵀ x`` per example for rows ``X`` ``(B, n·C)`` → ``(B, n·C)`` (the features' output map)."""
         Z = self._blocks(X)
-        if self.root == "symmetric":
+        if self.root == HessianRoot.SYMMETRIC:
             out = torch.einsum("ikl,bil->bik", self._sym.to(X.dtype), Z)
         else:  # Lᵀz = √p ⊙ z − √p (pᵀz)
             sp, p = self.sqrt_p.to(X.dtype), self.p.to(X.dtype)
@@ -110,7 +109,7 @@ class SoftmaxHessianRoot:
     def apply(self, X: torch.Tensor) -> torch.Tensor:
         """``L x`` per example for rows ``X`` ``(B, n·C)`` → ``(B, n·C)`` (the output map's adjoint)."""
         Z = self._blocks(X)
-        if self.root == "symmetric":
+        if self.root == HessianRoot.SYMMETRIC:
             out = torch.einsum("ikl,bil->bik", self._sym.to(X.dtype), Z)
         else:  # Lz = √p ⊙ z − p (√pᵀz)
             sp, p = self.sqrt_p.to(X.dtype), self.p.to(X.dtype)
@@ -123,7 +122,7 @@ class SoftmaxHessianRoot:
         if J.ndim != 3 or J.shape[1] != self.C or not 0 <= start < stop <= self.n:
             raise ValueError(f"SoftmaxHessianRoot.transpose_blocks: J must be (m, {self.C}, d) for examples within "
                              f"0..{self.n - 1}, got {tuple(J.shape)} from {start}")
-        if self.root == "symmetric":
+        if self.root == HessianRoot.SYMMETRIC:
             return torch.einsum("ikl,ild->ikd", self._sym[start:stop].to(J.dtype), J)
         sp, p = self.sqrt_p[start:stop, :, None].to(J.dtype), self.p[start:stop, :, None].to(J.dtype)
         return sp * J - sp * (p * J).sum(1, keepdim=True)
@@ -139,7 +138,7 @@ class SoftmaxHessianRoot:
             raise ValueError(f"SoftmaxHessianRoot: probs must have shape {tuple(self.p.shape)}, got {tuple(q.shape)}")
         v = torch.nn.functional.one_hot(labels.long(), self.C).double() - q
         v = v - v.mean(1, keepdim=True)  # exactly in 1⊥ (removes the rounding of Σ q = 1)
-        if self.root == "symmetric":
+        if self.root == HessianRoot.SYMMETRIC:
             rho = torch.einsum("ikl,il->ik", self._sym_pinv, v)
         else:
             small = self.p < self.prob_floor

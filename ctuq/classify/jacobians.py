@@ -18,8 +18,11 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.func import functional_call, jacrev, vmap
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
+from ctuq.inference import DenseFeatures
+from ctuq.linearize import eval_mode
 from ctuq.utils import progress as _progress
 
 __all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian", "assemble_jacobian", "DenseJacobian"]
@@ -30,10 +33,6 @@ def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *
     """Yield ``(start, J)`` with ``J`` ``(m, C, d)``: the logit Jacobians of examples ``start … start + m − 1`` with
     respect to the parameters ``names`` (flattened in that order, as :class:`ctuq.linearize.LinearizedNetwork`
     flattens them), evaluated in eval mode at the current weights."""
-    from torch.func import functional_call, jacrev, vmap
-
-    from ctuq.linearize import _eval_mode
-
     params = dict(model.named_parameters())
     lin = {n: params[n].detach() for n in names}
     fixed = {n: p.detach() for n, p in params.items() if n not in lin}
@@ -44,7 +43,7 @@ def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *
 
     jac = vmap(jacrev(logits), in_dims=(None, 0))
     starts = range(0, X.shape[0], chunk_size)
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in _progress(starts, total=len(starts), desc="per-example Jacobians", disable=not progress):
             parts = jac(lin, X[start:start + chunk_size])
             m = X[start:start + chunk_size].shape[0]
@@ -93,7 +92,8 @@ def _assemble(model, X, names, root, *, chunk_size, progress, dtype) -> torch.Te
 class DenseJacobian:
     """A classifier's logit Jacobian on its training inputs, held densely: the product interface of
     :class:`ctuq.linearize.LinearizedNetwork` that the features and the mode finder use (``jvp``, ``vjp``,
-    ``jvp_basis``, ``params``, ``d``, ``d_out``) as GEMMs and slices.
+    ``jvp_basis``, ``params``, ``d``, ``d_out``) as GEMMs and slices. ``J`` is held by the core's dense feature
+    operator (:class:`ctuq.inference.DenseFeatures`, :attr:`dense`), whose products these are.
 
     Behind the whitened features ``Ψ₀ = blockdiag(L_iᵀ) J`` of the iterative solvers (the softmax roots applied
     per product, ``n·C²`` work) and behind the mode finder, whose objective needs ``J`` itself: the roots are
@@ -112,11 +112,16 @@ class DenseJacobian:
         if matrix.shape != (network.d_out, network.d):
             raise ValueError(f"DenseJacobian: matrix has shape {tuple(matrix.shape)}, the network's Jacobian is "
                              f"({network.d_out}, {network.d})")
-        self.matrix = matrix
+        self.dense = DenseFeatures(matrix)
         self.d, self.d_out = int(network.d), int(network.d_out)
         self.dtype, self.device = matrix.dtype, matrix.device
         self._network = network
         self.n_jvp = self.n_vjp = 0
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """``J`` ``(n·C, d)``."""
+        return self.dense.matrix
 
     def params(self) -> torch.Tensor:
         """``ṽ`` ``(d,)`` (a copy)."""
@@ -125,12 +130,12 @@ class DenseJacobian:
     def jvp(self, U: torch.Tensor) -> torch.Tensor:
         """``J u`` for rows ``U`` ``(B, d)`` → ``(B, n·C)``; counts ``B`` JVPs."""
         self.n_jvp += U.shape[0]
-        return U.to(self.dtype) @ self.matrix.T
+        return self.dense.matvec(U)
 
     def vjp(self, R: torch.Tensor) -> torch.Tensor:
         """``Jᵀ r`` for rows ``R`` ``(B, n·C)`` → ``(B, d)``; counts ``B`` VJPs."""
         self.n_vjp += R.shape[0]
-        return R.to(self.dtype) @ self.matrix
+        return self.dense.rmatvec(R)
 
     def whitened_chunks(self, root: SoftmaxHessianRoot, rows: int = 4096) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(start, L_iᵀ J_i)`` float64 ``(m, C, d)`` for examples ``start … start + m − 1``, about ``rows``

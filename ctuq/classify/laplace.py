@@ -36,22 +36,41 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ctuq.classify.data import check_labels, collect_loader, eval_logits, resolve_weights
-from ctuq.classify.hessian import ROOTS, SoftmaxHessianRoot
-from ctuq.classify.mode import LINEAR_MODELS, LinearMode
-from ctuq.classify.predictive import PredictiveMixin
 from ctuq.classify import state as _state
-from ctuq.classify.build import (assembly_pays, forward_flops_per_example, prior_scales, whitened_features,
-                                 whitened_matrix)
+from ctuq.classify.build import (
+    assembly_pays,
+    forward_flops_per_example,
+    prior_scales,
+    whitened_features,
+    whitened_matrix,
+)
+from ctuq.classify.data import check_labels, collect_loader, eval_logits, resolve_weights
+from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.classify.jacobians import DenseJacobian
-from ctuq.inference import (DENSE_CHOICES, SOLVER_CHOICES, CategoricalLikelihood, DenseFeatures, LinearizedPosterior,
-                            Workload, dense_features_fit, dense_memory_budget)
+from ctuq.classify.mode import LinearMode
+from ctuq.classify.predictive import PredictiveMixin
+from ctuq.inference import (
+    SOLVERS,
+    CategoricalLikelihood,
+    DenseFeatures,
+    LinearizedPosterior,
+    Workload,
+    dense_features_fit,
+    solver_choices,
+)
+from ctuq.linearize import LinearizedNetwork
+from ctuq.memory import Budget, memory_budget
+from ctuq.options import DenseFeatures as DenseChoice
+from ctuq.options import GPriorMethod, HessianRoot, LinearModel, Prior, PriorMethod, SolverAlias, values
+from ctuq.utils import progress as _progress_bar
 
-__all__ = ["LinearizedLaplace", "PRIOR_METHODS", "EXACT_SOLVERS"]
+__all__ = ["LinearizedLaplace", "exact_solver"]
 
-PRIOR_METHODS = ("sampled_em", "exact")
-"""``optimize_prior`` methods: MacKay EM with sampled ``γ̂``, or with exact ``γ`` (exact solvers)."""
-EXACT_SOLVERS = ("exact", "exact_primal", "exact_dual")
+
+def exact_solver(solver: str) -> bool:
+    """Whether the ``solver=`` value ``solver`` names an exact solver: the ``"exact"`` alias or a registry solver
+    with exact ``γ`` and evidence (:attr:`ctuq.inference.Solver.exact`)."""
+    return solver == SolverAlias.EXACT or (solver in SOLVERS and SOLVERS[solver].exact)
 
 
 class LinearizedLaplace(PredictiveMixin):
@@ -74,7 +93,7 @@ class LinearizedLaplace(PredictiveMixin):
     hessian_root : {"closed_form", "symmetric"}
         Factor of ``B_i`` (:mod:`ctuq.classify.hessian`).
     solver : str
-        A :data:`~ctuq.inference.SOLVER_CHOICES` value. Exact solvers get ``Ψ₀`` assembled from per-example
+        A :func:`~ctuq.inference.solver_choices` value. Exact solvers get ``Ψ₀`` assembled from per-example
         Jacobians (``n·C·d`` float64 numbers).
     solver_options : dict, optional
         Passed to the posterior (CG: ``rank``, ``rtol``, ``max_iter``, ``preconditioner`` …).
@@ -109,13 +128,16 @@ class LinearizedLaplace(PredictiveMixin):
                  jacobian_chunk: int = 32, dense_features: str = "auto"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"LinearizedLaplace: model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(prior, str) and prior not in ("gprior", "isotropic"):
-            raise ValueError(f"LinearizedLaplace: prior must be 'gprior', 'isotropic' or a tensor of scales, got {prior!r}")
+        if isinstance(prior, str) and prior not in values(Prior):
+            raise ValueError(f"LinearizedLaplace: prior must be 'gprior', 'isotropic' or a tensor of scales, "
+                             f"got {prior!r}")
         if not (float(prior_precision) > 0 and math.isfinite(float(prior_precision))):
             raise ValueError(f"LinearizedLaplace: prior_precision must be positive and finite, got {prior_precision}")
-        for name, value, allowed in (("linear_model", linear_model, LINEAR_MODELS), ("hessian_root", hessian_root, ROOTS),
-                                     ("gprior_method", gprior_method, ("exact", "stochastic")),
-                                     ("solver", solver, SOLVER_CHOICES), ("dense_features", dense_features, DENSE_CHOICES)):
+        for name, value, allowed in (("linear_model", linear_model, values(LinearModel)),
+                                     ("hessian_root", hessian_root, values(HessianRoot)),
+                                     ("gprior_method", gprior_method, values(GPriorMethod)),
+                                     ("solver", solver, solver_choices()),
+                                     ("dense_features", dense_features, values(DenseChoice))):
             if value not in allowed:
                 raise ValueError(f"LinearizedLaplace: {name} must be one of {list(allowed)}, got {value!r}")
         if dtype not in (torch.float32, torch.float64):
@@ -203,8 +225,6 @@ class LinearizedLaplace(PredictiveMixin):
         if self.n_classes is not None and self.n_classes != C:
             raise ValueError(f"{where}: the model returns {C} logits but the loaded state has {self.n_classes} classes")
         self.n_classes, self.n_train, self._labels = int(C), int(n), y
-        from ctuq.linearize import LinearizedNetwork
-
         try:
             self._net = LinearizedNetwork(self._model, X, param_names=self.param_names)
         except ValueError as exc:
@@ -222,7 +242,8 @@ class LinearizedLaplace(PredictiveMixin):
                                        gprior_method=self.gprior_method, gprior_probes=self.gprior_probes,
                                        seed=self.seed, chunk_size=self.jacobian_chunk, progress=self.progress)
             self.say(f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
-                     f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): {time.perf_counter() - t0:.1f} s")
+                     f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): "
+                     f"{time.perf_counter() - t0:.1f} s")
         self._mode_finder = LinearMode(mode_net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
         targets = self._refresh_mode(a, self._mode_w)
@@ -241,16 +262,16 @@ class LinearizedLaplace(PredictiveMixin):
         """``(Ψ₀, squared column norms or None, the mode finder's network)`` by :attr:`dense_features` for an exact
         (or the configured) solver (:func:`~ctuq.classify.build.whitened_features`)."""
         c, d = X.shape[0] * self.n_classes, self.n_params
-        exact = self.solver in EXACT_SOLVERS if exact is None else exact
+        exact = exact_solver(self.solver) if exact is None else exact
         need = c * d * torch.empty((), dtype=self.dtype).element_size()
-        budget = dense_memory_budget("cpu")
-        if self.dense_features == "always":
+        budget = memory_budget(Budget.DENSE_SOLVER, "cpu")
+        if self.dense_features == DenseChoice.ALWAYS:
             dense = True
             if need > budget:
                 raise MemoryError(f"LinearizedLaplace(dense_features='always'): Ψ₀ ({c} × {d}, {self.dtype}) needs "
                                   f"{need / 2**30:.1f} GiB, the dense budget is {budget / 2**30:.1f} "
                                   f"GiB; use dtype=torch.float32, dense_features='auto', or fewer training examples")
-        elif self.dense_features == "never":
+        elif self.dense_features == DenseChoice.NEVER:
             dense = False
         elif exact:
             dense = dense_features_fit(c, d, "cpu")
@@ -281,7 +302,7 @@ class LinearizedLaplace(PredictiveMixin):
         self.say(f"mode of the linearised model at a = {a:.4g}: {mode.evaluations} L-BFGS evaluations (a JVP and a "
                  f"VJP each), ‖∇‖ {mode.grad_norm:.2e}, {time.perf_counter() - t0:.1f} s")
         self._rho = self._root.residual_targets(self._labels, mode.probs)
-        eta = self._mode_finder._jvp(mode.w)  # J (s ⊙ w*), flat
+        eta = self._mode_finder.jvp(mode.w)  # J (s ⊙ w*), flat
         return self._root.apply_transpose(eta[None])[0] + self._rho
 
     # ------------------------------------------------------------------------------------------ EM
@@ -294,11 +315,11 @@ class LinearizedLaplace(PredictiveMixin):
         ``"mackay"`` (:class:`~ctuq.inference.SampledEM`). Returns the core's
         :class:`~ctuq.inference.EMResult`; the trace is :attr:`em_trace`."""
         self._require("optimize_prior")
-        if method not in PRIOR_METHODS:
-            raise ValueError(f"LinearizedLaplace.optimize_prior: method must be one of {list(PRIOR_METHODS)}, "
+        if method not in values(PriorMethod):
+            raise ValueError(f"LinearizedLaplace.optimize_prior: method must be one of {list(values(PriorMethod))}, "
                              f"got {method!r}")
         post = self.posterior
-        if method == "exact" and not post.exact:
+        if method == PriorMethod.EXACT and not post.exact:
             self.say("optimize_prior('exact'): rebuilding the posterior with an exact solver")
             self._old_trace += post.em_trace
             if isinstance(post.base, DenseFeatures):
@@ -309,20 +330,19 @@ class LinearizedLaplace(PredictiveMixin):
             else:
                 base = self._features(self._net.net_input, True)[0]
             post = LinearizedPosterior(base, post.targets, prior=self.scales.to(self.dtype),
-                                       likelihood=CategoricalLikelihood(), a=post.a, solver="exact", seed=self.seed,
+                                       likelihood=CategoricalLikelihood(), a=post.a, solver=SolverAlias.EXACT.value,
+                                       seed=self.seed,
                                        progress=self.progress, log=self.say).setup()
-            self.posterior, self.solver = post, "exact"
+            self.posterior, self.solver = post, SolverAlias.EXACT.value
         elif post.em is not None and self._em_method not in (None, method):
             self._old_trace += post.em_trace  # a new EM for the other γ method; keep the trace
-            post.em = None
+            post.reset_em()
         elif post.em is not None:
             post.em.converged = False  # continue the same EM (same generator) for max_steps more steps
         self._em_method = method
         bar = None
         if self.progress:
-            from ctuq.utils import progress
-
-            bar = progress(total=max_steps, desc=f"EM ({method})")
+            bar = _progress_bar(total=max_steps, desc=f"EM ({method})")
         state = {"mode": self._mode}
 
         def after(record: dict) -> None:
@@ -331,7 +351,8 @@ class LinearizedLaplace(PredictiveMixin):
             post.set_targets(self._refresh_mode(post.a).to(self.dtype))
             state["mode"] = self._mode
             self._samples = None
-            damped = f" (damped {record['damping']:.2f}; MacKay {record['a_mackay']:.4g})" if record["damping"] < 1 else ""
+            damped = (f" (damped {record['damping']:.2f}; MacKay {record['a_mackay']:.4g})" if record["damping"] < 1
+                      else "")
             self.say(f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
                      f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}")
             if bar is not None:
@@ -339,7 +360,7 @@ class LinearizedLaplace(PredictiveMixin):
             if callback is not None:
                 callback(record)
 
-        gamma = "sampled" if method == "sampled_em" else "exact"
+        gamma = "sampled" if method == PriorMethod.SAMPLED_EM else "exact"
         if post.em is None:  # create the EM first (it restores a loaded EM state): steps count from there
             post.fit(max_steps=0, n_samples=int(n_samples), tol=float(tol), gamma=gamma, update=update)
         steps = post.em.step_count
@@ -378,5 +399,6 @@ class LinearizedLaplace(PredictiveMixin):
         return cls(model, **{**_state.settings(state), **kwargs}).load_state_dict(state)
 
     def __repr__(self) -> str:
-        return (f"LinearizedLaplace(d={self.n_params}, prior={self.prior if isinstance(self.prior, str) else 'scales'}, "
+        prior = self.prior if isinstance(self.prior, str) else "scales"
+        return (f"LinearizedLaplace(d={self.n_params}, prior={prior}, "
                 f"a={self.prior_precision:.4g}, solver={self.solver!r}, fitted={self.posterior is not None})")

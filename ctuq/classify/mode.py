@@ -27,10 +27,9 @@ import math
 
 import torch
 
-__all__ = ["LinearMode", "ModeResult", "LINEAR_MODELS"]
+from ctuq.options import LinearModel, values
 
-LINEAR_MODELS = ("tangent", "affine")
-"""The linearised models whose categorical mode sets ``‖w*‖²`` in the M-step (module docstring)."""
+__all__ = ["LinearMode", "ModeResult"]
 
 
 @dataclasses.dataclass
@@ -60,6 +59,8 @@ class LinearMode:
     logits : torch.Tensor
         ``f̃`` ``(n, C)`` of the trained network (``"affine"`` only).
     kind : {"tangent", "affine"}
+        The linearised model whose categorical mode sets ``‖w*‖²`` in the M-step (:class:`ctuq.options.LinearModel`;
+        module docstring).
     max_iter : int
         Function evaluations per call.
     gtol : float
@@ -68,8 +69,8 @@ class LinearMode:
 
     def __init__(self, network, scales: torch.Tensor, labels: torch.Tensor, logits: torch.Tensor, *,
                  kind: str = "tangent", max_iter: int = 500, gtol: float = 1e-4):
-        if kind not in LINEAR_MODELS:
-            raise ValueError(f"LinearMode: kind must be one of {list(LINEAR_MODELS)}, got {kind!r}")
+        if kind not in values(LinearModel):
+            raise ValueError(f"LinearMode: kind must be one of {list(values(LinearModel))}, got {kind!r}")
         self.net = network
         self.s = scales.detach().double()
         self.labels = labels.long()
@@ -81,15 +82,16 @@ class LinearMode:
         v = network.params().double()
         self.w_trained = torch.where(self.s > 0, v / torch.where(self.s > 0, self.s, 1.0), torch.zeros_like(v))
         self._offset = None
-        if kind == "affine":  # f̃ − J ṽ (zero-scale weights cannot move and stay at ṽ)
-            self._offset = self.f - self._jvp(self.w_trained).reshape(self.n, self.C)
+        if kind == LinearModel.AFFINE:  # f̃ − J ṽ (zero-scale weights cannot move and stay at ṽ)
+            self._offset = self.f - self.jvp(self.w_trained).reshape(self.n, self.C)
 
-    def _jvp(self, w: torch.Tensor) -> torch.Tensor:
+    def jvp(self, w: torch.Tensor) -> torch.Tensor:
+        """``J (s ⊙ w)`` ``(n·C,)`` float64 for scaled weights ``w`` ``(d,)``: the tangent logits, flat (no offset)."""
         return self.net.jvp((w * self.s)[None].to(self.net.dtype))[0].double()
 
     def logits_at(self, w: torch.Tensor) -> torch.Tensor:
         """Linear-model logits ``η(w)`` ``(n, C)``."""
-        eta = self._jvp(w).reshape(self.n, self.C)
+        eta = self.jvp(w).reshape(self.n, self.C)
         return eta if self._offset is None else eta + self._offset
 
     def objective(self, w: torch.Tensor, a: float) -> tuple[float, torch.Tensor, torch.Tensor]:

@@ -19,12 +19,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ctuq.classify.data import check_logits, collect_inputs
+from ctuq.linearize import LinearizedNetwork
+from ctuq.options import Link, values
 from ctuq.utils import progress as _progress
 
-__all__ = ["LINKS", "logit_samples", "link_probabilities", "PredictiveMixin"]
-
-LINKS = ("mc", "probit")
-"""Predictive link approximations (module docstring)."""
+__all__ = ["logit_samples", "link_probabilities", "PredictiveMixin"]
 
 
 @torch.no_grad()
@@ -36,9 +36,6 @@ def logit_samples(model: nn.Module, names: Sequence[str], X: torch.Tensor, scale
     ``model`` is in the dtype of the computation; ``X`` ``(N, ...)`` is converted to it; ``scaled_weights``
     ``(k, d)`` and ``scales`` ``(d,)``.
     """
-    from ctuq.classify.data import check_logits
-    from ctuq.linearize import LinearizedNetwork
-
     dtype = next(model.parameters()).dtype
     V = (scaled_weights.to(torch.float64) * scales.to(torch.float64)).to(dtype)
     means, devs = [], []
@@ -59,12 +56,12 @@ def logit_samples(model: nn.Module, names: Sequence[str], X: torch.Tensor, scale
 def link_probabilities(f: torch.Tensor, Z: torch.Tensor, link: str = "mc") -> torch.Tensor:
     """Predictive class probabilities ``(N, C)`` (float64) from logits ``f`` ``(N, C)`` and deviations ``Z``
     ``(k, N, C)`` with the ``link`` of the module docstring."""
-    if link not in LINKS:
-        raise ValueError(f"link must be one of {list(LINKS)}, got {link!r}")
+    if link not in values(Link):
+        raise ValueError(f"link must be one of {list(values(Link))}, got {link!r}")
     f, Z = f.double(), Z.double()
     if Z.shape[0] == 0:
         return torch.softmax(f, -1)
-    if link == "mc":
+    if link == Link.MC:
         return torch.softmax(f[None] + Z, -1).mean(0)
     var = Z.pow(2).mean(0)
     return torch.softmax(f / torch.sqrt(1.0 + math.pi / 8.0 * var), -1)
@@ -77,7 +74,8 @@ class PredictiveMixin:
     def posterior_samples(self, n: int, seed: int = 0) -> torch.Tensor:
         """``n`` zero-mean posterior samples ``ζ`` ``(n, d)`` of the scaled weights (cached per ``(n, seed, a)``)."""
         c = self._samples
-        if c is not None and c["n"] == n and c["seed"] == seed and (self.posterior is None or c["a"] == self.posterior.a):
+        if (c is not None and c["n"] == n and c["seed"] == seed
+                and (self.posterior is None or c["a"] == self.posterior.a)):
             return c["weights"]
         self._require("posterior_samples")
         if not isinstance(n, int) or n < 1:
@@ -88,8 +86,6 @@ class PredictiveMixin:
 
     def _logits(self, x, n_samples: int, seed: int, batch_size: int, where: str):
         self._require(where, samples_ok=True)
-        from ctuq.classify.data import collect_inputs
-
         X = collect_inputs(x, where=f"LinearizedLaplace.{where}")
         W = self.posterior_samples(n_samples, seed)
         return logit_samples(self._model, self.param_names, X, W, self.scales, batch_size=batch_size,
@@ -113,8 +109,8 @@ class PredictiveMixin:
 
     def predict(self, x, link: str = "mc", samples: int = 64, *, seed: int = 0, batch_size: int = 256) -> torch.Tensor:
         """Predictive class probabilities ``(N, C)`` float64 at inputs ``x``; ``link`` ``"mc"`` or ``"probit"``."""
-        if link not in LINKS:
-            raise ValueError(f"LinearizedLaplace.predict: link must be one of {list(LINKS)}, got {link!r}")
+        if link not in values(Link):
+            raise ValueError(f"LinearizedLaplace.predict: link must be one of {list(values(Link))}, got {link!r}")
         f, Z = self._logits(x, samples, seed, batch_size, "predict")
         return link_probabilities(f, Z, link)
 

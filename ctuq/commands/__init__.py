@@ -1,7 +1,8 @@
 """Sub-commands of the ``ctuq`` console script.
 
 Each module defines ``add_parser(subparsers)`` registering its sub-command with ``func=run``
-and ``run(args) -> int``. ``cli.py`` imports them lazily so ``ctuq --help`` stays fast.
+and ``run(args) -> int``; it parses arguments only, the work is done by :mod:`ctuq.pipeline`. ``cli.py`` imports
+them by name from :data:`COMMANDS` (a command whose module is missing is left out).
 """
 
 COMMANDS = {

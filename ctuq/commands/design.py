@@ -1,6 +1,6 @@
 """``ctuq design``: choose the next scan angles for a sparse pilot scan (Bayesian experimental design).
 
-The work is done by :func:`ctuq.design.run_design` (pilot DIP → prior → greedy EIG/ESE design → std maps and
+The work is done by :func:`ctuq.pipeline.design.run_design` (pilot DIP → prior → greedy EIG/ESE design → std maps and
 reconstructions from pilot + designed against as many equidistant angles); this module only parses arguments.
 The design sees every angle of the scan (``data.angular_subsampling`` defaults to 1 here); ``--candidates N``
 thins them to N evenly spaced ones. See ``docs/design.md``.
@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 
+from ctuq.config import load_config
+from ctuq.design.candidates import DesignError
+from ctuq.design.greedy import STRATEGIES
+from ctuq.options import DesignPriorKind, values
+from ctuq.pipeline import run_folder
+from ctuq.pipeline.design import read_angles_file, run_design
+
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq design`` with ``subparsers``; returns its parser."""
-    from ctuq.design.greedy import STRATEGIES
-    from ctuq.design.priors import PRIOR_KINDS
-
     p = subparsers.add_parser(
         "design",
         help="choose scan angles after a sparse pilot scan (EIG/ESE with the linearised DIP)",
@@ -46,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                                "(default: all of the scan's angles)")
     p.add_argument("--acquire", type=int, metavar="N", help="angles to acquire (design.acquire, default 40)")
     p.add_argument("--criterion", choices=STRATEGIES, help="eig (default), ese, diag_eig, or a baseline")
-    p.add_argument("--prior", choices=PRIOR_KINDS, help="dip (default), isotropic or matern")
+    p.add_argument("--prior", choices=values(DesignPriorKind), help="dip (default), isotropic or matern")
     p.add_argument("--samples", type=int, metavar="M", help="pseudo-measurement samples per step (sampled route)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
     p.add_argument("--seed", type=int, help="overrides the config's seed")
@@ -58,11 +62,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq design`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
-    from ctuq.config import load_config
-    from ctuq.design.candidates import DesignError
-    from ctuq.design.run import read_angles_file, run_design
-    from ctuq.pipeline import run_folder
-
     if args.resume and not args.out:
         raise DesignError("--resume: needs --out DIR (the design folder to continue)")
     if args.pilot is not None and args.pilot_angles is not None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ctuq.config import load_config
+from ctuq.pipeline.pretrain import pretrain
+
 __all__ = ["add_parser", "run"]
 
 
@@ -52,9 +55,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq pretrain`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
-    from ctuq.config import load_config
-    from ctuq.pipeline.pretrain import pretrain
-
     # Pretraining starts from random weights unless the user overrides model.pretrained explicitly.
     cfg = load_config(args.config, ["model.pretrained=null", *args.overrides],
                       **{"data.path": args.data, "device": args.device})

@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ctuq.config import load_config
+from ctuq.errors import CTUQError
+from ctuq.pipeline import reconstruct, run_folder
+
 __all__ = ["add_parser", "run"]
 
 
@@ -51,10 +55,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq reconstruct`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
-    from ctuq.config import load_config
-    from ctuq.errors import CTUQError
-    from ctuq.pipeline import reconstruct, run_folder
-
     if args.resume and not args.out:
         raise CTUQError("--resume: needs --out DIR (the run folder to continue)")
     config_path = args.config

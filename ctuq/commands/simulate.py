@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ctuq.data.simulate import SCAN_PRESETS
+from ctuq.pipeline.simulate import simulate
+
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq simulate`` with ``subparsers``; returns its parser."""
-    from ctuq.data.simulate import PRESETS
-
-    presets = "\n".join(f"  {name:8s} {info['help']}" for name, info in PRESETS.items())
+    presets = "\n".join(f"  {name:8s} {info['help']}" for name, info in SCAN_PRESETS.items())
     p = subparsers.add_parser(
         "simulate",
         help="simulate a walnut cone-beam scan (walnut data set layout, with ground truth)",
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="bundled", help="size preset (default: bundled)")
+    p.add_argument("--preset", choices=sorted(SCAN_PRESETS), default="bundled", help="size preset (default: bundled)")
     g = p.add_argument_group("scan (override the preset)")
     g.add_argument("--projections", type=int, metavar="N", dest="n_projections",
                    help="projection files per orbit; N−1 distinct angles over 360°, the last repeats the first")
@@ -73,8 +74,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq simulate`` for parsed ``args`` (:func:`ctuq.pipeline.simulate.simulate`); user errors propagate
     to :func:`ctuq.cli.main`."""
-    from ctuq.pipeline.simulate import simulate
-
     overrides = {
         key: getattr(args, key)
         for key in ("n_projections", "det_rows", "det_cols", "pixel_size", "row_pixel_size", "source_origin",

@@ -16,7 +16,15 @@ running sums (resume with the same N). GPUs: NCCL, rank r on ``cuda:LOCAL_RANK``
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import torch.distributed as dist
+
+from ctuq.config import load_config
+from ctuq.inference import init_from_env
+from ctuq.pipeline import rerun_uq, run_folder
+from ctuq.utils import resolve_device
 
 __all__ = ["add_parser", "run"]
 
@@ -53,11 +61,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq uq`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
-    from ctuq.config import load_config
-    from ctuq.pipeline import rerun_uq, run_folder
-
-    import os
-
     out_dir = Path(args.run_dir)
     cfg = load_config(run_folder.require_run_folder(out_dir), args.overrides,
                       **{"device": args.device, "uq.save_samples": args.save_samples or None})
@@ -66,11 +69,6 @@ def run(args: argparse.Namespace) -> int:
         state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s")
         return 0
-    import torch.distributed as dist
-
-    from ctuq.inference import init_from_env
-    from ctuq.utils import resolve_device
-
     device = resolve_device(cfg.device)
     shard, device = init_from_env(device.type)
     try:

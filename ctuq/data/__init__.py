@@ -5,11 +5,11 @@ phantom with exact line integrals, and a scan simulator that writes that layout 
   :func:`read_walnut_slice` / :func:`read_walnut_volume` do the same without building the operator.
 * :func:`default_data_dir`: ``$CTUQ_DATA`` or the bundled simulated scan ``data/Walnut1``.
 * :func:`walnut_phantom`, :class:`EllipsoidPhantom`, :class:`Ellipsoid`: phantoms (mm, mm⁻¹).
-* :func:`simulate_scan`, :class:`SimulationParameters`, :data:`PRESETS`: the simulator behind ``ctuq simulate``.
+* :func:`simulate_scan`, :class:`SimulationParameters`, :data:`SCAN_PRESETS`: the simulator behind ``ctuq simulate``.
 """
 
 from ctuq.data.phantom import Ellipsoid, EllipsoidPhantom, rotation_from_euler, walnut_phantom
-from ctuq.data.simulate import PRESETS, SimulationParameters, orbit_vectors, simulate_scan
+from ctuq.data.simulate import SCAN_PRESETS, SimulationParameters, orbit_vectors, simulate_scan
 from ctuq.data.walnut import (
     CTData,
     WalnutFormatError,
@@ -36,7 +36,7 @@ __all__ = [
     "EllipsoidPhantom",
     "rotation_from_euler",
     "walnut_phantom",
-    "PRESETS",
+    "SCAN_PRESETS",
     "SimulationParameters",
     "orbit_vectors",
     "simulate_scan",

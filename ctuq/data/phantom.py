@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
+
+from ctuq.utils import progress as _progress
 
 __all__ = [
     "Ellipsoid",
@@ -119,19 +122,29 @@ class Ellipsoid:
         s = np.stack([np.sin(polar) * np.cos(azim), np.sin(polar) * np.sin(azim), np.cos(polar)], axis=1)
         return np.asarray(self.center) + np.einsum("nk,jk->nj", s * np.asarray(self.semi_axes), self.rotation)
 
-    def transformed(self, rotation: np.ndarray, shift: Sequence[float] = (0.0, 0.0, 0.0)) -> "Ellipsoid":
+    def transformed(self, rotation: np.ndarray, shift: Sequence[float] = (0.0, 0.0, 0.0)) -> Ellipsoid:
         """The ellipsoid moved rigidly: ``x ↦ rotation @ x + shift`` (rotation about the origin, mm)."""
         rot = np.asarray(rotation, dtype=np.float64)
-        return Ellipsoid(rot @ np.asarray(self.center) + np.asarray(shift, dtype=np.float64), self.semi_axes,
-                         self.value, rot @ np.asarray(self.rotation), self.name)
+        return Ellipsoid(
+            rot @ np.asarray(self.center) + np.asarray(shift, dtype=np.float64),
+            self.semi_axes,
+            self.value,
+            rot @ np.asarray(self.rotation),
+            self.name,
+        )
 
     def to_dict(self) -> dict:
         """JSON-serialisable description (mm, mm⁻¹; rotation as a nested list, columns = principal axes)."""
-        return {"name": self.name, "center": list(self.center), "semi_axes": list(self.semi_axes),
-                "value": self.value, "rotation": np.asarray(self.rotation).tolist()}
+        return {
+            "name": self.name,
+            "center": list(self.center),
+            "semi_axes": list(self.semi_axes),
+            "value": self.value,
+            "rotation": np.asarray(self.rotation).tolist(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Ellipsoid":
+    def from_dict(cls, d: dict) -> Ellipsoid:
         """Inverse of :meth:`to_dict`."""
         missing = {"center", "semi_axes", "value"} - set(d)
         if missing:
@@ -156,17 +169,17 @@ class EllipsoidPhantom:
             if not isinstance(e, Ellipsoid):
                 raise TypeError(f"EllipsoidPhantom: expected Ellipsoid, got {type(e).__name__}")
         # Stacked per-ellipsoid data for the vectorised kernels.
-        self._m = np.stack([e.matrix for e in self.ellipsoids])                 # (E, 3, 3)
-        self._c = np.array([e.center for e in self.ellipsoids])                 # (E, 3)
-        self._v = np.array([e.value for e in self.ellipsoids])                  # (E,)
-        self._m_flat = self._m.reshape(-1, 3)                                    # (3E, 3): rows of every M
-        self._mc = np.einsum("eij,ej->ei", self._m, self._c).reshape(-1)        # (3E,): M c per ellipsoid
-        q = np.einsum("eki,ekj->eij", self._m, self._m)                          # Q = MᵀM (E, 3, 3)
+        self._m = np.stack([e.matrix for e in self.ellipsoids])  # (E, 3, 3)
+        self._c = np.array([e.center for e in self.ellipsoids])  # (E, 3)
+        self._v = np.array([e.value for e in self.ellipsoids])  # (E,)
+        self._m_flat = self._m.reshape(-1, 3)  # (3E, 3): rows of every M
+        self._mc = np.einsum("eij,ej->ei", self._m, self._c).reshape(-1)  # (3E,): M c per ellipsoid
+        q = np.einsum("eki,ekj->eij", self._m, self._m)  # Q = MᵀM (E, 3, 3)
         q_sym = np.stack([q[:, 0, 0], q[:, 1, 1], q[:, 2, 2], 2 * q[:, 0, 1], 2 * q[:, 0, 2], 2 * q[:, 1, 2]])
         qc = np.einsum("eij,ej->ei", q, self._c)
         k = np.einsum("ei,ei->e", self._c, qc) - 1.0
         self._q = q
-        self._quadric = (q_sym, q.reshape(-1, 9).T.copy(), qc, k)               # (6,E), (9,E), (E,3), (E,)
+        self._quadric = (q_sym, q.reshape(-1, 9).T.copy(), qc, k)  # (6,E), (9,E), (E,3), (E,)
 
     def __len__(self) -> int:
         return len(self.ellipsoids)
@@ -180,7 +193,7 @@ class EllipsoidPhantom:
         return {"ellipsoids": [e.to_dict() for e in self.ellipsoids]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EllipsoidPhantom":
+    def from_dict(cls, d: dict) -> EllipsoidPhantom:
         """Inverse of :meth:`to_dict` (e.g. from a simulation sidecar's ``phantom`` entry)."""
         if "ellipsoids" not in d:
             raise ValueError("EllipsoidPhantom.from_dict: no 'ellipsoids' key")
@@ -202,9 +215,9 @@ class EllipsoidPhantom:
         out = np.empty(flat.shape[0])
         step = max(1, _PAIR_CHUNK // len(self))
         for i in range(0, flat.shape[0], step):
-            q = (np.einsum("nk,jk->nj", flat[i:i + step], self._m_flat) - self._mc).reshape(-1, len(self), 3)
+            q = (np.einsum("nk,jk->nj", flat[i : i + step], self._m_flat) - self._mc).reshape(-1, len(self), 3)
             inside = (q**2).sum(axis=2) <= 1.0
-            out[i:i + step] = np.einsum("ne,e->n", inside.astype(np.float64), self._v)
+            out[i : i + step] = np.einsum("ne,e->n", inside.astype(np.float64), self._v)
         return out.reshape(pts.shape[:-1])
 
     # ------------------------------------------------------------------ line integrals
@@ -255,8 +268,8 @@ class EllipsoidPhantom:
         step = int(chunk_size) if chunk_size else max(1, _PAIR_CHUNK // n_e)
         out = np.empty(p.shape[0])
         for i in range(0, p.shape[0], step):
-            chords = self._chords(p[i:i + step], d[i:i + step], t_max, shared)
-            out[i:i + step] = np.einsum("ne,e->n", chords, self._v)
+            chords = self._chords(p[i : i + step], d[i : i + step], t_max, shared)
+            out[i : i + step] = np.einsum("ne,e->n", chords, self._v)
         out *= np.linalg.norm(d, axis=1)  # ray-parameter lengths → mm
         return out.reshape(shape)
 
@@ -270,19 +283,37 @@ class EllipsoidPhantom:
         ellipsoid).
         """
         q_sym, q_full, qc, k = self._quadric
-        dd = np.stack([d[:, 0] * d[:, 0], d[:, 1] * d[:, 1], d[:, 2] * d[:, 2],
-                       d[:, 0] * d[:, 1], d[:, 0] * d[:, 2], d[:, 1] * d[:, 2]], axis=1)
+        dd = np.stack(
+            [
+                d[:, 0] * d[:, 0],
+                d[:, 1] * d[:, 1],
+                d[:, 2] * d[:, 2],
+                d[:, 0] * d[:, 1],
+                d[:, 0] * d[:, 2],
+                d[:, 1] * d[:, 2],
+            ],
+            axis=1,
+        )
         # einsum, not matmul: with inner sizes 3–9, multithreaded BLAS is slower than einsum's single loop,
         # and up to 25× slower when other processes share the cores (measured with OpenBLAS on 2 cores).
         a = np.einsum("nk,ke->ne", dd, q_sym)
         if shared is not None:
-            rel = shared[None, :] - self._c                                       # (E, 3): p − c
-            q_rel = np.einsum("eij,ej->ei", self._q, rel)                           # Q (p − c)
+            rel = shared[None, :] - self._c  # (E, 3): p − c
+            q_rel = np.einsum("eij,ej->ei", self._q, rel)  # Q (p − c)
             b = np.einsum("nk,ek->ne", d, q_rel)
-            c = np.einsum("ei,ei->e", rel, q_rel) - 1.0                             # (E,)
+            c = np.einsum("ei,ei->e", rel, q_rel) - 1.0  # (E,)
         else:
-            pp = np.stack([p[:, 0] * p[:, 0], p[:, 1] * p[:, 1], p[:, 2] * p[:, 2],
-                           p[:, 0] * p[:, 1], p[:, 0] * p[:, 2], p[:, 1] * p[:, 2]], axis=1)
+            pp = np.stack(
+                [
+                    p[:, 0] * p[:, 0],
+                    p[:, 1] * p[:, 1],
+                    p[:, 2] * p[:, 2],
+                    p[:, 0] * p[:, 1],
+                    p[:, 0] * p[:, 2],
+                    p[:, 1] * p[:, 2],
+                ],
+                axis=1,
+            )
             pd = (p[:, :, None] * d[:, None, :]).reshape(-1, 9)
             b = np.einsum("nk,ke->ne", pd, q_full)
             b -= np.einsum("nk,ek->ne", d, qc)
@@ -307,8 +338,15 @@ class EllipsoidPhantom:
         return b
 
     # ------------------------------------------------------------------ rasterisation
-    def rasterize(self, volume, *, supersampling: int = 3, z: float | None = None,
-                  thickness: float | None = None, progress: bool = False) -> np.ndarray:
+    def rasterize(
+        self,
+        volume,
+        *,
+        supersampling: int = 3,
+        z: float | None = None,
+        thickness: float | None = None,
+        progress: bool = False,
+    ) -> np.ndarray:
         """Pixel/voxel averages of the attenuation on a :class:`~ctuq.geometry.VolumeGeometry` (mm⁻¹).
 
         Each pixel's value is the mean over ``supersampling`` points per axis spread evenly across the pixel
@@ -349,8 +387,6 @@ class EllipsoidPhantom:
             raise ValueError("rasterize: z/thickness apply to 2D grids only; a 3D grid gives every slice")
         zc, yc, xc = volume.pixel_centers()
         out = np.empty(volume.shape)
-        from ctuq.utils import progress as _progress
-
         for k in _progress(range(len(zc)), desc="rasterise", disable=not progress):
             out[k] = self._rasterize_slab(yc, xc, h, zc[k] + _offsets(s) * h, s)
         return out
@@ -370,7 +406,7 @@ class EllipsoidPhantom:
             ix = np.nonzero(np.abs(xc - c[0]) <= ext[0] + h / 2)[0]
             if iy.size == 0 or ix.size == 0:
                 continue
-            ys, xs = yc[iy[0]:iy[-1] + 1], xc[ix[0]:ix[-1] + 1]
+            ys, xs = yc[iy[0] : iy[-1] + 1], xc[ix[0] : ix[-1] + 1]
             m = e.matrix
             count = np.zeros((len(ys), len(xs)))
             for zz in zsel:
@@ -384,7 +420,7 @@ class EllipsoidPhantom:
                             qi = row[0] * dx[None, :] + row[1] * dy[:, None] + row[2] * dz
                             r2 = r2 + qi * qi
                         count += r2 <= 1.0
-            out[iy[0]:iy[-1] + 1, ix[0]:ix[-1] + 1] += e.value * count
+            out[iy[0] : iy[-1] + 1, ix[0] : ix[-1] + 1] += e.value * count
         return out / (len(zs) * s * s)
 
 
@@ -428,8 +464,9 @@ def _random_rotation(rng: np.random.Generator) -> np.ndarray:
     return rotation_from_euler(rng.uniform(0, 2 * math.pi), math.asin(rng.uniform(-1, 1)), rng.uniform(0, 2 * math.pi))
 
 
-def _place_carvings(rng, parent: Ellipsoid, count: int, make, others: Sequence[Ellipsoid],
-                    tries: int = 400) -> list[Ellipsoid]:
+def _place_carvings(
+    rng, parent: Ellipsoid, count: int, make, others: Sequence[Ellipsoid], tries: int = 400
+) -> list[Ellipsoid]:
     """Rejection-sample up to ``count`` carving ellipsoids ``make(rng, point)`` inside ``parent``, separated
     (:func:`_separated`, 0.2 mm) from each other and from ``others``."""
     out: list[Ellipsoid] = []
@@ -520,14 +557,16 @@ def walnut_phantom(
         p = s * (outer_axes - thickness / 2)
         r = rng.uniform(0.2, 0.4) * thickness
         cand = Ellipsoid(p, (r, r, r * rng.uniform(0.6, 1.0)), -mu_shell, _random_rotation(rng), name="pore")
-        if _inside(cand, outer, 0.01) and _outside_small(cand, cavity, 0.01) and all(
-                _separated(cand, o, 0.2) for o in pores):
+        if (
+            _inside(cand, outer, 0.01)
+            and _outside_small(cand, cavity, 0.01)
+            and all(_separated(cand, o, 0.2) for o in pores)
+        ):
             pores.append(cand)
     parts += pores
 
     septum_half = rng.uniform(0.5, 0.7) * size
-    septum = Ellipsoid((0, 0, 0), (septum_half, cavity_axes[1] * 0.93, cavity_axes[2] * 0.93), mu_septum,
-                       name="septum")
+    septum = Ellipsoid((0, 0, 0), (septum_half, cavity_axes[1] * 0.93, cavity_axes[2] * 0.93), mu_septum, name="septum")
     if not _inside(septum, cavity, 0.01):  # pragma: no cover - the axes above always fit
         raise RuntimeError("walnut_phantom: septum does not fit into the cavity")
     parts.append(septum)
@@ -560,9 +599,13 @@ def walnut_phantom(
         # The deep crease that splits each kernel half into two lobes: a thin disc across the middle (y ≈ 0).
         crease = None
         for shrink in np.linspace(0.85, 0.5, 15):
-            cand = Ellipsoid(half.center, (ha[0] * shrink, rng.uniform(0.25, 0.35) * size, ha[2] * shrink),
-                             -half.value, np.asarray(half.rotation) @ rotation_from_euler(rng.uniform(-0.15, 0.15)),
-                             name="crease")
+            cand = Ellipsoid(
+                half.center,
+                (ha[0] * shrink, rng.uniform(0.25, 0.35) * size, ha[2] * shrink),
+                -half.value,
+                np.asarray(half.rotation) @ rotation_from_euler(rng.uniform(-0.15, 0.15)),
+                name="crease",
+            )
             if _inside(cand, half, 0.03):
                 crease = cand
                 break
@@ -570,13 +613,23 @@ def walnut_phantom(
 
         def make_fold(rng, point, half=half):
             length = rng.uniform(1.2, 2.6) * size
-            return Ellipsoid(point, (rng.uniform(0.15, 0.3) * size, length, length * rng.uniform(1.2, 2.5)),
-                             -half.value, _random_rotation(rng), name="fold")
+            return Ellipsoid(
+                point,
+                (rng.uniform(0.15, 0.3) * size, length, length * rng.uniform(1.2, 2.5)),
+                -half.value,
+                _random_rotation(rng),
+                name="fold",
+            )
 
         def make_pocket(rng, point, half=half):
             r = rng.uniform(0.25, 0.7) * size
-            return Ellipsoid(point, (r, r * rng.uniform(0.7, 1.0), r * rng.uniform(0.7, 1.0)), -half.value,
-                             _random_rotation(rng), name="pocket")
+            return Ellipsoid(
+                point,
+                (r, r * rng.uniform(0.7, 1.0), r * rng.uniform(0.7, 1.0)),
+                -half.value,
+                _random_rotation(rng),
+                name="pocket",
+            )
 
         folds = _place_carvings(rng, half, n_folds, make_fold, carvings)
         pockets = _place_carvings(rng, half, n_pockets, make_pocket, carvings + folds)
@@ -588,8 +641,13 @@ def walnut_phantom(
     if center is None:
         # Off-centre, but the shell stays inside the cylinder of radius 18.3 mm that the real detector (768 ×
         # 0.1496 mm at 199 mm, source 66 mm from the axis) sees at every angle: no truncated projections.
-        shift = np.array([rng.uniform(0.3, 1.0) * rng.choice([-1, 1]), rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
-                          rng.uniform(-0.5, 0.5)])
+        shift = np.array(
+            [
+                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
+                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
+                rng.uniform(-0.5, 0.5),
+            ]
+        )
     else:
         shift = np.asarray(center, dtype=np.float64).reshape(3)
     return EllipsoidPhantom(e.transformed(pose, shift) for e in parts)

@@ -13,12 +13,20 @@ import math
 
 import numpy as np
 
+from ctuq.geometry import ProjectionGeometry, VolumeGeometry
+
 __all__ = ["rectangles_image", "rectangles_stack", "parallel_geometry"]
 
 
-def rectangles_image(rng: np.random.Generator, size: int = 128, *, n_rectangles: int = 3,
-                     orientation_mean: float | None = None, orientation_std: float = 2.86,
-                     supersampling: int = 8) -> tuple[np.ndarray, float]:
+def rectangles_image(
+    rng: np.random.Generator,
+    size: int = 128,
+    *,
+    n_rectangles: int = 3,
+    orientation_mean: float | None = None,
+    orientation_std: float = 2.86,
+    supersampling: int = 8,
+) -> tuple[np.ndarray, float]:
     """One phantom ``(size, size)`` float32 and its preferential angle (degrees).
 
     ``orientation_mean`` (degrees) fixes ``φ`` instead of drawing it from ``U(0, 180)``; ``orientation_std`` is the
@@ -41,15 +49,23 @@ def rectangles_image(rng: np.random.Generator, size: int = 128, *, n_rectangles:
     return img.astype(np.float32), phi
 
 
-def rectangles_stack(n_images: int, size: int = 128, *, seed: int = 0, orientation_mean: float | None = None,
-                     orientation_std: float = 2.86, supersampling: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def rectangles_stack(
+    n_images: int,
+    size: int = 128,
+    *,
+    seed: int = 0,
+    orientation_mean: float | None = None,
+    orientation_std: float = 2.86,
+    supersampling: int = 8,
+) -> tuple[np.ndarray, np.ndarray]:
     """``(n_images, size, size)`` phantoms and their preferential angles; image ``i`` depends only on
     ``(seed, i)`` (so a study can add images without changing the earlier ones)."""
     imgs, angles = [], []
     for i in range(n_images):
         rng = np.random.default_rng([int(seed), i])
-        im, phi = rectangles_image(rng, size, orientation_mean=orientation_mean, orientation_std=orientation_std,
-                                   supersampling=supersampling)
+        im, phi = rectangles_image(
+            rng, size, orientation_mean=orientation_mean, orientation_std=orientation_std, supersampling=supersampling
+        )
         imgs.append(im)
         angles.append(phi)
     return np.stack(imgs), np.asarray(angles)
@@ -59,8 +75,6 @@ def parallel_geometry(size: int, angles_rad, n_det: int | None = None):
     """``(VolumeGeometry, ProjectionGeometry)`` of the study: ``size²`` pixels on ``[−1, 1]²``, parallel beam with
     ``n_det`` detector pixels of one pixel's width (default ``⌈√2·size⌉ + 1``: 183 for 128², covering the
     diagonal)."""
-    from ctuq.geometry import ProjectionGeometry, VolumeGeometry
-
     h = 2.0 / size
     n_det = int(math.ceil(math.sqrt(2.0) * size)) + 1 if n_det is None else int(n_det)
     vol = VolumeGeometry((size, size), h)

@@ -33,6 +33,8 @@ Conventions, chosen so that the real data set's loading rules recover the simula
   files of an earlier simulated scan are removed). No dates or timings are written, so the same parameters
   reproduce every file byte for byte.
 
+The file names are those of the format module :mod:`ctuq.data.walnut` (one home for the layout).
+
 The phantom is :func:`~ctuq.data.phantom.walnut_phantom` unless another :class:`EllipsoidPhantom` is given; its
 line integrals are exact, so loaded data never share the discretisation of a reconstruction operator (no
 inverse crime).
@@ -47,29 +49,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tifffile
 
+from ctuq import __version__
 from ctuq.data.phantom import EllipsoidPhantom, walnut_phantom
+from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, GEOMETRY_NAME, GT_PATTERN, PROJECTION_PATTERN, SIDECAR_NAME
+from ctuq.geometry import VolumeGeometry
 from ctuq.utils import atomic_path, atomic_write_json
 from ctuq.utils import progress as _progress_bar
 
 __all__ = [
     "SimulationParameters",
-    "PRESETS",
+    "SCAN_PRESETS",
     "ORBIT_CORRECTIONS",
     "orbit_vectors",
     "simulate_scan",
     "projection_file_name",
     "prepare_output_dir",
     "estimate_work",
-    "SIDECAR_NAME",
 ]
-
-SIDECAR_NAME = "ctuq_simulation.json"
-PROJECTION_PATTERN = "scan_{:06}.tif"
-DARK_NAME = "di000000.tif"
-FLAT_NAMES = ("io000000.tif", "io000001.tif")
-GEOMETRY_NAME = "scan_geom_corrected.geom"
-GT_PATTERN = "full_AGD_50_{:06}.tiff"
 
 # Deterministic per-orbit "calibration corrections": detector tilt in its own plane (degrees) and detector
 # centre offset (in pixels along u and v). Small, like a real corrected geometry, but enough that the vectors
@@ -157,6 +155,7 @@ class SimulationParameters:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
+
         def need(ok: bool, field: str, what: str) -> None:
             if not ok:
                 raise ValueError(f"SimulationParameters.{field} = {getattr(self, field)!r}: {what}")
@@ -168,8 +167,11 @@ class SimulationParameters:
         need(self.row_pixel_size is None or self.row_pixel_size > 0, "row_pixel_size", "must be positive (mm)")
         need(self.source_origin > 0, "source_origin", "must be positive (mm)")
         need(self.source_detector > self.source_origin, "source_detector", "must exceed source_origin (mm)")
-        need(len(self.orbits) >= 1 and set(self.orbits) <= {1, 2, 3} and len(set(self.orbits)) == len(self.orbits),
-             "orbits", "must be distinct values among 1, 2, 3")
+        need(
+            len(self.orbits) >= 1 and set(self.orbits) <= {1, 2, 3} and len(set(self.orbits)) == len(self.orbits),
+            "orbits",
+            "must be distinct values among 1, 2, 3",
+        )
         need(len(self.gt_shape) == 3 and min(self.gt_shape) >= 1, "gt_shape", "must be 3 positive ints (n_z, n_y, n_x)")
         need(self.gt_voxel_size > 0, "gt_voxel_size", "must be positive (mm)")
         need(int(self.supersampling) >= 1, "supersampling", "must be ≥ 1")
@@ -178,8 +180,11 @@ class SimulationParameters:
         need(self.dark_counts >= 0, "dark_counts", "must be ≥ 0")
         need(self.read_noise >= 0, "read_noise", "must be ≥ 0")
         need(0 <= self.flat_variation < 0.5, "flat_variation", "must lie in [0, 0.5)")
-        peak = (self.flat_counts * (1 + self.flat_variation) + self.dark_counts
-                + 6 * (math.sqrt(self.flat_counts * 1.5) + self.read_noise + 3))
+        peak = (
+            self.flat_counts * (1 + self.flat_variation)
+            + self.dark_counts
+            + 6 * (math.sqrt(self.flat_counts * 1.5) + self.read_noise + 3)
+        )
         need(peak < 65535, "flat_counts", f"flat + dark counts (up to ≈{peak:.0f}) must fit uint16 (< 65535)")
 
     @property
@@ -195,39 +200,50 @@ class SimulationParameters:
         return d
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "SimulationParameters":
-        """Parameters of a named preset (:data:`PRESETS`) with ``overrides`` applied (``None`` values ignored)."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown simulation preset {name!r}; valid: {sorted(PRESETS)}")
+    def preset(cls, name: str, **overrides) -> SimulationParameters:
+        """Parameters of a named preset (:data:`SCAN_PRESETS`) with ``overrides`` applied (``None`` values ignored)."""
+        if name not in SCAN_PRESETS:
+            raise ValueError(f"unknown simulation preset {name!r}; valid: {sorted(SCAN_PRESETS)}")
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = set(overrides) - fields
         if bad:
             raise ValueError(f"unknown simulation parameter(s) {sorted(bad)}; valid: {sorted(fields)}")
-        kw = dict(PRESETS[name]["params"])
+        kw = dict(SCAN_PRESETS[name]["params"])
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
 
-PRESETS: dict[str, dict[str, Any]] = {
+SCAN_PRESETS: dict[str, dict[str, Any]] = {
     "walnut": {
         "help": "the real data set's sizes: 3 orbits × 1201 projections of 972 × 768 pixels, 501³ GT at 0.1 mm. "
-                "SLOW: ~12 CPU hours and ~5 GB on disk",
+        "SLOW: ~12 CPU hours and ~5 GB on disk",
         "params": {},
     },
     "bundled": {
         "help": "the scan shipped in data/Walnut1: orbit 2, 241 projections (240 angles), 16 × 256 pixels of "
-                "0.4488 mm, GT 31 × 128² at 0.4 mm; ~20 s, ~1.8 MB",
+        "0.4488 mm, GT 31 × 128² at 0.4 mm; ~20 s, ~1.8 MB",
         "params": {
-            "n_projections": 241, "det_rows": 16, "det_cols": 256, "pixel_size": 3 * 0.1496, "orbits": (2,),
-            "gt_shape": (31, 128, 128), "gt_voxel_size": 0.4,
+            "n_projections": 241,
+            "det_rows": 16,
+            "det_cols": 256,
+            "pixel_size": 3 * 0.1496,
+            "orbits": (2,),
+            "gt_shape": (31, 128, 128),
+            "gt_voxel_size": 0.4,
         },
     },
     "tiny": {
         "help": "for tests: orbit 2, 33 projections (32 angles), 8 × 96 pixels of 1.2 mm, GT 5 × 128² at 0.4 mm; "
-                "a few seconds",
+        "a few seconds",
         "params": {
-            "n_projections": 33, "det_rows": 8, "det_cols": 96, "pixel_size": 1.2, "orbits": (2,),
-            "gt_shape": (5, 128, 128), "gt_voxel_size": 0.4, "gt_supersampling": 2,
+            "n_projections": 33,
+            "det_rows": 8,
+            "det_cols": 96,
+            "pixel_size": 1.2,
+            "orbits": (2,),
+            "gt_shape": (5, 128, 128),
+            "gt_voxel_size": 0.4,
+            "gt_supersampling": 2,
         },
     },
 }
@@ -250,10 +266,13 @@ def orbit_vectors(params: SimulationParameters, orbit: int) -> np.ndarray:
     zeros, ones = np.zeros(n), np.ones(n)
     sod, odd = params.source_origin, params.source_detector - params.source_origin
     src_z = {1: params.orbit_height, 2: 0.0, 3: -params.orbit_height}[int(orbit)]
-    corr = ORBIT_CORRECTIONS[int(orbit)] if params.corrections else {"tilt_deg": 0.0, "offset_u_px": 0.0,
-                                                                   "offset_v_px": 0.0}
+    corr = (
+        ORBIT_CORRECTIONS[int(orbit)]
+        if params.corrections
+        else {"tilt_deg": 0.0, "offset_u_px": 0.0, "offset_v_px": 0.0}
+    )
     du, dv = params.pixel_size, params.v_pixel_size
-    e_u = np.stack([c, s, zeros], axis=1)       # along a detector row
+    e_u = np.stack([c, s, zeros], axis=1)  # along a detector row
     e_v = np.stack([zeros, zeros, ones], axis=1)  # along a detector column, +z
     src = np.stack([sod * s, -sod * c, np.full(n, src_z)], axis=1)
     det = np.stack([-odd * s, odd * c, zeros], axis=1)
@@ -272,8 +291,12 @@ def _detector_patterns(params: SimulationParameters, orbit: int) -> tuple[np.nda
     rr, cc = np.meshgrid(r, c, indexing="ij")
     ph1, ph2 = rng.uniform(0, 2 * np.pi, size=2)
     # A smooth gain: vignetting towards the corners plus two low-frequency ripples.
-    gain = (1.0 - 0.6 * (rr**2 + cc**2) / 0.5 + 0.25 * np.cos(2 * np.pi * 1.3 * cc + ph1)
-            + 0.15 * np.cos(2 * np.pi * 0.8 * rr + ph2))
+    gain = (
+        1.0
+        - 0.6 * (rr**2 + cc**2) / 0.5
+        + 0.25 * np.cos(2 * np.pi * 1.3 * cc + ph1)
+        + 0.15 * np.cos(2 * np.pi * 0.8 * rr + ph2)
+    )
     gain = 1.0 + params.flat_variation * (gain - gain.mean()) / max(np.abs(gain - gain.mean()).max(), 1e-12)
     dark = np.round(params.dark_counts + rng.normal(0.0, 3.0, size=rr.shape)).clip(0, None)
     return params.flat_counts * gain, dark
@@ -282,14 +305,13 @@ def _detector_patterns(params: SimulationParameters, orbit: int) -> tuple[np.nda
 def _to_uint16(counts: np.ndarray, what: str) -> np.ndarray:
     out = np.round(counts)
     if out.min() < 0 or out.max() > 65535:
-        raise ValueError(f"simulate: {what} counts outside the uint16 range ({out.min()}..{out.max()}); "
-                         f"lower flat_counts")
+        raise ValueError(
+            f"simulate: {what} counts outside the uint16 range ({out.min()}..{out.max()}); lower flat_counts"
+        )
     return out.astype(np.uint16)
 
 
 def _write_tiff(path: Path, array: np.ndarray, compress: bool) -> None:
-    import tifffile
-
     kw: dict[str, Any] = {"metadata": None}
     if compress:
         # zlib is built into tifffile; the horizontal predictor (integer images only; the float predictor
@@ -312,17 +334,24 @@ def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: i
     for r0 in range(0, rows, block):
         kr = (np.arange(r0, min(rows, r0 + block)) - (rows - 1) / 2.0)[:, None] + off[None, :]  # (b, s)
         # (b, s_v, cols, s_u, 3) sub-pixel points on the detector
-        pts = (det + kr[:, :, None, None, None] * v + kc[None, None, :, :, None] * u)
+        pts = det + kr[:, :, None, None, None] * v + kc[None, None, :, :, None] * u
         ell = phantom.line_integrals(src, pts)
-        out[r0:r0 + kr.shape[0]] = np.exp(-ell).mean(axis=(1, 3))
+        out[r0 : r0 + kr.shape[0]] = np.exp(-ell).mean(axis=(1, 3))
     return out
 
 
 def _layout_files(out_dir: Path) -> list[Path]:
     """Files of a scan layout under ``out_dir`` that a new simulation would replace."""
-    pats = [("Projections/tubeV*", re.compile(r"^(scan_\d{6}\.tif|di000000\.tif|io00000[01]\.tif|"
-                                              r"scan_geom_corrected\.geom)$")),
-            ("Reconstructions", re.compile(r"^full_AGD_50_\d{6}\.tiff$"))]
+    pats = [
+        (
+            "Projections/tubeV*",
+            re.compile(
+                r"^(scan_\d{6}\.tif|di000000\.tif|io00000[01]\.tif|"
+                r"scan_geom_corrected\.geom)$"
+            ),
+        ),
+        ("Reconstructions", re.compile(r"^full_AGD_50_\d{6}\.tiff$")),
+    ]
     found = []
     for sub, rx in pats:
         for folder in out_dir.glob(sub):
@@ -343,11 +372,15 @@ def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"simulate: output path {out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"simulate: output folder {out_dir} is not empty; choose an empty or new folder, "
-                                  f"or pass --overwrite (overwrite=True) to replace the simulated scan there")
+            raise FileExistsError(
+                f"simulate: output folder {out_dir} is not empty; choose an empty or new folder, "
+                f"or pass --overwrite (overwrite=True) to replace the simulated scan there"
+            )
         if not (out_dir / SIDECAR_NAME).is_file():
-            raise FileExistsError(f"simulate: {out_dir} is not empty and holds no {SIDECAR_NAME}, so it is not a "
-                                  f"scan written by ctuq simulate (it may be real data); refusing to overwrite it")
+            raise FileExistsError(
+                f"simulate: {out_dir} is not empty and holds no {SIDECAR_NAME}, so it is not a "
+                f"scan written by ctuq simulate (it may be real data); refusing to overwrite it"
+            )
         for p in _layout_files(out_dir):
             p.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -384,8 +417,6 @@ def simulate_scan(
     dict
         The sidecar content (also written to ``out_dir/ctuq_simulation.json``).
     """
-    from ctuq import __version__
-
     if params is None:
         preset = preset or "bundled"
         params = SimulationParameters.preset(preset)
@@ -406,12 +437,12 @@ def simulate_scan(
         "orbits": {},
         "conventions": {
             "geometry_rows": "cone_vec: source xyz, detector centre xyz, u step xyz, v step xyz (mm); "
-                             "row k at angle 2*pi*k/(N-1); rows 0 and N-1 identical",
+            "row k at angle 2*pi*k/(N-1); rows 0 and N-1 identical",
             "file_pairing": "scan_{N-1-k:06}.tif <-> geometry row k",
             "raw_image": "raw = flipud(P.T), P = (det_rows, det_cols); transpose(flipud(raw)) gives P",
             "counts": "uint16: Poisson(I0*G*mean(exp(-line integral))) + dark pattern + read noise",
             "ground_truth": "full_AGD_50_{k:06}.tiff: voxel averages (mm^-1), (n_y, n_x), slice k at "
-                            "z = (k + 1/2 - n_z/2) * h, grid centred at the origin",
+            "z = (k + 1/2 - n_z/2) * h, grid centred at the origin",
         },
         "phantom": phantom.to_dict(),
     }
@@ -458,8 +489,6 @@ def simulate_scan(
             "corrections": ORBIT_CORRECTIONS[orbit] if params.corrections else None,
         }
 
-    from ctuq.geometry import VolumeGeometry
-
     nz, ny, nx = params.gt_shape
     h = float(params.gt_voxel_size)
     gt_dir = out_dir / "Reconstructions"
@@ -482,6 +511,5 @@ def estimate_work(params: SimulationParameters, n_ellipsoids: int = 60) -> dict:
     """Rough size of a simulation: ray–ellipsoid pairs, voxels, and bytes on disk (uncompressed)."""
     rays = len(params.orbits) * (params.n_projections - 1) * params.det_rows * params.det_cols * params.supersampling**2
     voxels = math.prod(params.gt_shape)
-    size = (len(params.orbits) * (params.n_projections + 3) * params.det_rows * params.det_cols * 2 + voxels * 4)
+    size = len(params.orbits) * (params.n_projections + 3) * params.det_rows * params.det_cols * 2 + voxels * 4
     return {"rays": rays, "ray_ellipsoid_pairs": rays * n_ellipsoids, "gt_voxels": voxels, "bytes_uncompressed": size}
-

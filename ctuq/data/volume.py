@@ -12,7 +12,7 @@ phantom averaged over each voxel.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ import torch
 from ctuq.data.phantom import EllipsoidPhantom, walnut_phantom
 from ctuq.data.walnut import CTData
 from ctuq.geometry import VolumeGeometry
+from ctuq.operators import SlicewiseParallelRayTransform
 
 __all__ = ["simulate_parallel_volume"]
 
@@ -61,8 +62,6 @@ def simulate_parallel_volume(
         (dimensionless line integrals), ``ground_truth`` ``(D, H, W)`` (mm⁻¹), ``volume``, ``geometry``
         (``parallel3d``) and ``meta``.
     """
-    from ctuq.operators import SlicewiseParallelRayTransform
-
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or min(shape) < 2:
         raise ValueError(f"simulate_parallel_volume: shape must be 3 ints >= 2 (D, H, W), got {shape}")
@@ -89,9 +88,21 @@ def simulate_parallel_volume(
     sigma = noise * float(np.abs(y).mean())
     y = y + sigma * rng.standard_normal(y.shape)
     gt = ph.rasterize(volume, supersampling=2)
-    meta = {"kind": "simulated 3D parallel beam (slice by slice)", "image_shape": list(shape),
-            "voxel_size_mm": voxel, "n_angles": n_angles, "det_count": n_det, "noise_std": sigma,
-            "noise_relative": noise, "seed": seed}
-    return CTData(op=op, y=torch.as_tensor(y, dtype=torch.float32).to(op.device),
-                  ground_truth=torch.as_tensor(gt, dtype=torch.float32), volume=volume, geometry=op.geometry,
-                  meta=meta)
+    meta = {
+        "kind": "simulated 3D parallel beam (slice by slice)",
+        "image_shape": list(shape),
+        "voxel_size_mm": voxel,
+        "n_angles": n_angles,
+        "det_count": n_det,
+        "noise_std": sigma,
+        "noise_relative": noise,
+        "seed": seed,
+    }
+    return CTData(
+        op=op,
+        y=torch.as_tensor(y, dtype=torch.float32).to(op.device),
+        ground_truth=torch.as_tensor(gt, dtype=torch.float32),
+        volume=volume,
+        geometry=op.geometry,
+        meta=meta,
+    )

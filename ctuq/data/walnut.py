@@ -45,14 +45,19 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+import tifffile
 import torch
 
+from ctuq.errors import CTUQError
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
-from ctuq.operators import BACKENDS as _BACKENDS
+from ctuq.operators import AstraCudaRayTransform, backend_names, make_ray_transform
+from ctuq.options import Backend
+from ctuq.utils import progress as _progress_bar
 
 __all__ = [
     "CTData",
@@ -65,22 +70,32 @@ __all__ = [
     "read_walnut_slice",
     "read_walnut_volume",
     "DEFAULT_VOXEL_SIZE",
+    "SIDECAR_NAME",
+    "PROJECTION_PATTERN",
+    "DARK_NAME",
+    "FLAT_NAMES",
+    "GEOMETRY_NAME",
+    "GT_PATTERN",
 ]
 
 DEFAULT_VOXEL_SIZE = 0.1  # mm, the data set's ground-truth voxel
 DEFAULT_GT_SHAPE = (501, 501, 501)  # the data set's ground truth, used only when a folder has no Reconstructions
-SIDECAR_NAME = "ctuq_simulation.json"
+# The file names of the layout (the one home of each; the simulator writes them, the loader reads them).
+SIDECAR_NAME = "ctuq_simulation.json"  # a simulated scan's parameters (absent from the real data set)
+PROJECTION_PATTERN = "scan_{:06}.tif"  # raw projections, in Projections/tubeV{orbit}/
 DARK_NAME = "di000000.tif"
-FLAT_NAMES = ("io000000.tif", "io000001.tif")
+FLAT_NAMES = ("io000000.tif", "io000001.tif")  # before and after the scan; averaged
 GEOMETRY_NAME = "scan_geom_corrected.geom"
+GT_PATTERN = "full_AGD_50_{:06}.tiff"  # ground-truth slices, in Reconstructions/
 _PROJ_RX = re.compile(r"^scan_(\d{6})\.tif$")
 _GT_RX = re.compile(r"^full_AGD_50_(\d{6})\.tiff$")
-_GT_PATTERN = "full_AGD_50_{:06}.tiff"
 _CONE_WARN_DEG = 0.01  # below this the slice model is exact to well within detector noise
 
 
-class WalnutFormatError(ValueError):
-    """A walnut folder, file, shape or value is not what the layout requires; the message names the file."""
+class WalnutFormatError(CTUQError):
+    """A walnut folder, file, shape or value is not what the layout requires; the message names the file.
+
+    A user error (:class:`ctuq.errors.CTUQError`, hence also a ``ValueError``)."""
 
 
 @dataclasses.dataclass
@@ -169,8 +184,6 @@ def area_average(array: np.ndarray, shape: Sequence[int]) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------- the folder
 def _read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    import tifffile
-
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
@@ -180,8 +193,6 @@ def _read_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _read_tiff(path: Path) -> np.ndarray:
-    import tifffile
-
     if not path.is_file():
         raise WalnutFormatError(f"{path}: file missing")
     try:
@@ -245,8 +256,11 @@ class WalnutScan:
         self.orbit = int(orbit)
         self.proj_dir = self.path / "Projections" / f"tubeV{self.orbit}"
         if not self.proj_dir.is_dir():
-            have = sorted(p.name for p in (self.path / "Projections").glob("tubeV*")) if (
-                self.path / "Projections").is_dir() else []
+            have = (
+                sorted(p.name for p in (self.path / "Projections").glob("tubeV*"))
+                if (self.path / "Projections").is_dir()
+                else []
+            )
             raise WalnutFormatError(
                 f"{self.proj_dir}: projection folder missing (orbit {self.orbit}); "
                 + (f"this scan has {', '.join(have)}" if have else f"{self.path} has no Projections/tubeV* folder")
@@ -256,8 +270,9 @@ class WalnutScan:
         idx = [int(m.group(1)) for p in self.proj_dir.iterdir() if (m := _PROJ_RX.match(p.name))]
         self.n_files = _contiguous(idx, self.proj_dir, "scan_{:06}.tif")
         if self.n_files < 2:
-            raise WalnutFormatError(f"{self.proj_dir}: found {self.n_files} projection files scan_NNNNNN.tif; "
-                                    f"need at least 2")
+            raise WalnutFormatError(
+                f"{self.proj_dir}: found {self.n_files} projection files scan_NNNNNN.tif; need at least 2"
+            )
         self.vectors = self._read_geometry()
         if self.vectors.shape[0] != self.n_files:
             raise WalnutFormatError(
@@ -274,12 +289,15 @@ class WalnutScan:
             self._check_raw_shape(self._need(name), _read_header(self._need(name))[0])
 
         self.rec_dir = self.path / "Reconstructions"
-        gt_idx = ([int(m.group(1)) for p in self.rec_dir.iterdir() if (m := _GT_RX.match(p.name))]
-                  if self.rec_dir.is_dir() else [])
+        gt_idx = (
+            [int(m.group(1)) for p in self.rec_dir.iterdir() if (m := _GT_RX.match(p.name))]
+            if self.rec_dir.is_dir()
+            else []
+        )
         self.has_ground_truth = bool(gt_idx)
         if self.has_ground_truth:
-            n_z = _contiguous(gt_idx, self.rec_dir, _GT_PATTERN)
-            first = self.rec_dir / _GT_PATTERN.format(0)
+            n_z = _contiguous(gt_idx, self.rec_dir, GT_PATTERN)
+            first = self.rec_dir / GT_PATTERN.format(0)
             s, _ = _read_header(first)
             if len(s) != 2:
                 raise WalnutFormatError(f"{first}: ground-truth slice must be a 2D image (n_y, n_x), got shape {s}")
@@ -318,8 +336,10 @@ class WalnutScan:
         if not isinstance(d, dict):
             raise WalnutFormatError(f"{p}: expected a JSON object")
         if d.get("complete") is False:
-            raise WalnutFormatError(f"{p}: the simulation that wrote this scan did not finish (complete: false); "
-                                    f"run `ctuq simulate --overwrite` again")
+            raise WalnutFormatError(
+                f"{p}: the simulation that wrote this scan did not finish (complete: false); "
+                f"run `ctuq simulate --overwrite` again"
+            )
         return d
 
     def _read_geometry(self) -> np.ndarray:
@@ -341,8 +361,9 @@ class WalnutScan:
         vec = np.array(rows, dtype=np.float64).reshape(-1, 12)
         bad = ~np.all(np.isfinite(vec), axis=1)
         if bad.any():
-            raise WalnutFormatError(f"{p}: {int(bad.sum())} geometry rows contain NaN or Inf "
-                                    f"(first: row {int(np.argmax(bad))})")
+            raise WalnutFormatError(
+                f"{p}: {int(bad.sum())} geometry rows contain NaN or Inf (first: row {int(np.argmax(bad))})"
+            )
         return vec
 
     def _check_raw_shape(self, path: Path, shape: tuple[int, ...]) -> None:
@@ -362,8 +383,10 @@ class WalnutScan:
         if not np.all(np.isfinite(img)):
             bad = ~np.isfinite(img)
             r, c = np.argwhere(bad)[0]
-            raise WalnutFormatError(f"{path}: {int(bad.sum())} pixels are NaN or Inf (first at row {r}, column {c} "
-                                    f"of the loaded {self.det_shape} projection)")
+            raise WalnutFormatError(
+                f"{path}: {int(bad.sum())} pixels are NaN or Inf (first at row {r}, column {c} "
+                f"of the loaded {self.det_shape} projection)"
+            )
         return img
 
     def dark(self) -> np.ndarray:
@@ -425,11 +448,12 @@ class WalnutScan:
 
     def read_ground_truth_slice(self, slice_index: int) -> np.ndarray:
         """Ground-truth slice ``(n_y, n_x)`` float64 (mm⁻¹)."""
-        path = self.rec_dir / _GT_PATTERN.format(int(slice_index))
+        path = self.rec_dir / GT_PATTERN.format(int(slice_index))
         img = _read_tiff(path)
         if img.shape != self.gt_shape[1:]:
-            raise WalnutFormatError(f"{path}: shape {img.shape} differs from {_GT_PATTERN.format(0)}'s "
-                                    f"{self.gt_shape[1:]}")
+            raise WalnutFormatError(
+                f"{path}: shape {img.shape} differs from {GT_PATTERN.format(0)}'s {self.gt_shape[1:]}"
+            )
         img = img.astype(np.float64)
         if not np.all(np.isfinite(img)):
             raise WalnutFormatError(f"{path}: {int((~np.isfinite(img)).sum())} pixels are NaN or Inf")
@@ -468,20 +492,21 @@ def _bin(a: np.ndarray, step: int, axis: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class _SlicePlan:
-    rows: np.ndarray          # geometry rows used (n_a,)
-    files: np.ndarray         # file indices (n_a,)
-    cols: np.ndarray          # detector columns read
+    rows: np.ndarray  # geometry rows used (n_a,)
+    files: np.ndarray  # file indices (n_a,)
+    cols: np.ndarray  # detector columns read
     col_step: int
     binning: bool
-    frac_rows: np.ndarray     # (n_a, n_out) fractional detector row per output column
+    frac_rows: np.ndarray  # (n_a, n_out) fractional detector row per output column
     fan: ProjectionGeometry
     cone: ProjectionGeometry
     z: float
     cone_angle_deg: float
 
 
-def _plan_slice(scan: WalnutScan, z: float, angular_subsampling: int, detector_subsampling: int,
-                binning: bool) -> _SlicePlan:
+def _plan_slice(
+    scan: WalnutScan, z: float, angular_subsampling: int, detector_subsampling: int, binning: bool
+) -> _SlicePlan:
     """Geometry of the detector line through the slice plane at height ``z`` (see the module docstring)."""
     step = _positive_int(detector_subsampling, "detector_subsampling")
     rows, files = scan.angle_plan(angular_subsampling)
@@ -497,8 +522,10 @@ def _plan_slice(scan: WalnutScan, z: float, angular_subsampling: int, detector_s
     normal = np.cross(h_dir, s - p0)  # normal of the plane through the source and the line p0 + t·ĥ
     nv = np.einsum("ij,ij->i", normal, v)
     if np.any(np.abs(nv) < 1e-12 * np.linalg.norm(normal, axis=1) * np.linalg.norm(v, axis=1)):
-        raise WalnutFormatError(f"{scan.proj_dir / GEOMETRY_NAME}: the detector columns are parallel to the "
-                                f"slice plane at z = {z} mm for some angle")
+        raise WalnutFormatError(
+            f"{scan.proj_dir / GEOMETRY_NAME}: the detector columns are parallel to the "
+            f"slice plane at z = {z} mm for some angle"
+        )
     # Points d + α u + β v on that plane: β = β0 + β1 α (α, β in pixels from the detector centre).
     beta0 = -np.einsum("ij,ij->i", normal, d - p0) / nv
     beta1 = -np.einsum("ij,ij->i", normal, u) / nv
@@ -515,8 +542,9 @@ def _plan_slice(scan: WalnutScan, z: float, angular_subsampling: int, detector_s
         )
     centre = d + centre_off * u + (beta0 + beta1 * centre_off)[:, None] * v
     u_line = step * (u + beta1[:, None] * v)
-    fan = ProjectionGeometry("fanflat_vec", (len(alpha),),
-                             vectors=np.concatenate([s[:, :2], centre[:, :2], u_line[:, :2]], axis=1))
+    fan = ProjectionGeometry(
+        "fanflat_vec", (len(alpha),), vectors=np.concatenate([s[:, :2], centre[:, :2], u_line[:, :2]], axis=1)
+    )
     cone = ProjectionGeometry("cone_vec", (1, len(alpha)), vectors=np.concatenate([s, centre, u_line, v], axis=1))
     cone_angle = float(np.degrees(np.max(np.arctan2(np.abs(s[:, 2] - z), horiz))))
     return _SlicePlan(rows, files, cols, step, binning, frac_rows, fan, cone, float(z), cone_angle)
@@ -537,20 +565,20 @@ def _coarsened(grid: VolumeGeometry, image_shape: tuple[int, ...] | None) -> Vol
     try:
         return grid.coarsened(image_shape)
     except ValueError as exc:
-        raise ValueError(f"image_shape {image_shape} must keep the aspect ratio of the ground-truth grid "
-                         f"{grid.shape} (same field of view): {exc}") from exc
+        raise ValueError(
+            f"image_shape {image_shape} must keep the aspect ratio of the ground-truth grid "
+            f"{grid.shape} (same field of view): {exc}"
+        ) from exc
 
 
 def _check_backend(backend: str, device) -> torch.device:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend {backend!r} unknown; valid: {list(_BACKENDS)}")
+    if backend not in backend_names():
+        raise ValueError(f"backend {backend!r} unknown; valid: {list(backend_names())}")
     return torch.device(device)
 
 
 def _progress(iterable, total: int, desc: str, progress: bool | None):
-    from ctuq.utils import progress as bar
-
-    return bar(iterable, total=total, desc=desc, disable=None if progress is None else not progress)
+    return _progress_bar(iterable, total=total, desc=desc, disable=None if progress is None else not progress)
 
 
 def _read_slice(scan: WalnutScan, plan: _SlicePlan, progress: bool | None) -> np.ndarray:
@@ -583,8 +611,12 @@ def _meta_common(scan: WalnutScan, rows, files, angular_subsampling, detector_su
         "detector_binning": bool(binning),
         "geometry_rows": [int(r) for r in rows],
         "projection_files": [scan.projection_name(int(f)) for f in files],
-        "detector_columns": {"first": int(cols[0]), "last": int(cols[-1]), "step": int(detector_subsampling),
-                             "mode": "bin" if binning else "subsample"},
+        "detector_columns": {
+            "first": int(cols[0]),
+            "last": int(cols[-1]),
+            "step": int(detector_subsampling),
+            "mode": "bin" if binning else "subsample",
+        },
         "preprocessing": "-log((P - dark)/(mean(flats) - dark)), P = transpose(flipud(raw))",
         "gt_shape": list(scan.gt_shape),
         "gt_voxel_size_mm": scan.voxel_size,
@@ -612,10 +644,12 @@ def read_walnut_slice(
     """
     scan = WalnutScan(path, orbit, voxel_size)
     image_shape = _check_image_shape(image_shape, 2)
-    plan, volume, k = _slice_setup(scan, slice_index, angular_subsampling, detector_subsampling, detector_binning,
-                                   image_shape)
-    return _finish_slice(scan, plan, volume, k, None, "none", angular_subsampling, detector_subsampling,
-                         detector_binning, progress)
+    plan, volume, k = _slice_setup(
+        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape
+    )
+    return _finish_slice(
+        scan, plan, volume, k, None, "none", angular_subsampling, detector_subsampling, detector_binning, progress
+    )
 
 
 def _slice_setup(scan: WalnutScan, slice_index, angular_subsampling, detector_subsampling, binning, image_shape):
@@ -643,28 +677,31 @@ def _finish_slice(scan, plan, volume, k, op, backend, ass, dss, binning, progres
     if scan.has_ground_truth:
         img = scan.read_ground_truth_slice(k)
         gt = torch.from_numpy(area_average(img, volume.shape).astype(np.float32))
-        gt_files = [_GT_PATTERN.format(k)]
+        gt_files = [GT_PATTERN.format(k)]
     meta = _meta_common(scan, plan.rows, plan.files, ass, dss, binning, plan.cols)
     centre_col = plan.frac_rows.shape[1] // 2
-    meta.update({
-        "ndim": 2,
-        "slice_index": int(k),
-        "z_mm": plan.z,
-        "image_shape": list(volume.shape),
-        "image_voxel_size_mm": volume.voxel_size,
-        "ground_truth_files": gt_files,
-        "detector_rows_used": [float(r) for r in plan.frac_rows[:, centre_col]],
-        "detector_row_range": [float(plan.frac_rows.min()), float(plan.frac_rows.max())],
-        "cone_angle_deg": plan.cone_angle_deg,
-        "exact_fan_geometry": plan.cone_angle_deg <= _CONE_WARN_DEG,
-        "backend": backend,
-        "operator_geometry": "cone_vec slice" if backend == "astra_cuda" else "fanflat_vec",
-    })
+    meta.update(
+        {
+            "ndim": 2,
+            "slice_index": int(k),
+            "z_mm": plan.z,
+            "image_shape": list(volume.shape),
+            "image_voxel_size_mm": volume.voxel_size,
+            "ground_truth_files": gt_files,
+            "detector_rows_used": [float(r) for r in plan.frac_rows[:, centre_col]],
+            "detector_row_range": [float(plan.frac_rows.min()), float(plan.frac_rows.max())],
+            "cone_angle_deg": plan.cone_angle_deg,
+            "exact_fan_geometry": plan.cone_angle_deg <= _CONE_WARN_DEG,
+            "backend": backend,
+            "operator_geometry": "cone_vec slice" if backend == Backend.ASTRA_CUDA else "fanflat_vec",
+        }
+    )
     y_t = torch.from_numpy(y.astype(np.float32))
     if op is not None:
         y_t = y_t.to(op.device)
-    return CTData(op=op, y=y_t, ground_truth=gt, volume=volume, geometry=plan.fan, meta=meta,
-                  slice_cone_geometry=plan.cone)
+    return CTData(
+        op=op, y=y_t, ground_truth=gt, volume=volume, geometry=plan.fan, meta=meta, slice_cone_geometry=plan.cone
+    )
 
 
 def load_walnut_slice(
@@ -675,7 +712,7 @@ def load_walnut_slice(
     angular_subsampling: int = 20,
     detector_subsampling: int = 6,
     image_shape: Sequence[int] | None = None,
-    backend: str = "auto",
+    backend: str = Backend.AUTO,
     device: torch.device | str = "cpu",
     voxel_size: float | None = None,
     detector_binning: bool = False,
@@ -716,32 +753,37 @@ def load_walnut_slice(
         ``y`` ``(n_angles, n_cols)``, ``ground_truth`` ``image_shape`` (mm⁻¹), ``geometry`` ``fanflat_vec``.
     """
     device = _check_backend(backend, device)
-    if backend == "astra_cuda" and device.type != "cuda":
-        raise RuntimeError(f"load_walnut_slice: backend 'astra_cuda' (the exact cone-beam slice) needs a CUDA "
-                           f"device, got {device}; use backend 'sparse' (fan-beam slice model) on the CPU")
+    if backend == Backend.ASTRA_CUDA and device.type != "cuda":
+        raise RuntimeError(
+            f"load_walnut_slice: backend 'astra_cuda' (the exact cone-beam slice) needs a CUDA "
+            f"device, got {device}; use backend 'sparse' (fan-beam slice model) on the CPU"
+        )
     scan = WalnutScan(path, orbit, voxel_size)
     image_shape = _check_image_shape(image_shape, 2)
-    plan, volume, k = _slice_setup(scan, slice_index, angular_subsampling, detector_subsampling, detector_binning,
-                                   image_shape)
+    plan, volume, k = _slice_setup(
+        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape
+    )
     # The operator is built before any pixel data are read: a geometry the backend rejects fails fast.
-    if backend == "astra_cuda":
-        from ctuq.operators.astra_cuda import AstraCudaRayTransform
-
+    if backend == Backend.ASTRA_CUDA:
         op = AstraCudaRayTransform.cone_slice(volume, plan.z, plan.cone, device=device)
     else:
-        from ctuq.operators import make_ray_transform
-
         op = make_ray_transform(volume, plan.fan, backend=backend, device=device)
-    return _finish_slice(scan, plan, volume, k, op, "astra_cuda" if backend == "astra_cuda" else type(op).__name__,
-                         angular_subsampling, detector_subsampling, detector_binning, progress)
+    name = Backend.ASTRA_CUDA.value if backend == Backend.ASTRA_CUDA else type(op).__name__
+    return _finish_slice(
+        scan, plan, volume, k, op, name, angular_subsampling, detector_subsampling, detector_binning, progress
+    )
 
 
 # --------------------------------------------------------------------------------------------- volumes
-def _volume_setup(scan: WalnutScan, angular_subsampling, detector_subsampling, detector_row_subsampling, binning,
-                  image_shape):
+def _volume_setup(
+    scan: WalnutScan, angular_subsampling, detector_subsampling, detector_row_subsampling, binning, image_shape
+):
     col_step = _positive_int(detector_subsampling, "detector_subsampling")
-    row_step = col_step if detector_row_subsampling is None else _positive_int(detector_row_subsampling,
-                                                                              "detector_row_subsampling")
+    row_step = (
+        col_step
+        if detector_row_subsampling is None
+        else _positive_int(detector_row_subsampling, "detector_row_subsampling")
+    )
     rows, files = scan.angle_plan(angular_subsampling)
     n_rows, n_cols = scan.det_shape
     cols, col_off = _column_plan(n_cols, col_step, binning)
@@ -774,19 +816,25 @@ def _finish_volume(scan, setup, op, backend, ass, dss, binning, progress) -> CTD
         # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
         # sits in memory at full resolution in float64.
         n_z = scan.gt_shape[0]
-        planes = np.stack([area_average(scan.read_ground_truth_slice(k), volume.shape[1:])
-                           for k in _progress(range(n_z), n_z, "read ground truth", progress)])
+        planes = np.stack(
+            [
+                area_average(scan.read_ground_truth_slice(k), volume.shape[1:])
+                for k in _progress(range(n_z), n_z, "read ground truth", progress)
+            ]
+        )
         gt = torch.from_numpy(area_average(planes, volume.shape).astype(np.float32))
     meta = _meta_common(scan, rows, files, ass, dss, binning, cols)
-    meta.update({
-        "ndim": 3,
-        "detector_row_subsampling": int(row_step),
-        "detector_rows": {"first": int(drows[0]), "last": int(drows[-1]), "step": int(row_step)},
-        "image_shape": list(volume.shape),
-        "image_voxel_size_mm": volume.voxel_size,
-        "ground_truth_files": [_GT_PATTERN.format(k) for k in range(scan.gt_shape[0])] if gt is not None else [],
-        "backend": backend,
-    })
+    meta.update(
+        {
+            "ndim": 3,
+            "detector_row_subsampling": int(row_step),
+            "detector_rows": {"first": int(drows[0]), "last": int(drows[-1]), "step": int(row_step)},
+            "image_shape": list(volume.shape),
+            "image_voxel_size_mm": volume.voxel_size,
+            "ground_truth_files": [GT_PATTERN.format(k) for k in range(scan.gt_shape[0])] if gt is not None else [],
+            "backend": backend,
+        }
+    )
     y_t = torch.from_numpy(y)
     if op is not None:
         y_t = y_t.to(op.device)
@@ -807,10 +855,17 @@ def read_walnut_volume(
 ) -> CTData:
     """Everything :func:`load_walnut_volume` returns except the operator (``op=None``): runs on the CPU."""
     scan = WalnutScan(path, orbit, voxel_size)
-    setup = _volume_setup(scan, angular_subsampling, detector_subsampling, detector_row_subsampling,
-                          detector_binning, _check_image_shape(image_shape, 3))
-    return _finish_volume(scan, setup, None, "none", angular_subsampling, detector_subsampling, detector_binning,
-                          progress)
+    setup = _volume_setup(
+        scan,
+        angular_subsampling,
+        detector_subsampling,
+        detector_row_subsampling,
+        detector_binning,
+        _check_image_shape(image_shape, 3),
+    )
+    return _finish_volume(
+        scan, setup, None, "none", angular_subsampling, detector_subsampling, detector_binning, progress
+    )
 
 
 def load_walnut_volume(
@@ -821,7 +876,7 @@ def load_walnut_volume(
     detector_subsampling: int = 6,
     detector_row_subsampling: int | None = None,
     image_shape: Sequence[int] | None = None,
-    backend: str = "auto",
+    backend: str = Backend.AUTO,
     device: torch.device | str = "cuda",
     voxel_size: float | None = None,
     detector_binning: bool = False,
@@ -852,10 +907,15 @@ def load_walnut_volume(
     """
     device = _check_backend(backend, device)
     scan = WalnutScan(path, orbit, voxel_size)
-    setup = _volume_setup(scan, angular_subsampling, detector_subsampling, detector_row_subsampling,
-                          detector_binning, _check_image_shape(image_shape, 3))
-    from ctuq.operators import make_ray_transform
-
+    setup = _volume_setup(
+        scan,
+        angular_subsampling,
+        detector_subsampling,
+        detector_row_subsampling,
+        detector_binning,
+        _check_image_shape(image_shape, 3),
+    )
     op = make_ray_transform(setup[7], setup[6], backend=backend, device=device)
-    return _finish_volume(scan, setup, op, type(op).__name__, angular_subsampling, detector_subsampling,
-                          detector_binning, progress)
+    return _finish_volume(
+        scan, setup, op, type(op).__name__, angular_subsampling, detector_subsampling, detector_binning, progress
+    )

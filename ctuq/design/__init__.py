@@ -9,41 +9,55 @@ expected to tell the most about the image (``docs/design.md``). Pieces, read top
   embedding, an assembled network Jacobian; a :class:`ctuq.linearize.LinearizedNetwork` is one too.
 * :mod:`.model` — :class:`DesignModel`: candidates' operator, factor, scales, ``a``, ``σ²``; the core's feature
   operators ``Ψ = T_B L diag(s)`` for any candidate set.
-* :mod:`.priors`, :mod:`.dip_prior` — building the priors on the pilot (EM / evidence with the core's
+* :mod:`.priors`, :mod:`.dip_prior` — building the image priors on the pilot (EM / evidence with the core's
   :class:`ctuq.inference.LinearizedPosterior`; the DIP's g-prior refreshed every few angles, optional retraining).
 * :mod:`.criteria` — EIG, ESE, diagonal EIG from candidate blocks or samples; the dense reference.
 * :mod:`.bordered` — :class:`BorderedCholesky`: the measurement covariance of the chosen angles grown by bordering
   (a core solver, so the core sampler draws with it).
 * :mod:`.engine` — :class:`DesignEngine`: conditioning on one more angle, exact block downdates or
-  pathwise-conditioned samples drawn by the core sampler.
+  pathwise-conditioned samples drawn by the core sampler (its *route*: ``design.route``).
 * :mod:`.greedy` — the greedy loop with per-step records and checkpoint/resume; baselines.
-* :mod:`.run` — ``ctuq design`` (:func:`run_design`); :mod:`.plots` — its figures.
+* :mod:`.plots` — the design's figures.
 
-Names are imported lazily so that :mod:`ctuq.config` can take the option vocabularies from here.
+The ``ctuq design`` command's runner (scan, pilot DIP, outputs) is :func:`ctuq.pipeline.design.run_design`; the
+option vocabularies are :class:`ctuq.options.Criterion`, :class:`~ctuq.options.Baseline`,
+:class:`~ctuq.options.DesignPriorKind`, :class:`~ctuq.options.DesignPriorScale` and
+:class:`~ctuq.options.DesignRoute`.
 """
 
-from __future__ import annotations
+from ctuq.design.bordered import BorderedCholesky
+from ctuq.design.candidates import (
+                                    DesignError,
+                                    check_design_sizes,
+                                    equidistant_angles,
+                                    equidistant_indices,
+                                    match_angles,
+                                    random_indices,
+)
+from ctuq.design.criteria import (
+                                    DEFAULT_JITTER,
+                                    criteria_from_blocks,
+                                    criteria_from_samples,
+                                    dense_posterior_blocks,
+                                    information_gain_bruteforce,
+)
+from ctuq.design.dip_prior import DIPPrior
+from ctuq.design.engine import DesignEngine, auto_route
+from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, kernel_apply
+from ctuq.design.greedy import STRATEGIES, DesignResult, baseline_design, greedy_design
+from ctuq.design.model import DesignModel
+from ctuq.design.priors import (
+                                    energy_precision,
+                                    fit_precision,
+                                    isotropic_model,
+                                    matern_model,
+)
 
-from ctuq.utils import lazy_exports
-
-_LAZY = {
-    "DesignError": "candidates", "BASELINES": "candidates", "equidistant_indices": "candidates",
-    "equidistant_angles": "candidates", "random_indices": "candidates", "match_angles": "candidates",
-    "check_design_sizes": "candidates",
-    "IdentityFactor": "factors", "MaternFactor": "factors", "DenseFactor": "factors", "kernel_apply": "factors",
-    "DesignModel": "model",
-    "PRIOR_KINDS": "priors", "PRIOR_SCALES": "priors", "isotropic_model": "priors", "matern_model": "priors",
-    "fit_precision": "priors", "energy_precision": "priors", "DIPPrior": "dip_prior", "DENSE_CHOICES": "dip_prior",
-    "CRITERIA": "criteria", "DEFAULT_JITTER": "criteria", "criteria_from_blocks": "criteria",
-    "criteria_from_samples": "criteria", "dense_posterior_blocks": "criteria",
-    "information_gain_bruteforce": "criteria",
-    "BorderedCholesky": "bordered", "DesignEngine": "engine", "ROUTES": "engine", "auto_route": "engine",
-    "DesignResult": "greedy", "greedy_design": "greedy", "baseline_design": "greedy", "STRATEGIES": "greedy",
-    "DesignCheckpointMismatch": "greedy",
-    "run_design": "run", "read_angles_file": "run",
-}
-
-__all__ = sorted(_LAZY)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+__all__ = [
+    "BorderedCholesky", "DIPPrior", "DEFAULT_JITTER", "DenseFactor", "DesignEngine", "DesignError", "DesignModel",
+    "DesignResult", "IdentityFactor", "MaternFactor", "STRATEGIES", "auto_route", "baseline_design",
+    "check_design_sizes", "criteria_from_blocks", "criteria_from_samples", "dense_posterior_blocks",
+    "energy_precision", "equidistant_angles", "equidistant_indices", "fit_precision", "greedy_design",
+    "information_gain_bruteforce", "isotropic_model", "kernel_apply", "match_angles", "matern_model",
+    "random_indices",
+]

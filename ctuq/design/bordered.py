@@ -3,14 +3,20 @@
 ``C_τ = T^τ K T^τᵀ + σ² I = K̄/a + σ² I`` (the core's notation) for the rows of the chosen angles. It is a
 :class:`ctuq.inference.Solver`, so the core's Matheron sampler (:func:`ctuq.inference.sample_chunks`) draws posterior
 samples with it, and the design engine (:mod:`ctuq.design.engine`) appends one angle's block per acquisition.
+
+It is not an exact solver in the core's sense (:class:`ctuq.inference.ExactSolver`): a Cholesky factor holds ``C``
+for one ``(a, σ²)`` only, so it cannot give ``γ`` or the evidence at the other ``(a, σ²)`` an EM visits; it is not
+registered either (its constructor takes the ``(a, σ²)`` it is for). It passes the solver contract of
+:mod:`ctuq.testing` at its ``(a, σ²)``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ctuq.inference import SolveStats, Solver
-from ctuq.inference.kernel import KernelOperator, _check_hyper
+from ctuq.inference.checks import check_hyper
+from ctuq.inference.kernel import KernelOperator
+from ctuq.inference.solvers import Solver, SolveStats
 
 __all__ = ["BorderedCholesky", "lower_gram"]
 
@@ -35,7 +41,8 @@ def lower_gram(F: torch.Tensor, a: float, sigma2: float, rows: int = 1024) -> to
 class BorderedCholesky(Solver):
     """``C = K̄/a + σ² I`` of the chosen rows as a Cholesky factor ``L`` (float64) grown by bordering.
 
-    A :class:`ctuq.inference.Solver`, so the core sampler solves with it. ``L`` is kept as block rows
+    A :class:`ctuq.inference.Solver` for one ``(a, σ²)``, so the core sampler solves with it (it does not claim
+    :attr:`~ctuq.inference.Solver.exact`: module docstring). ``L`` is kept as block rows
     ``[P_i, L_ii]`` (one per appended block; ``P_i`` is ``k × c_{<i}``), so appending never copies the factor:
     ``L₂₁ = (L⁻¹ B)ᵀ``, ``L₂₂ = chol(D − L₂₁ L₂₁ᵀ)`` costs one forward substitution, ``O(c_t² k)``. Solves run
     block by block (the same flops as one triangular solve). Round-off that leaves a Schur complement indefinite
@@ -51,10 +58,11 @@ class BorderedCholesky(Solver):
         :meth:`bind`.
     """
 
-    exact = True
+    summary = "Cholesky factor of C for one (a, σ²), grown by bordering (experimental design)"
 
     def __init__(self, a: float, sigma2: float, features=None):
-        self.a, self.sigma2 = _check_hyper(a, sigma2, "BorderedCholesky")
+        # Not Solver.__init__: the features arrive with the rows they describe (bind), after the factor.
+        self.a, self.sigma2 = check_hyper(a, sigma2, "BorderedCholesky")
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (P_i, L_ii)
         self.offsets = [0]
         self.max_jitter = 0.0
@@ -149,12 +157,58 @@ class BorderedCholesky(Solver):
         """``C⁻¹ r`` for rows ``r`` ``(r, c_t)`` → ``(r, c_t)`` float64."""
         return self.backward(self.forward(rhs.double().cpu().T)).T
 
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float):
-        """:class:`ctuq.inference.Solver` interface: ``C⁻¹ rhs`` rows in the features' dtype, and stats."""
-        a_f, s2_f = _check_hyper(a, sigma2, "BorderedCholesky.solve")
+    @classmethod
+    def from_features(cls, features, a: float, sigma2: float, block: int | None = None) -> "BorderedCholesky":
+        """The factor of ``C = ΨΨᵀ/a + σ² I`` for the rows of ``features`` (assembled by ``c`` rmatvecs), bound to
+        them."""
+        out = cls(a, sigma2)
+        F = features.to_dense()
+        out.reset(lower_gram(F, out.a, out.sigma2), block=block, lower=True)
+        return out.bind(features)
+
+    def _check_for(self, a: float, sigma2: float, where: str) -> tuple[float, float]:
+        a_f, s2_f = check_hyper(a, sigma2, where)
         if abs(a_f - self.a) > 1e-12 * self.a or abs(s2_f - self.sigma2) > 1e-12 * self.sigma2:
             raise ValueError(f"BorderedCholesky was built for a={self.a:g}, σ²={self.sigma2:g}; asked for "
                              f"a={a_f:g}, σ²={s2_f:g}")
+        return a_f, s2_f
+
+    def setup(self, a: float, sigma2: float) -> None:
+        """Check that ``(a, σ²)`` are the factor's; the factor is built by :meth:`reset`/:meth:`append` (or
+        :meth:`from_features`), not here."""
+        self._check_for(a, sigma2, "BorderedCholesky.setup")
+
+    def state_dict(self) -> dict | None:
+        """``{"a", "sigma2", "offsets", "P", "L", "max_jitter"}``: the factor's block rows (CPU float64)."""
+        return {"a": self.a, "sigma2": self.sigma2, "offsets": [int(o) for o in self.offsets],
+                "P": [P.clone() for P, _ in self.blocks], "L": [L.clone() for _, L in self.blocks],
+                "max_jitter": float(self.max_jitter)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore a factor from :meth:`state_dict` (for the same ``(a, σ²)``); bound features are kept when their
+        size matches the restored factor."""
+        if not isinstance(state, dict) or not {"a", "sigma2", "offsets", "P", "L"} <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"BorderedCholesky.load_state_dict: expected a BorderedCholesky state, got {got}")
+        self._check_for(state["a"], state["sigma2"], "BorderedCholesky.load_state_dict")
+        if len(state["P"]) != len(state["L"]) or len(state["offsets"]) != len(state["L"]) + 1:
+            raise ValueError("BorderedCholesky.load_state_dict: offsets, P and L do not describe the same blocks")
+        self.blocks = [(P.double().cpu(), L.double().cpu()) for P, L in zip(state["P"], state["L"])]
+        self.offsets = [int(o) for o in state["offsets"]]
+        self.max_jitter = float(state.get("max_jitter", 0.0))
+        if self.features is not None and self.features.n_outputs != self.size:
+            self.features = None
+
+    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *, x0: torch.Tensor | None = None):
+        """:class:`ctuq.inference.Solver` interface: ``C⁻¹ rhs`` rows ``(k, c_t)`` in the features' dtype, and stats
+        (direct: ``x0`` is ignored)."""
+        self._check_for(a, sigma2, "BorderedCholesky.solve")
+        c = self.size
+        if not isinstance(rhs, torch.Tensor) or rhs.ndim != 2 or rhs.shape[1] != c:
+            got = tuple(rhs.shape) if isinstance(rhs, torch.Tensor) else type(rhs).__name__
+            raise ValueError(f"BorderedCholesky.solve: rhs has shape {got}; expected (k, {c})")
+        if not torch.isfinite(rhs).all():
+            raise ValueError("BorderedCholesky.solve: rhs contains NaN or Inf")
         X = self.solve_rows(rhs)
         k = rhs.shape[0]
         dev = self.features.device if self.features is not None else rhs.device

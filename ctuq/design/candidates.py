@@ -17,10 +17,7 @@ import numpy as np
 from ctuq.errors import CTUQError
 
 __all__ = ["DesignError", "equidistant_indices", "equidistant_angles", "random_indices", "match_angles",
-           "check_design_sizes", "BASELINES"]
-
-BASELINES = ("equidistant", "random")
-"""Strategies that ignore the data: angles spread evenly over the period, or drawn uniformly at random."""
+           "check_design_sizes"]
 
 
 class DesignError(CTUQError):
@@ -65,7 +62,8 @@ def match_angles(angles_deg: Sequence[float], candidates_rad: np.ndarray, period
     """Indices of the candidates at ``angles_deg`` (degrees, taken modulo the period).
 
     A requested angle matches a candidate within ``tol_deg`` (default: 0.05°, or a quarter of the smallest
-    candidate spacing if that is less). Raises :class:`DesignError` naming ``what`` and the first angle without a candidate, or a repeat.
+    candidate spacing if that is less). Raises :class:`DesignError` naming ``what`` and the first angle without a
+    candidate, or a repeat.
     """
     cand = np.mod(np.degrees(np.asarray(candidates_rad, dtype=np.float64)), math.degrees(period))
     spacing = np.diff(np.sort(cand))

@@ -29,19 +29,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["CRITERIA", "DEFAULT_JITTER", "criteria_from_blocks", "criteria_from_samples", "jitter_value",
-           "dense_posterior_blocks", "information_gain_bruteforce"]
+from ctuq.options import Criterion
 
-CRITERIA = ("eig", "ese", "diag_eig")
-"""Acquisition criteria (``design.criterion``)."""
+__all__ = ["DEFAULT_JITTER", "criteria_from_blocks", "criteria_from_samples", "jitter_value",
+           "dense_posterior_blocks", "information_gain_bruteforce"]
 
 DEFAULT_JITTER = 0.01
 """Default ``η / mean diag M``: 1 % of the mean diagonal of the candidate blocks (the authors searched 1–10 %)."""
 
 
 def _check(criterion: str) -> None:
-    if criterion not in CRITERIA:
-        raise ValueError(f"design.criterion must be one of {list(CRITERIA)}, got {criterion!r}")
+    Criterion.parse(criterion, "design.criterion")
 
 
 def jitter_value(mean_diagonal: float, jitter: float) -> float:
@@ -75,9 +73,9 @@ def criteria_from_blocks(M: torch.Tensor, sigma2: float, criterion: str, jitter:
     diag = torch.diagonal(M, dim1=-2, dim2=-1)
     eta = jitter_value(float(diag.mean()), jitter)
     s2 = float(sigma2) + eta
-    if criterion == "ese":
+    if criterion == Criterion.ESE:
         return diag.sum(-1), eta
-    if criterion == "diag_eig":
+    if criterion == Criterion.DIAG_EIG:
         return 0.5 * torch.log1p(diag.clamp_min(0.0) / s2).sum(-1), eta
     return 0.5 * _logdet_plus_identity(M, 1.0 / s2), eta
 
@@ -101,7 +99,7 @@ def criteria_from_samples(Y: torch.Tensor, sigma2: float, criterion: str, jitter
     grams = []
     for lo in range(0, n, chunk):
         Yc = Y[:, index[lo:lo + chunk]].permute(1, 0, 2)  # (c, m, k), a copy of this chunk only
-        if criterion == "eig":
+        if criterion == Criterion.EIG:
             G = Yc.mT @ Yc if m >= k else Yc @ Yc.mT  # (c, k, k) or (c, m, m)
             grams.append(G)
             d = torch.diagonal(G, dim1=-2, dim2=-1) if m >= k else (Yc * Yc).sum(1)
@@ -110,9 +108,9 @@ def criteria_from_samples(Y: torch.Tensor, sigma2: float, criterion: str, jitter
         diag[lo:lo + Yc.shape[0]] = d.double().cpu() / m
     eta = jitter_value(float(diag.mean()), jitter)
     s2 = float(sigma2) + eta
-    if criterion == "ese":
+    if criterion == Criterion.ESE:
         return diag.sum(-1), eta
-    if criterion == "diag_eig":
+    if criterion == Criterion.DIAG_EIG:
         return 0.5 * torch.log1p(diag / s2).sum(-1), eta
     return torch.cat([0.5 * _logdet_plus_identity(G.cpu(), 1.0 / (m * s2)) for G in grams]), eta
 

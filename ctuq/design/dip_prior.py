@@ -1,21 +1,23 @@
 """The linearised-DIP design prior: ``K = Φ diag(s)² Φᵀ / a`` around a DIP fitted on the pilot.
 
-* ``Φ`` (``d_x × d``) is the Jacobian of the fitted U-Net (:func:`ctuq.uq.ct_features` linearises it). For small
-  networks it is assembled once with ``min(d, d_x)`` products (``d`` JVPs or ``d_x`` VJPs,
+* ``Φ`` (``d_x × d``) is the Jacobian of the fitted U-Net (linearised as :func:`ctuq.pipeline.uq.ct_features`
+  does). For small networks it is assembled once with ``min(d, d_x)`` products (``d`` JVPs or ``d_x`` VJPs,
   :func:`ctuq.inference.assemble_features`) and every later product is a GEMM
   (:class:`~ctuq.design.factors.DenseFactor`); otherwise the design uses JVPs/VJPs directly (``dense="auto"``
   assembles when that costs fewer products than the per-step products of the whole design and ``d_x·d`` floats
-  fit in a quarter of the free memory); the rows ``T^β Φ`` of the chosen angles are then kept once projected
-  (:class:`~ctuq.design.factors.BlockRowStore`, when the design's rows fit in a quarter of the free memory),
-  because every refresh below needs them all.
-* ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹`` (:func:`ctuq.priors.scales_from_sq_norms`;
-  for a network without the assembled Jacobian, :func:`ctuq.priors.gprior_scales` with ``exact`` or
-  ``stochastic`` probes), refreshed every ``refresh_every`` acquired angles together with ``a`` — this is what
-  makes the prior adaptive: ``Φ`` and ``s`` depend on the data.
+  fit the :data:`~ctuq.memory.Budget.DESIGN_DENSE` budget, a quarter of the free memory); the rows ``T^β Φ`` of
+  the chosen angles are then kept once projected (:class:`~ctuq.design.factors.BlockRowStore`, when the design's
+  rows fit the :data:`~ctuq.memory.Budget.DESIGN_ROWS` budget, a quarter of the free memory), because every
+  refresh below needs them all.
+* ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹``
+  (:func:`ctuq.priors.scales_from_sq_norms`; for a network without the assembled Jacobian,
+  :func:`ctuq.priors.gprior_scales` with ``exact`` or ``stochastic`` probes), refreshed every
+  ``refresh_every`` acquired angles together with ``a`` — this is what makes the prior adaptive: ``Φ`` and ``s``
+  depend on the data.
 * ``a``: by the energy rule (default for the DIP; :func:`ctuq.design.priors.energy_precision` with
   ``tr(T K̄ Tᵀ) = #non-zero scales``) or by exact EM on the chosen rows.
-* targets ``ỹ = scale·y + T(Φṽ − g(ṽ))`` (the DIP's offset, as in :func:`ctuq.uq.ct_posterior`), ``σ²`` in scaled
-  units (default: the DIP's mean squared residual on the pilot).
+* targets ``ỹ = scale·y + T(Φṽ − g(ṽ))`` (the DIP's offset, as in :func:`ctuq.pipeline.uq.ct_posterior`),
+  ``σ²`` in scaled units (default: the DIP's mean squared residual on the pilot).
 * optional retraining every ``retrain_every`` angles: the DIP is fitted further on the pilot plus the acquired
   angles (warm start, :func:`ctuq.reconstruct.dip.fit_dip`), re-linearised and re-assembled.
 """
@@ -23,6 +25,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,17 +34,16 @@ import torch
 from ctuq.design.factors import BlockRowStore, DenseFactor
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
-from ctuq.inference import DENSE_CHOICES  # design.dense: by cost and memory, always, never
+from ctuq.inference import LinearizedFeatures, assemble_features
+from ctuq.linearize import LinearizedNetwork, count_linearized_weights
+from ctuq.memory import Budget, memory_budget
+from ctuq.options import DenseFeatures as DenseChoice
+from ctuq.options import DesignPriorKind, DesignPriorScale, GPriorMethod
+from ctuq.priors import gprior_scales, scales_from_sq_norms
+from ctuq.reconstruct.dip import fit_dip
+from ctuq.utils import atomic_torch_save
 
-__all__ = ["DIPPrior", "DENSE_CHOICES", "count_conv_weights"]
-
-
-def count_conv_weights(model) -> int:
-    """``d``: the weights :class:`ctuq.linearize.LinearizedNetwork` linearises by default (conv/linear weights)."""
-    from ctuq.linearize import default_linearized_parameters
-
-    params = dict(model.named_parameters())
-    return sum(params[n].numel() for n in default_linearized_parameters(model))
+__all__ = ["DIPPrior"]
 
 
 class DIPPrior:
@@ -93,23 +95,17 @@ class DIPPrior:
 
     # ------------------------------------------------------------------------------------------ linearisation
     def _linearize(self, n_steps: int, n_blocks: int) -> None:
-        import time
-
-        from ctuq.inference import LinearizedFeatures, assemble_features
-
-        from ctuq.linearize import LinearizedNetwork
-
+        """Linearise the current network (``Φ``, ``g(ṽ)``, the offset) and assemble ``Φ`` when ``design.dense``
+        says so; a network through VJPs gets a store for the rows of up to ``n_blocks`` blocks."""
         t0 = time.perf_counter()
         self._sq_norms, self._rows = {}, None  # a new Φ
-        d, d_x = count_conv_weights(self.net_model), self.op.d_x
+        d, d_x = count_linearized_weights(self.net_model), self.op.d_x
         k = self.op.c // self.op.n_angles
-        dense = {"always": True, "never": False}.get(self.settings.dense, "auto")
-        if dense == "auto":
-            from ctuq.utils import free_memory_bytes
-
-            free = free_memory_bytes(self.op.device) or 8 * 1024**3
+        dense = {DenseChoice.ALWAYS: True, DenseChoice.NEVER: False}.get(self.settings.dense, DenseChoice.AUTO)
+        if dense == DenseChoice.AUTO:
             # per step: k VJPs (Ψ_β) + k JVPs (T̄ L H) on the weight-space route
-            dense = d * d_x * 4 <= 0.25 * free and min(d, d_x) <= 2 * k * max(1, n_steps)
+            dense = (d * d_x * 4 <= memory_budget(Budget.DESIGN_DENSE, self.op.device)
+                     and min(d, d_x) <= 2 * k * max(1, n_steps))
         # Tracing the JVP (mode "linearize") costs seconds once and pays off only over many JVPs: a design through
         # JVPs. Assembling Φ needs one (the offset): its columns come from per-parameter JVPs (jvp_basis), untraced.
         jvps = 1 if dense else n_steps * k + 3 * self.settings.samples
@@ -120,9 +116,8 @@ class DIPPrior:
             self.delta = net.jvp(net.params()[None])[0] - self.g0  # Φṽ − g(ṽ), scaled image units
         if dense:
             self.say(f"assembling the Jacobian Φ ({net.d_out} × {net.d}) with {net.d} JVPs")
-            ones = torch.ones(net.d, dtype=net.dtype, device=net.device)
             # d JVPs or d_x VJPs, whichever is fewer (a product costs about the same at 16² as at 128²)
-            Phi = assemble_features(LinearizedFeatures(net, ones), by="auto", progress=self.progress)
+            Phi = assemble_features(LinearizedFeatures(net), by="auto", progress=self.progress)
             self.factor = DenseFactor(Phi.to(torch.float32), self.op.image_shape)
             del Phi
         else:
@@ -156,29 +151,29 @@ class DIPPrior:
                 raise FloatingPointError("the DIP fits the pilot exactly (zero residual); give the noise variance "
                                          "(design.noise_variance)")
         base = DesignModel(self.op, self.factor, torch.ones(self.factor.d), a=1.0, sigma2=self.sigma2_given,
-                           kind="dip", image_scale=self.scale, row_store=self._rows)
+                           image_prior=DesignPriorKind.DIP.value, image_scale=self.scale, row_store=self._rows)
         return self._scaled(base, chosen)
 
     def _scaled(self, base: DesignModel, chosen) -> DesignModel:
-        from ctuq.priors import gprior_scales, scales_from_sq_norms
-
         chosen = list(chosen)
-        if isinstance(self.factor, DenseFactor) or self.settings.gprior_method == "exact":
+        if isinstance(self.factor, DenseFactor) or self.settings.gprior_method == GPriorMethod.EXACT:
             s = scales_from_sq_norms(base.column_sq_norms(chosen, cache=self._sq_norms))
         else:
             feats = base.features(chosen)
-            s = gprior_scales(feats.rmatvec, feats.n_outputs, method="stochastic", n_features=base.d,
+            s = gprior_scales(feats.rmatvec, feats.n_outputs, method=GPriorMethod.STOCHASTIC.value, n_features=base.d,
                               n_probes=self.settings.gprior_probes, seed=self.seed, dtype=feats.dtype,
                               device=feats.device)
         s = s.to(self.factor.dtype)
         model = base.with_updates(scales=s, info={"n_chosen": len(chosen), "nonzero_scales": int((s > 0).sum())})
         y_t = self.targets(chosen)
-        method = "energy" if self.settings.prior_scale in ("auto", "energy") else "em"
-        if method == "em":
+        if self.settings.prior_scale == DesignPriorScale.EM:
             a, s2, ev = fit_precision(model, chosen, y_t, learn_noise=False)
-            return model.with_updates(a=a, info={**model.info, "prior_scale": "em", "log_evidence": ev})
+            return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.EM.value,
+                                                 "log_evidence": ev})
+        # auto and energy: the energy rule (the authors' g-prior scale)
         a, clipped = energy_precision(float((s > 0).sum()), y_t, model.sigma2)
-        return model.with_updates(a=a, info={**model.info, "prior_scale": "energy", "energy_clipped": clipped})
+        return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value,
+                                             "energy_clipped": clipped})
 
     # ------------------------------------------------------------------------------------------ updates
     def updater(self, engine, n_acquired: int, chosen, replay: bool) -> DesignModel | None:
@@ -194,8 +189,6 @@ class DIPPrior:
         return None
 
     def _retrain(self, chosen, n_acquired: int, replay: bool) -> None:
-        from ctuq.reconstruct.dip import fit_dip
-
         path = self.work_dir / f"retrain_{n_acquired:03d}.pt" if self.work_dir is not None else None
         model = copy.deepcopy(self.net_model)
         if path is not None and path.is_file():
@@ -212,8 +205,6 @@ class DIPPrior:
                           seed=self.seed + n_acquired, device=self.op.device, progress=self.progress)
             model.load_state_dict(res.best_state_dict)
             if path is not None:
-                from ctuq.utils import atomic_torch_save
-
                 atomic_torch_save(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
         self.net_model = model.eval()
         self.n_retrains += 1

@@ -30,14 +30,12 @@ import torch
 
 from ctuq.design.bordered import BorderedCholesky, lower_gram
 from ctuq.design.criteria import criteria_from_blocks, criteria_from_samples
-from ctuq.design.factors import kernel_from_rows
-from ctuq.inference import sample_chunks
+from ctuq.design.factors import DenseFactor, IdentityFactor, kernel_from_rows
+from ctuq.inference import DenseFeatures, sample_chunks
 from ctuq.inference.sampler import chunk_generator
+from ctuq.options import DesignRoute
 
-__all__ = ["BorderedCholesky", "DesignEngine", "ROUTES", "auto_route"]  # BorderedCholesky: from .bordered
-
-ROUTES = ("auto", "exact", "sampled")
-"""How candidate blocks are kept (``design.route``): exactly, from ``m`` samples, or chosen by cost."""
+__all__ = ["BorderedCholesky", "DesignEngine", "auto_route"]  # BorderedCholesky: from .bordered
 
 
 def auto_route(model, refreshed: bool) -> str:
@@ -48,10 +46,8 @@ def auto_route(model, refreshed: bool) -> str:
     every change; a network through VJPs needs one VJP per candidate row for them, a Matérn factor one FFT pair
     (36 600 for the published study), against ``m`` for the samples.
     """
-    from ctuq.design.factors import DenseFactor, IdentityFactor
-
     cheap = isinstance(model.factor, (IdentityFactor, DenseFactor))
-    return "exact" if cheap and not refreshed else "sampled"
+    return DesignRoute.EXACT.value if cheap and not refreshed else DesignRoute.SAMPLED.value
 
 
 class DesignEngine:
@@ -80,7 +76,7 @@ class DesignEngine:
     """
 
     def __init__(self, model, route: str = "sampled", n_samples: int = 1000, seed: int = 0, sample_chunk: int = 256):
-        if route not in ("exact", "sampled"):
+        if route not in (DesignRoute.EXACT, DesignRoute.SAMPLED):
             raise ValueError(f"DesignEngine: route must be 'exact' or 'sampled', got {route!r}")
         self.model, self.route, self.m = model, route, int(n_samples)
         self.seed, self.sample_chunk = int(seed), int(sample_chunk)
@@ -102,7 +98,7 @@ class DesignEngine:
         self.chol = BorderedCholesky(mdl.a, mdl.sigma2)
         self.weight_space = mdl.weight_space()
         self.chosen, self.F, self._Fbuf = [], None, None
-        if self.route == "exact":
+        if self.route == DesignRoute.EXACT:
             self.M = mdl.prior_blocks()
             for b in chosen:
                 self._condition(b, None)
@@ -123,17 +119,16 @@ class DesignEngine:
         self.n_resets += 1
 
     def chunk_seed(self) -> int:
+        """Seed of the samples drawn after the current reset (one stream per reset)."""
         return self.seed * 1000 + self.n_resets
 
     def _bound(self):
-        from ctuq.inference import DenseFeatures
-
         feats = DenseFeatures(self.F) if self.weight_space and self.F is not None else self.model.features(self.chosen)
         return self.chol.bind(feats)
 
     def prepare(self) -> None:
         """Draw the samples of the sampled route now (else at their first use)."""
-        if self.route == "sampled":
+        if self.route == DesignRoute.SAMPLED:
             self.samples()
 
     def samples(self) -> torch.Tensor:
@@ -174,7 +169,7 @@ class DesignEngine:
         if beta in self.chosen:
             raise ValueError(f"DesignEngine.acquire: candidate {beta} is already chosen")
         eps = None
-        if self.route == "sampled":
+        if self.route == DesignRoute.SAMPLED:
             gen = chunk_generator(self.seed + 7919, step)
             eps = torch.randn((self.m, self.model.k), generator=gen, dtype=torch.float64) * self.model.sigma2 ** 0.5
         self._condition(int(beta), eps)
@@ -229,13 +224,14 @@ class DesignEngine:
 
     def _condition(self, beta: int, eps: torch.Tensor | None) -> None:
         mdl, k = self.model, self.model.k
-        Y = self.samples() if self.route == "sampled" else None  # drawn before β joins the kept rows and factor
+        # drawn before β joins the kept rows and factor
+        Y = self.samples() if self.route == DesignRoute.SAMPLED else None
         X, B, D, Zf = self._cross_weight(beta) if self.weight_space else self._cross_image(beta)
         Xb = X.reshape(k, mdl.n_candidates, k)  # [p, i, q] = Cov(y_β,p ; y_i,q | τ), float32 or float64
         S = Xb[:, beta, :].double()
         S = 0.5 * (S + S.T) + mdl.sigma2 * torch.eye(k, dtype=torch.float64)
         Ls = torch.linalg.cholesky(S)
-        if self.route == "exact":
+        if self.route == DesignRoute.EXACT:
             G = torch.linalg.solve_triangular(Ls, Xb.double().permute(1, 0, 2), upper=False)  # Ls⁻¹ Cov(y_β, y_i)
             self.M -= G.mT @ G
         else:
@@ -250,7 +246,7 @@ class DesignEngine:
         """Criterion values ``(n,)`` (float64; chosen candidates get ``-inf``) and the jitter ``η``."""
         left = torch.ones(self.model.n_candidates, dtype=torch.bool)
         left[self.chosen] = False
-        if self.route == "exact":
+        if self.route == DesignRoute.EXACT:
             got, eta = criteria_from_blocks(self.M[left], self.model.sigma2, criterion, jitter)
         else:
             got, eta = criteria_from_samples(self.samples(), self.model.sigma2, criterion, jitter,

@@ -11,7 +11,7 @@ sampler and the solvers see one kind of feature operator for every prior:
 * :class:`MaternFactor` — Matérn-½ (exponential) covariance ``k(r) = exp(−r/ℓ)`` over pixel positions, through the
   symmetric square root of its circulant embedding (``d = 4 d_x``, products by FFT);
 * :class:`DenseFactor` — an assembled Jacobian ``Φ`` (``d_x × d``) of a small network (the linearised DIP once
-  ``d`` JVPs have assembled it: every later product is a GEMM);
+  ``d`` JVPs have assembled it: every later product is a GEMM of the core's :class:`ctuq.inference.DenseFeatures`);
 * a :class:`ctuq.linearize.LinearizedNetwork` itself (the linearised DIP through JVPs/VJPs; large networks).
 
 Besides ``jvp``/``vjp`` the design needs :func:`kernel_apply` (``K x`` on image rows) and :func:`project_rows`
@@ -24,6 +24,9 @@ import math
 
 import numpy as np
 import torch
+
+from ctuq.inference import DenseFeatures
+from ctuq.memory import Budget, memory_budget
 
 __all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "BlockRowStore", "kernel_apply", "kernel_from_rows",
            "project_rows",
@@ -54,6 +57,7 @@ class _Factor:
 
     @property
     def image_shape(self) -> tuple[int, ...]:
+        """Shape of the images ``L w``."""
         return tuple(self.output_shape[2:])
 
     def _rows(self, X: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -157,7 +161,8 @@ class MaternFactor(_Factor):
 class DenseFactor(_Factor):
     """``L = Φ`` given as a dense ``(d_x, d)`` matrix (an assembled network Jacobian).
 
-    ``Φ`` is kept in float32 (``d_x·d`` floats; 328 MB for the CPU-demo U-Net at 128²): every product is a GEMM.
+    ``Φ`` is kept in float32 (``d_x·d`` floats; 328 MB for the CPU-demo U-Net at 128²) as the core's dense feature
+    operator (:class:`ctuq.inference.DenseFeatures`, :attr:`dense`): every product is its GEMM.
     :meth:`projected_blocks` keeps ``T^β Φ`` of every candidate block it was asked for, so a block is projected
     once however often a design needs its rows.
     """
@@ -167,31 +172,35 @@ class DenseFactor(_Factor):
             raise ValueError(f"DenseFactor: matrix must be (d_x = {math.prod(image_shape)}, d), got "
                              f"{tuple(matrix.shape)}")
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
-        self.matrix = matrix
+        self.dense = DenseFeatures(matrix)
         # (operator, the store of its projected blocks or None when T Φ does not fit)
         self._projection: tuple[object, BlockRowStore | None] | None = None
 
-    def projected_blocks(self, op, blocks, memory_fraction: float = 0.25) -> torch.Tensor | None:
+    @property
+    def matrix(self) -> torch.Tensor:
+        """``Φ`` ``(d_x, d)``."""
+        return self.dense.matrix
+
+    def projected_blocks(self, op, blocks) -> torch.Tensor | None:
         """``T_B Φ`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of the operator ``op`` (``k`` rows per angle).
 
         A design asks for the rows of the same blocks again and again (the chosen angles at every g-prior refresh,
         each acquired block once more at its step), so each block is projected once — one sparse × dense product
         for all blocks not yet kept — into a :class:`BlockRowStore` with room for every candidate of ``op`` (a
-        design of 40 out of 200 angles projects 40). ``None`` when its ``c·d`` floats would take more than
-        ``memory_fraction`` of the free memory; callers then project the rows they need each time.
+        design of 40 out of 200 angles projects 40). ``None`` when its ``c·d`` floats would not fit the
+        :data:`~ctuq.memory.Budget.DESIGN_ROWS` budget; callers then project the rows they need each time.
         """
         if self._projection is None or self._projection[0] is not op:
-            store = BlockRowStore.if_fits(op.n_angles, op.c // op.n_angles, self.d, self.dtype, self.device,
-                                          memory_fraction)
+            store = BlockRowStore.if_fits(op.n_angles, op.c // op.n_angles, self.d, self.dtype, self.device)
             self._projection = (op, store)
         store = self._projection[1]
         return None if store is None else store.rows(self, op, blocks, chunk=None)
 
     def _jvp(self, W):
-        return W @ self.matrix.T
+        return self.dense.matvec(W)
 
     def _vjp(self, R):
-        return R @ self.matrix
+        return self.dense.rmatvec(R)
 
 
 class BlockRowStore:
@@ -225,22 +234,21 @@ class BlockRowStore:
 
     @property
     def capacity(self) -> int:
+        """Blocks the store can keep."""
         return self.buf.shape[0] // self.k
 
     @staticmethod
-    def fits(capacity: int, k: int, d: int, element_size: int, device, memory_fraction: float = 0.25) -> bool:
-        """Whether ``capacity·k·d`` floats take at most ``memory_fraction`` of the free memory of ``device``."""
-        from ctuq.utils import free_memory_bytes
-
-        free = free_memory_bytes(device)
-        return free is None or capacity * k * d * element_size <= memory_fraction * free
+    def fits(capacity: int, k: int, d: int, element_size: int, device) -> bool:
+        """Whether ``capacity·k·d`` numbers of ``element_size`` bytes fit the
+        :data:`~ctuq.memory.Budget.DESIGN_ROWS` budget of ``device`` (always, where the free memory is unknown)."""
+        budget = memory_budget(Budget.DESIGN_ROWS, device)
+        return budget is None or capacity * k * d * element_size <= budget
 
     @classmethod
-    def if_fits(cls, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu",
-                memory_fraction: float = 0.25) -> "BlockRowStore | None":
+    def if_fits(cls, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu") -> "BlockRowStore | None":
         """A store of ``capacity`` blocks of ``k × d`` rows, or ``None`` when they would not :meth:`fit <fits>`."""
         size = torch.empty((), dtype=dtype).element_size()
-        return cls(capacity, k, d, dtype, device) if cls.fits(capacity, k, d, size, device, memory_fraction) else None
+        return cls(capacity, k, d, dtype, device) if cls.fits(capacity, k, d, size, device) else None
 
     def rows(self, factor, op, blocks, chunk: int | None = 8) -> torch.Tensor:
         """``T_B L`` ``(len(blocks)·k, d)`` for candidate ``blocks`` of ``op``: the blocks not kept yet are projected

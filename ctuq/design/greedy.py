@@ -23,21 +23,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ctuq.design.candidates import BASELINES, DesignError, equidistant_indices, random_indices
-from ctuq.design.criteria import CRITERIA
+from ctuq.design.candidates import DesignError, equidistant_indices, random_indices
+from ctuq.errors import CheckpointMismatch
+from ctuq.options import Baseline, Criterion
+from ctuq.options import values as option_values
 from ctuq.utils import atomic_torch_save, check_fingerprint
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["DesignResult", "DesignCheckpointMismatch", "greedy_design", "baseline_design", "STRATEGIES",
-           "CHECKPOINT_VERSION"]
+__all__ = ["DesignResult", "greedy_design", "baseline_design", "STRATEGIES", "CHECKPOINT_VERSION"]
 
-STRATEGIES = (*CRITERIA, *BASELINES)
-"""Design strategies: a criterion (greedy) or a baseline."""
+STRATEGIES = (*option_values(Criterion), *option_values(Baseline))
+"""Design strategies (``design.criterion``, ``ctuq design --criterion``): a criterion (greedy) or a baseline."""
 CHECKPOINT_VERSION = 1
-
-
-class DesignCheckpointMismatch(DesignError):
-    """A design checkpoint belongs to another problem or other settings (or another version)."""
 
 
 @dataclasses.dataclass
@@ -69,6 +66,7 @@ class DesignResult:
 
     @property
     def chosen(self) -> list[int]:
+        """Pilot then acquired candidate indices, in acquisition order."""
         return list(self.pilot) + list(self.acquired)
 
 
@@ -76,10 +74,10 @@ def _load(path: Path, fingerprint: dict) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True)
     version = state.get("version") if isinstance(state, dict) else None
     if version != CHECKPOINT_VERSION:
-        raise DesignCheckpointMismatch(f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
-                                       f"{CHECKPOINT_VERSION}; delete it to start the design afresh")
+        raise CheckpointMismatch(f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
+                                 f"{CHECKPOINT_VERSION}; delete it to start the design afresh")
     check_fingerprint(state.get("fingerprint", {}), fingerprint, what=f"{path}: cannot resume the design",
-                      error=DesignCheckpointMismatch, hint="delete it to start afresh, or use the same settings")
+                      error=CheckpointMismatch, hint="delete it to start afresh, or use the same settings")
     return state
 
 
@@ -114,8 +112,8 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
         after 35 angles is the dearest: its measurement covariance has the most rows), so it is skipped unless
         the caller uses the engine afterwards (the std map after the design). A resumed longer design replays it.
     """
-    if criterion not in CRITERIA:
-        raise DesignError(f"design.criterion must be one of {list(CRITERIA)}, got {criterion!r}")
+    if criterion not in option_values(Criterion):
+        raise DesignError(f"design.criterion must be one of {list(option_values(Criterion))}, got {criterion!r}")
     say = log or (lambda _m: None)
     angles_deg = np.asarray(angles_deg, dtype=np.float64)
     pilot = [int(b) for b in pilot]
@@ -183,11 +181,11 @@ def baseline_design(strategy: str, n_candidates: int, pilot, n_acquire: int, *, 
     among the non-pilot candidates (seeded). For an equidistant set of the *total* count regardless of the pilot,
     use :func:`ctuq.design.candidates.equidistant_indices`.
     """
-    if strategy not in BASELINES:
-        raise DesignError(f"baseline strategy must be one of {list(BASELINES)}, got {strategy!r}")
+    if strategy not in option_values(Baseline):
+        raise DesignError(f"baseline strategy must be one of {list(option_values(Baseline))}, got {strategy!r}")
     t0 = time.perf_counter()
     pilot = [int(b) for b in pilot]
-    if strategy == "random":
+    if strategy == Baseline.RANDOM:
         picks = random_indices(n_candidates, n_acquire, exclude=pilot, seed=seed)
     else:
         best, best_gap = None, -1.0

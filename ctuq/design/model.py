@@ -17,9 +17,16 @@ from typing import Sequence
 
 import torch
 
-from ctuq.design.factors import (BlockRowStore, DenseFactor, IdentityFactor, MaternFactor, block_rows, kernel_apply,
-                                 project_rows)
-from ctuq.inference import LinearizedFeatures
+from ctuq.design.factors import (
+    BlockRowStore,
+    DenseFactor,
+    IdentityFactor,
+    MaternFactor,
+    block_rows,
+    kernel_apply,
+    project_rows,
+)
+from ctuq.inference import LinearizedFeatures, ScaledFeatures
 
 __all__ = ["DesignModel"]
 
@@ -38,8 +45,9 @@ class DesignModel:
         ``s`` ``(d,)`` (g-prior for the DIP, ones otherwise).
     a, sigma2 : float
         Prior precision and noise variance.
-    kind : str
-        Which prior built it (``isotropic``, ``matern``, ``dip``), for records.
+    image_prior : str
+        Which image prior built it (``isotropic``, ``matern``, ``dip``; ``design.prior``), for records
+        (``kind`` in :meth:`summary`).
     info : dict
         What the builder chose (lengthscale, evidence, how ``a`` was set, ...), plain values.
     image_scale : float
@@ -55,7 +63,7 @@ class DesignModel:
     scales: torch.Tensor
     a: float
     sigma2: float
-    kind: str = "custom"
+    image_prior: str = "custom"
     info: dict = dataclasses.field(default_factory=dict)
     image_scale: float = 1.0
     row_store: BlockRowStore | None = None
@@ -69,6 +77,7 @@ class DesignModel:
     # ------------------------------------------------------------------------------------------ sizes
     @property
     def n_candidates(self) -> int:
+        """Candidate angles (blocks) of :attr:`op`."""
         return int(self.op.n_angles)
 
     @property
@@ -78,14 +87,17 @@ class DesignModel:
 
     @property
     def c(self) -> int:
+        """Rows of all candidates (``n_candidates · k``)."""
         return int(self.op.c)
 
     @property
     def d(self) -> int:
+        """Weights of the factor ``L`` (columns of ``Ψ``)."""
         return int(self.factor.d)
 
     @property
     def d_x(self) -> int:
+        """Pixels of the image."""
         return int(self.op.d_x)
 
     def rows(self, blocks: Sequence[int]) -> torch.Tensor:
@@ -109,7 +121,8 @@ class DesignModel:
     def features(self, blocks: Sequence[int] | None = None) -> LinearizedFeatures:
         """``Ψ = T_B L diag(s)`` for candidate ``blocks`` (all when ``None``): the core's feature operator."""
         op = self.op if blocks is None else self.subset(blocks)
-        return LinearizedFeatures(self.factor, self.scales, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
+        return ScaledFeatures(LinearizedFeatures(self.factor, op.forward_flat, op.adjoint_flat, n_outputs=op.c),
+                              self.scales)
 
     def kernel(self, X: torch.Tensor) -> torch.Tensor:
         """``K x`` for image rows ``X`` ``(B, d_x)`` → ``(B, d_x)`` (factor dtype)."""
@@ -157,7 +170,8 @@ class DesignModel:
             return torch.from_numpy((op_a.matrix @ op_b.matrix.T).toarray()) / self.a
         if not isinstance(self.factor, MaternFactor):
             Fa = self.projected_rows(blocks_a).double() * self.scales.double()
-            Fb = Fa if list(blocks_a) == list(blocks_b) else self.projected_rows(blocks_b).double() * self.scales.double()
+            same = list(blocks_a) == list(blocks_b)
+            Fb = Fa if same else self.projected_rows(blocks_b).double() * self.scales.double()
             return (Fa @ Fb.T).cpu() / self.a
         op_a, op_b = self.subset(blocks_a), self.subset(blocks_b)
         out = torch.empty((op_a.c, op_b.c), dtype=torch.float64)
@@ -209,7 +223,7 @@ class DesignModel:
     def summary(self) -> dict:
         """Plain numbers for design.json."""
         s = self.scales
-        return {"kind": self.kind, "n_candidates": self.n_candidates, "k": self.k, "d": self.d, "d_x": self.d_x,
+        return {"kind": self.image_prior, "n_candidates": self.n_candidates, "k": self.k, "d": self.d, "d_x": self.d_x,
                 "a": float(self.a), "sigma2": float(self.sigma2), "image_scale": float(self.image_scale),
                 "zero_scales": int((s == 0).sum()), **{k: v for k, v in self.info.items()
                                                        if isinstance(v, (int, float, str, bool, type(None)))}}

@@ -22,7 +22,7 @@ def plot_design_polar(path, pilot_deg: Sequence[float], acquired_deg: Sequence[f
 
     Parallel-beam angles (``period_deg = 180``) are drawn at ``θ`` and ``θ + 180°`` (the same rays).
     """
-    from matplotlib import cm
+    from matplotlib import cm  # matplotlib is imported only to draw, as in ctuq.figures
 
     fig = _figure(None, (5.2, 5.2), dpi)
     ax = fig.add_subplot(projection="polar")

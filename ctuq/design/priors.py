@@ -24,14 +24,10 @@ import torch
 from ctuq.design.factors import IdentityFactor, MaternFactor
 from ctuq.design.model import DesignModel
 from ctuq.inference import DenseFeatures, GaussianLikelihood, LinearizedPosterior
+from ctuq.options import DesignPriorKind, DesignPriorScale
 
-__all__ = ["PRIOR_KINDS", "PRIOR_SCALES", "fit_precision", "energy_precision", "isotropic_model", "matern_model",
+__all__ = ["fit_precision", "energy_precision", "isotropic_model", "matern_model",
            "default_lengthscales"]
-
-PRIOR_KINDS = ("isotropic", "matern", "dip")
-"""Design priors (``design.prior``)."""
-PRIOR_SCALES = ("auto", "em", "energy")
-"""How ``a`` is set (``design.prior_scale``); ``auto``: ``em`` for isotropic/Matérn, ``energy`` for the DIP."""
 
 
 def _pilot_posterior(model: DesignModel, blocks, targets: torch.Tensor, learn_noise: bool) -> LinearizedPosterior:
@@ -76,12 +72,16 @@ def energy_precision(trace: float, targets: torch.Tensor, sigma2: float) -> tupl
 
 
 def _set_precision(model: DesignModel, blocks, targets, method: str, learn_noise: bool) -> DesignModel:
-    if method == "em":
+    """``model`` with ``a`` (and ``σ²`` when learned) set by ``method`` (``"em"`` or ``"energy"``) on the rows of
+    ``blocks``, the method and its evidence or clipping recorded in ``info``."""
+    if method == DesignPriorScale.EM:
         a, s2, ev = fit_precision(model, blocks, targets, learn_noise=learn_noise)
-        return model.with_updates(a=a, sigma2=s2, info={**model.info, "prior_scale": "em", "log_evidence": ev})
+        return model.with_updates(a=a, sigma2=s2, info={**model.info, "prior_scale": DesignPriorScale.EM.value,
+                                                        "log_evidence": ev})
     trace = float(model.block_kernel(blocks, blocks).diagonal().sum()) * model.a
     a, clipped = energy_precision(trace, targets, model.sigma2)
-    return model.with_updates(a=a, info={**model.info, "prior_scale": "energy", "energy_clipped": clipped})
+    return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value,
+                                         "energy_clipped": clipped})
 
 
 def isotropic_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float, *, prior_scale: str = "em",
@@ -89,8 +89,9 @@ def isotropic_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: flo
     """``K = I/a`` over the pixels of ``op``'s image; ``a`` from the pilot measurements ``y_pilot`` (data units)."""
     factor = IdentityFactor(op.image_shape, dtype=op.dtype, device=op.device)
     model = DesignModel(op, factor, torch.ones(factor.d, dtype=op.dtype), a=1.0, sigma2=float(sigma2),
-                        kind="isotropic")
-    return _set_precision(model, pilot, y_pilot, "em" if prior_scale == "auto" else prior_scale, learn_noise)
+                        image_prior=DesignPriorKind.ISOTROPIC.value)
+    method = DesignPriorScale.EM if prior_scale == DesignPriorScale.AUTO else prior_scale
+    return _set_precision(model, pilot, y_pilot, method, learn_noise)
 
 
 def default_lengthscales(image_shape) -> list[float]:
@@ -112,8 +113,9 @@ def matern_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float,
     for ell in grid:
         factor = MaternFactor(op.image_shape, ell, dtype=op.dtype, device=op.device)
         model = DesignModel(op, factor, torch.ones(factor.d, dtype=op.dtype), a=1.0, sigma2=float(sigma2),
-                            kind="matern", info={"lengthscale": float(ell), "embedding_clipped": factor.clipped})
-        fitted = _set_precision(model, pilot, y_pilot, "em", learn_noise)
+                            image_prior=DesignPriorKind.MATERN.value,
+                            info={"lengthscale": float(ell), "embedding_clipped": factor.clipped})
+        fitted = _set_precision(model, pilot, y_pilot, DesignPriorScale.EM, learn_noise)
         ev = fitted.info["log_evidence"]
         table.append({"lengthscale": float(ell), "log_evidence": ev, "a": fitted.a, "sigma2": fitted.sigma2})
         say(f"Matérn ℓ = {ell:.3g} px: log evidence {ev:.6g}, a = {fitted.a:.4g}")
@@ -122,6 +124,6 @@ def matern_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float,
     if not math.isfinite(best.info["log_evidence"]):
         raise FloatingPointError("matern prior: the pilot evidence is not finite for any lengthscale")
     best.info["evidence_grid"] = table
-    if prior_scale == "energy":
-        best = _set_precision(best, pilot, y_pilot, "energy", learn_noise)
+    if prior_scale == DesignPriorScale.ENERGY:
+        best = _set_precision(best, pilot, y_pilot, DesignPriorScale.ENERGY, learn_noise)
     return best

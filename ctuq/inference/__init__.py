@@ -1,10 +1,17 @@
 """Linearised inference core: the Gaussian linear model ``ỹ = Ψ w + ε`` over (scaled) network weights.
 
-Front ends (CT: :mod:`ctuq.uq`; later experimental design and classification) use one object,
-:class:`LinearizedPosterior` (``setup → fit → sample / mean / log_evidence``, ``state_dict``, ``restrict`` /
-``extend``), which composes the pieces below: features, prior scales, a likelihood
-(:mod:`~ctuq.inference.likelihoods`), a solver from the registry :data:`SOLVERS`, the Matheron sampler and the
-sampled EM.
+Front ends (CT, experimental design, classification) use one object, :class:`LinearizedPosterior`
+(``setup → fit → sample / mean / log_evidence``, ``state_dict``, ``restrict`` / ``extend``), which composes the
+pieces below: features, prior scales, a likelihood (:mod:`~ctuq.inference.likelihoods`), a solver from the registry
+:data:`SOLVERS` (:mod:`ctuq.inference.solvers`), the Matheron sampler and the sampled EM. It takes keyword
+arguments only; a configuration maps onto them in :func:`ctuq.config.posterior_arguments`.
+
+Modules: :mod:`~ctuq.inference.features` (Ψ), :mod:`~ctuq.inference.kernel` (K̄, C, dense assembly),
+:mod:`~ctuq.inference.checks` (argument checks), :mod:`~ctuq.inference.solvers` (the solver package: contract,
+registry, cost model, one module per solver), :mod:`~ctuq.inference.sampler`, :mod:`~ctuq.inference.em`,
+:mod:`~ctuq.inference.likelihoods`, :mod:`~ctuq.inference.posterior`, :mod:`~ctuq.inference.distributed`,
+:mod:`~ctuq.inference.reference` (dense float64 reference). The shared contract tests of solvers and feature
+operators are :mod:`ctuq.testing`.
 
 ``w ~ N(0, a⁻¹ I)`` (``d`` weights), ``ε ~ N(0, σ² I)`` (``c`` targets). This package imports nothing CT-specific:
 it sees a feature operator ``Ψ`` (batched ``Ψ``/``Ψᵀ`` row products) and the targets ``ỹ``, so CT
@@ -17,19 +24,24 @@ equation                                              implementation
 ====================================================  =========================================================
 ``Φu``, ``Φᵀr`` (Jacobian of ``g`` at ``ṽ``)             :class:`ctuq.linearize.LinearizedNetwork` ``jvp``/``vjp``
 ``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :func:`ctuq.priors.gprior_scales`
-``Ψ = L Φ diag(s)``; dense ``Ψ``                      :class:`LinearizedFeatures`; :class:`DenseFeatures`
-``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (a linear_operator LinearOperator)
+``Ψ₀ = L Φ``; ``Ψ = Ψ₀ diag(s)``; dense ``Ψ``          :class:`LinearizedFeatures`; :class:`ScaledFeatures`;
+                                                      :class:`DenseFeatures` (``features.py``)
+``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (``kernel.py``, a LinearOperator)
 ``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
 ``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
-                                                      :class:`LowRankPreconditioner`
-``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg`
-``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``gamma``, ``weight_norm_sq``,
-``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``log_evidence``)
-``C⁻¹R`` by stochastic dual descent / primal SGD       :class:`SDDSolver`, :class:`SGDSolver` (large ``c``)
-exact / CG / SDD / SGD by cost; solver registry      :func:`choose_solver`, :func:`resolve_solver`, :data:`SOLVERS`
+                                                      :class:`LowRankPreconditioner` (``solvers/preconditioners.py``)
+``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg` (``solvers/cg.py``)
+``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``solvers/exact.py``: ``gamma``,
+``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``weight_norm_sq``, ``log_evidence``), an :class:`ExactSolver`
+``C⁻¹R`` by stochastic dual descent / primal SGD       :class:`SDDSolver`, :class:`SGDSolver` (``solvers/sdd.py``,
+                                                      ``solvers/sgd.py``; large ``c``)
+``‖C x − b‖/‖b‖`` (every solver's residual)          :func:`relative_residual` (``solvers/base.py``)
+exact / CG / SDD / SGD by cost; solver registry      :func:`choose_solver`, :func:`resolve_solver` (``solvers/
+                                                      cost.py``), :data:`SOLVERS` (``solvers/registry.py``)
 ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ``                                 :func:`posterior_mean` (or ``sample_posterior(y_tilde=…)``)
 ``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                     :func:`sample_posterior`, resumable :func:`sample_chunks`
-image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedFeatures.network_matvec`
+image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedPosterior.output_samples` (through
+                                                      :meth:`LinearizedFeatures.network_matvec` of ``s ⊙ ζ``)
 ``γ̂ = (1/k) Σ ‖Ψζ_j‖²/σ²``; ``a ← γ̂/‖w*‖²``;           :class:`SampledEM` (uses ``Ψζ_j = ε_j − σ²C⁻¹(ε_j − Ψw₀_j)``
 ``σ² ← ‖ỹ − Ψw*‖²/(c − γ̂)``                          and ``‖w*‖² = a⁻¹(uᵀỹ − σ²‖u‖²)``: no VJPs)
 dense float64 reference (primal form)                 :class:`DenseLinearGaussian`
@@ -40,8 +52,9 @@ network) and by ``Ψᵀ`` (``n_rmatvec``, = VJPs); :class:`ctuq.linearize.Linear
 VJPs (including image-space ones).
 """
 
+from ctuq.inference.checks import check_hyper, check_rhs, check_targets
 from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env
-from ctuq.inference.em import EM_STOP_RULES, EM_UPDATES, EMResult, EMStateMismatch, SampledEM
+from ctuq.inference.em import EMResult, SampledEM
 from ctuq.inference.features import (
     DenseFeatures,
     FeatureOperator,
@@ -53,25 +66,14 @@ from ctuq.inference.features import (
 )
 from ctuq.inference.kernel import (
     KernelOperator,
-    DENSE_CHOICES,
     assemble_features,
     assemble_kernel,
     kernel_diagonal,
     measurement_covariance,
 )
-from ctuq.inference.preconditioners import (
-    LowRankEig,
-    LowRankPreconditioner,
-    adaptive_nystrom_eig,
-    pivoted_cholesky_eig,
-    randomized_eig,
-)
 from ctuq.inference.likelihoods import LIKELIHOODS, CategoricalLikelihood, GaussianLikelihood, Likelihood
-from ctuq.inference.posterior import GPRIOR_METHODS, PRIORS, LinearizedPosterior
+from ctuq.inference.posterior import LinearizedPosterior
 from ctuq.inference.reference import DenseLinearGaussian
-from ctuq.inference.first_order import FirstOrderSolver, lanczos_top_eigenvalue
-from ctuq.inference.sdd import SDD_DEFAULTS, SDDSolver
-from ctuq.inference.sgd import LR_DECAYS, SGD_DEFAULTS, SGDSolver
 from ctuq.inference.sampler import (
     PosteriorSamples,
     chunk_generator,
@@ -81,42 +83,59 @@ from ctuq.inference.sampler import (
     sample_posterior,
 )
 from ctuq.inference.solvers import (
+    SDD_DEFAULTS,
+    SGD_DEFAULTS,
+    SOLVERS,
     CGSolver,
     ConvergenceWarning,
+    ExactDualSolver,
     ExactEigSolver,
+    ExactPrimalSolver,
+    ExactSolver,
+    FirstOrderSolver,
+    LowRankEig,
+    LowRankPreconditioner,
+    SDDSolver,
+    SGDSolver,
+    Solver,
     SolverCostEstimate,
     SolveStats,
-    Solver,
     Workload,
+    adaptive_nystrom_eig,
+    check_solver_options,
     choose_solver,
+    dense_features_fit,
     estimate_solver_costs,
+    lanczos_top_eigenvalue,
     make_solver,
     pcg,
-    PRECONDITIONERS,
-    SOLVER_CHOICES,
-    SOLVERS,
-    SolverSpec,
-    dense_features_fit,
-    dense_memory_budget,
+    pivoted_cholesky_eig,
+    randomized_eig,
+    register_solver,
+    relative_residual,
     resolve_solver,
+    solver_choices,
+    solver_kwargs,
+    unregister_solver,
 )
 
 __all__ = [
-    "LinearizedPosterior", "PRIORS", "GPRIOR_METHODS",
+    "LinearizedPosterior",
     "Likelihood", "GaussianLikelihood", "CategoricalLikelihood", "LIKELIHOODS",
     "FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
     "StackedFeatures", "stack_features",
-    "SOLVERS", "SOLVER_CHOICES", "PRECONDITIONERS", "SolverSpec", "resolve_solver", "dense_memory_budget",
-    "dense_features_fit",
-    "KernelOperator", "measurement_covariance", "assemble_features", "DENSE_CHOICES", "assemble_kernel", "kernel_diagonal",
-    "LowRankEig", "LowRankPreconditioner", "randomized_eig", "pivoted_cholesky_eig",
-    "ConvergenceWarning", "SolveStats", "pcg", "Solver", "CGSolver", "ExactEigSolver",
-    "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "make_solver",
+    "check_hyper", "check_targets", "check_rhs",
+    "KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
+    "SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options", "solver_kwargs",
+    "Solver", "ExactSolver", "SolveStats", "ConvergenceWarning", "relative_residual",
+    "Workload", "SolverCostEstimate", "estimate_solver_costs", "choose_solver", "resolve_solver",
+    "dense_features_fit", "make_solver",
+    "CGSolver", "pcg", "ExactEigSolver", "ExactPrimalSolver", "ExactDualSolver",
+    "FirstOrderSolver", "lanczos_top_eigenvalue", "SDDSolver", "SDD_DEFAULTS", "SGDSolver", "SGD_DEFAULTS",
+    "LowRankEig", "LowRankPreconditioner", "randomized_eig", "adaptive_nystrom_eig", "pivoted_cholesky_eig",
     "PosteriorSamples", "sample_posterior", "posterior_mean", "chunk_generator", "sample_chunks",
     "draw_prior_and_noise",
-    "SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES", "EM_UPDATES",
-    "FirstOrderSolver", "lanczos_top_eigenvalue", "SDDSolver", "SDD_DEFAULTS", "SGDSolver", "SGD_DEFAULTS",
-    "LR_DECAYS", "adaptive_nystrom_eig",
+    "SampledEM", "EMResult",
     "Shard", "LocalShard", "TorchShard", "current_shard", "init_from_env",
     "DenseLinearGaussian",
 ]

@@ -29,10 +29,12 @@ rank its own checkpoint of running sums).
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ctuq.errors import CTUQError
 
@@ -101,8 +103,6 @@ class TorchShard(Shard):
     """
 
     def __init__(self, device: torch.device | str | None = None):
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             raise DistributedSetupError("TorchShard: torch.distributed is not initialised (use init_from_env or "
                                         "torch.distributed.init_process_group first)")
@@ -114,48 +114,34 @@ class TorchShard(Shard):
         self.device = torch.device(device)
 
     def _run(self, t: torch.Tensor, op) -> torch.Tensor:
-        import torch.distributed as dist
-
         buf = t.detach().to(self.device).contiguous()
         dist.all_reduce(buf, op=op)
         return buf.to(t.device)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         return self._run(t, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         return self._run(t, dist.ReduceOp.MAX)
 
     def reduce_sum_(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         buf = t.detach().to(self.device).contiguous()
         dist.reduce(buf, dst=0, op=dist.ReduceOp.SUM)
         if self.is_root:
             t.copy_(buf.to(t.device))
 
     def broadcast_object(self, obj: Any) -> Any:
-        import torch.distributed as dist
-
         box = [obj if self.is_root else None]
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
 def current_shard() -> Shard:
     """A :class:`TorchShard` when a process group with more than one rank is initialised, else a
     :class:`LocalShard`."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchShard()
     return LocalShard()
@@ -181,10 +167,6 @@ def init_from_env(device_type: str = "cpu", *, timeout_s: float = 1800.0) -> tup
     DistributedSetupError
         Missing environment variables (naming them and how to launch), or more ranks per node than GPUs.
     """
-    import datetime
-
-    import torch.distributed as dist
-
     need = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [k for k in need if k not in os.environ]
     if missing:

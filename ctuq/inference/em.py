@@ -57,27 +57,19 @@ from typing import Callable
 
 import torch
 
+from ctuq.errors import CheckpointMismatch
+from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.kernel import _check_hyper
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
-from ctuq.inference.sampler import _check_y, draw_prior_and_noise
-from ctuq.inference.solvers import Solver
+from ctuq.inference.sampler import draw_prior_and_noise
+from ctuq.inference.solvers.base import Solver
+from ctuq.options import EMStopRule, EMUpdate, values
 from ctuq.utils import check_fingerprint
 
-__all__ = ["SampledEM", "EMResult", "EMStateMismatch", "EM_STOP_RULES", "EM_UPDATES"]
-
-EM_STOP_RULES = ("a", "a_and_sigma2")
-"""When the EM has converged: ``a`` changed by less than ``tol`` (relative), or both ``a`` and ``σ²`` did."""
-
-EM_UPDATES = ("mackay", "damped")
-"""How ``a`` moves (module docstring): the MacKay update itself, or damped where it oscillates."""
+__all__ = ["SampledEM", "EMResult"]
 
 _STATE_VERSION = 1
-
-
-class EMStateMismatch(ValueError):
-    """A saved EM state does not belong to this problem or these settings."""
 
 
 @dataclasses.dataclass
@@ -132,7 +124,7 @@ class SampledEM:
     shard : Shard, optional
         This process's share of the probes (:mod:`ctuq.inference.distributed`); default one process.
     update : {"mackay", "damped"}
-        How ``a`` moves (module docstring; :data:`EM_UPDATES`).
+        How ``a`` moves (module docstring; :class:`~ctuq.options.EMUpdate`).
     """
 
     def __init__(
@@ -158,7 +150,7 @@ class SampledEM:
     ):
         if likelihood is None:
             likelihood = GaussianLikelihood(sigma2, learn_noise)
-        a_f, s2_f = _check_hyper(a, likelihood.sigma2, "SampledEM")
+        a_f, s2_f = check_hyper(a, likelihood.sigma2, "SampledEM")
         if solver.features is not features:
             raise ValueError("SampledEM: the solver was built for a different feature operator")
         if gamma not in ("auto", "sampled", "exact"):
@@ -171,13 +163,13 @@ class SampledEM:
             raise ValueError(f"SampledEM: max_steps must be an int >= 0, got {max_steps!r}")
         if not (tol >= 0 and math.isfinite(tol)):
             raise ValueError(f"SampledEM: tol must be >= 0, got {tol}")
-        if stop_on not in EM_STOP_RULES:
-            raise ValueError(f"SampledEM: stop_on must be one of {list(EM_STOP_RULES)}, got {stop_on!r}")
-        if update not in EM_UPDATES:
-            raise ValueError(f"SampledEM: update must be one of {list(EM_UPDATES)}, got {update!r}")
+        if stop_on not in values(EMStopRule):
+            raise ValueError(f"SampledEM: stop_on must be one of {list(values(EMStopRule))}, got {stop_on!r}")
+        if update not in values(EMUpdate):
+            raise ValueError(f"SampledEM: update must be one of {list(values(EMUpdate))}, got {update!r}")
         self.features = features
         self.solver = solver
-        self.y_tilde = _check_y(y_tilde, features, "SampledEM")
+        self.y_tilde = check_targets(y_tilde, features, "SampledEM")
         self.likelihood = likelihood
         self.n_samples = n_samples
         self.max_steps = max_steps
@@ -191,8 +183,8 @@ class SampledEM:
         self.trace: list[dict] = []
         self.converged = False
         self.fixed_probes = bool(fixed_probes)
-        self.stop_on = stop_on
-        self.update = update
+        self.stop_on = str(stop_on)
+        self.update = str(update)
         self.shard = shard if shard is not None else LocalShard()
         self.generator_device = torch.device(generator_device)
         self._probes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ξ, η, Ψξ (own rows)
@@ -415,16 +407,16 @@ class SampledEM:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict` output; raises :class:`EMStateMismatch` for another problem/settings."""
+        """Continue from :meth:`state_dict` output; raises :class:`CheckpointMismatch` for another problem/settings."""
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             what = f"keys {sorted(state)[:10]}" if isinstance(state, dict) else type(state).__name__
-            raise EMStateMismatch(f"not a SampledEM state (version {_STATE_VERSION}): {what}")
+            raise CheckpointMismatch(f"not a SampledEM state (version {_STATE_VERSION}): {what}")
         missing = {"step", "a", "sigma2", "converged", "trace", "generator_state", "fingerprint"} - set(state)
         if missing:
-            raise EMStateMismatch(f"SampledEM state lacks {sorted(missing)}")
+            raise CheckpointMismatch(f"SampledEM state lacks {sorted(missing)}")
         now = self._fingerprint()
-        check_fingerprint(state["fingerprint"], now, what="cannot resume EM", error=EMStateMismatch, abs_tol=1e-9)
-        a_f, s2_f = _check_hyper(state["a"], state["sigma2"], "SampledEM.load_state_dict")
+        check_fingerprint(state["fingerprint"], now, what="cannot resume EM", error=CheckpointMismatch, abs_tol=1e-9)
+        a_f, s2_f = check_hyper(state["a"], state["sigma2"], "SampledEM.load_state_dict")
         self.a, self.sigma2 = a_f, s2_f
         self.step_count = int(state["step"])
         self.converged = bool(state["converged"])
@@ -433,7 +425,7 @@ class SampledEM:
         warm = state.get("warm")
         if warm is not None and (not isinstance(warm, torch.Tensor)
                                  or tuple(warm.shape) != (self.n_samples + 1, self.features.n_outputs)):
-            raise EMStateMismatch(f"SampledEM state: warm-start solutions must be ({self.n_samples + 1}, "
+            raise CheckpointMismatch(f"SampledEM state: warm-start solutions must be ({self.n_samples + 1}, "
                                   f"{self.features.n_outputs}), got {getattr(warm, 'shape', type(warm).__name__)}")
         self._warm = None if warm is None else warm.double()
         self._probes = None  # fixed probes are redrawn from the seed (k JVPs) at the next step

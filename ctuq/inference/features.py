@@ -8,13 +8,16 @@ The inference core sees Ψ only through batched products on rows:
 Both run in the operator's dtype and device (inputs are converted) and count rows in ``n_matvec`` /
 ``n_rmatvec``. Implementations:
 
-* :class:`LinearizedFeatures`: ``Ψ = L ∘ Φ ∘ diag(s)`` from a :class:`ctuq.linearize.LinearizedNetwork` (Φ),
-  g-prior scales ``s`` and a linear output map ``L`` with its adjoint, given as callables on rows. CT passes the
-  ray transform (``L = T``, ``c`` measurements); classification passes ``B^(1/2)``; ``L = None`` is the identity.
+* :class:`LinearizedFeatures`: ``Ψ₀ = L ∘ Φ`` from a :class:`ctuq.linearize.LinearizedNetwork` (Φ) and a linear
+  output map ``L`` with its adjoint, given as callables on rows. CT passes the ray transform (``L = T``, ``c``
+  measurements); classification passes ``B^(1/2)``; ``L = None`` is the identity.
 * :class:`DenseFeatures`: an explicit ``(c, d)`` matrix, for tests and small problems.
-* Compositions used by the posterior: :class:`ScaledFeatures` (``Ψ₀ diag(s)``, prior scales on a base operator),
+* Compositions: :class:`ScaledFeatures` (``Ψ = Ψ₀ diag(s)``: the prior scales ``s``, whose one owner it is),
   :meth:`FeatureOperator.restrict` (rows subset, :class:`RowSubsetFeatures`) and :func:`stack_features` (rows
   appended, :class:`StackedFeatures`) — experimental design conditions on subsets of angles and adds new ones.
+
+Every implementation passes the feature contract of :mod:`ctuq.testing` (``FeatureContract``: adjointness,
+row restriction, stacking, product counters).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ __all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeat
            "StackedFeatures", "stack_features"]
 
 
-def _unit_rows(start: int, stop: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``(stop − start, n)`` rows ``e_start … e_(stop−1)``."""
+def _unit_rows(start: int, stop: int, n: int, dtype: torch.dtype, device,
+               values: torch.Tensor | None = None) -> torch.Tensor:
+    """``(stop − start, n)`` rows ``e_start … e_(stop−1)``, times ``values`` ``(stop − start,)`` when given."""
     E = torch.zeros((stop - start, n), dtype=dtype, device=device)
-    E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+    E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0 if values is None else values.to(E)
     return E
 
 
@@ -89,10 +93,11 @@ class FeatureOperator(abc.ABC):
         self.n_rmatvec += R.shape[0]
         return out
 
-    def columns(self, start: int, stop: int) -> torch.Tensor:
-        """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``Ψ e_j`` for those unit vectors
-        (counted as matvecs). Subclasses with a cheaper way (:class:`LinearizedFeatures`) override it."""
-        return self.matvec(_unit_rows(start, stop, self.n_features, self.dtype, self.device))
+    def columns(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``Ψ e_j`` for those unit vectors,
+        each times ``values[j − start]`` when ``values`` ``(stop − start,)`` is given (counted as matvecs).
+        Subclasses with a cheaper way (:class:`LinearizedFeatures`) override it."""
+        return self.matvec(_unit_rows(start, stop, self.n_features, self.dtype, self.device, values))
 
     def row_range(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start … stop − 1`` of ``Ψ`` ``(stop − start, d)``: ``Ψᵀ e_j`` for those unit vectors (counted as
@@ -167,14 +172,14 @@ class DenseFeatures(FeatureOperator):
 
 
 class LinearizedFeatures(FeatureOperator):
-    """``Ψ = L Φ diag(s)``: features of a linearised network under scaled weights ``w`` (``v − ṽ = s ⊙ w``).
+    """``Ψ₀ = L Φ``: features of a linearised network under unscaled weights ``u = v − ṽ``.
+
+    Prior scales are not part of it: ``Ψ = Ψ₀ diag(s)`` is :class:`ScaledFeatures` (which the posterior builds).
 
     Parameters
     ----------
     network : LinearizedNetwork
         Gives ``Φ`` (``d_out × d``) through ``jvp``/``vjp``; its JVP/VJP counters count the cost.
-    scales : torch.Tensor
-        ``s`` ``(d,)``, e.g. from :func:`ctuq.priors.gprior_scales` (ones for an isotropic prior).
     output_map, output_adjoint : callable, optional
         ``L``: ``(B, d_out)`` → ``(B, c)`` and ``Lᵀ``: ``(B, c)`` → ``(B, d_out)`` (e.g. a ray transform's
         ``forward_flat`` / ``adjoint_flat``). Both or neither; neither means ``L = I`` and ``c = d_out``.
@@ -185,26 +190,20 @@ class LinearizedFeatures(FeatureOperator):
     def __init__(
         self,
         network,
-        scales: torch.Tensor,
         output_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
         output_adjoint: Callable[[torch.Tensor], torch.Tensor] | None = None,
         n_outputs: int | None = None,
     ):
         super().__init__()
+        if isinstance(output_map, torch.Tensor):
+            raise TypeError("LinearizedFeatures(network, output_map, output_adjoint, n_outputs) takes no prior "
+                            "scales: apply them with ScaledFeatures(LinearizedFeatures(...), scales)")
         if (output_map is None) != (output_adjoint is None):
             raise ValueError("LinearizedFeatures: give both output_map (L) and output_adjoint (Lᵀ), or neither")
         self.network = network
         self.dtype = network.dtype
         self.device = network.device
         self.n_features = int(network.d)
-        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (self.n_features,):
-            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
-            raise ValueError(
-                f"LinearizedFeatures: scales must have shape ({self.n_features},) (= network.d), got {got}"
-            )
-        if not torch.isfinite(scales).all():
-            raise ValueError("LinearizedFeatures: scales contain NaN or Inf")
-        self.scales = scales.detach().to(device=self.device, dtype=self.dtype)
         self._L = output_map
         self._Lt = output_adjoint
         if output_map is None:
@@ -244,30 +243,30 @@ class LinearizedFeatures(FeatureOperator):
         return self._apply_map(self._Lt, R, self.network.d_out, "output_adjoint")
 
     def _matvec(self, W: torch.Tensor) -> torch.Tensor:
-        return self._apply_L(self.network.jvp(W * self.scales))
+        return self._apply_L(self.network.jvp(W))
 
     def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
-        return self.network.vjp(self._apply_Lt(R)) * self.scales
+        return self.network.vjp(self._apply_Lt(R))
 
-    def columns(self, start: int, stop: int) -> torch.Tensor:
-        """Columns ``start … stop − 1`` of ``Ψ`` as rows ``(stop − start, c)``: ``L`` of the network's
-        :meth:`~ctuq.linearize.LinearizedNetwork.jvp_basis` (one parameter tensor's tangent at a time) when it has
-        one, else unit-vector matvecs. Counts ``stop − start`` matvecs."""
+    def columns(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns ``start … stop − 1`` of ``Ψ₀`` (times ``values``) as rows ``(stop − start, c)``: ``L`` of the
+        network's :meth:`~ctuq.linearize.LinearizedNetwork.jvp_basis` (one parameter tensor's tangent at a time)
+        when it has one, else unit-vector matvecs. Counts ``stop − start`` matvecs."""
         basis = getattr(self.network, "jvp_basis", None)
         if basis is None:
-            return super().columns(start, stop)
-        out = self._apply_L(basis(start, stop, self.scales[start:stop]))
+            return super().columns(start, stop, values)
+        out = self._apply_L(basis(start, stop, values))
         self.n_matvec += stop - start
         return out
 
     def network_matvec(self, W: torch.Tensor) -> torch.Tensor:
-        """``Φ diag(s) w`` for rows ``W`` ``(B, d)`` → ``(B, d_out)``: network-output (image-space) samples.
+        """``Φ w`` for rows ``W`` ``(B, d)`` → ``(B, d_out)``: network-output (image-space) samples.
 
-        This is how zero-mean weight samples ``ζ`` become image samples ``x = Φ(s ⊙ ζ)``; one JVP per row
-        (counted by the network, not by :attr:`n_matvec`).
+        This is how weight samples become image samples: the posterior maps scaled samples ``ζ`` through
+        ``Φ(s ⊙ ζ)``. One JVP per row (counted by the network, not by :attr:`n_matvec`).
         """
         W = self._rows(W, self.n_features, "W", "network_matvec")
-        return self.network.jvp(W * self.scales)
+        return self.network.jvp(W)
 
 
 # ------------------------------------------------------------------------------------------ composition
@@ -293,9 +292,10 @@ def _check_rows(rows, c: int, where: str) -> torch.Tensor:
 class ScaledFeatures(FeatureOperator):
     """``Ψ = Ψ₀ diag(s)``: prior scales ``s`` ``(d,)`` applied to the weights of a base operator ``Ψ₀``.
 
-    The posterior (:class:`~ctuq.inference.posterior.LinearizedPosterior`) keeps the unscaled ``Ψ₀`` (e.g.
-    ``T Φ`` for CT) and applies the g-prior scales here, so scales can be refreshed or kept when rows are
-    restricted or added. Products cost what ``Ψ₀``'s cost; both operators count them.
+    The one owner of prior scales among the feature operators. The posterior
+    (:class:`~ctuq.inference.posterior.LinearizedPosterior`) keeps the unscaled ``Ψ₀`` (e.g. ``T Φ`` for CT) and
+    applies the g-prior scales here, so scales can be refreshed or kept when rows are restricted or added.
+    Products cost what ``Ψ₀``'s cost; both operators count them.
     """
 
     def __init__(self, base: FeatureOperator, scales: torch.Tensor):
@@ -315,6 +315,15 @@ class ScaledFeatures(FeatureOperator):
 
     def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
         return self.base.rmatvec(R) * self.scales
+
+    def columns(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The base's columns ``start … stop − 1`` times their scales (and ``values``): the base's cheaper column
+        route (e.g. :meth:`LinearizedFeatures.columns`) serves the scaled operator too. Counts ``stop − start``
+        matvecs."""
+        s = self.scales[start:stop]
+        out = self.base.columns(start, stop, s if values is None else s * values.to(s))
+        self.n_matvec += stop - start
+        return out
 
 
 class RowSubsetFeatures(FeatureOperator):

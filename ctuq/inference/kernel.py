@@ -15,16 +15,12 @@ from __future__ import annotations
 import torch
 from linear_operator.operators import LinearOperator
 
+from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import DenseFeatures, FeatureOperator
 from ctuq.priors import column_sq_norms
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal",
-           "DENSE_CHOICES"]
-
-DENSE_CHOICES = ("auto", "always", "never")
-"""Whether a front end assembles its Jacobian densely (then every product is a GEMM): by its own cost and memory
-rule, always (when it fits memory), never (``design.dense``, ``LinearizedLaplace(dense_features=...)``)."""
+__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal"]
 
 
 class KernelOperator(LinearOperator):
@@ -127,19 +123,9 @@ def measurement_covariance(
 
     ``a`` (prior precision, > 0) and ``σ²`` (noise variance, > 0) are floats or 0-dim tensors.
     """
-    a_f, s2_f = _check_hyper(a, sigma2, "measurement_covariance")
+    a_f, s2_f = check_hyper(a, sigma2, "measurement_covariance")
     scaled = kernel.mul(1.0 / a_f)
     return scaled.add_diagonal(torch.tensor(s2_f, dtype=kernel.dtype, device=kernel.device))
-
-
-def _check_hyper(a, sigma2, where: str) -> tuple[float, float]:
-    a_f = float(a)
-    s2_f = float(sigma2)
-    if not (a_f > 0 and a_f < float("inf")):
-        raise ValueError(f"{where}: prior precision a must be positive and finite, got {a_f}")
-    if not (s2_f > 0 and s2_f < float("inf")):
-        raise ValueError(f"{where}: noise variance sigma2 must be positive and finite, got {s2_f}")
-    return a_f, s2_f
 
 
 def kernel_diagonal(

@@ -7,7 +7,8 @@ It holds everything the inference of DESIGN.md §1 needs and nothing CT-specific
 * the prior scales ``s`` (g-prior, exact or stochastic; isotropic; or given) and hence ``Ψ = Ψ₀ diag(s)``;
 * the likelihood (:mod:`ctuq.inference.likelihoods`) with its ``σ²``, and the prior precision ``a``;
 * a solver from the registry :data:`~ctuq.inference.solvers.SOLVERS` chosen by name or by cost, with its
-  preconditioner or eigendecomposition (built once, reused for every ``a``, ``σ²``);
+  preconditioner or eigendecomposition (built once, reused for every ``a``, ``σ²``); every solver goes through
+  the same lifecycle (:mod:`ctuq.inference.solvers.base`), so nothing here depends on which one it is;
 * an optional output map ``W ↦ Φ (s ⊙ w)`` from scaled weights to network outputs (images), taken from the
   features when they are a linearised network.
 
@@ -26,52 +27,46 @@ Every stage calls an optional ``on_stage(name)`` hook after it finished, which i
 ``state_dict()`` atomically; :meth:`load_state_dict` before :meth:`setup` makes the later calls skip the
 finished work (the stored scales, decomposition and EM state are reused), so a killed run resumes exactly.
 
-The ``exact_primal`` solver assembles ``Ψ₀`` (``d`` JVPs): the exact g-prior then comes from its column norms
-at no further cost, and every later solve is dense. That is a property of the solver, so it lives here and not
-in a front end.
+A solver that :attr:`~ctuq.inference.solvers.base.Solver.assembles_features` (``exact_primal``) gets ``Ψ₀``
+assembled (``d`` JVPs): the exact g-prior then comes from its column norms at no further cost, and every later
+solve is dense. That is a property of the solver, so it lives here and not in a front end.
+
+The core takes keyword arguments only; the mapping from a configuration (the CT ``uq`` section) to these
+arguments is :func:`ctuq.config.posterior_arguments`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from ctuq.errors import CheckpointMismatch
+from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.distributed import LocalShard, Shard
-from ctuq.inference.em import EM_UPDATES, EMResult, SampledEM
+from ctuq.inference.em import EMResult, SampledEM
 from ctuq.inference.features import DenseFeatures, FeatureOperator, ScaledFeatures, stack_features
-from ctuq.inference.kernel import _check_hyper, assemble_features
+from ctuq.inference.kernel import assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
-from ctuq.inference.preconditioners import LowRankEig
-from ctuq.inference.sampler import PosteriorSamples, _check_y, posterior_mean, sample_chunks
-from ctuq.inference.solvers import (CGSolver, ExactEigSolver, SOLVERS, Solver, SolverCostEstimate, Workload,
-                                    make_solver, resolve_solver)
+from ctuq.inference.sampler import PosteriorSamples, posterior_mean, sample_chunks
+from ctuq.inference.solvers import (
+    SOLVERS,
+    Solver,
+    SolverCostEstimate,
+    Workload,
+    check_solver_options,
+    resolve_solver,
+    solver_choices,
+    solver_kwargs,
+)
+from ctuq.options import EMUpdate, GPriorMethod, Prior, values
+from ctuq.priors import gprior_scales, scales_from_sq_norms
 
-__all__ = ["LinearizedPosterior", "PRIORS", "GPRIOR_METHODS", "POSTERIOR_STATE_VERSION"]
+__all__ = ["LinearizedPosterior", "POSTERIOR_STATE_VERSION"]
 
-PRIORS = ("gprior", "isotropic")
-"""Weight-prior scalings: the g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` or ``s = 1``."""
-GPRIOR_METHODS = ("exact", "stochastic")
-"""How the g-prior's column norms are found: ``c`` VJPs, or ``n`` Rademacher probes (unbiased)."""
 POSTERIOR_STATE_VERSION = 1
-
-
-def _check_solver_options(options: dict) -> None:
-    """Refuse names no solver takes: flat options of the exact solvers and CG, and ``"sdd"``/``"sgd"`` dicts of
-    their own (the vocabulary is each :class:`~ctuq.inference.solvers.SolverSpec`'s ``options``)."""
-    flat = set().union(*(SOLVERS[n].options for n in SOLVERS if n not in ("sdd", "sgd")))
-    for key, value in options.items():
-        if key in ("sdd", "sgd"):
-            bad = sorted(set(dict(value)) - SOLVERS[key].options)
-            if bad:
-                raise ValueError(f"LinearizedPosterior: unknown {key} option(s) {bad}; valid: "
-                                 f"{sorted(SOLVERS[key].options)}")
-        elif key not in flat:
-            raise ValueError(f"LinearizedPosterior: unknown solver option {key!r}; valid: {sorted(flat)} and "
-                             f"'sdd' / 'sgd' dicts")
 
 
 class LinearizedPosterior:
@@ -83,9 +78,9 @@ class LinearizedPosterior:
         Unscaled ``Ψ₀`` (``c × d``).
     targets : torch.Tensor
         ``ỹ`` ``(c,)``.
-    prior : {"gprior", "isotropic"} or torch.Tensor
+    prior : {"gprior", "isotropic"} (:class:`~ctuq.options.Prior`) or torch.Tensor
         Prior scaling, or the scales ``s`` ``(d,)`` themselves (e.g. kept from an earlier posterior).
-    gprior_method : {"exact", "stochastic"}
+    gprior_method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
         Exact column norms (``c`` VJPs) or ``gprior_probes`` probes.
     gprior_probes : int
         Probes of the stochastic g-prior.
@@ -94,11 +89,13 @@ class LinearizedPosterior:
     a : float
         Initial prior precision (> 0).
     solver : str
-        A :data:`~ctuq.inference.solvers.SOLVER_CHOICES` value.
+        ``"auto"`` (by estimated cost), ``"exact"`` (the cheaper exact side) or a registry name
+        (:func:`~ctuq.inference.solvers.solver_choices`).
     solver_options : dict, optional
-        CG: ``preconditioner``, ``rank``, ``oversampling``, ``rtol``, ``max_iter``, ``adaptive_rank``,
-        ``rank_threshold``; exact: ``chunk_size``; SDD: ``sdd`` (a dict of :class:`~ctuq.inference.sdd.SDDSolver`
-        options); SGD: ``sgd`` (a dict of :class:`~ctuq.inference.sgd.SGDSolver` options).
+        Options of the solver's constructor. Flat keys go to whichever solver is chosen if it takes them (e.g.
+        ``rank``, ``rtol`` for ``cg``; ``chunk_size`` for the exact solvers); a mapping under a registry name
+        (``{"sdd": {"max_iter": 500}}``) holds one solver's own options and overrides flat ones. Names no
+        registered solver takes raise. The posterior's ``seed`` and ``progress`` fill in where a solver takes them.
     workload : Workload, optional
         What the run will do (for ``solver="auto"``'s cost model).
     seed : int
@@ -134,23 +131,28 @@ class LinearizedPosterior:
         log: Callable[[str], None] | None = None,
         shard: Shard | None = None,
     ):
-        if isinstance(prior, str) and prior not in PRIORS:
-            raise ValueError(f"uq.prior must be one of {list(PRIORS)}, got {prior!r}")
-        if isinstance(prior, torch.Tensor) and tuple(prior.shape) != (features.n_features,):
-            raise ValueError(f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
-                             f"got {tuple(prior.shape)}")
-        if gprior_method not in GPRIOR_METHODS:
-            raise ValueError(f"uq.gprior_method must be one of {list(GPRIOR_METHODS)}, got {gprior_method!r}")
+        if isinstance(prior, torch.Tensor):
+            if tuple(prior.shape) != (features.n_features,):
+                raise ValueError(f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
+                                 f"got {tuple(prior.shape)}")
+        elif prior not in values(Prior):
+            raise ValueError(f"LinearizedPosterior: prior must be one of {list(values(Prior))} or the scales "
+                             f"themselves, got {prior!r}")
+        if gprior_method not in values(GPriorMethod):
+            raise ValueError(f"LinearizedPosterior: gprior_method must be one of {list(values(GPriorMethod))}, "
+                             f"got {gprior_method!r}")
+        if solver not in solver_choices():
+            raise ValueError(f"LinearizedPosterior: solver must be one of {list(solver_choices())}, got {solver!r}")
         self.base = features
-        self.targets = _check_y(targets, features, "LinearizedPosterior")
-        self.prior = prior
-        self.gprior_method = gprior_method
+        self.targets = check_targets(targets, features, "LinearizedPosterior")
+        self.prior = prior if isinstance(prior, torch.Tensor) else str(prior)
+        self.gprior_method = str(gprior_method)
         self.gprior_probes = int(gprior_probes)
         self.likelihood = likelihood if likelihood is not None else GaussianLikelihood(1.0)
-        self.a, _ = _check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
-        self.solver_option = solver
+        self.a, _ = check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
+        self.solver_option = str(solver)
         self.solver_options = dict(solver_options or {})
-        _check_solver_options(self.solver_options)
+        check_solver_options(self.solver_options)
         self.workload = workload or Workload()
         self.seed = int(seed)
         self._output_map = output_map
@@ -169,32 +171,6 @@ class LinearizedPosterior:
         self.timings: dict[str, float] = {}
         self._assembled: torch.Tensor | None = None  # Ψ₀ (c, d) when the solver assembled it
         self._pending: dict[str, Any] = {}
-
-    # ------------------------------------------------------------------------------------------ settings
-    @classmethod
-    def from_settings(cls, features: FeatureOperator, targets: torch.Tensor, settings: Any, **kwargs):
-        """Build from a settings object with the ``uq`` config section's attribute names (``prior``,
-        ``gprior_method``, ``gprior_probes``, ``solver``, ``preconditioner``, ``rank``, ``oversampling``,
-        ``cg_tol``, ``cg_max_iter``, ``prior_precision``, ``em_steps``, ``em_samples``, ``samples``); ``kwargs``
-        (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``) pass through."""
-        s = settings
-        options = {"preconditioner": s.preconditioner, "rank": s.rank, "oversampling": s.oversampling,
-                   "rtol": s.cg_tol, "max_iter": s.cg_max_iter}
-        workload = Workload(em_steps=s.em_steps, em_samples=s.em_samples, prediction_samples=s.samples,
-                            rank=s.rank, oversampling=s.oversampling)
-        # Settings of the scale issue (adaptive rank, first-order solvers): read with defaults so that settings
-        # objects written before them keep working.
-        if getattr(s, "adaptive_rank", False):
-            options.update(adaptive_rank=True, rank_threshold=float(getattr(s, "rank_threshold", 1.0)))
-        if hasattr(s, "sdd_iterations"):
-            options["sdd"] = {"step_size": s.sdd_step, "momentum": s.sdd_momentum, "batch_size": s.sdd_batch,
-                              "max_iter": s.sdd_iterations, "rtol": s.first_order_tol}
-            options["sgd"] = {"lr": s.sgd_lr, "momentum": s.sgd_momentum, "lr_decay": s.sgd_lr_decay,
-                              "clip": s.sgd_clip, "max_iter": s.sgd_iterations, "rtol": s.first_order_tol}
-            workload = dataclasses.replace(workload, sdd_iterations=float(s.sdd_iterations),
-                                           sgd_iterations=float(s.sgd_iterations), chunk=int(s.sample_chunk))
-        return cls(features, targets, prior=s.prior, gprior_method=s.gprior_method, gprior_probes=s.gprior_probes,
-                   a=s.prior_precision, solver=s.solver, solver_options=options, workload=workload, **kwargs)
 
     @property
     def sigma2(self) -> float:
@@ -254,10 +230,8 @@ class LinearizedPosterior:
                 self._assembled = assemble_features(self.base, by="columns", chunk_size=64, progress=self.progress)
             if self.scales is None:
                 # Exact column norms are free once Ψ₀ is assembled (a stochastic g-prior is not needed here).
-                from ctuq.priors import scales_from_sq_norms
-
                 self.scales = (torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
-                               if self.prior == "isotropic"
+                               if self.prior == Prior.ISOTROPIC
                                else scales_from_sq_norms(self._assembled.pow(2).sum(0)).to(self.base.dtype))
             self.features = DenseFeatures(self._assembled * self.scales.double()[None, :])
         else:
@@ -278,45 +252,31 @@ class LinearizedPosterior:
         return self
 
     def _prior_scales(self) -> torch.Tensor:
-        from ctuq.priors import gprior_scales
-
         b = self.base
-        if self.prior == "isotropic":
+        if self.prior == Prior.ISOTROPIC:
             return gprior_scales(None, method="isotropic", n_features=b.n_features, dtype=b.dtype, device=b.device)
-        n = b.n_outputs if self.gprior_method == "exact" else self.gprior_probes
+        n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.gprior_probes
         self.say(f"g-prior scales ({self.gprior_method}, {n} VJPs)")
         return gprior_scales(b.rmatvec, b.n_outputs, method=self.gprior_method, n_features=b.n_features,
                              n_probes=self.gprior_probes, seed=self.seed, dtype=b.dtype, device=b.device,
                              chunk_size=64, progress=self.progress)
 
     def _build_solver(self, name: str) -> Solver:
-        """Construct through :func:`~ctuq.inference.make_solver` (the solver options: flat for exact and CG,
-        nested under ``"sdd"``/``"sgd"`` for the first-order solvers, as :meth:`from_settings` writes them), then
-        decompose, precondition or restore."""
-        opts = self.solver_options
-        kw = dict(opts.get(name, {})) if name in ("sdd", "sgd") else \
-            {k: v for k, v in opts.items() if k not in ("sdd", "sgd")}
-        kw.setdefault("seed", self.seed)  # make_solver passes each solver only the options it takes
-        kw.setdefault("progress", self.progress)
-        saved = self._pending.get("solver_state")
-        if name == "cg" and "solver_state" in self._pending:  # a restored preconditioner (or none) instead of a new one
-            kw["preconditioner"] = LowRankEig.from_state_dict(saved, self.base.device) if saved is not None else "none"
-        solver = make_solver(self.features, name, self.workload, **kw)
-        if name == "exact_dual" and saved is not None:
-            solver.load_decomposition(saved["eigenvalues"], saved["eigenvectors"])
-        elif name.startswith("exact"):
-            solver.decompose()  # primal: dense GEMM + eigh of the d × d Gram ΨᵀΨ, no Jacobian products
-        elif name == "cg":
-            solver.build_preconditioner(self.a, self.sigma2)
-            eig = solver.low_rank
-            if eig is not None and solver.adaptive_rank:
-                self.say(f"adaptive preconditioner: rank {eig.rank} ({eig.n_products} kernel products; cap "
-                         f"{solver.rank}, smallest eigenvalue/a {float(eig.eigenvalues[-1]) / self.a:.3g} vs "
-                         f"{solver.rank_threshold:g}·σ² = {solver.rank_threshold * self.sigma2:.3g})")
-        else:
-            if saved is not None:
-                solver.load_state_dict(saved)
-            solver.build()
+        """The registered solver ``name`` with its options (:func:`~ctuq.inference.solvers.solver_kwargs`), its
+        stored state if resuming, and its set-up at the current ``(a, σ²)``."""
+        cls = SOLVERS[name]
+        kw = solver_kwargs(self.solver_options, name)
+        takes = cls.option_names()
+        for key, value in (("seed", self.seed), ("progress", self.progress)):
+            if key in takes:
+                kw.setdefault(key, value)
+        solver = cls(self.features, **kw)
+        if "solver_state" in self._pending:  # None is meaningful (e.g. CG without a preconditioner)
+            solver.load_state_dict(self._pending["solver_state"])
+        solver.setup(self.a, self.sigma2)
+        note = solver.setup_note()
+        if note:
+            self.say(note)
         return solver
 
     def _require_setup(self, what: str) -> None:
@@ -338,13 +298,14 @@ class LinearizedPosterior:
         ``"mackay"`` or ``"damped"`` (:class:`SampledEM`). With a
         :attr:`shard`, the probes are split across ranks.
         """
-        if update not in EM_UPDATES:
-            raise ValueError(f"LinearizedPosterior.fit: update must be one of {list(EM_UPDATES)}, got {update!r}")
+        if update not in values(EMUpdate):
+            raise ValueError(f"LinearizedPosterior.fit: update must be one of {list(values(EMUpdate))}, got "
+                             f"{update!r}")
         self.setup()
         if fixed_probes is None:
             fixed_probes = bool(getattr(self.solver, "warm_starts", False))
         if self.em is not None:
-            self.em.max_steps, self.em.tol, self.em.update = int(max_steps), float(tol), update
+            self.em.max_steps, self.em.tol, self.em.update = int(max_steps), float(tol), str(update)
         else:
             self.em = SampledEM(self.features, self.solver, self.targets, a=self.a, likelihood=self.likelihood,
                                 n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed,
@@ -364,6 +325,13 @@ class LinearizedPosterior:
         self.timings["em"] = self.timings.get("em", 0.0) + time.perf_counter() - t0
         return self.em_result
 
+    def reset_em(self) -> None:
+        """Drop the EM's state (its generator, probes, trace and warm starts): the next :meth:`fit` starts a new
+        EM at the current ``a`` and ``σ²``. Scales, solver and its set-up are kept."""
+        self.em = None
+        self.em_result = None
+        self._pending.pop("em", None)
+
     @property
     def em_trace(self) -> list[dict]:
         """One record per EM step so far (empty before :meth:`fit`)."""
@@ -376,7 +344,7 @@ class LinearizedPosterior:
         from the linearised model's mode at every EM step (:mod:`ctuq.classify.laplace`), typically from the
         ``callback`` of :meth:`fit`. Nothing else (scales, solver, decomposition) depends on the targets.
         """
-        self.targets = _check_y(targets, self.base, "LinearizedPosterior.set_targets")
+        self.targets = check_targets(targets, self.base, "LinearizedPosterior.set_targets")
         if self.em is not None:
             self.em.y_tilde = self.targets
 
@@ -391,8 +359,9 @@ class LinearizedPosterior:
         """``log N(ỹ; 0, C)`` at the current ``a``, ``σ²`` (nats); exact solvers only."""
         self._require_setup("log_evidence")
         if not self.solver.exact:
-            raise ValueError(f"log_evidence needs an exact solver (exact_primal / exact_dual); this posterior "
-                             f"uses {self.solver_name!r}")
+            exact = [n for n, cls in SOLVERS.items() if cls.exact]
+            raise ValueError(f"log_evidence needs an exact solver ({' / '.join(exact)}); this posterior uses "
+                             f"{self.solver_name!r}")
         return self.solver.log_evidence(self.targets, self.a, self.sigma2)
 
     def sample(self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0,
@@ -457,7 +426,7 @@ class LinearizedPosterior:
         """The posterior given these measurements and new rows ``features`` (unscaled ``Ψ₀`` rows, ``c' × d``)
         with targets ``(c',)``; same scales, ``a``, ``σ²``."""
         base = stack_features([self.base, features])
-        new_t = _check_y(targets, features, "LinearizedPosterior.extend")
+        new_t = check_targets(targets, features, "LinearizedPosterior.extend")
         return self._derived(base, torch.cat([self.targets, new_t.to(self.targets)]), None)
 
     # ------------------------------------------------------------------------------------------ state
@@ -473,12 +442,7 @@ class LinearizedPosterior:
         }
         if self.scales is not None:
             state["scales"] = self.scales.detach().cpu()
-        if isinstance(self.solver, CGSolver):
-            eig = self.solver.low_rank
-            state["solver_state"] = None if eig is None else eig.state_dict()
-        elif isinstance(self.solver, ExactEigSolver) and self.solver_name == "exact_dual":
-            state["solver_state"] = self.solver.state_dict()
-        elif self.solver_name in ("sdd", "sgd") and self.solver is not None:
+        if self.solver is not None:
             state["solver_state"] = self.solver.state_dict()
         if self.em is not None:
             state["em"] = self.em.state_dict()
@@ -490,12 +454,13 @@ class LinearizedPosterior:
         """Resume from :meth:`state_dict` output; call before :meth:`setup` and :meth:`fit`."""
         if not isinstance(state, dict) or state.get("version") != POSTERIOR_STATE_VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a LinearizedPosterior state of version {POSTERIOR_STATE_VERSION} (got {got!r})")
+            raise CheckpointMismatch(f"not a LinearizedPosterior state of version {POSTERIOR_STATE_VERSION} "
+                                     f"(got {got!r})")
         if self.solver is not None:
             raise RuntimeError("LinearizedPosterior.load_state_dict: call it before setup()")
         name = state.get("solver_name")
         if name is not None and name not in SOLVERS:
-            raise ValueError(f"LinearizedPosterior state names solver {name!r}; valid: {list(SOLVERS)}")
+            raise CheckpointMismatch(f"LinearizedPosterior state names solver {name!r}; valid: {list(SOLVERS)}")
         self._pending = {}
         if name is not None:
             self._pending["solver_name"] = name
@@ -504,7 +469,7 @@ class LinearizedPosterior:
         for key in ("scales", "em"):
             if state.get(key) is not None:
                 self._pending[key] = state[key]
-        self.a, _ = _check_hyper(state["a"], self.sigma2, "LinearizedPosterior.load_state_dict")
+        self.a, _ = check_hyper(state["a"], self.sigma2, "LinearizedPosterior.load_state_dict")
         self.likelihood.load_state_dict(state["likelihood"])
 
     def summary(self) -> dict:
@@ -520,6 +485,6 @@ class LinearizedPosterior:
         return out
 
     def __repr__(self) -> str:
-        return (f"LinearizedPosterior(c={self.n_outputs}, d={self.n_features}, solver={self.solver_name or self.solver_option!r}, "
-                f"a={self.a:.4g}, {self.likelihood!r})")
+        return (f"LinearizedPosterior(c={self.n_outputs}, d={self.n_features}, "
+                f"solver={self.solver_name or self.solver_option!r}, a={self.a:.4g}, {self.likelihood!r})")
 

@@ -30,10 +30,10 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.kernel import _check_hyper
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
-from ctuq.inference.solvers import SolveStats, Solver
+from ctuq.inference.solvers.base import Solver, SolveStats
 from ctuq.utils import derived_seed_words
 
 __all__ = [
@@ -89,16 +89,6 @@ def draw_prior_and_noise(
     return w0.to(dev).mul_(float(a) ** -0.5), eps.to(dev)
 
 
-def _check_y(y_tilde: torch.Tensor, features: FeatureOperator, where: str) -> torch.Tensor:
-    c = features.n_outputs
-    if not isinstance(y_tilde, torch.Tensor) or tuple(y_tilde.shape) != (c,):
-        got = tuple(y_tilde.shape) if isinstance(y_tilde, torch.Tensor) else type(y_tilde).__name__
-        raise ValueError(f"{where}: y_tilde must have shape ({c},) (flat targets incl. offset δ), got {got}")
-    if not torch.isfinite(y_tilde).all():
-        raise ValueError(f"{where}: y_tilde contains NaN or Inf")
-    return y_tilde.to(device=features.device, dtype=features.dtype)
-
-
 def sample_posterior(
     features: FeatureOperator,
     solver: Solver,
@@ -126,12 +116,12 @@ def sample_posterior(
     y_tilde : torch.Tensor, optional
         ``(c,)`` targets including any offset ``δ``; when given, the mean is solved in the same batch.
     """
-    a_f, s2_f = _check_hyper(a, sigma2, "sample_posterior")
+    a_f, s2_f = check_hyper(a, sigma2, "sample_posterior")
     if not isinstance(n_samples, int) or n_samples < 0:
         raise ValueError(f"sample_posterior: n_samples must be an int >= 0, got {n_samples!r}")
     if solver.features is not features:
         raise ValueError("sample_posterior: the solver was built for a different feature operator")
-    y = None if y_tilde is None else _check_y(y_tilde, features, "sample_posterior")
+    y = None if y_tilde is None else check_targets(y_tilde, features, "sample_posterior")
     w0, eps = draw_prior_and_noise(n_samples, features, a_f, s2_f, generator)
     rhs_s = eps - features.matvec(w0) if n_samples else eps
     rhs = rhs_s if y is None else torch.cat([y[None], rhs_s], dim=0)
@@ -150,8 +140,8 @@ def posterior_mean(
     features: FeatureOperator, solver: Solver, y_tilde: torch.Tensor, a: float, sigma2: float
 ) -> tuple[torch.Tensor, torch.Tensor, SolveStats]:
     """``(w* (d,), u = C⁻¹ỹ (c,), stats)``: one solve and one VJP."""
-    a_f, s2_f = _check_hyper(a, sigma2, "posterior_mean")
-    y = _check_y(y_tilde, features, "posterior_mean")
+    a_f, s2_f = check_hyper(a, sigma2, "posterior_mean")
+    y = check_targets(y_tilde, features, "posterior_mean")
     V, stats = solver.solve(y[None], a_f, s2_f)
     return features.rmatvec(V)[0] / a_f, V[0], stats
 

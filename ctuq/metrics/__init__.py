@@ -18,11 +18,11 @@ Map of the package
                     :func:`rank_correlation`
 ``summary``         :func:`uq_summary` (samples in memory) and :func:`uq_summary_from_moments` (from a
                     :class:`SampleMoments`), the one JSON-ready dict a run reports
+``image``           image quality against a ground truth: :func:`psnr` (torch), :func:`psnr_from_mse`,
+                    :func:`image_metrics` (PSNR and SSIM with ``skimage``, for ``metrics.json``)
+``classification``  NLL, accuracy, ECE, Brier score, reliability diagrams, joint log-likelihood of κ-tuples
+                    (:func:`nll`, :func:`expected_calibration_error`, …, :func:`classification_summary`)
 ==================  =====================================================================================
-
-Classification metrics (NLL, accuracy, ECE, Brier score, reliability diagrams, joint log-likelihood of
-κ-tuples) are in the sibling module ``classification`` (:func:`nll`, :func:`expected_calibration_error`, …,
-:func:`classification_summary`). PSNR and SSIM are in :func:`ctuq.outputs.image_metrics`.
 
 Shapes and units
 ----------------
@@ -66,6 +66,7 @@ Centering
 from __future__ import annotations
 
 from ._common import DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, DEFAULT_LEVELS, HEADLINE_LEVELS
+from .calibration import ErrorStdHistogram, coverage, error_std_histogram, headline_coverage, rank_correlation
 from .classification import (
     accuracy,
     brier_score,
@@ -76,13 +77,17 @@ from .classification import (
     nll,
     reliability_diagram,
 )
-from .calibration import ErrorStdHistogram, coverage, error_std_histogram, headline_coverage, rank_correlation
+from .image import image_metrics, psnr, psnr_from_mse
 from .likelihoods import marginal_log_likelihood, patch_joint_log_likelihood
 from .moments import SampleMoments, pixelwise_std, pixelwise_std_about, pixelwise_variance
 from .regions import PUBLISHED_GRID, PUBLISHED_ROI, Roi, inner_square_roi, roi_mask
 from .summary import uq_summary, uq_summary_from_moments
 
 __all__ = [
+    "Roi",
+    "PUBLISHED_ROI",
+    "PUBLISHED_GRID",
+    "DEFAULT_CHUNK_BYTES",
     "inner_square_roi",
     "roi_mask",
     "pixelwise_variance",
@@ -106,6 +111,9 @@ __all__ = [
     "joint_log_likelihood",
     "joint_log_likelihoods",
     "classification_summary",
+    "psnr",
+    "psnr_from_mse",
+    "image_metrics",
     "DEFAULT_ETA_REL",
     "DEFAULT_LEVELS",
     "HEADLINE_LEVELS",

@@ -10,6 +10,8 @@ import math
 import numpy as np
 import torch
 
+from ctuq.options import Centering, values
+
 #: Default η of the stabilised patch covariance, relative to the mean pixel variance in the ROI.
 DEFAULT_ETA_REL = 1e-4
 #: Credible-interval masses 0, 0.05, …, 1 of the calibration curve.
@@ -18,7 +20,6 @@ DEFAULT_LEVELS = np.round(np.linspace(0.0, 1.0, 21), 10)
 HEADLINE_LEVELS = (0.5, 0.9, 0.95)
 #: Bytes of float64 sample data handled per chunk (peak memory is about three times this).
 DEFAULT_CHUNK_BYTES = 2**27
-_CENTERINGS = ("none", "empirical", "mean")
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -33,9 +34,7 @@ def _as_tensor(x, name: str, where: str) -> torch.Tensor:
 def _check_samples(samples, where: str) -> torch.Tensor:
     samples = _as_tensor(samples, "samples", where)
     if samples.ndim not in (3, 4):
-        raise ValueError(
-            f"{where}: samples must be (k, H, W) or (k, D, H, W), got shape {tuple(samples.shape)}"
-        )
+        raise ValueError(f"{where}: samples must be (k, H, W) or (k, D, H, W), got shape {tuple(samples.shape)}")
     if samples.shape[0] < 1 or samples[0].numel() == 0:
         raise ValueError(f"{where}: samples of shape {tuple(samples.shape)} hold no sample or no pixel")
     if not samples.is_floating_point():
@@ -58,11 +57,11 @@ def _check_image(x, name: str, shape: tuple[int, ...] | None, where: str, device
 
 
 def _check_centering(centering: str, mean_given: bool, k: int, where: str) -> None:
-    if centering not in _CENTERINGS:
-        raise ValueError(f"{where}: centering must be one of {_CENTERINGS}, got {centering!r}")
-    if centering == "mean" and not mean_given:
+    if centering not in values(Centering):
+        raise ValueError(f"{where}: centering must be one of {values(Centering)}, got {centering!r}")
+    if centering == Centering.MEAN and not mean_given:
         raise ValueError(f"{where}: centering='mean' needs the predictive mean")
-    if centering == "empirical" and k < 2:
+    if centering == Centering.EMPIRICAL and k < 2:
         raise ValueError(f"{where}: centering='empirical' needs at least 2 samples, got k = {k}")
 
 

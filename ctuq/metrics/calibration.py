@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from scipy.stats import norm, spearmanr
 
 from ._common import DEFAULT_LEVELS, HEADLINE_LEVELS, _check_image
 from .regions import Roi, _resolve_roi, _select
@@ -59,8 +60,6 @@ def coverage(x_true, mean, std, levels=None, roi: Roi = None) -> tuple[np.ndarra
     (levels, coverage) : tuple of ``(n_levels,)`` float64 numpy arrays
         Coverage is the fraction of ROI pixels covered; perfect calibration is ``coverage == levels``.
     """
-    from scipy.stats import norm
-
     where = "coverage"
     x_true = _check_image(x_true, "x_true", None, where)
     shape = tuple(x_true.shape)
@@ -116,8 +115,9 @@ def _roi_values(x, name, shape, region, where) -> np.ndarray:
     return _select(_check_image(x, name, shape, where, torch.device("cpu")), region).numpy()
 
 
-def error_std_histogram(abs_error, std, bins: int = 100, roi: Roi = None, *, log: bool = True,
-                        range: tuple[float, float] | None = None) -> ErrorStdHistogram:
+def error_std_histogram(
+    abs_error, std, bins: int = 100, roi: Roi = None, *, log: bool = True, range: tuple[float, float] | None = None
+) -> ErrorStdHistogram:
     """Counts of ROI pixels by ``(|error|, std)`` on a shared grid of ``bins × bins`` bins.
 
     Parameters
@@ -149,8 +149,10 @@ def error_std_histogram(abs_error, std, bins: int = 100, roi: Roi = None, *, log
     err = _select(err_t, region).numpy()
     sd = _roi_values(std, "std", shape, region, where)
     if err.min() < 0 or sd.min() < 0:
-        raise ValueError(f"{where}: abs_error and std must be ≥ 0 (got a negative value in "
-                         f"{'abs_error' if err.min() < 0 else 'std'})")
+        raise ValueError(
+            f"{where}: abs_error and std must be ≥ 0 (got a negative value in "
+            f"{'abs_error' if err.min() < 0 else 'std'})"
+        )
     if range is None:
         hi = float(max(err.max(), sd.max()))
         if log:
@@ -164,8 +166,9 @@ def error_std_histogram(abs_error, std, bins: int = 100, roi: Roi = None, *, log
     else:
         lo, hi = (float(v) for v in range)
         if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo and (lo > 0 or not log)):
-            raise ValueError(f"{where}: range must be finite (lo, hi) with hi > lo (and lo > 0 for log bins), "
-                             f"got {range!r}")
+            raise ValueError(
+                f"{where}: range must be finite (lo, hi) with hi > lo (and lo > 0 for log bins), got {range!r}"
+            )
     edges = np.geomspace(lo, hi, int(bins) + 1) if log else np.linspace(lo, hi, int(bins) + 1)
     # clip into [lo, hi] so no pixel is silently dropped from the figure
     counts, _, _ = np.histogram2d(np.clip(err, lo, hi), np.clip(sd, lo, hi), bins=[edges, edges])
@@ -188,8 +191,6 @@ def rank_correlation(std, abs_error, roi: Roi = None) -> float:
         In [−1, 1]; 1 means the uncertainty ranks pixels exactly like the error does. NaN when either map is
         constant in the ROI.
     """
-    from scipy.stats import spearmanr
-
     where = "rank_correlation"
     sd_t = _check_image(std, "std", None, where, torch.device("cpu"))
     shape = tuple(sd_t.shape)

@@ -21,23 +21,32 @@ estimate is ``S = 1``). Tensors or numpy arrays; results are Python floats (nats
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-__all__ = ["nll", "accuracy", "expected_calibration_error", "reliability_diagram", "brier_score",
-           "joint_log_likelihood", "joint_log_likelihoods", "classification_summary", "TUPLE_SAMPLING"]
+from ctuq.options import TupleSampling, values
 
-TUPLE_SAMPLING = ("dyadic", "uniform")
+__all__ = [
+    "nll",
+    "accuracy",
+    "expected_calibration_error",
+    "reliability_diagram",
+    "brier_score",
+    "joint_log_likelihood",
+    "joint_log_likelihoods",
+    "classification_summary",
+]
 
 
 def _probs(probs, labels, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.as_tensor(np.asarray(probs) if not isinstance(probs, torch.Tensor) else probs).double()
     y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels).long()
     if p.ndim != 2 or y.shape != (p.shape[0],) or p.shape[0] == 0:
-        raise ValueError(f"{where}: probs must be (N, C) and labels (N,) with N >= 1, got {tuple(p.shape)} and "
-                         f"{tuple(y.shape)}")
+        raise ValueError(
+            f"{where}: probs must be (N, C) and labels (N,) with N >= 1, got {tuple(p.shape)} and {tuple(y.shape)}"
+        )
     if int(y.min()) < 0 or int(y.max()) >= p.shape[1]:
         raise ValueError(f"{where}: labels must lie in 0..{p.shape[1] - 1}, got {int(y.min())}..{int(y.max())}")
     return p, y
@@ -68,10 +77,12 @@ def reliability_diagram(probs, labels, n_bins: int = 15) -> dict:
     conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, conf)
     acc_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, correct)
     nan = torch.full_like(count, float("nan"))
-    return {"edges": np.linspace(0.0, 1.0, n_bins + 1),
-            "confidence": torch.where(count > 0, conf_sum / count.clamp_min(1), nan).numpy(),
-            "accuracy": torch.where(count > 0, acc_sum / count.clamp_min(1), nan).numpy(),
-            "count": count.numpy().astype(int)}
+    return {
+        "edges": np.linspace(0.0, 1.0, n_bins + 1),
+        "confidence": torch.where(count > 0, conf_sum / count.clamp_min(1), nan).numpy(),
+        "accuracy": torch.where(count > 0, acc_sum / count.clamp_min(1), nan).numpy(),
+        "count": count.numpy().astype(int),
+    }
 
 
 def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
@@ -90,21 +101,27 @@ def brier_score(probs, labels) -> float:
 
 
 def _label_log_probs(sample_log_probs, labels, where: str) -> torch.Tensor:
-    lp = sample_log_probs if isinstance(sample_log_probs, torch.Tensor) else torch.as_tensor(np.asarray(sample_log_probs))
+    lp = (
+        sample_log_probs
+        if isinstance(sample_log_probs, torch.Tensor)
+        else torch.as_tensor(np.asarray(sample_log_probs))
+    )
     lp = lp.double()
     if lp.ndim == 2:
         lp = lp[None]
     y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels).long()
     if lp.ndim != 3 or y.shape != (lp.shape[1],) or lp.shape[0] == 0 or lp.shape[1] == 0:
-        raise ValueError(f"{where}: sample_log_probs must be (S, N, C) (or (N, C)) and labels (N,), got "
-                         f"{tuple(lp.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"{where}: sample_log_probs must be (S, N, C) (or (N, C)) and labels (N,), got "
+            f"{tuple(lp.shape)} and {tuple(y.shape)}"
+        )
     if int(y.min()) < 0 or int(y.max()) >= lp.shape[2]:
         raise ValueError(f"{where}: labels must lie in 0..{lp.shape[2] - 1}")
     return lp[:, torch.arange(lp.shape[1]), y]  # (S, N)
 
 
 def _tuples(N: int, kappa: int, n_tuples: int, sampling: str, gen: torch.Generator) -> torch.Tensor:
-    if sampling == "dyadic":
+    if sampling == TupleSampling.DYADIC:
         anchors = torch.randint(0, N, (n_tuples, 2), generator=gen)
         pick = torch.randint(0, 2, (n_tuples, kappa), generator=gen)
         return torch.gather(anchors, 1, pick)
@@ -113,14 +130,17 @@ def _tuples(N: int, kappa: int, n_tuples: int, sampling: str, gen: torch.Generat
     return torch.argsort(torch.rand((n_tuples, N), generator=gen), dim=1)[:, :kappa]
 
 
-def joint_log_likelihood(sample_log_probs, labels, kappa: int, *, n_tuples: int = 10000, sampling: str = "dyadic",
-                         seed: int = 0) -> float:
+def joint_log_likelihood(
+    sample_log_probs, labels, kappa: int, *, n_tuples: int = 10000, sampling: str = TupleSampling.DYADIC, seed: int = 0
+) -> float:
     """Joint log-likelihood of κ-tuples, nats per point (module docstring); tuples drawn with ``seed``."""
     lp = _label_log_probs(sample_log_probs, labels, "joint_log_likelihood")
     if not isinstance(kappa, int) or kappa < 1:
         raise ValueError(f"joint_log_likelihood: kappa must be a positive int, got {kappa!r}")
-    if sampling not in TUPLE_SAMPLING:
-        raise ValueError(f"joint_log_likelihood: sampling must be one of {list(TUPLE_SAMPLING)}, got {sampling!r}")
+    if sampling not in values(TupleSampling):
+        raise ValueError(
+            f"joint_log_likelihood: sampling must be one of {list(values(TupleSampling))}, got {sampling!r}"
+        )
     gen = torch.Generator().manual_seed(int(seed))
     idx = _tuples(lp.shape[1], kappa, int(n_tuples), sampling, gen)
     total = lp[:, idx].sum(-1)  # (S, T)
@@ -133,11 +153,16 @@ def joint_log_likelihoods(sample_log_probs, labels, kappas: Iterable[int] = rang
     return {int(k): joint_log_likelihood(sample_log_probs, labels, int(k), **kwargs) for k in kappas}
 
 
-def classification_summary(probs, labels, sample_log_probs=None, *, n_bins: int = 15,
-                           kappas: Iterable[int] = range(1, 11), seed: int = 0) -> dict:
+def classification_summary(
+    probs, labels, sample_log_probs=None, *, n_bins: int = 15, kappas: Iterable[int] = range(1, 11), seed: int = 0
+) -> dict:
     """``{"nll", "accuracy", "ece", "brier"}`` and, with ``sample_log_probs``, ``"joint_ll"`` ``{κ: value}``."""
-    out = {"nll": nll(probs, labels), "accuracy": accuracy(probs, labels),
-           "ece": expected_calibration_error(probs, labels, n_bins), "brier": brier_score(probs, labels)}
+    out = {
+        "nll": nll(probs, labels),
+        "accuracy": accuracy(probs, labels),
+        "ece": expected_calibration_error(probs, labels, n_bins),
+        "brier": brier_score(probs, labels),
+    }
     if sample_log_probs is not None:
         out["joint_ll"] = joint_log_likelihoods(sample_log_probs, labels, kappas, seed=seed)
     return out

@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ._common import (DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, _LOG_2PI, _check_centering, _check_image,
-                      _check_samples, _chunk_count)
+from ctuq.options import Centering
+
+from ._common import (
+    _LOG_2PI,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_ETA_REL,
+    _check_centering,
+    _check_image,
+    _check_samples,
+    _chunk_count,
+)
 from .moments import _Moments, _moments
 from .regions import Roi, _check_patch_sizes, _patch_blocks, _patch_grid, _Region, _resolve_roi, _select
 
@@ -108,8 +118,9 @@ def _patch_ll_sum(s: torch.Tensor, e: torch.Tensor, factor: float, eta: float, f
     return ll.sum() / e.shape[-1], nf, extra
 
 
-def _warn_indefinite(where: str, n_failed: int, count: int, p: int, eta: float, max_extra: float,
-                     stacklevel: int) -> None:
+def _warn_indefinite(
+    where: str, n_failed: int, count: int, p: int, eta: float, max_extra: float, stacklevel: int
+) -> None:
     """The warning for patches that needed extra jitter; ``stacklevel`` counts from the caller."""
     if n_failed:
         warnings.warn(
@@ -120,8 +131,16 @@ def _warn_indefinite(where: str, n_failed: int, count: int, p: int, eta: float, 
         )
 
 
-def _joint_ll_one_size(samples: torch.Tensor, diff: torch.Tensor, region: _Region, mom: _Moments, p: int,
-                       eta: float, chunk_bytes: int, where: str) -> float:
+def _joint_ll_one_size(
+    samples: torch.Tensor,
+    diff: torch.Tensor,
+    region: _Region,
+    mom: _Moments,
+    p: int,
+    eta: float,
+    chunk_bytes: int,
+    where: str,
+) -> float:
     """Patch joint log-likelihood for one patch size ``p`` (see :func:`patch_joint_log_likelihood`)."""
     k = samples.shape[0]
     view = samples[(slice(None),) + region.box]
@@ -163,8 +182,9 @@ def _joint_ll_one_size(samples: torch.Tensor, diff: torch.Tensor, region: _Regio
     return float(total) / count
 
 
-def _joint_ll_from_sums(sums: torch.Tensor, e: torch.Tensor, k: int, p: int, eta: float, fallback: float,
-                        chunk_bytes: int, where: str) -> float:
+def _joint_ll_from_sums(
+    sums: torch.Tensor, e: torch.Tensor, k: int, p: int, eta: float, fallback: float, chunk_bytes: int, where: str
+) -> float:
     """Patch joint log-likelihood for one patch size from accumulated second-moment sums (centering none).
 
     ``sums``: ``(n, p², p²)`` ``Σ_j x_j x_jᵀ`` of the ``n`` counted patches (left unchanged); ``e``: their
@@ -178,8 +198,8 @@ def _joint_ll_from_sums(sums: torch.Tensor, e: torch.Tensor, k: int, p: int, eta
     n_failed = 0
     max_extra = 0.0
     for i in range(0, n, n_max):
-        s = sums[i:i + n_max].to(torch.float64)
-        ll, nf, extra = _patch_ll_sum(s, e[i:i + n_max], 1.0 / (2 * k), eta, fallback)
+        s = sums[i : i + n_max].to(torch.float64)
+        ll, nf, extra = _patch_ll_sum(s, e[i : i + n_max], 1.0 / (2 * k), eta, fallback)
         total += ll
         n_failed += nf
         max_extra = max(max_extra, extra)
@@ -217,15 +237,24 @@ def _prepare(x_true, mean, samples, roi, centering, chunk_bytes, where) -> _Prep
     mu = _check_image(mean, "mean", shape, where, samples.device)
     _check_centering(centering, True, samples.shape[0], where)
     region = _resolve_roi(roi, shape, where)
-    mom = _moments(samples, region.box, centering, mu if centering == "mean" else None, chunk_bytes, where)
+    mom = _moments(samples, region.box, centering, mu if centering == Centering.MEAN else None, chunk_bytes, where)
     diff = (x_true - mu)[region.box]
     full_box = _Region(tuple(slice(0, n) for n in mom.var.shape), region.mask, region.n)
     return _Prepared(samples, region, diff, mom, _select(mom.var, full_box))
 
 
-def patch_joint_log_likelihood(x_true, mean, samples, patch_sizes: Iterable[int] = range(1, 11), roi: Roi = None,
-                               eta: float | None = None, *, eta_rel: float = DEFAULT_ETA_REL,
-                               centering: str = "none", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[int, float]:
+def patch_joint_log_likelihood(
+    x_true,
+    mean,
+    samples,
+    patch_sizes: Iterable[int] = range(1, 11),
+    roi: Roi = None,
+    eta: float | None = None,
+    *,
+    eta_rel: float = DEFAULT_ETA_REL,
+    centering: str = Centering.NONE,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> dict[int, float]:
     """Joint test log-likelihood of ``p×p`` patches under the stabilised sample covariance (nats per pixel).
 
     For each patch size ``p``, the ROI's bounding box is tiled with non-overlapping ``p×p`` patches starting

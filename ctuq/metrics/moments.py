@@ -12,12 +12,14 @@ Images are in image units (mm⁻¹ for attenuation images), variances in image u
 from __future__ import annotations
 
 import math
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from ._common import (DEFAULT_CHUNK_BYTES, _as_tensor, _check_centering, _check_image, _check_samples,
-                      _chunk_count)
+from ctuq.options import Centering
+
+from ._common import DEFAULT_CHUNK_BYTES, _as_tensor, _check_centering, _check_image, _check_samples, _chunk_count
 from .regions import Roi, _check_patch_sizes, _patch_blocks, _patch_grid, _PatchGrid, _resolve_roi
 
 __all__ = ["pixelwise_variance", "pixelwise_std", "pixelwise_std_about", "SampleMoments"]
@@ -32,26 +34,32 @@ class _Moments(NamedTuple):
     scale2: float  # k / (k − 1) for empirical centering, else 1
 
 
-def _moments(samples: torch.Tensor, box: tuple[slice, ...], centering: str, about: torch.Tensor | None,
-             chunk_bytes: int, where: str) -> _Moments:
+def _moments(
+    samples: torch.Tensor,
+    box: tuple[slice, ...],
+    centering: str,
+    about: torch.Tensor | None,
+    chunk_bytes: int,
+    where: str,
+) -> _Moments:
     k = samples.shape[0]
     view = samples[(slice(None),) + box]
     step = _chunk_count(8 * view[0].numel(), chunk_bytes)
     offset = None
     scale2 = 1.0
-    if centering == "mean":
+    if centering == Centering.MEAN:
         offset = about[box]
-    elif centering == "empirical":
+    elif centering == Centering.EMPIRICAL:
         # two passes (mean, then deviations) rather than E[s²] − E[s]²: MC-dropout passes have a mean
         # far larger than their spread, and the one-pass formula would cancel away the variance.
         acc = torch.zeros(view.shape[1:], dtype=torch.float64, device=view.device)
         for i in range(0, k, step):
-            acc += view[i:i + step].to(torch.float64).sum(0)
+            acc += view[i : i + step].to(torch.float64).sum(0)
         offset = acc / k
         scale2 = k / (k - 1)
     acc = torch.zeros(view.shape[1:], dtype=torch.float64, device=view.device)
     for i in range(0, k, step):
-        c = view[i:i + step].to(torch.float64)
+        c = view[i : i + step].to(torch.float64)
         if offset is not None:
             c = c - offset
         acc += (c * c).sum(0)
@@ -61,8 +69,9 @@ def _moments(samples: torch.Tensor, box: tuple[slice, ...], centering: str, abou
     return _Moments(var, offset, scale2)
 
 
-def pixelwise_variance(samples, jitter: float = 0.0, *, centering: str = "none", mean=None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+def pixelwise_variance(
+    samples, jitter: float = 0.0, *, centering: str = Centering.NONE, mean=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> torch.Tensor:
     """Pixelwise predictive variance ``(1/k) Σ_j x_j² + jitter`` of ``k`` samples.
 
     Parameters
@@ -90,7 +99,7 @@ def pixelwise_variance(samples, jitter: float = 0.0, *, centering: str = "none",
     _check_centering(centering, mean is not None, samples.shape[0], where)
     if not (math.isfinite(jitter) and jitter >= 0):
         raise ValueError(f"{where}: jitter must be finite and ≥ 0, got {jitter}")
-    about = _check_image(mean, "mean", shape, where, samples.device) if centering == "mean" else None
+    about = _check_image(mean, "mean", shape, where, samples.device) if centering == Centering.MEAN else None
     full = tuple(slice(0, n) for n in shape)
     m = _moments(samples, full, centering, about, chunk_bytes, where)
     return (m.var + jitter).to(samples.dtype)
@@ -134,7 +143,7 @@ def pixelwise_std_about(samples, mean=None, jitter: float = 0.0) -> torch.Tensor
     torch.Tensor
         Image-shaped std (image units, mm⁻¹) in ``samples.dtype`` on ``samples.device``.
     """
-    centering = "empirical" if mean is None else "mean"
+    centering = Centering.EMPIRICAL if mean is None else Centering.MEAN
     return pixelwise_variance(samples, jitter, centering=centering, mean=mean).sqrt()
 
 
@@ -159,8 +168,9 @@ class SampleMoments:
 
     Memory is ``Π image_shape + Σ_p n_p·p⁴ ≤ image pixels + box pixels · Σ_p p²`` elements of ``dtype``
     (``n_p`` patches of size ``p``, ``box pixels`` the size of the ROI's bounding box), whatever the number of
-    samples: about 0.38 GB in float64 for the published 352² region of a 501² slice and ``p = 1…10``. A 3D volume is tiled with 2D ``p×p`` patches in
-    each ``(H, W)`` slice, as the in-memory estimator does, which costs ``D`` times a slice.
+    samples: about 0.38 GB in float64 for the published 352² region of a 501² slice and ``p = 1…10``. A 3D
+    volume is tiled with 2D ``p×p`` patches in each ``(H, W)`` slice, as the in-memory estimator does, which costs
+    ``D`` times a slice.
 
     Only ``centering="none"`` (second moments about zero, divided by ``k``) can be streamed:
 
@@ -204,26 +214,35 @@ class SampleMoments:
     >>> summary = uq_summary_from_moments(x_true, mean, acc)                      # doctest: +SKIP
     """
 
-    def __init__(self, image_shape: Sequence[int], roi: Roi = None, patch_sizes: Iterable[int] = range(1, 11),
-                 dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu", *,
-                 centering: str = "none", chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(
+        self,
+        image_shape: Sequence[int],
+        roi: Roi = None,
+        patch_sizes: Iterable[int] = range(1, 11),
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+        *,
+        centering: str = Centering.NONE,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
         where = "SampleMoments"
         try:
             shape = tuple(int(n) for n in image_shape)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: image_shape must be a sequence of ints, got {image_shape!r}") from exc
         if len(shape) not in (2, 3) or min(shape) < 1:
-            raise ValueError(
-                f"{where}: image_shape must be (H, W) or (D, H, W) with positive sizes, got {shape}")
-        if centering == "mean":
+            raise ValueError(f"{where}: image_shape must be (H, W) or (D, H, W) with positive sizes, got {shape}")
+        if centering == Centering.MEAN:
             raise ValueError(
                 f"{where}: centering='mean' is not streamed; subtract the predictive mean from each chunk and "
-                "use centering='none' (the same estimator)")
-        if centering == "empirical":
+                "use centering='none' (the same estimator)"
+            )
+        if centering == Centering.EMPIRICAL:
             raise ValueError(
                 f"{where}: centering='empirical' needs the samples' own average before any square is summed "
                 "(a one-pass E[s²] − E[s]² cancels catastrophically for MC dropout), so it cannot be streamed; "
-                "keep all samples and use ctuq.metrics.uq_summary")
+                "keep all samples and use ctuq.metrics.uq_summary"
+            )
         if centering != "none":
             raise ValueError(f"{where}: centering must be 'none', got {centering!r}")
         if dtype not in (torch.float64, torch.float32):
@@ -236,16 +255,21 @@ class SampleMoments:
         self._dtype = dtype
         self._device = torch.device(device)
         self._chunk_bytes = int(chunk_bytes)
-        self._valid = {p: (g.valid.to(self._device) if g.valid is not None else None)
-                       for p, g in self._grids.items()}
+        self._valid = {p: (g.valid.to(self._device) if g.valid is not None else None) for p, g in self._grids.items()}
         self._k = 0
         self._sum_sq = torch.zeros(shape, dtype=dtype, device=self._device)
-        self._patch_sums = {p: torch.zeros((g.n_patches, p * p, p * p), dtype=dtype, device=self._device)
-                            for p, g in self._grids.items()}
+        self._patch_sums = {
+            p: torch.zeros((g.n_patches, p * p, p * p), dtype=dtype, device=self._device)
+            for p, g in self._grids.items()
+        }
 
     @staticmethod
-    def memory_bytes(image_shape: Sequence[int], roi: Roi = None, patch_sizes: Iterable[int] = range(1, 11),
-                     dtype: torch.dtype = torch.float64) -> int:
+    def memory_bytes(
+        image_shape: Sequence[int],
+        roi: Roi = None,
+        patch_sizes: Iterable[int] = range(1, 11),
+        dtype: torch.dtype = torch.float64,
+    ) -> int:
         """Bytes of the running sums an accumulator with these arguments holds, without allocating them: the
         pixel sums of squares (``prod(image_shape)``) plus, per patch size ``p``, ``n_patches(p) · p⁴`` patch sums
         (the same ROI and patch tiling as the constructor; its errors for a bad shape, ROI or patch size)."""
@@ -303,11 +327,13 @@ class SampleMoments:
         return mask
 
     def __repr__(self) -> str:
-        return (f"SampleMoments(image_shape={self._shape}, n_samples={self._k}, n_roi_pixels={self._region.n}, "
-                f"patch_sizes={list(self._sizes)}, dtype={self._dtype}, device='{self._device}')")
+        return (
+            f"SampleMoments(image_shape={self._shape}, n_samples={self._k}, n_roi_pixels={self._region.n}, "
+            f"patch_sizes={list(self._sizes)}, dtype={self._dtype}, device='{self._device}')"
+        )
 
     # ------------------------------------------------------------------------------------------ streaming
-    def update(self, chunk) -> "SampleMoments":
+    def update(self, chunk) -> SampleMoments:
         """Add a chunk of zero-mean samples to the running sums.
 
         Parameters
@@ -331,8 +357,9 @@ class SampleMoments:
         where = "SampleMoments.update"
         chunk = _as_tensor(chunk, "chunk", where)
         if tuple(chunk.shape[1:]) != self._shape or chunk.ndim != len(self._shape) + 1:
-            raise ValueError(f"{where}: chunk must have shape (B, {', '.join(map(str, self._shape))}), "
-                             f"got {tuple(chunk.shape)}")
+            raise ValueError(
+                f"{where}: chunk must have shape (B, {', '.join(map(str, self._shape))}), got {tuple(chunk.shape)}"
+            )
         if not chunk.is_floating_point():
             raise TypeError(f"{where}: chunk must be floating point, got {chunk.dtype}")
         B = chunk.shape[0]
@@ -346,7 +373,7 @@ class SampleMoments:
         elem = torch.finfo(dt).bits // 8
         step = _chunk_count(elem * math.prod(self._shape), self._chunk_bytes)
         for i in range(0, B, step):
-            c = chunk[i:i + step].to(dt)
+            c = chunk[i : i + step].to(dt)
             self._sum_sq += (c * c).sum(0)
             del c
         view = chunk[(slice(None),) + self._region.box]
@@ -371,14 +398,14 @@ class SampleMoments:
                 if n:
                     # blocks are runs of consecutive patches, so their valid patches are consecutive too;
                     # in place, so no second buffer of the sums' size is ever allocated
-                    sums[pos:pos + n].baddbmm_(x.transpose(1, 2), x)
+                    sums[pos : pos + n].baddbmm_(x.transpose(1, 2), x)
                 pos += n
                 del x
             assert pos == sums.shape[0], (pos, sums.shape)
         self._k += B
         return self
 
-    def merge(self, other: "SampleMoments") -> "SampleMoments":
+    def merge(self, other: SampleMoments) -> SampleMoments:
         """Add another accumulator's sums to this one (e.g. shards sampled on different machines).
 
         Parameters
@@ -405,7 +432,7 @@ class SampleMoments:
         self._k += other._k
         return self
 
-    def reduce_(self, shard) -> "SampleMoments":
+    def reduce_(self, shard) -> SampleMoments:
         """Sum the running sums of every process onto rank 0, in place (a sharded prediction; see
         :mod:`ctuq.inference.distributed`).
 
@@ -467,20 +494,29 @@ class SampleMoments:
     # ------------------------------------------------------------------------------------ checkpointing
     def _config(self) -> dict:
         box = [[s.start, s.stop] for s in self._region.box]
-        return {"image_shape": list(self._shape), "roi_box": box, "roi_mask": self._region.mask,
-                "patch_sizes": list(self._sizes), "dtype": str(self._dtype).removeprefix("torch.")}
+        return {
+            "image_shape": list(self._shape),
+            "roi_box": box,
+            "roi_mask": self._region.mask,
+            "patch_sizes": list(self._sizes),
+            "dtype": str(self._dtype).removeprefix("torch."),
+        }
 
     def _check_config(self, cfg: dict, where: str) -> None:
         mine = self._config()
-        for key, label in (("image_shape", "image shape"), ("roi_box", "ROI bounding box"),
-                           ("patch_sizes", "patch sizes"), ("dtype", "dtype")):
+        for key, label in (
+            ("image_shape", "image shape"),
+            ("roi_box", "ROI bounding box"),
+            ("patch_sizes", "patch sizes"),
+            ("dtype", "dtype"),
+        ):
             if cfg[key] != mine[key]:
-                raise ValueError(f"{where}: {label} mismatch: this accumulator has {mine[key]}, "
-                                 f"the other has {cfg[key]}")
+                raise ValueError(
+                    f"{where}: {label} mismatch: this accumulator has {mine[key]}, the other has {cfg[key]}"
+                )
         a, b = mine["roi_mask"], cfg["roi_mask"]
         if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b.cpu()))):
-            raise ValueError(f"{where}: ROI mismatch: the ROI masks differ (same bounding box "
-                             f"{mine['roi_box']})")
+            raise ValueError(f"{where}: ROI mismatch: the ROI masks differ (same bounding box {mine['roi_box']})")
 
     def state_dict(self) -> dict:
         """The running sums and their configuration, for ``torch.save``.
@@ -498,12 +534,18 @@ class SampleMoments:
             (``{str(p): (n_patches, p², p²)}``).
         """
         state = self._config()
-        state.update({"version": _STATE_VERSION, "kind": _STATE_KIND, "n_samples": self._k,
-                      "sum_sq": self._sum_sq,
-                      "patch_sums": {str(p): s for p, s in self._patch_sums.items()}})
+        state.update(
+            {
+                "version": _STATE_VERSION,
+                "kind": _STATE_KIND,
+                "n_samples": self._k,
+                "sum_sq": self._sum_sq,
+                "patch_sums": {str(p): s for p, s in self._patch_sums.items()},
+            }
+        )
         return state
 
-    def load_state_dict(self, state: dict) -> "SampleMoments":
+    def load_state_dict(self, state: dict) -> SampleMoments:
         """Replace the running sums by those of :meth:`state_dict` (the configuration must match).
 
         Parameters
@@ -527,10 +569,24 @@ class SampleMoments:
         if not isinstance(state, dict):
             raise ValueError(f"{where}: state must be a dict, got {type(state).__name__}")
         if state.get("kind") != _STATE_KIND or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"{where}: not a SampleMoments state of version {_STATE_VERSION} "
-                             f"(kind {state.get('kind')!r}, version {state.get('version')!r})")
-        missing = [key for key in ("image_shape", "roi_box", "roi_mask", "patch_sizes", "dtype", "n_samples",
-                                   "sum_sq", "patch_sums") if key not in state]
+            raise ValueError(
+                f"{where}: not a SampleMoments state of version {_STATE_VERSION} "
+                f"(kind {state.get('kind')!r}, version {state.get('version')!r})"
+            )
+        missing = [
+            key
+            for key in (
+                "image_shape",
+                "roi_box",
+                "roi_mask",
+                "patch_sizes",
+                "dtype",
+                "n_samples",
+                "sum_sq",
+                "patch_sums",
+            )
+            if key not in state
+        ]
         if missing:
             raise ValueError(f"{where}: state lacks {missing}")
         self._check_config(state, where)
@@ -544,10 +600,11 @@ class SampleMoments:
             raise ValueError(f"{where}: patch_sums must hold the patch sizes {list(self._sizes)}")
         for p in self._sizes:
             t = sums[str(p)]
-            if (not isinstance(t, torch.Tensor) or t.shape != self._patch_sums[p].shape
-                    or t.dtype != self._dtype):
-                raise ValueError(f"{where}: patch_sums['{p}'] must be a {self._dtype} tensor of shape "
-                                 f"{tuple(self._patch_sums[p].shape)}")
+            if not isinstance(t, torch.Tensor) or t.shape != self._patch_sums[p].shape or t.dtype != self._dtype:
+                raise ValueError(
+                    f"{where}: patch_sums['{p}'] must be a {self._dtype} tensor of shape "
+                    f"{tuple(self._patch_sums[p].shape)}"
+                )
         self._sum_sq.copy_(sum_sq)
         for p in self._sizes:
             self._patch_sums[p].copy_(sums[str(p)])

@@ -11,7 +11,8 @@ streaming accumulator :class:`ctuq.metrics.SampleMoments` see exactly the same p
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple, Union
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ PUBLISHED_ROI = (72, 424)
 
 #: Every accepted ROI form: ``None`` (whole image), ``"inner_square"``, a tuple of slices (one per image
 #: axis) or a boolean mask (torch tensor or numpy array) of the image's shape.
-Roi = Union[None, str, Sequence[slice], torch.Tensor, np.ndarray]
+Roi = Union[None, str, Sequence[slice], torch.Tensor, np.ndarray]  # noqa: UP007 - runtime alias
 
 
 def inner_square_roi(shape: Sequence[int]) -> tuple[slice, ...]:

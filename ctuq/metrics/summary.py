@@ -11,12 +11,14 @@ sums are formed (≤ 1e-9 relative in practice).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from ._common import DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, HEADLINE_LEVELS, _LOG_2PI, _check_image
+from ctuq.options import Centering
+
+from ._common import _LOG_2PI, DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, HEADLINE_LEVELS, _check_image
 from .calibration import _check_levels, coverage, rank_correlation
 from .likelihoods import _joint_ll_from_sums, _joint_ll_one_size, _prepare, _resolve_eta
 from .moments import SampleMoments
@@ -43,8 +45,17 @@ def _stabilised(diff: torch.Tensor, region: _Region, roi_var: torch.Tensor, eta:
     return var, err, var.sqrt()
 
 
-def _assemble(n_samples: int, n_pixels: int, centering: str, eta: float, var: torch.Tensor, err: torch.Tensor,
-              std: torch.Tensor, joint: dict, lv: np.ndarray) -> dict:
+def _assemble(
+    n_samples: int,
+    n_pixels: int,
+    centering: str,
+    eta: float,
+    var: torch.Tensor,
+    err: torch.Tensor,
+    std: torch.Tensor,
+    joint: dict,
+    lv: np.ndarray,
+) -> dict:
     marginal = float((-0.5 * (_LOG_2PI + torch.log(var) + err * err / var)).mean())
     # calibration and correlation on the flat ROI values (1D "images", roi = all of them)
     err_np, std_np = err.cpu().numpy().reshape(1, -1), std.cpu().numpy().reshape(1, -1)
@@ -55,7 +66,7 @@ def _assemble(n_samples: int, n_pixels: int, centering: str, eta: float, var: to
     return {
         "n_samples": int(n_samples),
         "n_pixels": int(n_pixels),
-        "centering": centering,
+        "centering": str(centering),  # the plain string (JSON, checkpoints)
         "eta": float(eta),
         "marginal_ll": _finite_or_none(marginal),
         "joint_ll": {p: _finite_or_none(v) for p, v in joint.items()},
@@ -67,9 +78,19 @@ def _assemble(n_samples: int, n_pixels: int, centering: str, eta: float, var: to
     }
 
 
-def uq_summary(x_true, mean, samples, roi: Roi, *, patch_sizes: Iterable[int] = range(1, 11),
-               eta: float | None = None, eta_rel: float = DEFAULT_ETA_REL, centering: str = "none",
-               levels=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+def uq_summary(
+    x_true,
+    mean,
+    samples,
+    roi: Roi,
+    *,
+    patch_sizes: Iterable[int] = range(1, 11),
+    eta: float | None = None,
+    eta_rel: float = DEFAULT_ETA_REL,
+    centering: str = Centering.NONE,
+    levels=None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> dict:
     """All uncertainty metrics of one method in one JSON-ready dict, from samples held in memory.
 
     One stabilised variance ``v_i = pixelwise variance + η`` (η as in
@@ -117,9 +138,16 @@ def uq_summary(x_true, mean, samples, roi: Roi, *, patch_sizes: Iterable[int] = 
     return _assemble(prep.samples.shape[0], prep.region.n, centering, eta, var, err, std, joint, lv)
 
 
-def uq_summary_from_moments(x_true, mean, moments: SampleMoments, *, eta: float | None = None,
-                            eta_rel: float = DEFAULT_ETA_REL, levels=None,
-                            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+def uq_summary_from_moments(
+    x_true,
+    mean,
+    moments: SampleMoments,
+    *,
+    eta: float | None = None,
+    eta_rel: float = DEFAULT_ETA_REL,
+    levels=None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> dict:
     """:func:`uq_summary` computed from a streaming :class:`~ctuq.metrics.SampleMoments` accumulator.
 
     Gives the same dict as ``uq_summary(x_true, mean, samples, moments_roi, patch_sizes=moments.patch_sizes,

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ctuq.errors import CTUQError
+from ctuq.models.unet import UNet
 from ctuq.utils import atomic_torch_save
 
 __all__ = ["MODEL_FILE_FORMAT", "MODEL_FILE_VERSION", "ModelFile", "ModelFileError", "write_model_file",
@@ -43,8 +45,9 @@ MODEL_FILE_FORMAT = "ctuq.model"
 MODEL_FILE_VERSION = 2
 
 
-class ModelFileError(ValueError):
-    """A model file is unreadable, incomplete or of an unknown version; the message names the file."""
+class ModelFileError(CTUQError):
+    """A model file is unreadable, incomplete or of an unknown version; the message names the file (a user error:
+    :mod:`ctuq.errors`)."""
 
 
 @dataclasses.dataclass
@@ -62,8 +65,6 @@ class ModelFile:
 
     def build(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The U-Net with these weights, on ``device``, in eval mode."""
-        from ctuq.models import UNet
-
         model = UNet.from_config(self.model_config)
         model.load_state_dict(self.state_dict)
         return model.to(device).eval()

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["UNet", "UNetConfig", "PRESETS", "build_unet", "make_net_input", "count_parameters"]
 
@@ -177,22 +177,26 @@ class UNet(nn.Module):
     ):
         super().__init__()
         cfg = UNetConfig(
-            in_channels=in_channels, out_channels=out_channels, channels=tuple(channels),
-            skip_channels=tuple(skip_channels), ndim=ndim, norm_groups=norm_groups,
-            negative_slope=negative_slope, sigmoid=sigmoid, dropout=dropout,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            channels=tuple(channels),
+            skip_channels=tuple(skip_channels),
+            ndim=ndim,
+            norm_groups=norm_groups,
+            negative_slope=negative_slope,
+            sigmoid=sigmoid,
+            dropout=dropout,
         )
         self.config = cfg
         ch, sk = cfg.channels, cfg.skip_channels
         self.inc = _ConvNormAct(cfg, cfg.in_channels, ch[0], 3)
         self.down = nn.ModuleList([_Down(cfg, ch[i - 1], ch[i]) for i in range(1, cfg.scales)])
         # up[j] goes from scale S-1-j to S-2-j and merges encoder features of scale S-2-j.
-        self.up = nn.ModuleList(
-            [_Up(cfg, ch[i], ch[i - 1], ch[i - 1], sk[i]) for i in range(cfg.scales - 1, 0, -1)]
-        )
+        self.up = nn.ModuleList([_Up(cfg, ch[i], ch[i - 1], ch[i - 1], sk[i]) for i in range(cfg.scales - 1, 0, -1)])
         self.outc = (nn.Conv2d if ndim == 2 else nn.Conv3d)(ch[0], cfg.out_channels, 1)
 
     @classmethod
-    def from_config(cls, cfg: UNetConfig | dict) -> "UNet":
+    def from_config(cls, cfg: UNetConfig | dict) -> UNet:
         """Rebuild from a :class:`UNetConfig` or its ``to_dict()`` (as stored in checkpoints)."""
         if isinstance(cfg, dict):
             cfg = UNetConfig(**cfg)
@@ -261,9 +265,7 @@ def build_unet(
     return UNet(ndim=ndim, **base, **kwargs)
 
 
-def make_net_input(
-    shape: Sequence[int], channels: int = 1, seed: int = 0, std: float = 0.1
-) -> torch.Tensor:
+def make_net_input(shape: Sequence[int], channels: int = 1, seed: int = 0, std: float = 0.1) -> torch.Tensor:
     """The fixed random DIP input ``(1, channels, *shape)`` (float32, CPU), Gaussian with std ``std``.
 
     Drawn from its own seeded generator so it does not depend on (or disturb) the global RNG state.
@@ -276,8 +278,13 @@ def make_net_input(
 
 
 def count_parameters(model: nn.Module, conv_weights_only: bool = False) -> int:
-    """Number of trainable parameters (or only convolution weights, the linearised ``d``)."""
+    """Number of trainable parameters of any ``nn.Module`` (the one parameter count of ctuq: U-Nets and
+    classifiers alike).
+
+    ``conv_weights_only``: for a :class:`UNet`, count only its convolution weights
+    (:meth:`UNet.conv_weight_names`, the linearised ``d``); other models count every trainable parameter.
+    """
     if conv_weights_only and isinstance(model, UNet):
         names = set(model.conv_weight_names())
-        return sum(p.numel() for n, p in model.named_parameters() if n in names)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return int(sum(p.numel() for n, p in model.named_parameters() if n in names))
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad))

@@ -43,13 +43,16 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
+import astra
+import astra.experimental  # registers direct_FP3D/direct_BP3D (imports without CUDA; calls need it)
 import numpy as np
 import torch
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators.base import RayTransform
+from ctuq.operators.fbp import DetectorViews, grid_points, slab_adjoint_backprojection
 
 __all__ = ["AstraCudaRayTransform", "cuda_available"]
 
@@ -61,10 +64,6 @@ _ASTRA_GPU: list[int | None] = [None]
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device *and* ASTRA can use CUDA (both are needed by this backend)."""
     if not torch.cuda.is_available():
-        return False
-    try:
-        import astra
-    except ImportError:
         return False
     return bool(astra.use_cuda())
 
@@ -84,11 +83,6 @@ def _require_cuda(device: torch.device | str, where: str) -> torch.device:
     index = torch.cuda.current_device() if device.index is None else int(device.index)
     if not 0 <= index < torch.cuda.device_count():
         raise RuntimeError(f"{where}: CUDA device {index} does not exist ({torch.cuda.device_count()} visible)")
-    try:
-        import astra
-        import astra.experimental  # noqa: F401 - registers direct_FP3D/direct_BP3D
-    except ImportError as exc:  # pragma: no cover - astra is a dependency
-        raise RuntimeError(f"{where}: cannot import ASTRA ({exc})") from exc
     if not astra.use_cuda():
         raise RuntimeError(
             f"{where}: ASTRA cannot use CUDA (astra.use_cuda() is False): the PyPI wheel needs the CUDA 12 runtime "
@@ -132,6 +126,45 @@ class AstraCudaRayTransform(RayTransform):
         Height (mm) of the slice of a :meth:`cone_slice` operator, else ``None``.
     """
 
+    geometry_kinds = (
+        "parallel",
+        "parallel_vec",
+        "fanflat",
+        "fanflat_vec",
+        "cone_vec",
+        "parallel3d_vec",
+        "cone",
+        "parallel3d",
+    )
+    devices = ("cuda",)
+    dtypes = (torch.float32,)
+    exact_adjoint = False  # ASTRA's voxel-driven BP is the transpose of its ray-driven FP to ~1–3 % only
+    auto_ndims = (3,)
+
+    @classmethod
+    def available(cls) -> bool:
+        """:func:`cuda_available`: torch sees a CUDA device and ASTRA can use CUDA."""
+        return cuda_available()
+
+    @classmethod
+    def from_geometry(
+        cls,
+        volume: VolumeGeometry,
+        geometry: ProjectionGeometry,
+        *,
+        device: torch.device | str = "cuda",
+        dtype: torch.dtype = torch.float32,
+    ) -> AstraCudaRayTransform:
+        """The ``astra_cuda`` backend's operator (float32 whatever ``dtype`` says); ``RuntimeError`` on a CPU
+        device before ASTRA is touched (calling ASTRA's CUDA code without a GPU crashes the process)."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"make_ray_transform: backend 'astra_cuda' ({volume.ndim}D) needs a CUDA device, got {device}; "
+                "ASTRA has no 3D projectors on the CPU (use a 2D slice with backend 'sparse' there)"
+            )
+        return cls(volume, geometry, device=device)
+
     def __init__(
         self,
         volume: VolumeGeometry,
@@ -144,11 +177,15 @@ class AstraCudaRayTransform(RayTransform):
         self._projectors: collections.OrderedDict = collections.OrderedDict()
         self._closed = False
         if not isinstance(volume, VolumeGeometry) or not isinstance(geometry, ProjectionGeometry):
-            raise TypeError(f"{where}: needs a VolumeGeometry and a ProjectionGeometry, got "
-                            f"{type(volume).__name__}, {type(geometry).__name__}")
+            raise TypeError(
+                f"{where}: needs a VolumeGeometry and a ProjectionGeometry, got "
+                f"{type(volume).__name__}, {type(geometry).__name__}"
+            )
         if volume.ndim != geometry.ndim:
-            raise ValueError(f"{where}: {volume.ndim}D volume {volume.shape} with a {geometry.ndim}D geometry "
-                             f"{geometry.kind!r} (for one slice of a cone beam use AstraCudaRayTransform.cone_slice)")
+            raise ValueError(
+                f"{where}: {volume.ndim}D volume {volume.shape} with a {geometry.ndim}D geometry "
+                f"{geometry.kind!r} (for one slice of a cone beam use AstraCudaRayTransform.cone_slice)"
+            )
         if volume.ndim == 3:
             mode = "3d"
         elif geometry.is_parallel:
@@ -165,7 +202,7 @@ class AstraCudaRayTransform(RayTransform):
         geometry: ProjectionGeometry,
         *,
         device: torch.device | str = "cuda",
-    ) -> "AstraCudaRayTransform":
+    ) -> AstraCudaRayTransform:
         """The exact cone-beam sub-geometry of one slice: 3D rays from the true source through a one-voxel-thick
         slab at height ``z`` to the true detector pixels of a single detector row.
 
@@ -192,8 +229,10 @@ class AstraCudaRayTransform(RayTransform):
             kind = getattr(geometry, "kind", type(geometry).__name__)
             raise ValueError(f"{where}: geometry must be a one-row 'cone_vec' (or 'cone') geometry, got {kind!r}")
         if geometry.det_shape[0] != 1:
-            raise ValueError(f"{where}: geometry.det_shape must be (1, n_cols) (one detector row through the slice), "
-                             f"got {geometry.det_shape}")
+            raise ValueError(
+                f"{where}: geometry.det_shape must be (1, n_cols) (one detector row through the slice), "
+                f"got {geometry.det_shape}"
+            )
         z = float(z)
         if not np.isfinite(z):
             raise ValueError(f"{where}: z must be finite (mm), got {z}")
@@ -205,8 +244,6 @@ class AstraCudaRayTransform(RayTransform):
 
     # ------------------------------------------------------------------ construction
     def _setup(self, volume, geometry, mode, z, device, max_projectors):
-        from ctuq.operators.fbp import _grid_points, _Views
-
         self.device = _require_cuda(device, "AstraCudaRayTransform")
         self.dtype = torch.float32
         self.volume = volume
@@ -224,12 +261,14 @@ class AstraCudaRayTransform(RayTransform):
         if mode == "3d":
             self._vec_geometry = geometry.to_vectors()
         elif mode == "parallel2d":
-            self._vec_geometry = ProjectionGeometry("parallel3d_vec", (1, geometry.det_shape[0]),
-                                                    vectors=_lift_2d_vectors(geometry, h))
+            self._vec_geometry = ProjectionGeometry(
+                "parallel3d_vec", (1, geometry.det_shape[0]), vectors=_lift_2d_vectors(geometry, h)
+            )
         else:
             if mode == "fan2d":
-                slab_geometry = ProjectionGeometry("cone_vec", (1, geometry.det_shape[0]),
-                                                   vectors=_lift_2d_vectors(geometry, h))
+                slab_geometry = ProjectionGeometry(
+                    "cone_vec", (1, geometry.det_shape[0]), vectors=_lift_2d_vectors(geometry, h)
+                )
                 slab_z = 0.0
             else:
                 slab_geometry, slab_z = geometry.to_vectors(), z
@@ -238,13 +277,11 @@ class AstraCudaRayTransform(RayTransform):
             cx, cy = volume.center
             self._slab_volume = VolumeGeometry((1, *volume.shape), h, (cx, cy, slab_z))
             # Geometry of the torch back-projection, computed once on the device.
-            self._views = _Views(slab_geometry, self.device)
-            self._points = _grid_points(volume, self.device, slab_z)
+            self._views = DetectorViews(slab_geometry, self.device)
+            self._points = grid_points(volume, self.device, slab_z)
 
     def _projector(self, n_slices: int = 1) -> int:
         """The persistent ASTRA projector for this operator (2D parallel: for a batch of ``n_slices``)."""
-        import astra
-
         key = n_slices if self.mode == "parallel2d" else 0
         pid = self._projectors.get(key)
         if pid is not None:
@@ -257,8 +294,9 @@ class AstraCudaRayTransform(RayTransform):
             cx, cy = self.volume.center
             stack = VolumeGeometry((n_slices, *self.volume.shape), h, (cx, cy, 0.0))
             # Detector row b at the height of slice b: the lifted vectors have v = (0, 0, h) and z = 0 centres.
-            geo = ProjectionGeometry("parallel3d_vec", (n_slices, self.measurement_shape[1]),
-                                     vectors=self._vec_geometry.vectors)
+            geo = ProjectionGeometry(
+                "parallel3d_vec", (n_slices, self.measurement_shape[1]), vectors=self._vec_geometry.vectors
+            )
             vol_geom, proj_geom = stack.to_astra(), geo.to_astra()
         else:
             vol_geom, proj_geom = self._slab_volume.to_astra(), self._vec_geometry.to_astra()
@@ -274,13 +312,12 @@ class AstraCudaRayTransform(RayTransform):
     # ------------------------------------------------------------------ ASTRA calls
     def _call(self, direction: str, pid: int, vol: torch.Tensor, proj: torch.Tensor) -> None:
         """One ``direct_FP3D``/``direct_BP3D`` on CUDA tensors (validated: ASTRA does not raise on failure)."""
-        import astra
-        import astra.experimental
-
         for name, t in (("volume", vol), ("projections", proj)):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.device != self.device:
-                raise RuntimeError(f"internal: {name} buffer must be contiguous float32 on {self.device}, got "
-                                   f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
+                raise RuntimeError(
+                    f"internal: {name} buffer must be contiguous float32 on {self.device}, got "
+                    f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}"
+                )
         # ASTRA runs on its own streams; make the producer of the input visible to it first.
         torch.cuda.current_stream(self.device).synchronize()
         # torch exports a CUDA tensor through DLPack only while its device is the current one.
@@ -321,7 +358,7 @@ class AstraCudaRayTransform(RayTransform):
         out = torch.zeros((b, *self.measurement_shape), dtype=torch.float32, device=self.device)
         pid = self._projector()
         for i in range(b):
-            self._call("FP", pid, x[i:i + 1], out[i:i + 1])
+            self._call("FP", pid, x[i : i + 1], out[i : i + 1])
         return out
 
     def _adjoint_raw(self, y: torch.Tensor) -> torch.Tensor:
@@ -337,22 +374,26 @@ class AstraCudaRayTransform(RayTransform):
             for i in range(b):
                 self._call("BP", pid, out[i], y[i].permute(1, 0, 2).contiguous())
             return out
-        from ctuq.operators.fbp import slab_adjoint_backprojection
-
         n_angles, n_cols = self.measurement_shape
-        x = slab_adjoint_backprojection(self.volume, self._slab_z, self._vec_geometry,
-                                        y.reshape(b, n_angles, 1, n_cols), views=self._views, points=self._points)
+        x = slab_adjoint_backprojection(
+            self.volume,
+            self._slab_z,
+            self._vec_geometry,
+            y.reshape(b, n_angles, 1, n_cols),
+            views=self._views,
+            points=self._points,
+        )
         return x.reshape(b, *self.image_shape)
 
     # ------------------------------------------------------------------ views
-    def subset(self, angle_indices: Sequence[int]) -> "AstraCudaRayTransform":
+    def subset(self, angle_indices: Sequence[int]) -> AstraCudaRayTransform:
         """The operator for ``angle_indices`` (in that order): a new geometry and new projectors."""
         geometry = self.geometry.subset(angle_indices)  # validates the indices
         if self.mode == "cone_slice":
             return AstraCudaRayTransform.cone_slice(self.volume, self.slab_z, geometry, device=self.device)
         return AstraCudaRayTransform(self.volume, geometry, device=self.device, max_projectors=self.max_projectors)
 
-    def to(self, device: torch.device | str) -> "AstraCudaRayTransform":
+    def to(self, device: torch.device | str) -> AstraCudaRayTransform:
         """The same operator on another CUDA device (``'cpu'`` raises: use the sparse backend for 2D there)."""
         device = torch.device(device)
         if device.type != "cuda":
@@ -373,8 +414,6 @@ class AstraCudaRayTransform(RayTransform):
         projectors = getattr(self, "_projectors", None)
         if projectors:
             try:
-                import astra
-
                 with _LOCK:
                     for pid in projectors.values():
                         astra.projector3d.delete(pid)
@@ -383,7 +422,7 @@ class AstraCudaRayTransform(RayTransform):
             projectors.clear()
         self._closed = True
 
-    def __enter__(self) -> "AstraCudaRayTransform":
+    def __enter__(self) -> AstraCudaRayTransform:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -394,6 +433,7 @@ class AstraCudaRayTransform(RayTransform):
 
     def __repr__(self) -> str:
         z = f", z={self.slab_z:g}" if self.slab_z is not None else ""
-        return (f"AstraCudaRayTransform({self.mode}, {self.geometry.kind}{z}, image_shape={self.image_shape}, "
-                f"measurement_shape={self.measurement_shape}, device={self.device})")
-
+        return (
+            f"AstraCudaRayTransform({self.mode}, {self.geometry.kind}{z}, image_shape={self.image_shape}, "
+            f"measurement_shape={self.measurement_shape}, device={self.device})"
+        )

@@ -28,10 +28,10 @@ least ``180° + fan angle`` gets Parker redundancy weights; an arc shorter than 
 reconstructed without redundancy weighting (each line counted once) and a warning says so. Parallel beams
 reduce angles modulo 180°; a gap larger than ``max(4 × median spacing, 22.5°)`` is reported as limited angle.
 
-Filters (``filter_type``, the names used by :mod:`ctuq.config`): ``Ram-Lak``, ``Shepp-Logan``, ``Cosine``,
-``Hamming``, ``Hann``; the ramp is the band-limited Ram-Lak kernel (exact at zero frequency) times the window,
-which is cut off above ``frequency_scaling`` × Nyquist (ODL's window definitions). Data are zero-padded to
-avoid circular convolution.
+Filters (``filter_type``, :class:`ctuq.options.FilterType`, matched case-insensitively): ``Ram-Lak``,
+``Shepp-Logan``, ``Cosine``, ``Hamming``, ``Hann``; the ramp is the band-limited Ram-Lak kernel (exact at zero
+frequency) times the window, which is cut off above ``frequency_scaling`` × Nyquist (ODL's window definitions).
+Data are zero-padded to avoid circular convolution.
 
 Units: ``y`` holds line integrals (mm) of an image in mm⁻¹; the reconstruction is in mm⁻¹.
 
@@ -44,25 +44,28 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
+from ctuq.options import FilterType, values
 
 __all__ = [
-    "FILTER_TYPES",
     "fbp",
     "fdk",
     "field_of_view",
     "ramp_filter",
     "angular_weights",
     "slab_adjoint_backprojection",
+    "DetectorViews",
+    "grid_points",
 ]
 
-FILTER_TYPES = ("Ram-Lak", "Shepp-Logan", "Cosine", "Hamming", "Hann")
-_FILTER_KEYS = {name.lower(): name for name in FILTER_TYPES}
+# Filter names match case-insensitively; the canonical spelling is the FilterType value.
+_FILTER_KEYS = {name.lower(): name for name in values(FilterType)}
 
 # Elements of the largest (batch × views × pixels) temporary of the back-projection; bounds its memory
 # (~16 MB per float32 buffer) without making the loop over view chunks noticeable.
@@ -72,7 +75,7 @@ _CHUNK_ELEMENTS = 1 << 22
 # ---------------------------------------------------------------------------------------------- filters
 def _check_filter(filter_type: str, frequency_scaling: float) -> str:
     if not isinstance(filter_type, str) or filter_type.lower() not in _FILTER_KEYS:
-        raise ValueError(f"filter_type {filter_type!r} unknown; valid: {list(FILTER_TYPES)}")
+        raise ValueError(f"filter_type {filter_type!r} unknown; valid: {list(values(FilterType))}")
     fs = float(frequency_scaling)
     if not (0.0 < fs <= 1.0) or not math.isfinite(fs):
         raise ValueError(f"frequency_scaling must be in (0, 1] (relative cut-off frequency), got {frequency_scaling}")
@@ -82,7 +85,7 @@ def _check_filter(filter_type: str, frequency_scaling: float) -> str:
 def ramp_filter(
     n_det: int,
     spacing: float = 1.0,
-    filter_type: str = "Ram-Lak",
+    filter_type: str = FilterType.RAM_LAK,
     frequency_scaling: float = 1.0,
     *,
     dtype: torch.dtype = torch.float32,
@@ -112,13 +115,13 @@ def ramp_filter(
     ramp = np.real(np.fft.rfft(h)) * spacing
     norm_freq = np.arange(n_fft // 2 + 1) / (n_fft // 2)
     fs = float(frequency_scaling)
-    if name == "Ram-Lak":
+    if name == FilterType.RAM_LAK:
         window = np.ones_like(norm_freq)
-    elif name == "Shepp-Logan":
+    elif name == FilterType.SHEPP_LOGAN:
         window = np.sinc(norm_freq / (2.0 * fs))
-    elif name == "Cosine":
+    elif name == FilterType.COSINE:
         window = np.cos(norm_freq * math.pi / (2.0 * fs))
-    elif name == "Hamming":
+    elif name == FilterType.HAMMING:
         window = 0.54 + 0.46 * np.cos(norm_freq * math.pi / fs)
     else:  # Hann
         window = np.cos(norm_freq * math.pi / (2.0 * fs)) ** 2
@@ -207,7 +210,7 @@ def _parker_weights(beta: np.ndarray, gamma: np.ndarray, delta: float) -> np.nda
 
 
 # ---------------------------------------------------------------------------------------------- views
-class _Views:
+class DetectorViews:
     """Per-view vectors of a geometry as float32 tensors on ``device``, and point → detector projections.
 
     ``a`` is the source (divergent) or ray direction (parallel), ``d`` the detector centre, ``u``/``v`` the
@@ -224,7 +227,7 @@ class _Views:
         self.parallel = g.is_parallel
         self.det_shape = g.det_shape
         nd = self.ndim
-        a, d, u = vec[:, 0:nd], vec[:, nd:2 * nd], vec[:, 2 * nd:3 * nd]
+        a, d, u = vec[:, 0:nd], vec[:, nd : 2 * nd], vec[:, 2 * nd : 3 * nd]
         if nd == 2:
             v = None
             n = np.stack([-u[:, 1], u[:, 0]], axis=1)
@@ -252,8 +255,10 @@ class _Views:
             self.np["D_sd"] = np.sum((d - a) * n, axis=1)
             self.np["D_so"] = np.sum((0.0 - a) * n, axis=1)
         self.device = device
-        self.t = {k: (None if val is None else torch.as_tensor(val, dtype=torch.float32, device=device))
-                  for k, val in self.np.items()}
+        self.t = {
+            k: (None if val is None else torch.as_tensor(val, dtype=torch.float32, device=device))
+            for k, val in self.np.items()
+        }
 
     @property
     def n_views(self) -> int:
@@ -302,8 +307,11 @@ class _Views:
             return np.linalg.norm(q - foot[:, None, :], axis=-1)
         v = self.np["v"]
         r = np.arange(self.det_shape[0]) - (self.det_shape[0] - 1) / 2.0
-        q = (d[:, None, None, :] + k[None, None, :, None] * u[:, None, None, :]
-             + r[None, :, None, None] * v[:, None, None, :])
+        q = (
+            d[:, None, None, :]
+            + k[None, None, :, None] * u[:, None, None, :]
+            + r[None, :, None, None] * v[:, None, None, :]
+        )
         return np.linalg.norm(q - foot[:, None, None, :], axis=-1)
 
     def fan_angles(self) -> np.ndarray:
@@ -359,7 +367,7 @@ def _interp(q: torch.Tensor, col: torch.Tensor, row: torch.Tensor | None) -> tor
 
 
 def _backproject(
-    views: _Views,
+    views: DetectorViews,
     points: torch.Tensor,
     q: torch.Tensor,
     weight: Callable[[dict[str, torch.Tensor], slice], torch.Tensor | None] | None = None,
@@ -378,19 +386,20 @@ def _backproject(
         proj = views.project(points, sl)
         w = None if weight is None else weight(proj, sl)
         for b0 in range(0, b, b_chunk):
-            qs = q[b0:b0 + b_chunk, sl]
+            qs = q[b0 : b0 + b_chunk, sl]
             if q.ndim == 4 and not interp_rows:
                 vals = _interp(qs[:, :, 0], proj["col"], None)
             else:
                 vals = _interp(qs, proj["col"], proj.get("row") if q.ndim == 4 else None)
             if w is not None:
                 vals = vals * w
-            out[b0:b0 + b_chunk] += vals.sum(1)
+            out[b0 : b0 + b_chunk] += vals.sum(1)
     return out
 
 
-def field_of_view(views_or_geometry: Any, volume: VolumeGeometry, *, z: float | None = None,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def field_of_view(
+    views_or_geometry: Any, volume: VolumeGeometry, *, z: float | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Boolean ``volume.shape`` mask of the pixels/voxels that every view projects onto its detector.
 
     Outside it, some views never saw the pixel, so no analytic reconstruction is defined there (FBP leaves
@@ -398,9 +407,12 @@ def field_of_view(views_or_geometry: Any, volume: VolumeGeometry, *, z: float | 
     detector covers). ``z``: height of a 2D slab seen by a one-row 3D geometry. A pixel counts as seen when its
     projection lies within the detector's outer pixel edges.
     """
-    views = views_or_geometry if isinstance(views_or_geometry, _Views) else _Views(views_or_geometry,
-                                                                                 torch.device(device))
-    points = _grid_points(volume, views.device, z)
+    views = (
+        views_or_geometry
+        if isinstance(views_or_geometry, DetectorViews)
+        else DetectorViews(views_or_geometry, torch.device(device))
+    )
+    points = grid_points(volume, views.device, z)
     inside = torch.ones(points.shape[0], dtype=torch.bool, device=views.device)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, points.shape[0]))
     n_cols = views.det_shape[-1]
@@ -415,7 +427,7 @@ def field_of_view(views_or_geometry: Any, volume: VolumeGeometry, *, z: float | 
     return inside.reshape(volume.shape)
 
 
-def _grid_points(volume: VolumeGeometry, device: torch.device, z: float | None = None) -> torch.Tensor:
+def grid_points(volume: VolumeGeometry, device: torch.device, z: float | None = None) -> torch.Tensor:
     """World coordinates (mm) of every pixel/voxel centre in C order: ``(N, 2)`` ``(x, y)`` for a 2D grid,
     ``(N, 3)`` for 3D (or for a 2D grid lifted to the plane ``z``)."""
     centers = [torch.as_tensor(c, dtype=torch.float32, device=device) for c in volume.pixel_centers()]
@@ -455,8 +467,10 @@ def _resolve(op: Any, y: torch.Tensor | None, where: str):
     z = getattr(op, "slab_z", None) if not isinstance(op, (tuple, list)) else None
     if z is not None:
         if volume.ndim != 2 or geometry.ndim != 3 or geometry.det_shape[0] != 1:
-            raise ValueError(f"{where}: a slab operator needs a 2D volume and a one-row 3D geometry, got "
-                             f"{volume.shape} and {geometry.kind!r} {geometry.det_shape}")
+            raise ValueError(
+                f"{where}: a slab operator needs a 2D volume and a one-row 3D geometry, got "
+                f"{volume.shape} and {geometry.kind!r} {geometry.det_shape}"
+            )
     elif volume.ndim != geometry.ndim:
         raise ValueError(
             f"{where}: {volume.ndim}D volume {volume.shape} with a {geometry.ndim}D geometry {geometry.kind!r}"
@@ -479,7 +493,7 @@ def _batched_sinogram(y: torch.Tensor, shape: tuple[int, ...], device, where: st
     return yb.detach().to(device=device, dtype=torch.float32), squeeze
 
 
-def _redundancy(views: _Views, where: str, short_scan: bool | None):
+def _redundancy(views: DetectorViews, where: str, short_scan: bool | None):
     """Per-view quadrature weights and, for divergent short scans, Parker weights ``(n_views, n_cols)``.
 
     Returns ``(w, parker)``; ``w`` already contains the ``½`` of a full divergent scan."""
@@ -490,7 +504,8 @@ def _redundancy(views: _Views, where: str, short_scan: bool | None):
             warnings.warn(
                 f"{where}: parallel-beam views cover only {math.degrees(arc['coverage']):.1f}° of the 180° needed "
                 "(limited-angle data); the reconstruction will show limited-angle artefacts",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning,
+                stacklevel=3,
             )
         return w, None
     threshold = None
@@ -509,7 +524,8 @@ def _redundancy(views: _Views, where: str, short_scan: bool | None):
             f"{where}: the views cover {math.degrees(coverage):.1f}°, less than the 180° + fan angle "
             f"({math.degrees(math.pi + 2 * delta):.1f}°) a short scan needs (limited-angle data); reconstructing "
             "without redundancy (Parker) weights",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
         return w, None
     beta = np.mod(angles - arc["start"], 2 * math.pi)
@@ -522,7 +538,7 @@ def fbp(
     op: Any,
     y: torch.Tensor | None = None,
     *,
-    filter_type: str = "Hann",
+    filter_type: str = FilterType.HANN,
     frequency_scaling: float = 1.0,
     short_scan: bool | None = None,
     mask_outside: bool = True,
@@ -558,10 +574,16 @@ def fbp(
     """
     volume, geometry, device, y, z = _resolve(op, y, "fbp")
     if volume.ndim == 3:
-        return fdk((volume, geometry), y.to(device), filter_type=filter_type,
-                   frequency_scaling=frequency_scaling, short_scan=short_scan, mask_outside=mask_outside)
+        return fdk(
+            (volume, geometry),
+            y.to(device),
+            filter_type=filter_type,
+            frequency_scaling=frequency_scaling,
+            short_scan=short_scan,
+            mask_outside=mask_outside,
+        )
     _check_filter(filter_type, frequency_scaling)
-    views = _Views(geometry, device)
+    views = DetectorViews(geometry, device)
     if z is None:
         yb, squeeze = _batched_sinogram(y, tuple(geometry.measurement_shape), device, "fbp")
     else:
@@ -580,7 +602,7 @@ def fdk(
     op: Any,
     y: torch.Tensor | None = None,
     *,
-    filter_type: str = "Hann",
+    filter_type: str = FilterType.HANN,
     frequency_scaling: float = 1.0,
     short_scan: bool | None = None,
     volume: VolumeGeometry | None = None,
@@ -618,11 +640,13 @@ def fdk(
         raise TypeError("fdk: give either op or volume=/geometry=, not both")
     volume, geometry, device, y, z = _resolve(op, y, "fdk")
     if volume.ndim != 3 or z is not None:
-        raise ValueError(f"fdk: needs a 3D volume and geometry; got a {volume.ndim}D volume {volume.shape} "
-                         f"with {geometry.kind!r} (use fbp)")
+        raise ValueError(
+            f"fdk: needs a 3D volume and geometry; got a {volume.ndim}D volume {volume.shape} "
+            f"with {geometry.kind!r} (use fbp)"
+        )
     _check_filter(filter_type, frequency_scaling)
     yb, squeeze = _batched_sinogram(y, tuple(geometry.measurement_shape), device, "fdk")
-    views = _Views(geometry, device)
+    views = DetectorViews(geometry, device)
     u = views.np["u"]
     tilt = np.abs(u[:, 2]) / np.linalg.norm(u, axis=1)
     if np.any(tilt > 0.5):
@@ -638,8 +662,16 @@ def fdk(
     return x[0] if squeeze else x
 
 
-def _filtered_backprojection(views: _Views, volume: VolumeGeometry, yb: torch.Tensor, filter_type: str,
-                             frequency_scaling: float, short_scan: bool | None, where: str, z) -> torch.Tensor:
+def _filtered_backprojection(
+    views: DetectorViews,
+    volume: VolumeGeometry,
+    yb: torch.Tensor,
+    filter_type: str,
+    frequency_scaling: float,
+    short_scan: bool | None,
+    where: str,
+    z,
+) -> torch.Tensor:
     """Weight, filter and back-project ``yb`` ``(B, n_views, *det_shape)`` → ``(B, N)`` voxel values (``z``: the
     height of a 2D slab seen by a one-row 3D geometry, else ``None``)."""
     device = yb.device
@@ -670,7 +702,7 @@ def _filtered_backprojection(views: _Views, volume: VolumeGeometry, yb: torch.Te
     # The ramp of spacing Δ is (1/Δ)·(ramp of spacing 1); fold 1/Δ and the angular weight into one factor.
     factor = torch.as_tensor(w / spacing, dtype=torch.float32, device=device)
     q = _filter_rows(g, response, n_fft) * factor.reshape(1, -1, *([1] * len(views.det_shape)))
-    points = _grid_points(volume, device, z)
+    points = grid_points(volume, device, z)
     # A one-row detector seen from a 2D slab: interpolate along the row only (the slab lies on it).
     interp_rows = z is None
     if views.parallel:
@@ -691,7 +723,7 @@ def slab_adjoint_backprojection(
     geometry: ProjectionGeometry,
     y: torch.Tensor,
     *,
-    views: _Views | None = None,
+    views: DetectorViews | None = None,
     points: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Transpose (to ray-driven-projector accuracy) of the forward projection of a one-voxel-thick slab.
@@ -722,7 +754,7 @@ def slab_adjoint_backprojection(
     y : torch.Tensor
         ``(B, n_angles, 1, n_cols)`` float32.
     views, points : optional
-        Precomputed :class:`_Views` / slab points (the operator caches them).
+        Precomputed :class:`DetectorViews` / slab points (the operator caches them).
 
     Returns
     -------
@@ -731,9 +763,9 @@ def slab_adjoint_backprojection(
     """
     device = y.device
     if views is None:
-        views = _Views(geometry, device)
+        views = DetectorViews(geometry, device)
     if points is None:
-        points = _grid_points(volume2d, device, z)
+        points = grid_points(volume2d, device, z)
     h = float(volume2d.voxel_size)
     t = views.t
     a, u, v = t["a"], t["u"], t["v"]

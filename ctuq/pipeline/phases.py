@@ -21,11 +21,20 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import tifffile
 import torch
 
+from ctuq import __version__
 from ctuq.config import Config, ConfigError
 from ctuq.errors import CTUQError, NonFiniteLossError
+from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
+from ctuq.operators.fbp import fbp, fdk
+from ctuq.outputs import image_metrics, package_versions, write_figure, write_metrics, write_tiff
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.scan import load_scan
+from ctuq.reconstruct.classical import tv_reconstruction
+from ctuq.reconstruct.dip import fit_dip, load_checkpoint
+from ctuq.reconstruct.pretrain import load_pretrained
 
 __all__ = ["RunState", "Phase", "phase_load", "phase_fbp", "phase_tv", "phase_dip", "phase_restore_dip",
            "phase_write", "build_model", "make_input"]
@@ -91,8 +100,6 @@ class Phase:
 def phase_load(state: RunState) -> None:
     """Load the scan named by ``cfg.data`` (default: the bundled simulated scan) onto the device, after checking
     the setting against it (:func:`ctuq.pipeline.scan.load_scan`)."""
-    from ctuq.pipeline.scan import load_scan
-
     d, path, warnings = load_scan(state.cfg, state.device, progress=state.progress)
     state.data = d
     state.op = d.op
@@ -113,9 +120,6 @@ def phase_load(state: RunState) -> None:
 
 def phase_fbp(state: RunState) -> None:
     """Filtered back-projection (2D) / FDK (3D) baseline → ``images['fbp']``, ``fbp.tif``."""
-    from ctuq.operators.fbp import fbp, fdk
-    from ctuq.outputs import write_tiff
-
     fc = state.cfg.fbp
     analytic = fbp if state.op.ndim == 2 else fdk
     x = analytic(state.op, state.y, filter_type=fc.filter, frequency_scaling=fc.frequency_scaling)
@@ -125,9 +129,6 @@ def phase_fbp(state: RunState) -> None:
 
 def phase_tv(state: RunState) -> None:
     """TV-regularised baseline with ODL's PDHG → ``images['tv']``, ``tv.tif``."""
-    from ctuq.outputs import write_tiff
-    from ctuq.reconstruct.classical import tv_reconstruction
-
     tc = state.cfg.tv
     res = tv_reconstruction(
         state.op, state.y, weight=tc.weight, iterations=tc.iterations, nonnegative=tc.nonnegative,
@@ -141,8 +142,6 @@ def phase_tv(state: RunState) -> None:
 def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
     """The U-Net of ``cfg.model`` (2D or 3D by ``ndim``) with seeded initial weights (``cfg.seed``), optionally
     loaded from ``cfg.model.pretrained`` (:func:`ctuq.reconstruct.pretrain.load_pretrained`)."""
-    from ctuq.models import build_unet
-
     mc = cfg.model
     torch.manual_seed(cfg.seed)
     model = build_unet(
@@ -150,8 +149,6 @@ def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
         norm_groups=mc.norm_groups, sigmoid=mc.sigmoid, dropout=mc.dropout,
     )
     if mc.pretrained:
-        from ctuq.reconstruct.pretrain import load_pretrained
-
         load_pretrained(model, mc.pretrained)
     return model
 
@@ -159,8 +156,6 @@ def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
 def make_input(cfg: Config, state: RunState) -> torch.Tensor:
     """The fixed network input ``(1, 1, *image_shape)``: seeded noise, or the FBP × ``dip.scale`` (educated
     DIP, ``model.input = fbp``; needs the FBP phase)."""
-    from ctuq.models import make_net_input
-
     if cfg.model.input == "fbp":
         if "fbp" not in state.images:
             raise ConfigError("model.input = 'fbp' needs the FBP phase")
@@ -174,10 +169,6 @@ def phase_dip(state: RunState) -> None:
 
     Raises :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr`` when the loss becomes NaN or infinite.
     """
-    from ctuq.models import count_parameters, write_model_file
-    from ctuq.outputs import write_tiff
-    from ctuq.reconstruct.dip import fit_dip
-
     cfg, dc = state.cfg, state.cfg.dip
     model = build_model(cfg, state.op.ndim)
     net_input = make_input(cfg, state)
@@ -227,9 +218,6 @@ def phase_restore_dip(state: RunState) -> None:
     CTUQError
         The DIP was fitted with another ``dip.scale``, or the checkpoint cannot rebuild the network.
     """
-    from ctuq.models import UNet, read_model_file
-    from ctuq.reconstruct.dip import load_checkpoint
-
     out = state.out_dir
     model_path, ckpt_path = out / rf.MODEL_NAME, out / rf.CHECKPOINT_NAME
     if model_path.is_file():
@@ -259,8 +247,6 @@ def phase_restore_dip(state: RunState) -> None:
     state.images["dip"] = recon
     tv_path = out / rf.TV_NAME
     if tv_path.is_file():
-        import tifffile
-
         state.images["tv"] = torch.from_numpy(tifffile.imread(tv_path).astype("float32")).to(state.device)
     metrics_path = out / rf.METRICS_NAME
     if metrics_path.is_file():
@@ -276,9 +262,6 @@ def phase_write(state: RunState) -> None:
     ``"warnings"``, an empty list when there were none). Rank 0 only in a sharded run."""
     if not state.is_root:
         return
-    from ctuq import __version__
-    from ctuq.outputs import image_metrics, package_versions, write_figure, write_metrics, write_tiff
-
     names = {"fbp": "FBP", "tv": "TV", "dip": "DIP"}
     psnr: dict[str, float | None] = {}
     ssim: dict[str, float | None] = {}

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from ctuq.config import Config, ConfigError
+from ctuq.data.phantom import walnut_phantom
 from ctuq.errors import CTUQError, OutDirError
+from ctuq.operators import fbp
+from ctuq.pipeline.phases import build_model
+from ctuq.pipeline.run_folder import check_writable_folder
+from ctuq.pipeline.scan import load_scan
+from ctuq.reconstruct.pretrain import make_training_pairs, pretrain_unet, save_pretrained
+from ctuq.utils import progress as _progress_bar
+from ctuq.utils import resolve_device, seed_everything
 
 __all__ = ["simulated_slices", "pretrain", "PretrainRun"]
 
@@ -40,14 +48,11 @@ def simulated_slices(volume, n_phantoms: int, slices_per_phantom: int, *, seed: 
                      progress: bool = True) -> torch.Tensor:
     """``(n_phantoms · slices_per_phantom, *volume.shape)`` float32 phantom slices (mm⁻¹) on the 2D grid
     ``volume``, from ``walnut_phantom(seed + i)`` at heights evenly spread over ``[−z_range, z_range]`` mm."""
-    from ctuq.data.phantom import walnut_phantom
-    from ctuq.utils import progress as bar
-
     if n_phantoms < 1 or slices_per_phantom < 1:
         raise ValueError(f"simulated_slices: need >= 1 phantom and slice, got {n_phantoms}, {slices_per_phantom}")
     heights = np.linspace(-z_range, z_range, slices_per_phantom) if slices_per_phantom > 1 else np.zeros(1)
     images = []
-    for i in bar(range(n_phantoms), desc="phantoms", disable=None if progress else True):
+    for i in _progress_bar(range(n_phantoms), desc="phantoms", disable=None if progress else True):
         phantom = walnut_phantom(seed + i)
         for z in heights:
             images.append(torch.from_numpy(phantom.rasterize(volume, z=float(z), supersampling=2)).float())
@@ -55,8 +60,6 @@ def simulated_slices(volume, n_phantoms: int, slices_per_phantom: int, *, seed: 
 
 
 def _check_out_file(out: Path) -> None:
-    from ctuq.pipeline.run_folder import check_writable_folder
-
     if out.is_dir():
         raise OutDirError(f"--out {out}: is a folder; give the weights file to write, e.g. {out / 'pretrained.pt'}")
     if out.parent.exists() and not out.parent.is_dir():
@@ -95,12 +98,6 @@ def pretrain(cfg: Config, out: str | Path, *, phantoms: int = 48, slices_per_pha
         ``seed`` < 1, ``data.ndim`` ≠ 2, an unwritable ``out``, or the scan/device errors of
         :func:`ctuq.pipeline.scan.load_scan`.
     """
-    from ctuq.operators import fbp
-    from ctuq.pipeline.phases import build_model
-    from ctuq.pipeline.scan import load_scan
-    from ctuq.reconstruct.pretrain import make_training_pairs, pretrain_unet, save_pretrained
-    from ctuq.utils import resolve_device, seed_everything
-
     if log is None:
         def log(msg: str) -> None:
             print(f"[ctuq pretrain] {msg}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     dip_model.pt         the fitted DIP: best weights, fixed input, architecture (``ctuq.models.model_file``)
     uq_state.pt          inference checkpoint: the posterior after the g-prior, the solver set-up, each EM step
     uq_moments.pt        running sums of the prediction samples and the next chunk (resume; deleted when the
-                         inference finishes)
+                         inference finishes); uq_moments.rank{r}of{N}.pt: rank r's sums in a sharded run
     samples/samples_NNNN.pt   image samples of chunk NNNN, only when asked to keep them (uq.save_samples)
     reconstruction.png   ground truth | FBP | (TV |) DIP | |DIP − ground truth|, PSNRs in the titles
     uncertainty.png      ground truth | DIP | |error| | posterior std (inner-square ROI marked)
@@ -23,7 +23,10 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     error_vs_std.png     |error| against posterior std, binned
     em_trace.png         prior precision, noise variance and evidence per EM step
 
-This module imports nothing from ctuq but :mod:`ctuq.errors` (a leaf), so any layer may take the names from here.
+The ``uq_*`` files and ``samples/`` are the linearised inference's checkpoints and outputs, written into any work
+folder (run folders, study folders; their format: :mod:`ctuq.pipeline.checkpoints`). Every file name a run folder
+holds is spelled here and only here. This module imports nothing from ctuq but :mod:`ctuq.errors` and
+:mod:`ctuq.outputs`.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import tempfile
 from pathlib import Path
 
 from ctuq.errors import OutDirError
+from ctuq.outputs import new_run_dir
 
 __all__ = [
     "CONFIG_NAME", "METRICS_NAME", "RECONSTRUCTION_NAME", "FBP_NAME", "TV_NAME", "GROUND_TRUTH_NAME", "STD_NAME",
-    "CHECKPOINT_NAME", "MODEL_NAME", "UQ_STATE_NAME", "UQ_MOMENTS_NAME", "UQ_SAMPLES_DIR", "UQ_SAMPLE_FILE_PATTERN",
-    "RECONSTRUCTION_FIGURE", "UNCERTAINTY_FIGURE", "CALIBRATION_FIGURE", "JOINT_LL_FIGURE", "ERROR_VS_STD_FIGURE",
-    "EM_TRACE_FIGURE", "UNCERTAINTY_SLICES_FIGURE", "FIGURE_NAMES", "prepare_out_dir", "check_writable_folder", "require_run_folder",
-    "new_run_folder", "is_finished_run",
+    "CHECKPOINT_NAME", "MODEL_NAME", "UQ_STATE_NAME", "UQ_MOMENTS_NAME", "UQ_MOMENTS_SHARD_PATTERN", "UQ_SAMPLES_DIR",
+    "UQ_SAMPLE_FILE_PATTERN", "RECONSTRUCTION_FIGURE", "UNCERTAINTY_FIGURE", "CALIBRATION_FIGURE", "JOINT_LL_FIGURE",
+    "ERROR_VS_STD_FIGURE", "EM_TRACE_FIGURE", "UNCERTAINTY_SLICES_FIGURE", "FIGURE_NAMES", "prepare_out_dir",
+    "check_writable_folder", "require_run_folder", "new_run_folder", "is_finished_run",
 ]
 
 CONFIG_NAME = "config.yaml"
@@ -51,9 +55,10 @@ GROUND_TRUTH_NAME = "ground_truth.tif"
 STD_NAME = "std.tif"
 CHECKPOINT_NAME = "dip_checkpoint.pt"
 MODEL_NAME = "dip_model.pt"
-# The linearised inference (ctuq.uq) writes these into any work folder (run folders, study folders).
+# The linearised inference (ctuq.pipeline.uq) writes these into any work folder (run folders, study folders).
 UQ_STATE_NAME = "uq_state.pt"
 UQ_MOMENTS_NAME = "uq_moments.pt"
+UQ_MOMENTS_SHARD_PATTERN = "uq_moments.rank{rank}of{world}.pt"  # rank `rank` of `world` in a sharded prediction
 UQ_SAMPLES_DIR = "samples"
 UQ_SAMPLE_FILE_PATTERN = "samples_{:04d}.pt"
 
@@ -149,6 +154,4 @@ def require_run_folder(run_dir: str | os.PathLike, *, option: str = "RUN_DIR") -
 
 def new_run_folder(root: str | os.PathLike = "runs") -> Path:
     """A fresh ``root/<YYYYmmdd-HHMMSS>[-N]`` (created) under the checked, writable ``root``."""
-    from ctuq.outputs import new_run_dir
-
     return new_run_dir(check_writable_folder(root, option="run folder root"))

@@ -11,11 +11,22 @@ import yaml
 
 from ctuq.config import Config, ConfigError
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.phases import (Phase, RunState, phase_dip, phase_fbp, phase_load, phase_restore_dip, phase_tv,
-                                  phase_write)
+from ctuq.pipeline.phases import (
+    Phase,
+    RunState,
+    phase_dip,
+    phase_fbp,
+    phase_load,
+    phase_restore_dip,
+    phase_tv,
+    phase_write,
+)
+from ctuq.pipeline.scan import check_device
 from ctuq.pipeline.uq_phase import phase_uq
+from ctuq.utils import atomic_path, resolve_device
 
-__all__ = ["uq_phases", "build_phases", "run_phases", "reconstruct", "rerun_uq", "reconstruct_problem"]
+__all__ = ["uq_phases", "build_phases", "run_phases", "write_config", "reconstruct", "rerun_uq",
+           "reconstruct_problem"]
 
 
 def uq_phases(state: RunState) -> list[Phase]:
@@ -53,9 +64,9 @@ def run_phases(state: RunState, phases: list[Phase]) -> RunState:
     return state
 
 
-def _write_config(cfg: Config, out_dir: Path) -> None:
-    from ctuq.utils import atomic_path
-
+def write_config(cfg: Config, out_dir: Path) -> None:
+    """Write the resolved config ``cfg`` to ``out_dir/config.yaml`` atomically (what ``--resume`` and ``ctuq uq``
+    read back; the first file of every run or design folder)."""
     with atomic_path(out_dir / rf.CONFIG_NAME) as tmp:
         tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
@@ -90,16 +101,13 @@ def reconstruct(cfg: Config, out_dir: str | Path, *, resume: bool = False, uq: b
 
     Raises
     ------
-    CTUQError, WalnutFormatError, ModelFileError, CheckpointMismatch, UQCheckpointMismatch, OSError
+    CTUQError (e.g. WalnutFormatError, ModelFileError, CheckpointMismatch), OSError
         User errors (see :mod:`ctuq.errors`), e.g. an unwritable ``out_dir``, a damaged scan, a diverged fit.
     """
-    from ctuq.pipeline.scan import check_device
-    from ctuq.utils import resolve_device
-
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
-    _write_config(cfg, out_dir)
+    write_config(cfg, out_dir)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
     return run_phases(state, build_phases(state))
 
@@ -118,9 +126,6 @@ def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress
     the prediction chunks across the ranks of a ``torchrun`` launch; every rank loads the scan and the DIP, rank 0
     sets up the posterior and writes the results. ``device`` overrides ``cfg.device`` (the rank's own GPU).
     """
-    from ctuq.pipeline.scan import check_device
-    from ctuq.utils import resolve_device
-
     out_dir = Path(out_dir)
     rf.require_run_folder(out_dir)
     device = device if device is not None else resolve_device(cfg.device)
@@ -131,7 +136,7 @@ def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress
               *uq_phases(state), Phase("write", phase_write)]
     run_phases(state, phases)
     if state.is_root:
-        _write_config(cfg, out_dir)
+        write_config(cfg, out_dir)
     return state
 
 
@@ -157,14 +162,12 @@ def reconstruct_problem(cfg: Config, out_dir: str | Path, data, *, uq: bool = Tr
     uq, resume, progress, overwrite
         As in :func:`reconstruct`.
     """
-    from ctuq.utils import resolve_device
-
     device = resolve_device(cfg.device)
     if data.op.device.type != device.type:
         raise ConfigError(f"device {cfg.device!r}: the problem's operator lives on {data.op.device}; build it there "
                           f"or set device accordingly")
     out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
-    _write_config(cfg, out_dir)
+    write_config(cfg, out_dir)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
     state.data, state.op = data, data.op
     state.y = data.y.to(device)

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from ctuq import data as ctdata
 from ctuq.config import Config
 from ctuq.errors import DataError, DeviceError
+from ctuq.geometry import VolumeGeometry
 
 __all__ = ["data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan",
            "count_kept"]
@@ -38,10 +40,8 @@ def data_path(cfg: Config) -> Path:
 
     Raises ``FileNotFoundError`` naming ``data.path`` when it does not exist.
     """
-    from ctuq.data import default_data_dir
-
     if cfg.data.path is None:
-        return default_data_dir()
+        return ctdata.default_data_dir()
     path = Path(cfg.data.path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder (set it with --data DIR)")
@@ -71,8 +71,6 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
         projection angles left by the files and ``data.angular_subsampling`` (the message names the scan folder,
         the number of angles left and how to get more).
     """
-    from ctuq.geometry import VolumeGeometry
-
     dc = cfg.data
     n_rows, n_cols = scan.det_shape
     if dc.ndim == 2 and dc.slice_index is not None and not dc.slice_index < scan.gt_shape[0]:
@@ -157,8 +155,6 @@ def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tu
     FileNotFoundError, DeviceError, DataError, WalnutFormatError
         See :func:`data_path`, :func:`check_device`, :func:`check_scan_setting` and the loader.
     """
-    from ctuq import data as ctdata
-
     dc = cfg.data
     check_device(cfg, device)
     path = data_path(cfg)

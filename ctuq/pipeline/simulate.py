@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ctuq.data.simulate import SimulationParameters, estimate_work, simulate_scan
 from ctuq.errors import CTUQError, OutDirError
+from ctuq.pipeline.run_folder import check_writable_folder
 
 __all__ = ["simulate", "PAIRS_PER_SECOND"]
 
@@ -34,9 +36,6 @@ def simulate(out: str | Path, preset: str = "bundled", *, overrides: dict[str, A
         ``out`` is a file, lies under a file, is not writable, or is a non-empty folder that is not a simulated
         scan (or is one and ``overwrite`` is false).
     """
-    from ctuq.data.simulate import SimulationParameters, estimate_work, simulate_scan
-    from ctuq.pipeline.run_folder import check_writable_folder
-
     if log is None:
         def log(msg: str) -> None:
             print(f"ctuq simulate: {msg}", file=sys.stderr, flush=True)

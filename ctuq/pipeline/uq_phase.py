@@ -1,26 +1,29 @@
-"""The uncertainty phase of a run: linearised inference around the fitted DIP (:func:`ctuq.uq.run_linearized_uq`)
-→ ``std.tif``, the uncertainty figures and the UQ sections of metrics.json."""
+"""The uncertainty phase of a run: linearised inference around the fitted DIP
+(:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, the uncertainty figures and the UQ sections of
+metrics.json."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ctuq import figures
+from ctuq.metrics import uq_summary_from_moments
+from ctuq.outputs import write_tiff
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.checkpoints import shard_moments_files
 from ctuq.pipeline.phases import RunState
+from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
 
 __all__ = ["phase_uq"]
 
 
 def phase_uq(state: RunState) -> None:
-    """Linearised inference (:func:`ctuq.uq.run_linearized_uq`) → ``std.tif``, UQ figures and metrics.
+    """Linearised inference (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, UQ figures and metrics.
 
     Reads ``state.model``/``state.net_input`` (the fitted DIP), ``state.op``/``state.y``; checkpoints into the run
     folder (``uq_state.pt``, ``uq_moments.pt``) and resumes from there with ``--resume``. The statistics stream:
     no image sample is kept in memory; ``uq.save_samples`` writes them to ``samples/``.
     """
-    from ctuq.outputs import write_tiff
-    from ctuq.uq import run_linearized_uq
-
     cfg = state.cfg
     if state.model is None:
         raise RuntimeError("the uncertainty phase needs the fitted DIP (state.model)")
@@ -46,8 +49,6 @@ def phase_uq(state: RunState) -> None:
     }
     state.metrics["em_trace"] = res.em_trace
     if state.ground_truth is not None:
-        from ctuq.metrics import uq_summary_from_moments
-
         summary = uq_summary_from_moments(state.ground_truth.detach().cpu(), res.mean, res.moments)
         state.metrics["marginal_ll"] = summary["marginal_ll"]
         state.metrics["joint_ll"] = summary["joint_ll"]
@@ -64,19 +65,17 @@ def phase_uq(state: RunState) -> None:
     # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
     # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
-    for p in state.out_dir.glob("uq_moments.rank*of*.pt"):
+    for p in shard_moments_files(state.out_dir):
         p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
 
 
 def _uq_figures(state: RunState, res) -> None:
-    from ctuq import figures
-    from ctuq.metrics import inner_square_roi
-
+    """The uncertainty figures of the run folder (names: :mod:`ctuq.pipeline.run_folder`)."""
     out = state.out_dir
     gt = state.ground_truth.detach().cpu() if state.ground_truth is not None else None
-    roi = inner_square_roi(res.std.shape) if state.cfg.uq.roi == "inner_square" else None
+    roi = statistics_roi(state.cfg.uq, res.std.shape)
     abs_err = (res.mean - gt).abs() if gt is not None else None
     if res.std.ndim == 3:  # volumes: the three orthogonal planes through the centre
         figures.plot_orthogonal_slices(out / rf.UNCERTAINTY_SLICES_FIGURE, res.mean,

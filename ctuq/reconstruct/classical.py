@@ -14,11 +14,11 @@ ODL supplies the gradient, the functionals and their proximals.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
+import odl
 import torch
 
 from ctuq.operators.base import RayTransform
@@ -36,8 +36,6 @@ def odl_spaces(op: RayTransform, impl: str | None = None):
     finite differences are ~4× slower on torch tensors (its backend lookup formats tensors), while numpy
     arrays and CPU tensors share memory, so the numpy backend costs nothing extra.
     """
-    import odl
-
     if impl is None:
         impl = "numpy" if op.device.type == "cpu" else "pytorch"
     kw = {"impl": impl} if impl == "numpy" else {"impl": impl, "device": str(op.device)}
@@ -56,40 +54,28 @@ def _to_space(space, t: torch.Tensor):
     return space.element(t.detach().cpu().numpy() if space.impl == "numpy" else t)
 
 
-@functools.lru_cache(maxsize=None)
-def _operator_class():
-    # Built lazily (once) so importing ctuq.reconstruct does not import ODL (slow) unless TV is used.
-    import odl
+class TorchRayTransformOperator(odl.Operator):
+    """A :class:`~ctuq.operators.base.RayTransform` as a linear ``odl.Operator`` (and its adjoint): ODL's spaces
+    from :func:`odl_spaces`, values computed by the torch operator without autograd."""
 
-    class TorchRayTransformOperator(odl.Operator):
-        """A :class:`~ctuq.operators.base.RayTransform` as a linear ``odl.Operator`` (and its adjoint)."""
+    def __init__(self, op: RayTransform, domain=None, range=None, _adjoint_of=None):
+        if domain is None or range is None:
+            domain, range = odl_spaces(op)
+        super().__init__(domain, range, linear=True)
+        self.op = op
+        self._adjoint_of = _adjoint_of
 
-        def __init__(self, op: RayTransform, domain=None, range=None, _adjoint_of=None):
-            if domain is None or range is None:
-                domain, range = odl_spaces(op)
-            super().__init__(domain, range, linear=True)
-            self.op = op
-            self._adjoint_of = _adjoint_of
+    def _call(self, x):
+        t = _to_torch(x, self.op.device)
+        with torch.no_grad():
+            out = self.op.adjoint(t) if self._adjoint_of is not None else self.op.forward(t)
+        return _to_space(self.range, out)
 
-        def _call(self, x):
-            t = _to_torch(x, self.op.device)
-            with torch.no_grad():
-                out = self.op.adjoint(t) if self._adjoint_of is not None else self.op.forward(t)
-            return _to_space(self.range, out)
-
-        @property
-        def adjoint(self):
-            if self._adjoint_of is not None:
-                return self._adjoint_of
-            return TorchRayTransformOperator(self.op, self.range, self.domain, _adjoint_of=self)
-
-    return TorchRayTransformOperator
-
-
-def __getattr__(name):
-    if name == "TorchRayTransformOperator":
-        return _operator_class()
-    raise AttributeError(name)
+    @property
+    def adjoint(self):
+        if self._adjoint_of is not None:
+            return self._adjoint_of
+        return TorchRayTransformOperator(self.op, self.range, self.domain, _adjoint_of=self)
 
 
 class TVResult(dict):
@@ -136,8 +122,6 @@ def tv_reconstruction(
     -------
     TVResult
     """
-    import odl
-
     if not (weight > 0 and math.isfinite(weight)):
         raise ValueError(f"tv_reconstruction: weight must be positive, got {weight}")
     if not isinstance(iterations, int) or iterations < 1:
@@ -148,7 +132,7 @@ def tv_reconstruction(
         raise ValueError(f"tv_reconstruction: x0 has shape {tuple(x0.shape)}; expected {op.image_shape}")
 
     t0 = time.perf_counter()
-    T = _operator_class()(op)
+    T = TorchRayTransformOperator(op)
     X, Y = T.domain, T.range
     grad = odl.Gradient(X)
     # Balance the two blocks of L = (T, c∇): with c = ‖T‖/‖∇‖ both have the same norm, which PDHG with

@@ -27,23 +27,24 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
+from ctuq.errors import CheckpointMismatch
+from ctuq.metrics.image import (
+    psnr,  # noqa: F401 - transitional: studies/angle_selection.py imports it from here
+    psnr_from_mse,
+)
 from ctuq.operators.base import RayTransform
 from ctuq.utils import atomic_torch_save, check_fingerprint
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["DIPResult", "fit_dip", "tv_anisotropic", "psnr", "CheckpointMismatch", "load_checkpoint"]
+__all__ = ["DIPResult", "fit_dip", "tv_anisotropic", "load_checkpoint"]
 
 CHECKPOINT_VERSION = 1
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint does not belong to the run that tries to resume from it."""
 
 
 @dataclasses.dataclass
@@ -98,8 +99,7 @@ class DIPResult:
             "best_loss": self.best_loss,
             "final_loss": self.loss_history[-1] if self.loss_history else None,
             "best_psnr_history": (
-                self.psnr_history[self.best_iteration]
-                if self.psnr_history and self.best_iteration >= 0 else None
+                self.psnr_history[self.best_iteration] if self.psnr_history and self.best_iteration >= 0 else None
             ),
             "time_s": self.time_s,
             "iterations_per_s": self.iterations_per_s,
@@ -121,22 +121,6 @@ def tv_anisotropic(x: torch.Tensor, ndim: int | None = None) -> torch.Tensor:
     for axis in range(x.ndim - ndim, x.ndim):
         total = total + torch.diff(x, dim=axis).abs().sum()
     return total
-
-
-def psnr(x: torch.Tensor, ground_truth: torch.Tensor, data_range: float | None = None) -> float:
-    """Peak signal-to-noise ratio (dB) with ``data_range = max − min`` of the ground truth by default.
-
-    Same definition as ``skimage.metrics.peak_signal_noise_ratio(gt, x, data_range=...)``.
-    """
-    if x.shape != ground_truth.shape:
-        raise ValueError(f"psnr: image shape {tuple(x.shape)} != ground-truth shape {tuple(ground_truth.shape)}")
-    gt = ground_truth.double()
-    if data_range is None:
-        data_range = float(gt.max() - gt.min())
-    mse = float((x.double() - gt).pow(2).mean())
-    if mse == 0.0:
-        return math.inf
-    return 10.0 * math.log10(data_range**2 / mse)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -198,8 +182,14 @@ def _fingerprint(op: RayTransform, y: torch.Tensor, net_input: torch.Tensor, lr,
 
 
 def _check_fingerprint(saved: dict, now: dict, path: Path) -> None:
-    check_fingerprint(saved, now, what=f"cannot resume from {path}", error=CheckpointMismatch, abs_tol=1e-9,
-                      hint="start a fresh run in a new folder, or use the same data/settings")
+    check_fingerprint(
+        saved,
+        now,
+        what=f"cannot resume from {path}",
+        error=CheckpointMismatch,
+        abs_tol=1e-9,
+        hint="start a fresh run in a new folder, or use the same data/settings",
+    )
 
 
 def fit_dip(
@@ -286,12 +276,11 @@ def fit_dip(
         raise ValueError(f"fit_dip: y has shape {tuple(y.shape)}; the operator expects {op.measurement_shape}")
     if net_input.ndim != op.ndim + 2 or net_input.shape[0] != 1 or tuple(net_input.shape[2:]) != tuple(op.image_shape):
         raise ValueError(
-            f"fit_dip: net_input has shape {tuple(net_input.shape)}; expected (1, C, {', '.join(map(str, op.image_shape))})"
+            f"fit_dip: net_input has shape {tuple(net_input.shape)}; "
+            f"expected (1, C, {', '.join(map(str, op.image_shape))})"
         )
     if ground_truth is not None and tuple(ground_truth.shape) != tuple(op.image_shape):
-        raise ValueError(
-            f"fit_dip: ground_truth has shape {tuple(ground_truth.shape)}; expected {op.image_shape}"
-        )
+        raise ValueError(f"fit_dip: ground_truth has shape {tuple(ground_truth.shape)}; expected {op.image_shape}")
     if checkpoint_every < 0:
         raise ValueError(f"fit_dip: checkpoint_every must be >= 0, got {checkpoint_every}")
     clip = clip_grad_norm if clip_grad_norm else None
@@ -347,7 +336,9 @@ def fit_dip(
                 "rng": _rng_state(device),
                 "net_input": net_input.detach().cpu(),
                 "meta": fingerprint,
-                "model_config": model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else None,
+                "model_config": model.config.to_dict()
+                if hasattr(model, "config") and hasattr(model.config, "to_dict")
+                else None,
             },
         )
 
@@ -379,7 +370,7 @@ def fit_dip(
             if gt is not None:
                 with torch.no_grad():
                     mse = float((x_s.detach() / scale - gt).pow(2).mean())
-                psnr_value = 10.0 * math.log10(gt_range**2 / mse) if mse > 0 else math.inf
+                psnr_value = psnr_from_mse(mse, gt_range)
             hist["loss"].append(loss_value)
             hist["data_loss"].append(float(data_loss.detach()))
             hist["tv"].append(float(tv.detach()))
@@ -394,8 +385,16 @@ def fit_dip(
                     post["psnr"] = f"{psnr_value:.2f}"
                 bar.set_postfix(post, refresh=False)
             if callback is not None:
-                callback(it, {"loss": loss_value, "data_loss": hist["data_loss"][-1], "tv": hist["tv"][-1],
-                              "psnr": psnr_value, "best_loss": best_loss})
+                callback(
+                    it,
+                    {
+                        "loss": loss_value,
+                        "data_loss": hist["data_loss"][-1],
+                        "tv": hist["tv"][-1],
+                        "psnr": psnr_value,
+                        "best_loss": best_loss,
+                    },
+                )
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ctuq.models import build_unet, make_net_input
+from ctuq.reconstruct.dip import fit_dip
 from ctuq.utils import derived_seed_words
 from ctuq.utils import progress as _progress_bar
 
@@ -73,8 +75,14 @@ class MCDropoutPrediction:
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly scalars."""
-        return {"n_passes": self.n_passes, "batch": self.batch, "time_s": self.time_s,
-                "dropout_layers": len(self.rates), "dropout_rates": sorted(set(self.rates)), "seed": self.seed}
+        return {
+            "n_passes": self.n_passes,
+            "batch": self.batch,
+            "time_s": self.time_s,
+            "dropout_layers": len(self.rates),
+            "dropout_rates": sorted(set(self.rates)),
+            "seed": self.seed,
+        }
 
 
 def dropout_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -85,8 +93,10 @@ def dropout_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, mod in model.named_modules():
         if isinstance(mod, _UNSUPPORTED):
-            raise ValueError(f"mc_dropout: module {name!r} is {type(mod).__name__}, which MC-dropout prediction does "
-                             f"not support (use nn.Dropout or nn.Dropout1d/2d/3d)")
+            raise ValueError(
+                f"mc_dropout: module {name!r} is {type(mod).__name__}, which MC-dropout prediction does "
+                f"not support (use nn.Dropout or nn.Dropout1d/2d/3d)"
+            )
         if isinstance(mod, _ELEMENTWISE + _CHANNELWISE) and float(mod.p) > 0.0:
             found.append((name, mod))
     return found
@@ -181,10 +191,14 @@ def mc_dropout_predict(
             )
         p = float(module.p)
         keep = 1.0 - p
-        per_pass = ((x.shape[1],) + (1,) * (x.ndim - 2)) if isinstance(module, _CHANNELWISE) and x.ndim >= 2 \
+        per_pass = (
+            ((x.shape[1],) + (1,) * (x.ndim - 2))
+            if isinstance(module, _CHANNELWISE) and x.ndim >= 2
             else tuple(x.shape[1:])
-        mask = torch.stack([torch.empty(per_pass, device=x.device, dtype=x.dtype).bernoulli_(keep, generator=g)
-                            for g in gens])
+        )
+        mask = torch.stack(
+            [torch.empty(per_pass, device=x.device, dtype=x.dtype).bernoulli_(keep, generator=g) for g in gens]
+        )
         return x * mask * (1.0 / keep if keep > 0 else 0.0)
 
     was_training = {m: m.training for m in model.modules()}
@@ -222,8 +236,16 @@ def mc_dropout_predict(
     # two-pass moments in float64: the passes' mean is far larger than their spread
     mean64 = passes.double().mean(0)
     var = (passes.double() - mean64).pow(2).sum(0) / (n_passes - 1)
-    return MCDropoutPrediction(mean=mean64.float(), passes=passes, std=var.sqrt().float(), time_s=elapsed,
-                               n_passes=n_passes, batch=batch, rates=[float(m.p) for _, m in layers], seed=seed)
+    return MCDropoutPrediction(
+        mean=mean64.float(),
+        passes=passes,
+        std=var.sqrt().float(),
+        time_s=elapsed,
+        n_passes=n_passes,
+        batch=batch,
+        rates=[float(m.p) for _, m in layers],
+        seed=seed,
+    )
 
 
 def fit_mc_dropout_dip(
@@ -276,9 +298,6 @@ def fit_mc_dropout_dip(
         fit's result; ``result.reconstruction`` is the deterministic output with dropout off, while the MC-dropout
         prediction is the average of :func:`mc_dropout_predict`'s passes.
     """
-    from ctuq.models import build_unet, make_net_input
-    from ctuq.reconstruct.dip import fit_dip
-
     if not (0.0 < dropout < 1.0):
         raise ValueError(f"fit_mc_dropout_dip: dropout rate must lie in (0, 1), got {dropout}")
     if net_input is None:
@@ -286,6 +305,17 @@ def fit_mc_dropout_dip(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_unet(preset, ndim=op.ndim, dropout=dropout, **(model_kwargs or {}))
-    result = fit_dip(op, y, model=model, net_input=net_input, iterations=iterations, lr=lr, tv_weight=tv_weight,
-                     clip_grad_norm=clip_grad_norm, scale=scale, seed=seed, **fit_kwargs)
+    result = fit_dip(
+        op,
+        y,
+        model=model,
+        net_input=net_input,
+        iterations=iterations,
+        lr=lr,
+        tv_weight=tv_weight,
+        clip_grad_norm=clip_grad_norm,
+        scale=scale,
+        seed=seed,
+        **fit_kwargs,
+    )
     return model, result

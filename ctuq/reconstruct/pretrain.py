@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -22,8 +22,15 @@ from torch import nn
 from ctuq.models.model_file import MODEL_FILE_FORMAT, ModelFileError, read_model_file, write_model_file
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["make_training_pairs", "pretrain_unet", "save_pretrained", "load_pretrained", "resolve_pretrained_path",
-           "PretrainResult", "BUNDLED_DATA"]
+__all__ = [
+    "make_training_pairs",
+    "pretrain_unet",
+    "save_pretrained",
+    "load_pretrained",
+    "resolve_pretrained_path",
+    "PretrainResult",
+    "BUNDLED_DATA",
+]
 
 # The repository's data/ folder: relative `model.pretrained` paths that do not exist in the working directory are
 # looked up here, so the bundled configs can name the bundled weights (data/pretrained/...) from anywhere.
@@ -63,7 +70,9 @@ def make_training_pairs(
     for _ in _progress_bar(range(n), desc="phantoms", disable=None if progress else True):
         x = phantom(gen).to(op.device, torch.float32)
         if tuple(x.shape) != tuple(op.image_shape):
-            raise ValueError(f"make_training_pairs: phantom has shape {tuple(x.shape)}; operator expects {op.image_shape}")
+            raise ValueError(
+                f"make_training_pairs: phantom has shape {tuple(x.shape)}; operator expects {op.image_shape}"
+            )
         with torch.no_grad():
             y = op(x)
             y = y + noise * y.abs().mean() * torch.randn(y.shape, generator=gen).to(y.device)
@@ -88,8 +97,9 @@ def pretrain_unet(
     if inputs.shape[0] != targets.shape[0] or inputs.shape[2:] != targets.shape[2:]:
         raise ValueError(f"pretrain_unet: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} do not match")
     if iterations < 1 or batch_size < 1 or not lr > 0:
-        raise ValueError(f"pretrain_unet: need iterations >= 1, batch_size >= 1, lr > 0; got "
-                         f"{iterations}, {batch_size}, {lr}")
+        raise ValueError(
+            f"pretrain_unet: need iterations >= 1, batch_size >= 1, lr > 0; got {iterations}, {batch_size}, {lr}"
+        )
     model = model.to(inputs.device).train()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)

@@ -5,7 +5,8 @@ well TV and the DIP reconstruct from them.
 Per image (rectangles phantoms, :mod:`ctuq.data.rectangles`, or the user's stack): parallel beam, ``candidates``
 angles in ``[0°, 180°)``, ``k = ⌈√2·size⌉ + 1`` detector pixels, noise std ``noise × mean|Tx|`` (one draw of the
 whole candidate sinogram per image; the continuous equidistant sets get their own draws). The pilot DIP is fitted
-once per image on the pilot angles (candidate indices ``0, n/5, …``). Strategies (:data:`STRATEGIES`):
+once per image on the pilot angles (candidate indices ``0, n/5, …``). Strategies (:data:`STUDY_STRATEGIES`;
+not the design's own ``ctuq.design.STRATEGIES``):
 
 * ``equidistant``: ``n`` angles spread evenly over ``[0°, 180°)`` for each count ``n`` (not tied to the grid);
 * ``equidistant_grid``: the candidate-grid version the authors used, at the counts that divide the grid;
@@ -33,19 +34,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tifffile
 import torch
 
+from ctuq.config import DesignConfig, DIPConfig
+from ctuq.data.rectangles import parallel_geometry, rectangles_stack
+from ctuq.design import DesignEngine, auto_route, greedy_design
+from ctuq.design.candidates import equidistant_angles, equidistant_indices, random_indices
+from ctuq.design.dip_prior import DIPPrior
+from ctuq.design.priors import isotropic_model, matern_model
+from ctuq.metrics import psnr
+from ctuq.operators import SparseRayTransform
+from ctuq.options import Criterion
+from ctuq.reconstruct.classical import tv_reconstruction
+from ctuq.reconstruct.dip import fit_dip
 from ctuq.studies.common import Log, StudyError, fit_or_load_dip, read_json
+from ctuq.utils import atomic_write_json
 
-__all__ = ["STRATEGIES", "DEFAULTS", "TINY", "NEUTRAL", "load_images", "run_image"]
+__all__ = ["STUDY_STRATEGIES", "DEFAULTS", "TINY", "NEUTRAL", "load_images", "run_image"]
 
-STRATEGIES = ("equidistant", "equidistant_grid", "random", "isotropic", "matern", "dip_eig", "dip_ese",
+STUDY_STRATEGIES = ("equidistant", "equidistant_grid", "random", "isotropic", "matern", "dip_eig", "dip_ese",
               "dip_eig_retrain", "dip_ese_retrain")
 
 DEFAULTS: dict[str, Any] = {
     "images": 30, "images_file": None, "size": 128, "orientation_mean": None, "orientation_std": 2.86,
     "noise": 0.05, "candidates": 200, "pilot": 5, "acquire": 35, "every": 5, "samples": 3000,
-    "strategies": list(STRATEGIES), "recon": ["tv", "dip"], "jitter": 0.01, "refresh_every": 5, "retrain_every": 5,
+    "strategies": list(STUDY_STRATEGIES), "recon": ["tv", "dip"], "jitter": 0.01, "refresh_every": 5,
+    "retrain_every": 5,
     "retrain_iterations": 300, "preset": "tiny", "iterations": 2000, "lr": 3e-3, "tv_weight": 1e-6,
     "clip_grad_norm": 1.0, "scale": 1.0, "input_std": 0.1, "warm_iterations": 500, "warm_lr": 1e-3,
     "tv_lambda": 0.003, "tv_iterations": 300, "seed": 0,
@@ -75,8 +90,6 @@ def load_images(opts: dict, with_angles: bool = False):
             if path.suffix == ".npy":
                 stack = np.load(path)
             else:
-                import tifffile
-
                 stack = tifffile.imread(path)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the file
             raise StudyError(f"--images-file {path}: cannot be read as .npy or TIFF ({exc})") from None
@@ -86,17 +99,12 @@ def load_images(opts: dict, with_angles: bool = False):
         if stack.ndim != 3 or stack.shape[1] != stack.shape[2] or not np.isfinite(stack).all():
             raise StudyError(f"--images-file {path}: need a finite stack (N, H, W) with H = W, got {stack.shape}")
         return (stack[: opts["images"]], None) if with_angles else stack[: opts["images"]]
-    from ctuq.data.rectangles import rectangles_stack
-
     stack, phis = rectangles_stack(opts["images"], opts["size"], seed=opts["seed"],
                                    orientation_mean=opts["orientation_mean"], orientation_std=opts["orientation_std"])
     return (stack, phis) if with_angles else stack
 
 
 def _operator(size: int, angles_rad, device):
-    from ctuq.data.rectangles import parallel_geometry
-    from ctuq.operators import SparseRayTransform
-
     vol, geo = parallel_geometry(size, angles_rad)
     return SparseRayTransform(vol, geo, device=device)
 
@@ -109,16 +117,11 @@ def _noisy(op, x: torch.Tensor, noise: float, seed_words) -> tuple[torch.Tensor,
 
 
 def _psnr(x: torch.Tensor, gt: torch.Tensor) -> float:
-    from ctuq.reconstruct.dip import psnr
-
     return float(psnr(x.detach().cpu(), gt.cpu()))
 
 
 def reconstruct(op, y, gt, opts: dict, pilot_dip) -> dict:
     """TV and warm-started DIP from ``op``/``y``: PSNR at the fixed budget and the oracle best over iterations."""
-    from ctuq.reconstruct.classical import tv_reconstruction
-    from ctuq.reconstruct.dip import fit_dip
-
     out: dict[str, dict] = {}
     if "tv" in opts["recon"]:
         hist: list[float] = []
@@ -138,15 +141,10 @@ def reconstruct(op, y, gt, opts: dict, pilot_dip) -> dict:
 
 def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> tuple[list[int], dict]:
     """Candidate indices in acquisition order (pilot first) and the design's timings for a greedy strategy."""
-    from ctuq.config import DesignConfig, DIPConfig
-    from ctuq.design import DesignEngine, auto_route, greedy_design
-    from ctuq.design.dip_prior import DIPPrior
-    from ctuq.design.priors import isotropic_model, matern_model
-
     o, pilot = ctx.opts, ctx.pilot
     t0 = time.perf_counter()
     y_p = ctx.y_cand[pilot].reshape(-1).double()
-    updater, criterion = None, "eig"
+    updater, criterion = None, Criterion.EIG.value
     if strategy == "isotropic":
         model = isotropic_model(ctx.op, pilot, y_p, ctx.sigma**2)
     elif strategy == "matern":
@@ -180,8 +178,6 @@ def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> 
 def _equidistant_set(n: int, gt: torch.Tensor, o: dict, i: int, device):
     """``n`` equidistant angles over [0°, 180°) (radians), their operator and their own noisy data (seeded by the
     image and ``n``)."""
-    from ctuq.design.candidates import equidistant_angles
-
     ang = equidistant_angles(n)
     op_n = _operator(gt.shape[0], ang, device)
     y_n, _ = _noisy(op_n, gt, o["noise"], [o["seed"], i, 1000 + n])
@@ -214,9 +210,6 @@ def _recorded_sets(strategy: str, record: dict, ctx: types.SimpleNamespace, gt: 
 
 def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log) -> dict:
     """All strategies for image ``i``: ``{strategy: result}`` (each also in ``out/img_<i>/<strategy>/result.json``)."""
-    from ctuq.design.candidates import equidistant_indices, random_indices
-    from ctuq.utils import atomic_write_json
-
     o = opts
     idir = out / f"img_{i:03d}"
     idir.mkdir(parents=True, exist_ok=True)

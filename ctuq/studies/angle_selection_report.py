@@ -22,9 +22,12 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from ctuq.studies.angle_selection import NEUTRAL, STRATEGIES, load_images, run_image
+from ctuq.design.plots import plot_psnr_curves
+from ctuq.studies.angle_selection import NEUTRAL, STUDY_STRATEGIES, load_images, run_image
 from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
 __all__ = ["run_study", "aggregate", "paired_differences", "orientation_distances", "collect_results",
            "markdown_tables", "LABELS"]
@@ -64,16 +67,18 @@ def aggregate(per_image: list[dict]) -> dict:
                         "step_s_last5"):
                 if key in t:
                     timings.setdefault(strategy, {}).setdefault(key, []).append(t[key])
-    return {"psnr": _summarise(table), "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
+    return {"psnr": _summarise(table),
+            "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
 
 
 def collect_results(out: Path, n_images: int) -> list[dict]:
     """``[{strategy: result}]`` per image ``0 … n_images − 1``: every finished ``img_<i>/<strategy>/result.json`` in
-    the study folder, whichever process wrote it (strategies in :data:`STRATEGIES` order)."""
+    the study folder, whichever process wrote it (strategies in
+    :data:`~ctuq.studies.angle_selection.STUDY_STRATEGIES` order)."""
     per_image = []
     for i in range(n_images):
         idir = out / f"img_{i:03d}"
-        per_image.append({s: read_json(idir / s / "result.json") for s in STRATEGIES
+        per_image.append({s: read_json(idir / s / "result.json") for s in STUDY_STRATEGIES
                           if (idir / s / "result.json").is_file()})
     return per_image
 
@@ -174,7 +179,8 @@ def markdown_tables(agg: dict, strategies: list[str]) -> str:
                 parts += _table(rows, signed=True)
     if agg["timings"]:
         parts.append("\n**design time** (s, mean over images; per step: mean / first 5 / last 5)\n")
-        parts.append("| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 | last 5 |")
+        parts.append("| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 "
+                     "| last 5 |")
         parts.append("|---|---|---|---|---|---|---|---|---|")
         for s, t in agg["timings"].items():
             cells = [f"{t.get(k, float('nan')):.2f}" for k in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s",
@@ -186,8 +192,6 @@ def markdown_tables(agg: dict, strategies: list[str]) -> str:
 
 
 def _figures(out: Path, agg: dict, strategies: list[str]) -> None:
-    from ctuq.design.plots import plot_psnr_curves
-
     for method, kinds in agg["psnr"].items():
         for kind, suffix in (("psnr", ""), ("best_psnr", "_oracle")):
             curves = {}
@@ -204,9 +208,6 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     """Every image × strategy (resumable), then ``results.md``/``results.json`` and the figures from all finished
     results in ``out`` (also those of other processes sharing the folder). ``report_only``: run nothing, only
     rebuild those from what the folder holds."""
-    import torch
-
-    from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
     log = log or Log("angle_selection")
     if report_only and not (out / "study.json").is_file():
@@ -224,7 +225,7 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
             run_image(i, gt, opts, out, device, log)
     n_images = len(images)
     per_image = collect_results(out, n_images)
-    present = [s for s in STRATEGIES if any(s in r for r in per_image)]
+    present = [s for s in STUDY_STRATEGIES if any(s in r for r in per_image)]
     agg = {**aggregate(per_image), "paired": paired_differences(per_image)}
     if phis is not None:
         agg["orientation"] = orientation_distances(per_image, phis, opts["pilot"])

@@ -17,10 +17,13 @@ import time
 
 import numpy as np
 import torch
+from scipy.ndimage import rotate
 from torch import nn
 
+from ctuq.metrics import classification_summary
+
 __all__ = ["load_dataset", "DATASETS", "shifted_inputs", "SHIFTS", "make_model", "MODELS", "train_map",
-           "metric_row", "count_parameters"]
+           "metric_row"]
 
 DATASETS = ("digits", "mnist1d")
 MODELS = ("mlp", "cnn")
@@ -60,8 +63,6 @@ def load_dataset(name: str, seed: int = 0) -> dict:
 def shifted_inputs(name: str, X: torch.Tensor, kind: str, severity: float, seed: int = 0) -> torch.Tensor:
     """Test inputs ``X`` under one shift (module docstring)."""
     if kind == "rotation":
-        from scipy.ndimage import rotate
-
         if severity == 0:
             return X.clone()
         imgs = X.numpy()[:, 0]
@@ -109,10 +110,6 @@ def make_model(kind: str, dataset: str, seed: int = 0) -> nn.Module:
     raise ValueError(f"unknown model {kind!r}; valid: {list(MODELS)}")
 
 
-def count_parameters(model: nn.Module) -> int:
-    return int(sum(p.numel() for p in model.parameters()))
-
-
 def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int = 200, lr: float = 1e-3,
               batch_size: int = 64, weight_decay: float | torch.Tensor = 0.0, seed: int = 0) -> tuple[nn.Module, float]:
     """Adam on the mean cross-entropy plus ``½ Σ_j λ_j v_j² / n``, mini-batches of ``batch_size``; returns the model
@@ -157,8 +154,6 @@ def metric_row(probs: torch.Tensor, labels: torch.Tensor, logit_samples: torch.T
                kappas=range(1, 11), seed: int = 0) -> dict:
     """NLL, accuracy, ECE (15 bins), Brier and the κ-tuple joint log-likelihoods (from per-sample logits, or from
     ``probs`` alone for a point estimate)."""
-    from ctuq.metrics import classification_summary
-
     lp = torch.log(probs.double().clamp_min(1e-300))[None] if logit_samples is None \
         else torch.log_softmax(logit_samples.double(), -1)
     return classification_summary(probs, labels, lp, kappas=kappas, seed=seed)

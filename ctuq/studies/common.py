@@ -17,9 +17,20 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
+
+from ctuq.data import simulate_scan
+from ctuq.data.simulate import SIDECAR_NAME
+from ctuq.errors import CTUQError
+from ctuq.inference import Workload, estimate_solver_costs
+from ctuq.memory import GIB, Budget, memory_budget
+from ctuq.models import build_unet, count_parameters, make_net_input
+from ctuq.models.model_file import read_model_file, write_model_file
+from ctuq.outputs import write_metrics, write_tiff
+from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
+from ctuq.utils import atomic_torch_save, atomic_write_json
 
 __all__ = ["NEUTRAL_OPTIONS", "StudyError", "Log", "read_json", "study_fingerprint", "check_study_folder",
            "prepare_scan", "angular_subsampling", "exact_decision", "setting_dir", "fit_or_load_dip",
@@ -29,8 +40,9 @@ __all__ = ["NEUTRAL_OPTIONS", "StudyError", "Log", "read_json", "study_fingerpri
 NEUTRAL_OPTIONS = frozenset({"device", "progress", "tiny", "threads"})
 
 
-class StudyError(RuntimeError):
-    """Bad input or an output folder that belongs to another study; the message says what and where."""
+class StudyError(CTUQError, RuntimeError):
+    """Bad input or an output folder that belongs to another study; the message says what and where (a user
+    error, :mod:`ctuq.errors`; also a ``RuntimeError``, as it was before)."""
 
 
 class Log:
@@ -103,13 +115,12 @@ def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterabl
     StudyError
         ``study.json`` holds other options (the message lists each one, there and now) or is unreadable.
     """
-    from ctuq.utils import atomic_write_json
-
     growable = tuple(growable)
     path = out / "study.json"
     if path.is_file():
         saved = read_json(path).get("options", {})
-        diff = sorted(k for k in set(saved) | set(fingerprint) if k not in growable and saved.get(k) != fingerprint.get(k))
+        diff = sorted(k for k in set(saved) | set(fingerprint)
+                      if k not in growable and saved.get(k) != fingerprint.get(k))
         if diff:
             details = ", ".join(f"{k}: {saved.get(k)!r} there, {fingerprint.get(k)!r} now" for k in diff)
             raise StudyError(f"{out} holds a study with other options ({details}); use another --out, or the same "
@@ -145,9 +156,6 @@ def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
     StudyError
         ``data`` is not a folder.
     """
-    from ctuq.data import simulate_scan
-    from ctuq.data.simulate import SIDECAR_NAME
-
     if data is not None:
         path = Path(data).expanduser()
         if not path.is_dir():
@@ -205,8 +213,8 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
     ----------
     mode : {"auto", "always", "never"}
         ``auto`` runs it when the exact solver's memory estimate (:func:`ctuq.inference.estimate_solver_costs`)
-        fits half the free memory of ``device`` (CUDA: free device memory; CPU: available physical memory,
-        8 GiB when unknown).
+        fits the :data:`~ctuq.memory.Budget.STUDY_EXACT` budget of ``device`` (half the free memory: CUDA's free
+        device memory, or the host's available physical memory; 4 GiB when unknown).
     c, d : int
         Number of measurements and of linearised (convolution) weights.
     opts : dict
@@ -223,17 +231,13 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
         return False, "--exact never"
     if mode == "always":
         return True, "--exact always"
-    from ctuq.inference import Workload, estimate_solver_costs
 
-    from ctuq.utils import free_memory_bytes
-
-    free = free_memory_bytes(device)
-    budget = 0.5 * float(free if free is not None else 8 * 1024**3)
+    budget = memory_budget(Budget.STUDY_EXACT, device)
     wl = Workload(em_steps=opts["exact_em_steps"], em_samples=opts["em_samples"],
                   prediction_samples=opts["exact_samples"], rank=opts["rank"])
     est = estimate_solver_costs(c, d, wl, memory_budget=budget, itemsize=4)["exact"]
     route = "dense TΦ (d < c)" if d < c else "c × c eigendecomposition"
-    verdict = f"{route} needs ≈{est.memory_bytes / 2**30:.2f} GiB of a {budget / 2**30:.1f} GiB budget"
+    verdict = f"{route} needs ≈{est.memory_bytes / GIB:.2f} GiB of a {budget / GIB:.1f} GiB budget"
     return bool(est.feasible), verdict
 
 
@@ -244,8 +248,6 @@ def setting_dir(out: Path, n_angles: int) -> Path:
 
 def _read_dip(path: Path):
     """The fitted DIP in ``path``: ``(ModelFile, model on the CPU)``; ``StudyError`` if it cannot serve a study."""
-    from ctuq.models.model_file import read_model_file
-
     try:
         mf = read_model_file(path, need_input=True)
         missing = [k for k in ("summary", "reconstruction") if k not in mf.meta]
@@ -301,10 +303,6 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
     StudyError
         An existing ``dip_model.pt`` cannot be read (delete it to refit).
     """
-    from ctuq.models import build_unet, count_parameters, make_net_input
-    from ctuq.models.model_file import write_model_file
-    from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
-
     folder = sdir if kind == "dip" else sdir / "mc_dropout"
     folder.mkdir(parents=True, exist_ok=True)
     model_path = folder / "dip_model.pt"
@@ -371,9 +369,6 @@ def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dic
     dict
         ``record`` read back from ``metrics.json`` (JSON values, as a resumed run sees them).
     """
-    from ctuq.outputs import write_metrics, write_tiff
-    from ctuq.utils import atomic_torch_save
-
     write_tiff(mdir / "std.tif", std)
     write_tiff(mdir / "mean.tif", mean)
     atomic_torch_save(mdir / "result.pt", {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()})

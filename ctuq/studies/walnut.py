@@ -4,10 +4,10 @@ For one scan and every angle count in ``opts["settings"]`` the study (:func:`run
 problem (:func:`ctuq.data.load_walnut_slice`), fits the DIP once (:func:`ctuq.studies.fit_or_load_dip`) and runs
 the methods of :data:`METHODS`:
 
-* **linearised (sampled)** and **linearised (exact)** (:func:`run_linearised`): :func:`ctuq.uq.run_linearized_uq`
-  around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron samples) or ``solver="exact"`` (the
-  exact reference, run when :func:`ctuq.studies.exact_decision` says it fits in memory); their mean is the DIP
-  reconstruction;
+* **linearised (sampled)** and **linearised (exact)** (:func:`run_linearised`):
+  :func:`ctuq.pipeline.uq.run_linearized_uq` around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron
+  samples) or ``solver="exact"`` (the exact reference, run when :func:`ctuq.studies.exact_decision` says it fits in
+  memory); their mean is the DIP reconstruction;
 * **MC dropout** (:func:`run_mc_dropout`): a second DIP with channel dropout, fitted with dropout active, then
   stochastic passes (:mod:`ctuq.reconstruct.mc_dropout`).
 
@@ -27,6 +27,14 @@ from typing import Any
 
 import torch
 
+from ctuq import figures
+from ctuq.data import WalnutScan, load_walnut_slice
+from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
+from ctuq.models import build_unet, count_parameters
+from ctuq.outputs import image_metrics, package_versions, write_metrics, write_tiff
+from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
+from ctuq.pipeline.uq import UQSettings, run_linearized_uq
+from ctuq.reconstruct import mc_dropout_predict
 from ctuq.studies.common import (
     NEUTRAL_OPTIONS,
     Log,
@@ -41,6 +49,7 @@ from ctuq.studies.common import (
     setting_dir,
     study_fingerprint,
 )
+from ctuq.utils import atomic_path, resolve_device
 
 __all__ = ["METHODS", "DEFAULTS", "TINY", "NEUTRAL", "PUBLISHED_COLUMNS", "LOG_NAME", "run_linearised",
            "run_mc_dropout", "figure_paths", "make_figures", "table_rows", "markdown_table", "write_results",
@@ -110,8 +119,9 @@ LOG_NAME = "walnut_study"  # prefix of the log lines and error messages
 def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, log: Log) -> dict:
     """Sampled (``solver="cg"``) or exact (``solver="exact"``) linearised inference around the fitted DIP.
 
-    The one place that calls :func:`ctuq.uq.run_linearized_uq` (and scores its streamed sample moments). It resumes
-    from the posterior state and the running sums in ``sdir/method`` and deletes them once the method is finished.
+    The one place that calls :func:`ctuq.pipeline.uq.run_linearized_uq` (and scores its streamed sample moments). It
+    resumes from the posterior state and the running sums in ``sdir/method`` and deletes them once the method is
+    finished.
 
     Parameters
     ----------
@@ -140,10 +150,6 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         ``time_prediction_s``, ``time_other_s``, ``timings``), the learned ``a`` and ``sigma2``, solver ``stats``
         and ``settings``.
     """
-    from ctuq.metrics import uq_summary_from_moments
-    from ctuq.outputs import image_metrics
-    from ctuq.uq import MOMENTS_NAME, STATE_NAME, UQSettings, run_linearized_uq
-
     mdir = sdir / method
     mdir.mkdir(parents=True, exist_ok=True)
     if method == "linearised_sampled":
@@ -154,9 +160,9 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         settings = UQSettings(solver="exact", gprior_method="exact", em_steps=opts["exact_em_steps"], em_tol=1e-3,
                               em_samples=opts["em_samples"], samples=opts["exact_samples"], rank=opts["rank"],
                               prior_precision=opts["prior_precision"], sample_chunk=min(256, opts["exact_samples"]))
-    resumed = (mdir / STATE_NAME).is_file()
+    resumed = (mdir / UQ_STATE_NAME).is_file()
     if resumed:
-        log(f"{METHODS[method]}: resuming from {mdir / STATE_NAME} (its timings then cover this run only)")
+        log(f"{METHODS[method]}: resuming from {mdir / UQ_STATE_NAME} (its timings then cover this run only)")
     res = run_linearized_uq(model, net_input, data.op, data.y, scale=opts["scale"], settings=settings,
                             seed=opts["seed"], work_dir=mdir, resume=True, progress=opts["progress"],
                             log=lambda m: log(f"  {METHODS[method]}: {m}"))
@@ -186,8 +192,8 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
     }
     out = finish_method(mdir, res.mean, res.std, record)
     # The running sums and the solver state only serve a resume; they are large (the exact Q is c × r float64).
-    (mdir / MOMENTS_NAME).unlink(missing_ok=True)
-    (mdir / STATE_NAME).unlink(missing_ok=True)
+    (mdir / UQ_MOMENTS_NAME).unlink(missing_ok=True)
+    (mdir / UQ_STATE_NAME).unlink(missing_ok=True)
     return out
 
 
@@ -215,10 +221,6 @@ def run_mc_dropout(sdir: Path, data, opts: dict, device: torch.device, log: Log)
         ``summary`` (scored with ``centering="empirical"``), ``time_prediction_s`` and ``time_fit_s`` (seconds),
         the fit's summary and the prediction's.
     """
-    from ctuq.metrics import inner_square_roi, uq_summary
-    from ctuq.outputs import image_metrics
-    from ctuq.reconstruct import mc_dropout_predict
-
     mdir = sdir / "mc_dropout"
     model, net_input, recon_det, fit = fit_or_load_dip("mc_dropout", sdir, data, opts, device, log)
     log(f"MC dropout: {opts['mc_passes']} stochastic passes")
@@ -269,9 +271,6 @@ def make_figures(out: Path, n_angles: int, sdir: Path, gt: torch.Tensor, records
     list of Path
         The figures, in :func:`figure_paths` order.
     """
-    from ctuq import figures
-    from ctuq.metrics import inner_square_roi
-
     roi = inner_square_roi(tuple(gt.shape))
     maps = {}
     for method, rec in records.items():
@@ -368,16 +367,14 @@ def write_results(out: Path, results: dict) -> None:
         The study's results as built by :func:`run_study` (``created``, ``command``, ``device``, ``data``,
         ``options``, ``settings``, ``versions``).
     """
-    from ctuq.outputs import write_metrics
-    from ctuq.utils import atomic_path
-
     rows = table_rows(results)
     results = dict(results, table=rows)
     write_metrics(out / "results.json", results)
     info = []
     for key, s in results["settings"].items():
         info.append(f"- {key} angles: c = {s['c']}, d = {s['d']} conv weights (dropout net: same d), "
-                    f"image {s['image_shape'][0]}×{s['image_shape'][1]}, DIP PSNR {_fmt(s['dip'].get('psnr'), '.2f')} dB, "
+                    f"image {s['image_shape'][0]}×{s['image_shape'][1]}, "
+                    f"DIP PSNR {_fmt(s['dip'].get('psnr'), '.2f')} dB, "
                     f"exact reference: {s['exact_reason']}")
     text = (
         f"# Walnut uncertainty study\n\n"
@@ -435,11 +432,6 @@ def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = Non
 
 
 def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: str) -> dict:
-    from ctuq.data import WalnutScan, load_walnut_slice
-    from ctuq.models import build_unet, count_parameters
-    from ctuq.outputs import image_metrics, package_versions, write_tiff
-    from ctuq.utils import resolve_device
-
     device = resolve_device(opts["device"])
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = study_fingerprint(opts, str(Path(data_arg).expanduser().resolve()) if data_arg else "simulated",

@@ -9,7 +9,7 @@ has ``z* = a⁻¹ Ψᵀ C⁻¹ r`` (push-through identity), hence ``Ψ z* = r �
 
     C⁻¹ r = (r − Ψ z*) / σ²,
 
-so a primal optimiser fits the dual :class:`~ctuq.inference.solvers.Solver` interface and the sampler and EM use
+so a primal optimiser fits the dual :class:`~ctuq.inference.solvers.base.Solver` interface and the sampler and EM use
 it unchanged. For the Matheron right-hand side ``r = ε − Ψ w₀`` the shifted variable ``ζ = w₀ + z`` minimises the
 paper's ``L′(ζ) = ½‖Ψζ‖²/σ² … + ½ a ‖ζ − θⁿ‖²`` with ``θⁿ = w₀ + a⁻¹Ψᵀε/σ²``: ``ζ*`` is the posterior sample. When
 ``a`` (or ``σ²``) changes, :class:`~ctuq.inference.em.SampledEM` with ``fixed_probes=True`` rebuilds the same
@@ -25,15 +25,15 @@ One iteration (rows batched, full-batch gradients as the authors used for the 3D
 with ``η₀ = lr / λ_max(ΨᵀΨ/σ² + aI)`` and ``λ_max(ΨᵀΨ) = λ_max(K̄)`` from Lanczos (scale free, as for SDD).
 The dual residual of the iterate, ``C u − r = −Ψ g(ℓ)/a`` for ``u = (r − Ψℓ)/σ²``, costs one JVP: it is checked
 every ``check_every`` iterations (early stop per row at ``rtol``) and at exit, so the residuals reported in
-:class:`~ctuq.inference.solvers.SolveStats` are exact, as for CG. ``n_products`` counts (JVPs + VJPs)/2.
+:class:`~ctuq.inference.solvers.base.SolveStats` are exact, as for CG. ``n_products`` counts (JVPs + VJPs)/2.
 
 Warm start: a dual guess ``x0`` becomes ``z₀ = a⁻¹ Ψᵀ x0`` (one VJP per row).
 
 Cost per solve and row: ``T`` JVPs + ``T`` VJPs, plus ``T/check_every + 1`` JVPs for residuals, plus one VJP for
 a warm start. Conditioning equals the dual problem's (``κ = 1 + λ_max(K̄)/(aσ²)`` both ways); in exact arithmetic
-the iterates *are* those of full-batch :class:`~ctuq.inference.sdd.SDDSolver` mapped by ``u = (r − Ψz)/σ²`` (same
-step, same momentum, SDD started at ``r/σ²``; float64 runs agree to round-off). The published 3D-walnut budgets
-were 4000 (mean) and 3000 (samples) iterations.
+the iterates *are* those of full-batch :class:`~ctuq.inference.solvers.sdd.SDDSolver` mapped by
+``u = (r − Ψz)/σ²`` (same step, same momentum, SDD started at ``r/σ²``; float64 runs agree to round-off). The
+published 3D-walnut budgets were 4000 (mean) and 3000 (samples) iterations.
 
 Precision: in float32 (the networks' dtype) the primal route has an accuracy floor. At convergence the two terms of
 ``g = Ψᵀ(Ψℓ − r)/σ² + aℓ`` cancel and ``u = (r − Ψℓ)/σ²`` subtracts nearly equal vectors, so the dual residual
@@ -49,19 +49,22 @@ import math
 
 import torch
 
+from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.first_order import FirstOrderSolver
-from ctuq.inference.kernel import _check_hyper
-from ctuq.inference.solvers import SolveStats
+from ctuq.inference.solvers.base import SolveStats, relative_residual
+from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
+from ctuq.inference.solvers.first_order import FirstOrderSolver
+from ctuq.inference.solvers.registry import register_solver
+from ctuq.options import LRDecay, values
 
-__all__ = ["SGDSolver", "SGD_DEFAULTS", "LR_DECAYS"]
+__all__ = ["SGDSolver", "SGD_DEFAULTS"]
 
-LR_DECAYS = ("linear", "none")
 SGD_DEFAULTS = {"lr": 1.0, "momentum": 0.99, "max_iter": 1000, "rtol": 1e-2, "lr_decay": "none", "clip": None,
                 "check_every": 10}
 """Defaults of :class:`SGDSolver`, from the CPU tuning table in docs/NOTES.md."""
 
 
+@register_solver
 class SGDSolver(FirstOrderSolver):
     """Primal gradient descent with Nesterov momentum on ``f(z)`` (module docstring), batched over rows.
 
@@ -80,10 +83,11 @@ class SGDSolver(FirstOrderSolver):
     check_every : int
         Iterations between exact residual checks (one JVP per unconverged row each).
     max_iter, rtol, seed, lanczos_steps, lambda_max
-        See :class:`~ctuq.inference.first_order.FirstOrderSolver`.
+        See :class:`~ctuq.inference.solvers.first_order.FirstOrderSolver`.
     """
 
     name = "sgd"
+    summary = "primal sample-then-optimise: Nesterov gradient descent over the weights, C⁻¹r = (r − Ψz*)/σ²; large c"
 
     def __init__(self, features: FeatureOperator, *, lr: float = SGD_DEFAULTS["lr"],
                  momentum: float = SGD_DEFAULTS["momentum"], lr_decay: str = SGD_DEFAULTS["lr_decay"],
@@ -94,14 +98,14 @@ class SGDSolver(FirstOrderSolver):
                          lanczos_steps=lanczos_steps, lambda_max=lambda_max)
         if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
             raise ValueError(f"SGDSolver: lr must be positive and finite, got {lr!r}")
-        if lr_decay not in LR_DECAYS:
-            raise ValueError(f"SGDSolver: lr_decay must be one of {list(LR_DECAYS)}, got {lr_decay!r}")
+        if lr_decay not in values(LRDecay):
+            raise ValueError(f"SGDSolver: lr_decay must be one of {list(values(LRDecay))}, got {lr_decay!r}")
         if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
             raise ValueError(f"SGDSolver: clip must be positive or None, got {clip!r}")
         if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
             raise ValueError(f"SGDSolver: check_every must be a positive int, got {check_every!r}")
         self.lr = float(lr)
-        self.lr_decay = lr_decay
+        self.lr_decay = str(lr_decay)
         self.clip = None if clip is None else float(clip)
         self.check_every = int(check_every)
 
@@ -110,7 +114,7 @@ class SGDSolver(FirstOrderSolver):
         """``C⁻¹ rhs = (rhs − Ψz*)/σ²`` for rows ``rhs`` ``(k, c)``; ``x0`` ``(k, c)``: dual warm start."""
         rhs = self._check_rhs(rhs)
         x0 = self._check_x0(x0, rhs)
-        a_f, s2_f = _check_hyper(a, sigma2, "SGDSolver.solve")
+        a_f, s2_f = check_hyper(a, sigma2, "SGDSolver.solve")
         f = self.features
         k, _ = rhs.shape
         j0, v0 = f.n_matvec, f.n_rmatvec
@@ -140,7 +144,7 @@ class SGDSolver(FirstOrderSolver):
             check = it % self.check_every == 0 or it == self.max_iter
             if check:
                 # exact dual residual of u = (r − Ψℓ)/σ²:  C u − r = −Ψ g(ℓ)/a  (one JVP per row)
-                rel_it = self._relative(f.matvec(G) / a_f, bnorm[active])
+                rel_it = relative_residual(f.matvec(G) / a_f, bnorm[active])
                 done = rel_it <= self.rtol
                 if it == self.max_iter:
                     done = torch.ones_like(done)
@@ -165,3 +169,21 @@ class SGDSolver(FirstOrderSolver):
             Z = Z + Vel
         n_products = math.ceil(((f.n_matvec - j0) + (f.n_rmatvec - v0)) / 2)
         return out, self._finish(rel, iterations, n_products, "sgd")
+
+    @classmethod
+    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
+                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+        """``λ_max`` by ``lanczos_steps`` kernel products; every solve ``T`` kernel products per column
+        (``T = workload.sgd_iterations``), ``T/10 + 1`` JVPs for the residual checks and one VJP for a warm start;
+        memory four ``chunk × d`` buffers and the Lanczos basis
+        (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs`)."""
+        k, n, S = workload.em_samples, workload.prediction_samples, workload.em_steps
+        n_solves, L, T = workload.n_solves, workload.lanczos_steps, workload.sgd_iterations
+        prods = L + n_solves * T
+        jvp = prods + n_solves * (T / 10.0 + 1) + S * k + n
+        vjp = prods + n_solves + (n + 1)
+        m = max(k + 1, workload.chunk)
+        flops = n_solves * 10.0 * c * T * d / max(c, 1)
+        mem = 4.0 * m * d * itemsize + L * c * 8.0
+        return cost_estimate("sgd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
+                             memory_budget=memory_budget)

@@ -55,7 +55,8 @@ from typing import Callable
 
 import torch
 
-from ctuq.inference.kernel import KernelOperator, _check_hyper, kernel_diagonal
+from ctuq.inference.checks import check_hyper
+from ctuq.inference.kernel import KernelOperator, kernel_diagonal
 
 __all__ = [
     "LowRankEig",
@@ -125,7 +126,7 @@ class LowRankPreconditioner:
 
     def inverse(self, a: float, sigma2: float) -> Callable[[torch.Tensor], torch.Tensor]:
         """``R ↦ P⁻¹ R`` for rows ``R`` ``(k, c)`` at prior precision ``a`` and noise variance ``σ²``."""
-        a_f, s2_f = _check_hyper(a, sigma2, "LowRankPreconditioner.inverse")
+        a_f, s2_f = check_hyper(a, sigma2, "LowRankPreconditioner.inverse")
         U = self.eig.U
         lam = self.eig.eigenvalues.to(U.dtype)
         # Coefficient on the captured subspace: 1/(λ/a + σ²) − 1/σ² (the complement keeps 1/σ²).
@@ -248,7 +249,7 @@ def adaptive_nystrom_eig(
 
     Memory: the sketch, ``2 · c · (r + oversampling)`` float64 numbers, while building.
     """
-    a_f, s2_f = _check_hyper(a, sigma2, "adaptive_nystrom_eig")
+    a_f, s2_f = check_hyper(a, sigma2, "adaptive_nystrom_eig")
     for name, v in (("max_rank", max_rank), ("initial_rank", initial_rank)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"adaptive_nystrom_eig: {name} must be a positive int, got {v!r}")

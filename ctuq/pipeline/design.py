@@ -1,5 +1,8 @@
 """``ctuq design`` as a library: pilot scan → prior → greedy design → outputs (:func:`run_design`).
 
+The runner of the command: it takes the scan and the pilot reconstruction from the pipeline
+(:mod:`ctuq.pipeline.scan`, :mod:`ctuq.pipeline.phases`) and the design itself from :mod:`ctuq.design`.
+
 The output folder (``--out``) holds::
 
     config.yaml            the resolved config
@@ -18,6 +21,7 @@ The output folder (``--out``) holds::
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import math
 import sys
 import time
@@ -26,14 +30,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctuq import __version__
 from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
-from ctuq.design.criteria import CRITERIA
+from ctuq.design.dip_prior import DIPPrior
+from ctuq.design.engine import DesignEngine, auto_route
+from ctuq.design.greedy import baseline_design, greedy_design
+from ctuq.design.plots import plot_design_polar, plot_std_maps
+from ctuq.design.priors import isotropic_model, matern_model
+from ctuq.options import Criterion, DesignPriorKind, DesignRoute, values
+from ctuq.outputs import write_metrics, write_tiff
+from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
+from ctuq.pipeline.runner import run_phases, write_config
+from ctuq.pipeline.scan import check_device, load_scan
+from ctuq.utils import resolve_device
 
-__all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "STATE_NAME"]
+__all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "WORK_DIR", "STATE_NAME"]
 
 DESIGN_NAME = "design.json"
 ANGLES_NAME = "angles.txt"
-STATE_NAME = "work/design_state.pt"
+WORK_DIR = "work"
+STATE_NAME = f"{WORK_DIR}/design_state.pt"
 
 
 def _log(msg: str) -> None:
@@ -58,34 +75,36 @@ def read_angles_file(path) -> np.ndarray:
     return values
 
 
+def _read_metrics(path: Path) -> dict:
+    """A finished reconstruction's ``metrics.json``, or a :class:`DesignError` naming it (and how to recover)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DesignError(f"{path} could not be read as JSON ({exc}); delete it to recompute that part") from exc
+
+
 def _reconstruct(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
     """A run folder of FBP/TV/DIP from ``op``/``y`` (the pipeline's phases); reused when already finished."""
-    from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
-    from ctuq.pipeline.runner import run_phases
-    from ctuq.studies.common import read_json
-
     folder.mkdir(parents=True, exist_ok=True)
-    state = RunState(cfg=cfg, out_dir=folder, device=device, resume=(folder / "dip_checkpoint.pt").is_file(),
+    state = RunState(cfg=cfg, out_dir=folder, device=device, resume=(folder / rf.CHECKPOINT_NAME).is_file(),
                      uq=False, progress=progress, command="design")
     state.op, state.y, state.ground_truth = op, y.to(device), None if gt is None else gt.to(device)
-    state.metrics["data"] = {"angles_deg": np.degrees(op.angles).tolist(), "measurement_shape": list(op.measurement_shape)}
-    if (folder / "metrics.json").is_file():
+    state.metrics["data"] = {"angles_deg": np.degrees(op.angles).tolist(),
+                             "measurement_shape": list(op.measurement_shape)}
+    if rf.is_finished_run(folder):
         if need_model:
             run_phases(state, [Phase("restore_dip", phase_restore_dip)])
-        return state, read_json(folder / "metrics.json")
+        return state, _read_metrics(folder / rf.METRICS_NAME)
     phases = [Phase("fbp", phase_fbp)] + ([Phase("tv", phase_tv)] if cfg.tv.enabled else [])
     run_phases(state, phases + [Phase("dip", phase_dip), Phase("write", phase_write)])
-    return state, read_json(folder / "metrics.json")
+    return state, _read_metrics(folder / rf.METRICS_NAME)
 
 
-def _prior_model(cfg, kind, cand_op, y_cand, pilot, pilot_state, device, work, progress):
-    """``(DesignModel, updater)`` of the configured prior."""
-    from ctuq.design.dip_prior import DIPPrior
-    from ctuq.design.priors import isotropic_model, matern_model
-
+def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, work, progress):
+    """``(DesignModel, updater)`` of the image prior ``image_prior`` (``design.prior``)."""
     ds, scale = cfg.design, float(cfg.dip.scale)
     nv = ds.noise_variance
-    if kind == "dip":
+    if image_prior == DesignPriorKind.DIP:
         prior = DIPPrior(pilot_state.model, pilot_state.net_input, cand_op, y_cand, scale, settings=ds,
                          sigma2=None if nv is None else nv * scale**2, dip_settings=cfg.dip, work_dir=work,
                          seed=cfg.seed, progress=progress, log=_log)
@@ -95,7 +114,7 @@ def _prior_model(cfg, kind, cand_op, y_cand, pilot, pilot_state, device, work, p
         r = op_p.forward_flat(pilot_state.images["dip"].reshape(1, -1).to(op_p.dtype)) - y_cand[pilot].reshape(1, -1)
         nv = float(r.double().pow(2).mean())
     y_p = y_cand[pilot].reshape(-1).double()
-    if kind == "isotropic":
+    if image_prior == DesignPriorKind.ISOTROPIC:
         return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None
     return matern_model(cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale,
                         log=_log), None
@@ -116,29 +135,20 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     resume : bool
         Continue a killed design (finished reconstructions and the design checkpoint are reused).
     """
-    from ctuq import __version__
-    from ctuq.design.engine import DesignEngine, auto_route
-    from ctuq.design.greedy import baseline_design, greedy_design
-    from ctuq.design.plots import plot_design_polar, plot_std_maps
-    from ctuq.outputs import write_metrics, write_tiff
-    from ctuq.pipeline import run_folder as rf
-    from ctuq.pipeline.runner import _write_config
-    from ctuq.pipeline.scan import check_device, load_scan
-    from ctuq.utils import resolve_device
-
     t_start = time.perf_counter()
     ds = cfg.design
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out = rf.check_writable_folder(out_dir)
+    state_path = out / STATE_NAME
     if (out / DESIGN_NAME).is_file() and not resume:
         raise DesignError(f"--out {out}: already holds a finished design ({DESIGN_NAME}); choose another --out or "
                           f"pass --resume")
-    work = out / "work"
-    if not resume and (work / "design_state.pt").exists():
-        (work / "design_state.pt").unlink()
+    work = out / WORK_DIR
+    if not resume and state_path.exists():
+        state_path.unlink()
     work.mkdir(exist_ok=True)
-    _write_config(cfg, out)
+    write_config(cfg, out)
 
     # ---------------------------------------------------------------- scan, candidates, pilot
     data, scan_path, warnings = load_scan(cfg, device, progress=progress)
@@ -170,7 +180,7 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     t0 = time.perf_counter()
     model, updater = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
     refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
-    route = auto_route(model, refreshed) if ds.route == "auto" else ds.route
+    route = auto_route(model, refreshed) if ds.route == DesignRoute.AUTO else ds.route
     engine = DesignEngine(model, route=route, n_samples=ds.samples, seed=cfg.seed, sample_chunk=ds.sample_chunk)
     prior_s = time.perf_counter() - t0
     std: dict[str, torch.Tensor] = {}
@@ -186,9 +196,10 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
                    "prior": ds.prior, "route": route, "samples": ds.samples, "jitter": ds.jitter,
                    "refresh_every": ds.refresh_every, "retrain_every": ds.retrain_every, "seed": cfg.seed,
                    "sigma2": float(model.sigma2), "a": float(model.a)}
-    if ds.criterion in CRITERIA:
+    greedy = ds.criterion in values(Criterion)
+    if greedy:
         result = greedy_design(engine, pilot, ds.acquire, criterion=ds.criterion, angles_deg=cand_deg,
-                               jitter=ds.jitter, updater=updater, checkpoint=out / STATE_NAME,
+                               jitter=ds.jitter, updater=updater, checkpoint=state_path,
                                fingerprint=fingerprint, progress=progress, log=_log, update_last=True,
                                on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)))
     else:
@@ -225,7 +236,7 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         "device": str(device),
         "scan": str(scan_path),
         "strategy": ds.criterion,
-        "route": route if ds.criterion in CRITERIA else None,
+        "route": route if greedy else None,
         "period_deg": math.degrees(period),
         "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
         "pilot": {"candidates": pilot, "angles_deg": pilot_deg},

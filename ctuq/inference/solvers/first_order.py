@@ -1,4 +1,4 @@
-"""What the first-order solvers (:mod:`~ctuq.inference.sdd`, :mod:`~ctuq.inference.sgd`) share.
+"""What the first-order solvers (:mod:`~ctuq.inference.solvers.sdd`, :mod:`~ctuq.inference.solvers.sgd`) share.
 
 Both solve ``C X = R`` (rows, ``C = K̄/a + σ²I``) with gradient steps, so both need
 
@@ -6,8 +6,9 @@ Both solve ``C X = R`` (rows, ``C = K̄/a + σ²I``) with gradient steps, so bot
   preconditioner, since ``λ_max(C) = λ_max(K̄)/a + σ²`` and the primal Hessian ``ΨᵀΨ/σ² + aI`` has
   ``λ_max = λ_max(K̄)/σ² + a``): :func:`lanczos_top_eigenvalue`, ``lanczos_steps`` kernel products;
 * exact residuals ``‖C x_j − b_j‖/‖b_j‖`` of what they return (one kernel product per right-hand side), reported
-  in :class:`~ctuq.inference.solvers.SolveStats` like :func:`~ctuq.inference.solvers.pcg` reports CG's, with a
-  :class:`~ctuq.inference.solvers.ConvergenceWarning` when a solve stops at its iteration budget above ``rtol``;
+  in :class:`~ctuq.inference.solvers.base.SolveStats` like :func:`~ctuq.inference.solvers.cg.pcg` reports CG's,
+  with a :class:`~ctuq.inference.solvers.base.ConvergenceWarning` when a solve stops at its iteration budget above
+  ``rtol``;
 * warm starts: :attr:`FirstOrderSolver.warm_starts` tells :class:`~ctuq.inference.em.SampledEM` to pass the
   previous step's solutions as ``x0`` (the same right-hand sides at new ``a``, ``σ²`` with
   ``fixed_probes=True``; the mean's row ``ỹ`` always).
@@ -27,7 +28,7 @@ import torch
 
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import KernelOperator
-from ctuq.inference.solvers import ConvergenceWarning, Solver, SolveStats
+from ctuq.inference.solvers.base import ConvergenceWarning, Solver, SolveStats
 
 __all__ = ["lanczos_top_eigenvalue", "FirstOrderSolver"]
 
@@ -86,7 +87,7 @@ class FirstOrderSolver(Solver):
         Iteration budget per solve (each iteration: one VJP + one JVP per unconverged right-hand side).
     rtol : float
         Early stop per right-hand side when its relative residual falls below it; above it at ``max_iter`` a
-        :class:`~ctuq.inference.solvers.ConvergenceWarning` is raised.
+        :class:`~ctuq.inference.solvers.base.ConvergenceWarning` is raised.
     momentum : float
         Nesterov momentum ``ρ ∈ [0, 1)`` of the iteration.
     seed : int
@@ -97,9 +98,7 @@ class FirstOrderSolver(Solver):
         A known ``λ_max(K̄)`` (e.g. from a checkpoint): no Lanczos products.
     """
 
-    exact = False
     warm_starts = True
-    name = "first_order"
 
     def __init__(self, features: FeatureOperator, *, max_iter: int, rtol: float, momentum: float, seed: int = 0,
                  lanczos_steps: int = 20, lambda_max: float | None = None):
@@ -114,8 +113,7 @@ class FirstOrderSolver(Solver):
             raise ValueError(f"{cls}: lanczos_steps must be a positive int, got {lanczos_steps!r}")
         if lambda_max is not None and not (float(lambda_max) > 0 and math.isfinite(float(lambda_max))):
             raise ValueError(f"{cls}: lambda_max must be positive and finite, got {lambda_max!r}")
-        self.features = features
-        self.kernel = KernelOperator(features=features)
+        super().__init__(features)
         self.max_iter = int(max_iter)
         self.rtol = float(rtol)
         self.momentum = float(momentum)
@@ -146,12 +144,18 @@ class FirstOrderSolver(Solver):
             self.setup_time_s = time.perf_counter() - t0
         return self._lambda_max
 
-    def state_dict(self) -> dict:
+    def setup(self, a: float, sigma2: float) -> None:
+        """``λ_max(K̄)`` (independent of ``a`` and ``σ²``; the step sizes follow from it at every solve)."""
+        self.build()
+
+    def state_dict(self) -> dict | None:
         """``{"lambda_max", "n_setup_products"}`` for checkpoints (plain floats/ints)."""
         return {"lambda_max": float(self.lambda_max), "n_setup_products": int(self.n_setup_products)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Reuse a stored ``λ_max(K̄)`` (:meth:`state_dict`) instead of running Lanczos."""
+    def load_state_dict(self, state: dict | None) -> None:
+        """Reuse a stored ``λ_max(K̄)`` (:meth:`state_dict`) instead of running Lanczos; ``None``: nothing stored."""
+        if state is None:
+            return
         if not isinstance(state, dict) or "lambda_max" not in state:
             raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with 'lambda_max', got "
                              f"{type(state).__name__}")
@@ -160,6 +164,10 @@ class FirstOrderSolver(Solver):
             raise ValueError(f"{type(self).__name__}.load_state_dict: lambda_max must be positive, got {lam}")
         self._lambda_max = lam
         self.n_setup_products = int(state.get("n_setup_products", 0))
+
+    def report(self) -> dict:
+        """``{"lambda_max": λ_max(K̄)}``."""
+        return {"lambda_max": float(self.lambda_max)}
 
     # ------------------------------------------------------------------------------------------ helpers
     def _check_x0(self, x0: torch.Tensor | None, rhs: torch.Tensor) -> torch.Tensor | None:
@@ -175,11 +183,6 @@ class FirstOrderSolver(Solver):
     def _cov_rows(self, X: torch.Tensor, a: float, sigma2: float) -> torch.Tensor:
         """``C x`` for rows ``X`` ``(m, c)``: one kernel product (VJP + JVP) per row."""
         return self.kernel.matmul_rows(X) / a + sigma2 * X
-
-    @staticmethod
-    def _relative(resid: torch.Tensor, bnorm: torch.Tensor) -> torch.Tensor:
-        r = torch.linalg.vector_norm(resid.double(), dim=1)
-        return torch.where(bnorm > 0, r / bnorm.clamp_min(1e-300), torch.zeros_like(r))
 
     def _finish(self, rel: torch.Tensor, iterations: torch.Tensor, n_products: int, method: str) -> SolveStats:
         stats = SolveStats(iterations.cpu(), rel.cpu(), (rel <= self.rtol).cpu(), int(n_products), method)

@@ -11,7 +11,7 @@ Each right-hand side ``b`` (a row of ``R``) minimises the dual objective ``½ u�
 
 Published settings: ``ρ = 0.9`` with the gradient at the look-ahead point, ``βn ≈ 50`` for unit-diagonal kernels,
 blocks of 128–512 coordinates, ``χ = 100/T`` for a budget of ``T`` iterations. Here the step is scale free,
-``β = step_size / λ_max(C)`` with ``λ_max(C) = λ_max(K̄)/a + σ²`` (:mod:`~ctuq.inference.first_order`); the
+``β = step_size / λ_max(C)`` with ``λ_max(C) = λ_max(K̄)/a + σ²`` (:mod:`~ctuq.inference.solvers.first_order`); the
 published ``βn`` corresponds to ``step_size · tr(C)/λ_max(C)`` (the "stable rank" of ``C`` times the step).
 
 Cost for CT. A GP kernel row ``K_i`` costs ``O(c)`` kernel evaluations, so a block of ``r`` coordinates costs
@@ -25,15 +25,15 @@ comparison only. Because the full residual ``C ℓ − b`` is computed in every 
 
 Start: ``x0`` when given (warm start), else ``u₀ = b/σ²``, the dual image of the primal start ``z = 0``
 (``u = (b − Ψz)/σ²``). From there, the full-batch iteration with step ``η/λ_max(C)`` produces *exactly* the
-iterates of the primal :class:`~ctuq.inference.sgd.SGDSolver` with ``lr = η`` mapped to the dual (both are
+iterates of the primal :class:`~ctuq.inference.solvers.sgd.SGDSolver` with ``lr = η`` mapped to the dual (both are
 gradient descent with momentum on the same quadratic in coordinates related by ``u = (b − Ψz)/σ²``; checked in
 ``tests/test_scale_solvers.py``): full-batch SDD and primal SGD differ only in averaging, clipping, the learning-rate
 schedule and what a residual costs.
 
 What a solve returns per row: the look-ahead iterate at which its residual first fell below ``rtol``; or, at the
 iteration budget, whichever of the averaged iterate ``ū`` (residual computed: one more product) and the last
-look-ahead point has the smaller residual. Residuals in :class:`~ctuq.inference.solvers.SolveStats` are exact
-(``‖C x − b‖/‖b‖``), and a solve that stops short warns (:class:`~ctuq.inference.solvers.ConvergenceWarning`).
+look-ahead point has the smaller residual. Residuals in :class:`~ctuq.inference.solvers.base.SolveStats` are exact
+(``‖C x − b‖/‖b‖``), and a solve that stops short warns (:class:`~ctuq.inference.solvers.base.ConvergenceWarning`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ import math
 
 import torch
 
+from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.first_order import FirstOrderSolver
-from ctuq.inference.kernel import _check_hyper
-from ctuq.inference.solvers import SolveStats
+from ctuq.inference.solvers.base import SolveStats, relative_residual
+from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
+from ctuq.inference.solvers.first_order import FirstOrderSolver
+from ctuq.inference.solvers.registry import register_solver
 from ctuq.utils import derived_seed_words
 
 __all__ = ["SDDSolver", "SDD_DEFAULTS"]
@@ -57,6 +59,7 @@ SDD_DEFAULTS = {"step_size": 1.0, "momentum": 0.99, "batch_size": None, "max_ite
 budget are from the CPU tuning table in docs/NOTES.md (full batch)."""
 
 
+@register_solver
 class SDDSolver(FirstOrderSolver):
     """Stochastic dual descent on ``½uᵀCu − uᵀb``, batched over right-hand sides (module docstring).
 
@@ -75,10 +78,12 @@ class SDDSolver(FirstOrderSolver):
     averaging : float or None
         ``χ ∈ (0, 1]`` of the geometric average; ``None``: ``min(1, 100/max_iter)``; ``1``: no averaging.
     max_iter, rtol, seed, lanczos_steps, lambda_max
-        See :class:`~ctuq.inference.first_order.FirstOrderSolver`.
+        See :class:`~ctuq.inference.solvers.first_order.FirstOrderSolver`.
     """
 
     name = "sdd"
+    summary = ("stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or coordinate "
+               "blocks); large c")
 
     def __init__(self, features: FeatureOperator, *, step_size: float = SDD_DEFAULTS["step_size"],
                  momentum: float = SDD_DEFAULTS["momentum"], batch_size: int | None = SDD_DEFAULTS["batch_size"],
@@ -111,7 +116,7 @@ class SDDSolver(FirstOrderSolver):
         """``C⁻¹ rhs`` for rows ``rhs`` ``(k, c)``; ``x0`` ``(k, c)`` warm start (default zeros)."""
         rhs = self._check_rhs(rhs)
         x0 = self._check_x0(x0, rhs)
-        a_f, s2_f = _check_hyper(a, sigma2, "SDDSolver.solve")
+        a_f, s2_f = check_hyper(a, sigma2, "SDDSolver.solve")
         k, c = rhs.shape
         lam_C = self.lambda_max / a_f + s2_f
         beta = self.step_size / lam_C
@@ -137,7 +142,7 @@ class SDDSolver(FirstOrderSolver):
             L = U + rho * V
             G = self._cov_rows(L, a_f, s2_f) - B
             n_products += int(active.numel())
-            rel_L = self._relative(G, bnorm[active])
+            rel_L = relative_residual(G, bnorm[active])
             iterations[active.cpu()] = it
             done = rel_L <= self.rtol
             if bool(done.any()):
@@ -162,7 +167,7 @@ class SDDSolver(FirstOrderSolver):
         if active.numel():
             # Budget spent: the better of the averaged iterate (residual computed here) and the last look-ahead.
             if chi < 1.0:
-                rel_bar = self._relative(self._cov_rows(Ubar, a_f, s2_f) - B, bnorm[active])
+                rel_bar = relative_residual(self._cov_rows(Ubar, a_f, s2_f) - B, bnorm[active])
                 n_products += int(active.numel())
             else:
                 rel_bar = torch.full_like(last_rel, math.inf)
@@ -171,3 +176,19 @@ class SDDSolver(FirstOrderSolver):
             out[active] = torch.where(use_bar[:, None], Ubar, last_L)
             rel[active] = torch.where(use_bar, rel_bar, last_rel)
         return out, self._finish(rel, iterations, n_products, "sdd")
+
+    @classmethod
+    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
+                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+        """``λ_max`` by ``lanczos_steps`` kernel products; every solve ``T + 1`` kernel products per column
+        (``T = workload.sdd_iterations``, plus the exact final residual); memory five ``chunk × c`` buffers and the
+        Lanczos basis (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs`)."""
+        k, n, S = workload.em_samples, workload.prediction_samples, workload.em_steps
+        n_solves, L, T = workload.n_solves, workload.lanczos_steps, workload.sdd_iterations
+        prods = L + n_solves * (T + 1)
+        jvp, vjp = prods + S * k + n, prods + (n + 1)
+        m = max(k + 1, workload.chunk)
+        flops = n_solves * 10.0 * c * T
+        mem = 5.0 * m * c * itemsize + L * c * 8.0
+        return cost_estimate("sdd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
+                             memory_budget=memory_budget)

@@ -1,0 +1,69 @@
+"""Solvers for ``C X = R`` with ``C = K̄/a + σ² I`` (rows ``R`` ``(k, c)``), their registry and the choice between them.
+
+Where things are:
+
+* :mod:`.base`: the contract (:class:`Solver`, :class:`ExactSolver`), :class:`SolveStats`,
+  :class:`ConvergenceWarning`, :func:`relative_residual`;
+* :mod:`.registry`: :data:`SOLVERS` (registry name → class, filled by ``@register_solver``), the option rule;
+* :mod:`.cost`: :class:`Workload`, the cost model, ``solver="auto"`` (:func:`choose_solver`),
+  :func:`resolve_solver`, :func:`make_solver`;
+* one module per solver family: :mod:`.exact` (``exact_primal``, ``exact_dual``), :mod:`.cg` (``cg``, with
+  :mod:`.preconditioners`), :mod:`.sdd` and :mod:`.sgd` (on :mod:`.first_order`).
+
+A new solver is one module here plus one import line below (its ``@register_solver`` does the rest).
+"""
+
+from ctuq.inference.solvers.base import (
+    ConvergenceWarning,
+    ExactSolver,
+    Solver,
+    SolveStats,
+    relative_residual,
+    warn_not_converged,
+)
+from ctuq.inference.solvers.cost import (
+    SolverCostEstimate,
+    Workload,
+    choose_solver,
+    cost_estimate,
+    dense_features_fit,
+    estimate_solver_costs,
+    make_solver,
+    resolve_solver,
+)
+from ctuq.inference.solvers.registry import (
+    SOLVERS,
+    check_solver_options,
+    register_solver,
+    solver_choices,
+    solver_kwargs,
+    unregister_solver,
+)
+
+# The registry lines: importing a solver module registers its classes, in this order (the order of SOLVERS, of
+# solver_choices() and of the cost estimates), so the block is kept out of import sorting.
+# isort: off
+from ctuq.inference.solvers.exact import ExactDualSolver, ExactEigSolver, ExactPrimalSolver
+from ctuq.inference.solvers.cg import CGSolver, pcg
+from ctuq.inference.solvers.sdd import SDD_DEFAULTS, SDDSolver
+from ctuq.inference.solvers.sgd import SGD_DEFAULTS, SGDSolver
+# isort: on
+
+from ctuq.inference.solvers.first_order import FirstOrderSolver, lanczos_top_eigenvalue
+from ctuq.inference.solvers.preconditioners import (
+    LowRankEig,
+    LowRankPreconditioner,
+    adaptive_nystrom_eig,
+    pivoted_cholesky_eig,
+    randomized_eig,
+)
+
+__all__ = [
+    "Solver", "ExactSolver", "SolveStats", "ConvergenceWarning", "relative_residual", "warn_not_converged",
+    "SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options", "solver_kwargs",
+    "Workload", "SolverCostEstimate", "cost_estimate", "estimate_solver_costs", "choose_solver", "resolve_solver",
+    "dense_features_fit", "make_solver",
+    "ExactEigSolver", "ExactPrimalSolver", "ExactDualSolver", "CGSolver", "pcg", "SDDSolver", "SDD_DEFAULTS",
+    "SGDSolver", "SGD_DEFAULTS", "FirstOrderSolver", "lanczos_top_eigenvalue",
+    "LowRankEig", "LowRankPreconditioner", "randomized_eig", "adaptive_nystrom_eig", "pivoted_cholesky_eig",
+]

@@ -1,0 +1,90 @@
+"""The ray-transform backends by name, and the one factory that builds an operator from a name (``backend=``).
+
+In the manner of ODL's ``RAY_TRAFO_IMPLS`` (``odl.applications.tomo``): :data:`RAY_TRANSFORM_IMPLS` maps each
+backend name to its :class:`~ctuq.operators.base.RayTransform` class, and each class carries its availability
+flag (:meth:`~ctuq.operators.base.RayTransform.available`), the geometry kinds, devices and dtypes it supports,
+whether its adjoint is exact, and its builder (:meth:`~ctuq.operators.base.RayTransform.from_geometry`).
+:func:`available_impls` is the mapping restricted to the backends whose flag holds on this machine.
+
+Adding a backend is one file (the class, with those attributes) plus one line in :data:`RAY_TRANSFORM_IMPLS`
+(and its name in :class:`ctuq.options.Backend`, the vocabulary configs validate against; a test keeps the two
+equal). ``tests/operators/test_ray_transform_contract.py`` then runs the ray-transform contract on it over every
+geometry kind it declares, wherever it is available.
+
+The availability flags are evaluated when asked, not at import: probing CUDA at import would initialise the
+driver in every process that imports ctuq, and naming a backend that is not available here must still give that
+backend's own clear error (e.g. "needs a CUDA device") rather than "unknown backend".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctuq.geometry import ProjectionGeometry, VolumeGeometry
+from ctuq.operators.astra_cuda import AstraCudaRayTransform
+from ctuq.operators.base import RayTransform
+from ctuq.operators.sparse import SparseRayTransform
+from ctuq.options import Backend
+
+__all__ = ["RAY_TRANSFORM_IMPLS", "available_impls", "backend_names", "resolve_backend", "make_ray_transform"]
+
+#: Every ray-transform backend by name, in the order ``backend="auto"`` prefers them (one line per backend).
+RAY_TRANSFORM_IMPLS: dict[str, type[RayTransform]] = {
+    Backend.SPARSE.value: SparseRayTransform,
+    Backend.ASTRA_CUDA.value: AstraCudaRayTransform,
+}
+
+
+def available_impls() -> dict[str, type[RayTransform]]:
+    """The backends of :data:`RAY_TRANSFORM_IMPLS` whose availability flag holds now (``sparse`` everywhere,
+    ``astra_cuda`` where torch and ASTRA see a CUDA device)."""
+    return {name: cls for name, cls in RAY_TRANSFORM_IMPLS.items() if cls.available()}
+
+
+def backend_names() -> tuple[str, ...]:
+    """The valid values of a ``backend`` option: ``"auto"`` and every registered backend (for ``choices=``)."""
+    return (Backend.AUTO.value, *RAY_TRANSFORM_IMPLS)
+
+
+def resolve_backend(backend: str, ndim: int) -> str:
+    """The registered backend name that ``backend`` means for ``ndim``-dimensional images.
+
+    ``"auto"`` is the first backend in :data:`RAY_TRANSFORM_IMPLS` whose ``auto_ndims`` holds ``ndim``: the sparse
+    matrix for 2D (fastest on CPU and GPU for slices), ASTRA CUDA for 3D. It does not fall back to another
+    backend when that one is unavailable: a 3D volume on a machine without CUDA gets the CUDA backend's clear
+    error, never a silently different operator. ``ValueError`` for an unknown name (listing the valid ones).
+    """
+    if backend not in backend_names():
+        raise ValueError(f"make_ray_transform: backend {backend!r} unknown; valid: {list(backend_names())}")
+    if backend != Backend.AUTO:
+        return str(backend)
+    for name, cls in RAY_TRANSFORM_IMPLS.items():
+        if ndim in cls.auto_ndims:
+            return name
+    raise ValueError(f"make_ray_transform: no backend builds {ndim}D images; registered: {list(RAY_TRANSFORM_IMPLS)}")
+
+
+def make_ray_transform(
+    volume: VolumeGeometry,
+    geometry: ProjectionGeometry,
+    *,
+    backend: str = Backend.AUTO,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> RayTransform:
+    """Build ``T`` (``c × d_x``) for ``volume`` (pixel grid, mm) and ``geometry`` (mm) on ``device``.
+
+    ``backend`` is ``"auto"`` or a key of :data:`RAY_TRANSFORM_IMPLS` (:func:`resolve_backend`): ``auto`` takes the
+    sparse matrix for 2D and ASTRA CUDA for 3D. 3D, and ``'astra_cuda'`` in general, need a CUDA device; asking
+    for them on the CPU raises a clear error. The exception: ``backend='sparse'`` with a ``parallel3d`` geometry
+    whose detector rows are the volume's slices gives the slice-by-slice
+    :class:`~ctuq.operators.sparse.SlicewiseParallelRayTransform` (CPU and CUDA). ``dtype`` is honoured by
+    backends that compute in it (``sparse``: float32 or float64; ``astra_cuda`` is float32 only).
+    """
+    name = resolve_backend(backend, volume.ndim)
+    if volume.ndim != geometry.ndim:
+        raise ValueError(
+            f"make_ray_transform: {volume.ndim}D volume {volume.shape} with a {geometry.ndim}D geometry "
+            f"{geometry.kind!r}"
+        )
+    return RAY_TRANSFORM_IMPLS[name].from_geometry(volume, geometry, device=torch.device(device), dtype=dtype)

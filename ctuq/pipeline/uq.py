@@ -1,0 +1,485 @@
+"""Linearised-DIP uncertainty for CT: the CT front end of :class:`ctuq.inference.LinearizedPosterior`.
+
+What is CT here, and only that (DESIGN.md §1):
+
+* ``T`` as the output map of the linearised U-Net: ``Ψ₀ = T Φ`` (:func:`ct_features`), ``Φ`` over the
+  convolution weights at the DIP weights ``ṽ`` (:class:`~ctuq.linearize.LinearizedNetwork`);
+* the DIP's *scale* (data and image × ``scale``, 14 for the walnut): the network and the inference live in scaled
+  units; images handed back (std map, samples, mean) are divided by ``scale`` again, i.e. in mm⁻¹;
+* the offset ``ỹ = y + T(Φṽ − g(ṽ))`` (the U-Net has no dense last layer, so it does not cancel; one JVP);
+* ``σ²`` initialised from the DIP residual ``‖T g(ṽ) − y‖²/c`` unless given, and by default learned;
+* the run-folder checkpoints of ``work_dir`` and the streaming image statistics
+  (:class:`ctuq.metrics.SampleMoments`): pixelwise and p×p patch second moments are running sums over sample
+  chunks, so no image sample is kept in memory unless asked (``keep_samples``) or written
+  (``settings.save_samples``).
+
+Everything else — prior scales, solver choice and set-up, sampled EM, Matheron samples — is the posterior's; the
+``uq`` config section becomes its keyword arguments through :func:`ctuq.config.posterior_arguments`.
+
+A run (:func:`run_linearized_uq`) is four steps of one :class:`UQRun`: set up or resume → fit (sampled EM) →
+stream moments (prediction samples into running sums) → report (:class:`UQResult`).
+
+Checkpoints in ``work_dir`` (format and resume checks: :mod:`ctuq.pipeline.checkpoints`; names:
+:mod:`ctuq.pipeline.run_folder`): ``uq_state.pt`` after the g-prior, the solver set-up and every EM step;
+``uq_moments.pt`` after a chunk when :data:`MOMENTS_CHECKPOINT_SECONDS` have passed since the last one, and after
+the last chunk (each chunk draws from its own seeded generator, so a resumed run reproduces the uninterrupted one
+bitwise); ``samples/samples_NNNN.pt`` (only with ``settings.save_samples``): chunk NNNN's image samples, float32,
+mm⁻¹.
+
+Sharded runs (``shard``; ``torchrun``, :mod:`ctuq.inference.distributed`): rank 0 sets up the posterior and
+broadcasts it, the EM probes and prediction chunks are split round robin with the single-process seeds, rank 0
+writes ``uq_state.pt`` and every rank its own running sums ``uq_moments.rank{r}of{N}.pt`` (a resume needs the same
+``N``); the sums are added onto rank 0 at the end.
+
+Volumes ``(D, H, W)`` go through the same code: Jacobian products are chunked under ``uq.memory_budget_gb``
+(:class:`ctuq.linearize.MemoryBudgetError` when not even one product fits), and the statistics' memory
+(:func:`moments_bytes`) is checked against the host's before sampling (:data:`ctuq.memory.Budget.STATISTICS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ctuq.config import UQConfig, check_section, posterior_arguments
+from ctuq.errors import CTUQError
+from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
+from ctuq.inference.solvers import SOLVERS
+from ctuq.linearize import LinearizedNetwork
+from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
+from ctuq.metrics import SampleMoments, inner_square_roi
+from ctuq.options import Prior
+from ctuq.pipeline import checkpoints
+from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
+from ctuq.utils import atomic_torch_save
+from ctuq.utils import progress as _progress_bar
+
+__all__ = ["UQSettings", "UQResult", "UQRun", "run_linearized_uq", "ct_features", "ct_posterior",
+           "MOMENTS_CHECKPOINT_SECONDS", "moments_bytes", "check_moments_memory", "statistics_roi"]
+
+MOMENTS_CHECKPOINT_SECONDS = 60.0
+
+UQSettings = UQConfig
+"""The inference settings are the ``uq`` config section (:class:`ctuq.config.UQConfig`)."""
+
+
+@dataclasses.dataclass
+class UQResult:
+    """Output of :func:`run_linearized_uq`.
+
+    Attributes
+    ----------
+    std : torch.Tensor
+        ``image_shape`` pixelwise posterior std ``sqrt(mean_j x_j²)`` (mm⁻¹, CPU, float32).
+    mean : torch.Tensor
+        ``image_shape`` predictive mean ``x̃ = g(ṽ)/scale`` (mm⁻¹, CPU, float32).
+    moments : SampleMoments
+        Running pixel and patch second moments of the ``k`` zero-mean image samples (mm⁻²), in the region and
+        patch sizes of the settings: :func:`ctuq.metrics.uq_summary_from_moments` scores them.
+    n_samples : int
+        ``k``.
+    a, sigma2 : float
+        Final prior precision and noise variance (scaled units).
+    em_trace : list of dict
+        One record per EM step (:meth:`ctuq.inference.SampledEM.step`).
+    solver : str
+        ``"exact"`` or the registry solver's name (``"cg"``, ``"sdd"``, ``"sgd"``); ``stats["route"]`` names the
+        registry solver in every case.
+    stats : dict
+        Sizes, solver statistics, g-prior summary.
+    timings : dict
+        Seconds per phase (``linearize``, ``offset``, ``route``, ``gprior``, ``solver_setup``, ``em``,
+        ``prediction``).
+    products : dict
+        JVPs and VJPs (per sample) spent per phase.
+    posterior : LinearizedPosterior
+        The fitted posterior itself (sample more, restrict, extend).
+    samples : torch.Tensor or None
+        ``(k, *image_shape)`` image samples (mm⁻¹) only when ``keep_samples=True``.
+    """
+
+    std: torch.Tensor
+    mean: torch.Tensor
+    moments: object
+    n_samples: int
+    a: float
+    sigma2: float
+    em_trace: list[dict]
+    solver: str
+    stats: dict
+    timings: dict
+    products: dict
+    posterior: object = None
+    samples: torch.Tensor | None = None
+
+
+def ct_features(model: torch.nn.Module, net_input: torch.Tensor, op, *, chunk_size: int | None = None,
+                memory_budget: int | None = None):
+    """``(network, Ψ₀)`` for CT: the linearised U-Net ``Φ`` and the unscaled features ``Ψ₀ = T Φ``.
+
+    ``model`` maps ``net_input`` ``(1, C, *image_shape)`` to ``(1, 1, *image_shape)`` (scaled image units);
+    ``op`` is the ray transform (its ``forward_flat``/``adjoint_flat`` are ``T``/``Tᵀ`` on flat images).
+    ``memory_budget`` (bytes) bounds one chunk of Jacobian products; when not even one product fits, the first
+    product raises :class:`ctuq.linearize.MemoryBudgetError` naming the sizes (default: automatic).
+    """
+    net = LinearizedNetwork(model, net_input, chunk_size=chunk_size, memory_budget=memory_budget)
+    if net.d_out != op.d_x:
+        raise ValueError(f"ct_features: the network outputs {tuple(net.output_shape)} ({net.d_out} values) but the "
+                         f"operator expects images of shape {op.image_shape} ({op.d_x} pixels)")
+    return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
+
+
+def ct_posterior(model: torch.nn.Module, net_input: torch.Tensor, op, y: torch.Tensor, *, scale: float = 1.0,
+                 settings: UQConfig | None = None, seed: int = 0, progress: bool = False,
+                 log: Callable[[str], None] | None = None, shard=None):
+    """The (not yet set-up) posterior of a fitted DIP: ``(posterior, network, info)``.
+
+    ``info`` holds ``g0`` (the DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2``
+    (``‖T g(ṽ) − y‖²/c``, scaled units) and ``initial_sigma2``. ``y`` (``op.measurement_shape``) is in data units
+    (mm, not scaled).
+    """
+    settings = settings or UQConfig()
+    budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
+    net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
+    y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
+    with torch.no_grad():
+        g0 = net.output()
+        phi_v = net.jvp(net.params()[None])[0]
+        delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
+        residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
+    dip_noise = float(residual.double().pow(2).mean())
+    sigma2_0 = settings.noise_variance if settings.noise_variance is not None else dip_noise
+    if not sigma2_0 > 0:
+        raise FloatingPointError("the DIP fits the data exactly (zero residual); set uq.noise_variance to a "
+                                 "positive value")
+    posterior = LinearizedPosterior(
+        base, y_s + delta, likelihood=GaussianLikelihood(sigma2_0, settings.learn_noise), seed=seed,
+        progress=progress, log=log, shard=shard, **posterior_arguments(settings))
+    return posterior, net, {"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)}
+
+
+def statistics_roi(settings: UQConfig, image_shape):
+    """The region the statistics are kept in: the inner square of ``image_shape`` (``uq.roi = inner_square``) or
+    ``None`` (the whole image)."""
+    return inner_square_roi(image_shape) if settings.roi == "inner_square" else None
+
+
+def moments_bytes(image_shape, settings: UQConfig) -> int:
+    """Bytes of the streaming statistics (:class:`ctuq.metrics.SampleMoments`, float64) of ``image_shape`` with
+    ``settings``' ROI and patch sizes: the pixel sums of squares plus, per patch size ``p``, ``n_p · p⁴`` patch sums
+    (:meth:`ctuq.metrics.SampleMoments.memory_bytes`)."""
+    shape = tuple(int(n) for n in image_shape)
+    return SampleMoments.memory_bytes(shape, roi=statistics_roi(settings, shape), patch_sizes=settings.patch_sizes)
+
+
+def check_moments_memory(settings: UQConfig, image_shape) -> None:
+    """Refuse statistics that exceed the host's statistics budget (:data:`ctuq.memory.Budget.STATISTICS`), naming
+    the sizes and the settings that set them (:class:`~ctuq.errors.CTUQError`)."""
+    need = moments_bytes(image_shape, settings)
+    budget = memory_budget(Budget.STATISTICS, "cpu")
+    if budget is not None and need > budget:
+        avail = free_memory_bytes("cpu") or 0
+        raise CTUQError(
+            f"uq.patch_sizes {list(settings.patch_sizes)}: the streaming statistics of a "
+            f"{'×'.join(map(str, image_shape))} image (uq.roi {settings.roi!r}) need {need / GIB:.1f} GiB (pixel sums "
+            f"plus p×p patch covariances, {sum(p * p for p in settings.patch_sizes)} per ROI pixel per slice) but "
+            f"{avail / GIB:.1f} GiB of host memory are available; use fewer or smaller patch sizes (e.g. "
+            f"uq.patch_sizes=[1,2,4]) or a smaller image")
+
+
+class UQRun:
+    """The state of one run of the inference (arguments as :func:`run_linearized_uq`), advanced by its steps
+    :meth:`set_up` → :meth:`fit` → :meth:`stream_moments` → :meth:`report`, in that order.
+
+    The constructor only checks the arguments and prepares ``work_dir``; every step records its seconds in
+    ``timings`` and its Jacobian products in ``products``, and checkpoints into ``work_dir`` (when given).
+    """
+
+    def __init__(self, model: torch.nn.Module, net_input: torch.Tensor, op, y: torch.Tensor, *, scale: float = 1.0,
+                 settings: UQConfig | None = None, seed: int = 0, work_dir: str | Path | None = None,
+                 resume: bool = False, progress: bool = True, log: Callable[[str], None] | None = None,
+                 keep_samples: bool = False, moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
+                 shard=None):
+        settings = settings or UQConfig()
+        check_section(settings, "uq")
+        shard = shard if shard is not None else LocalShard()
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
+        if tuple(y.shape) != tuple(op.measurement_shape):
+            raise ValueError(f"run_linearized_uq: y has shape {tuple(y.shape)}; the operator expects "
+                             f"{tuple(op.measurement_shape)}")
+        if resume and work_dir is None:
+            raise ValueError("run_linearized_uq: resume=True needs a work_dir")
+        if keep_samples and shard.distributed:
+            raise ValueError("run_linearized_uq: keep_samples is not available in a sharded run (the samples live on "
+                             "different ranks); use uq.save_samples")
+        self.model, self.net_input, self.op, self.y = model, net_input, op, y
+        self.scale, self.settings, self.seed, self.shard = scale, settings, seed, shard
+        self.resume, self.keep_samples = resume, keep_samples
+        self.moments_checkpoint_seconds = moments_checkpoint_seconds
+        self.progress = progress and shard.is_root
+        self.say = (log or (lambda _msg: None)) if shard.is_root else (lambda _msg: None)
+        self.work = Path(work_dir) if work_dir is not None else None
+        if self.work is not None:
+            self.work.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.work / UQ_STATE_NAME if self.work is not None else None
+        self.moments_path = (self.work / checkpoints.moments_file_name(shard)) if self.work is not None else None
+        self.timings: dict[str, float] = {}
+        self.products: dict[str, dict[str, int]] = {}
+        # set by the steps
+        self.posterior: LinearizedPosterior | None = None
+        self.net = None
+        self.info: dict = {}
+        self.fingerprint: dict = {}
+        self.resumed_state: dict = {}
+        self.em_result = None
+        self.moments: SampleMoments | None = None
+        self.cg_iterations: list[int] = []
+        self.cg_residuals: list[float] = []
+        self.kept: list[torch.Tensor] = []
+        self._counters: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+    def _spent(self, name: str) -> None:
+        """Record the JVPs/VJPs since the last call as phase ``name``."""
+        before = self._counters[-1]
+        self.products[name] = {"jvp": self.net.n_jvp - before[0], "vjp": self.net.n_vjp - before[1]}
+        self._counters.append((self.net.n_jvp, self.net.n_vjp))
+
+    def _save(self, stage: str) -> None:
+        """Checkpoint the posterior after ``stage`` (rank 0 only)."""
+        if self.state_path is not None and self.shard.is_root:
+            checkpoints.save_uq_checkpoint(self.state_path, self.fingerprint, stage=stage,
+                                           posterior=self.posterior.state_dict())
+
+    @property
+    def solver_name(self) -> str:
+        """The registry name of the solver the posterior set up (e.g. ``"exact_primal"``, ``"cg"``)."""
+        return self.posterior.solver_name
+
+    # ------------------------------------------------------------------------------------------ steps
+    def set_up(self) -> "UQRun":
+        """Linearise the DIP, compute the offset and ``σ²₀`` (:func:`ct_posterior`), resume the posterior from
+        ``uq_state.pt`` when asked, then set it up (g-prior scales, solver), checkpointing after each stage."""
+        self.model = self.model.to(self.op.device)
+        t0 = time.perf_counter()
+        self.posterior, self.net, self.info = ct_posterior(
+            self.model, self.net_input.to(self.op.device), self.op, self.y, scale=self.scale, settings=self.settings,
+            seed=self.seed, progress=self.progress, log=self.say, shard=self.shard)
+        self.timings["offset"] = time.perf_counter() - t0  # linearisation and the offset's one JVP
+        self.products["offset"] = {"jvp": self.net.n_jvp, "vjp": self.net.n_vjp}
+        self.fingerprint = checkpoints.uq_fingerprint(self.net, self.op, self.y, self.scale, self.seed, self.settings)
+        if self.resume and self.state_path is not None and self.state_path.is_file():
+            self.resumed_state = checkpoints.load_uq_checkpoint(self.state_path, self.fingerprint)
+            self.say(f"resuming the uncertainty phase from {self.state_path} ({self.resumed_state.get('stage')})")
+            self.posterior.load_state_dict(self.resumed_state["posterior"])
+        self._counters = [(self.net.n_jvp, self.net.n_vjp)]
+
+        def stage_done(stage: str) -> None:
+            self._spent("gprior" if stage == "scales" else "solver_setup")
+            self._save(stage)
+
+        self.posterior.setup(on_stage=stage_done)
+        self.say(f"solver: {self.solver_name}{self.posterior.solver.describe()}")
+        return self
+
+    def fit(self) -> "UQRun":
+        """The sampled EM (``uq.em_*``) from where a resumed state left it, checkpointing after every step."""
+        st = self.settings
+        steps_done = int(self.resumed_state.get("posterior", {}).get("em", {}).get("step", 0))
+        bar = _progress_bar(total=st.em_steps, initial=steps_done, desc="EM", disable=None if self.progress else True)
+
+        def after_step(record: dict) -> None:
+            self._save("em")
+            bar.update(1)
+            bar.set_postfix({"a": f"{record['a_new']:.3g}", "γ": f"{record['gamma']:.4g}",
+                             "σ²": f"{record['sigma2_new']:.3g}"}, refresh=False)
+            self.say(f"EM step {record['step'] + 1}: a {record['a']:.4g} → {record['a_new']:.4g}, γ "
+                     f"{record['gamma']:.5g}, ‖w*‖² {record['weight_norm_sq']:.4g}, σ² {record['sigma2_new']:.4g}"
+                     + (f", CG ≤ {record['solver']['max_iterations']} it." if record.get("solver") else ""))
+
+        try:
+            self.em_result = self.posterior.fit(max_steps=st.em_steps, n_samples=st.em_samples, tol=st.em_tol,
+                                                callback=after_step, fixed_probes=st.em_fixed_probes,
+                                                stop_on=st.em_stop_on, update=st.em_update)
+        finally:
+            bar.close()
+        self._spent("em")
+        self._save("predict")
+        return self
+
+    def stream_moments(self) -> "UQRun":
+        """Draw the prediction samples chunk by chunk (this rank's chunks in a sharded run) into the running pixel
+        and patch moments, resuming from and checkpointing to the running sums' file; sum the ranks' moments onto
+        rank 0."""
+        st, op, shard, work = self.settings, self.op, self.shard, self.work
+        t0 = time.perf_counter()
+        check_moments_memory(st, op.image_shape)
+        moments = SampleMoments(op.image_shape, roi=statistics_roi(st, op.image_shape), patch_sizes=st.patch_sizes)
+        n_chunks = -(-st.samples // st.sample_chunk)
+        mine = [i for i in range(n_chunks) if shard.owns(i)]
+        cg_iters: list[int] = []
+        cg_res: list[float] = []
+        start = 0
+        if self.resume and work is not None and shard.distributed:
+            checkpoints.check_shard_checkpoints(work, shard)
+        if self.resume and self.moments_path is not None and self.moments_path.is_file():
+            saved = checkpoints.load_uq_checkpoint(self.moments_path, self.fingerprint)
+            moments.load_state_dict(saved["moments"])
+            start = int(saved["next_chunk"])
+            cg_iters, cg_res = list(saved["cg_iterations"]), list(saved["cg_residuals"])
+            self.say(f"reusing {start} of {n_chunks} sample chunks" + (f" on each of {shard.world_size} ranks' shares"
+                                                                      if shard.distributed else ""))
+        todo = [i for i in mine if i >= start]
+        last_mine = mine[-1] if mine else -1
+        if st.save_samples and work is not None:
+            (work / UQ_SAMPLES_DIR).mkdir(exist_ok=True)
+        last_save = time.perf_counter()
+        bar = _progress_bar(total=st.samples, initial=min(st.samples, start * st.sample_chunk), desc="samples",
+                            disable=None if self.progress else True)
+        try:
+            for i, images, ps in self.posterior.sample_outputs(st.samples, chunk_size=st.sample_chunk,
+                                                               seed=self.seed + 1, start_chunk=start, chunks=todo):
+                images = (images / self.scale).to("cpu", torch.float32).reshape(-1, *op.image_shape)
+                moments.update(images)
+                summary = ps.stats.summary()
+                cg_iters.append(int(summary.get("max_iterations") or 0))
+                cg_res.append(float(summary.get("max_relative_residual") or 0.0))
+                if self.keep_samples:
+                    self.kept.append(images)
+                if st.save_samples and work is not None:
+                    atomic_torch_save(work / UQ_SAMPLES_DIR / UQ_SAMPLE_FILE_PATTERN.format(i), images)
+                now = time.perf_counter()
+                if self.moments_path is not None and (i == last_mine
+                                                      or now - last_save >= self.moments_checkpoint_seconds):
+                    checkpoints.save_uq_checkpoint(self.moments_path, self.fingerprint, next_chunk=i + 1,
+                                                   moments=moments.state_dict(), cg_iterations=cg_iters,
+                                                   cg_residuals=cg_res)
+                    last_save = time.perf_counter()
+                bar.update(images.shape[0])
+        finally:
+            bar.close()
+        if shard.distributed:
+            moments.reduce_(shard)  # every rank's running sums summed onto rank 0
+            worst = shard.all_reduce_max(torch.tensor([max(cg_iters, default=0), max(cg_res, default=0.0)],
+                                                      dtype=torch.float64))
+            cg_iters, cg_res = [int(worst[0])], [float(worst[1])]
+        self.moments, self.cg_iterations, self.cg_residuals = moments, cg_iters, cg_res
+        self.timings["prediction"] = time.perf_counter() - t0
+        self._spent("prediction")
+        self._save("done")
+        return self
+
+    def report(self) -> UQResult:
+        """The :class:`UQResult` of the finished steps: std and mean in mm⁻¹, sizes, solver and g-prior statistics,
+        timings and products (rank 0 gets the statistics; other ranks ``None``)."""
+        st, op, shard, posterior = self.settings, self.op, self.shard, self.posterior
+        timings = self.timings
+        timings.update({k: v for k, v in posterior.timings.items() if k != "em"})
+        timings["em"] = posterior.timings.get("em", 0.0)
+        solver_name, exact = self.solver_name, posterior.exact
+        std = self.moments.std().float() if shard.is_root else None
+        mean = (self.info["g0"] / self.scale).reshape(op.image_shape).to("cpu", torch.float32)
+        post = posterior.summary()
+        cg_iters, cg_res = self.cg_iterations, self.cg_residuals
+        stats = {
+            "c": int(op.c),
+            "d": int(self.net.d),
+            "d_x": int(op.d_x),
+            "solver": "exact" if exact else solver_name,
+            "route": solver_name,
+            "initial_sigma2": self.info["initial_sigma2"],
+            "dip_residual_sigma2": self.info["dip_residual_sigma2"],
+            "prediction_cg_max_iterations": max(cg_iters) if cg_iters else None,
+            "prediction_cg_max_residual": max(cg_res) if cg_res else None,
+            "em_converged": bool(self.em_result.converged),
+            "em_steps": int(self.em_result.steps),
+            # an assembling solver has every column of Ψ₀ at hand: its g-prior is exact whatever was asked
+            "gprior": {"method": (Prior.ISOTROPIC.value if st.prior == Prior.ISOTROPIC
+                                  else "exact" if SOLVERS[solver_name].assembles_features else st.gprior_method),
+                       "zero_scales": post["scales"]["zero"], "scale_min": post["scales"]["min"],
+                       "scale_max": post["scales"]["max"]},
+            **posterior.solver.report(),
+        }
+        if shard.distributed:
+            stats["world_size"] = int(shard.world_size)
+        return UQResult(std=std, mean=mean, moments=self.moments if shard.is_root else None,
+                        n_samples=int(self.moments.n_samples) if shard.is_root else 0, a=float(posterior.a),
+                        sigma2=float(posterior.sigma2), em_trace=[dict(r) for r in self.em_result.trace],
+                        solver="exact" if exact else solver_name, stats=stats, timings=timings,
+                        products=self.products, posterior=posterior,
+                        samples=torch.cat(self.kept, dim=0) if self.keep_samples else None)
+
+
+def run_linearized_uq(
+    model: torch.nn.Module,
+    net_input: torch.Tensor,
+    op,
+    y: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    settings: UQConfig | None = None,
+    seed: int = 0,
+    work_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    keep_samples: bool = False,
+    moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
+    shard=None,
+) -> UQResult:
+    """Sampled linearised inference for one DIP reconstruction (module docstring): :class:`UQRun`'s steps.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The fitted U-Net (its current weights are ``ṽ``); evaluated in eval mode, not modified.
+    net_input : torch.Tensor
+        Its fixed input ``(1, C, *image_shape)``.
+    op : RayTransform
+        ``T`` on the device to compute on; ``image_shape`` must be the network's output shape.
+    y : torch.Tensor
+        ``op.measurement_shape`` measurements in data units (line integrals, mm; NOT scaled).
+    scale : float
+        The DIP's data/image scale (the network's output is ``scale ×`` the image in mm⁻¹).
+    settings : UQConfig
+        Inference settings (the ``uq`` config section; defaults: the published ones).
+    seed : int
+        Seeds the g-prior probes, the preconditioner, the EM and (``seed + 1``) the prediction samples.
+    work_dir : path, optional
+        Folder for checkpoints; ``None``: no checkpoints.
+    resume : bool
+        Continue from the checkpoints in ``work_dir`` (after checking they belong to this run).
+    progress : bool
+        Progress bars.
+    log : callable, optional
+        Receives one-line status messages.
+    keep_samples : bool
+        Also return all image samples in memory (``UQResult.samples``; ``k × image`` floats).
+    moments_checkpoint_seconds : float
+        Minimum time between checkpoints of the prediction's running sums (0: after every chunk).
+    shard : ctuq.inference.Shard, optional
+        This process's share in a sharded run (``torchrun``; :mod:`ctuq.inference.distributed`): rank 0 sets up
+        the posterior and broadcasts it, the EM's probes and the prediction chunks are split round robin, and the
+        running sums are summed onto rank 0. Only rank 0 writes ``uq_state.pt`` and gets the statistics
+        (``std``, ``moments``; ``None`` on the other ranks); every rank checkpoints its own running sums
+        (``uq_moments.rank{r}of{N}.pt``), so a resumed run with the same number of ranks continues each share.
+
+    Returns
+    -------
+    UQResult
+
+    Raises
+    ------
+    CheckpointMismatch
+        ``resume`` with checkpoints of another run, version or rank count.
+    """
+    run = UQRun(model, net_input, op, y, scale=scale, settings=settings, seed=seed, work_dir=work_dir, resume=resume,
+                progress=progress, log=log, keep_samples=keep_samples,
+                moments_checkpoint_seconds=moments_checkpoint_seconds, shard=shard)
+    return run.set_up().fit().stream_moments().report()

@@ -1,0 +1,150 @@
+"""The import graph of ``ctuq/``: no cycle among module-level imports, and no import (module- or function-level) from
+a lower layer to a higher one. The graph is read from the source with ``ast`` (nothing is imported), so a failure
+lists the offending edges as ``module -> module (line)``."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ctuq"
+
+# Bottom → top (README "Layout"): a module may import from its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("ctuq", "errors", "options", "memory", "utils", "geometry"),
+    ("data", "operators", "metrics", "outputs", "figures"),
+    ("models",),
+    ("linearize", "priors"),
+    ("inference",),
+    ("reconstruct",),
+    ("uq", "design", "classify"),
+    ("config",),
+    ("pipeline",),
+    ("studies",),
+    ("commands", "cli", "__main__", "testing"),
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int, bool]]:
+    """``(target module, line, at module level)`` for every import of a ctuq module in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int, bool]] = []
+
+    def resolve(base: str, names: list[str]) -> list[str]:
+        targets = []
+        for n in names:
+            full = f"{base}.{n}" if base else n
+            targets.append(full if full in modules else base)
+        return targets
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                continue  # annotations only: never executed
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    found.append((alias.name, child.lineno, top))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - child.level + 1])
+                    base = f"{base}.{child.module}" if child.module else base
+                else:
+                    base = child.module or ""
+                for target in resolve(base, [a.name for a in child.names]):
+                    found.append((target, child.lineno, top))
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, inner)
+
+    visit(tree, True)
+    return [(t, line, top) for t, line, top in found if t == "ctuq" or t.startswith("ctuq.")]
+
+
+def _graph():
+    modules = _modules()
+    return modules, {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer_key(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_module_has_a_layer():
+    modules, _ = _graph()
+    missing = sorted({_layer_key(m) for m in modules} - set(LAYER))
+    assert not missing, f"modules of ctuq without a layer in {__name__}.LAYERS: {missing}"
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    _, graph = _graph()
+    bad = []
+    for src, edges in graph.items():
+        for dst, line, top in edges:
+            ls, ld = LAYER.get(_layer_key(src)), LAYER.get(_layer_key(dst))
+            if ls is not None and ld is not None and ld > ls:
+                where = "" if top else ", in a function"
+                bad.append(f"{src} ({_layer_key(src)}, layer {ls}) -> {dst} ({_layer_key(dst)}, layer {ld}) "
+                           f"(line {line}{where})")
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_module_level_imports_are_acyclic():
+    _, graph = _graph()
+    edges = {src: sorted({dst for dst, _, top in es if top and dst != src and dst in graph})
+             for src, es in graph.items()}
+    # Tarjan's strongly connected components: every component with more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    lines = []
+    for comp in cycles:
+        members = set(comp)
+        cyc_edges = [f"  {src} -> {dst} (line {line})" for src in comp for dst, line, top in graph[src]
+                     if top and dst in members and dst != src]
+        lines.append(f"cycle among {comp}:\n" + "\n".join(sorted(set(cyc_edges))))
+    assert not cycles, "module-level import cycles:\n" + "\n".join(lines)
