@@ -26,9 +26,10 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import yaml
 
@@ -80,9 +81,17 @@ class ConfigError(CTUQError):
     A :class:`ctuq.errors.CTUQError` (hence a ``ValueError``): the ``ctuq`` commands print it as one line."""
 
 
-def option(default: Any = None, *, help: str = "", choices: tuple | Callable[[], tuple] | None = None,
-           ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           factory=None):
+def option(
+    default: Any = None,
+    *,
+    help: str = "",
+    choices: tuple | Callable[[], tuple] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    factory=None,
+):
     """A config field with its documentation and value constraints (checked on every assignment).
 
     ``choices``: allowed values, or a function returning them when a value is checked (for vocabularies that grow
@@ -100,23 +109,32 @@ def option(default: Any = None, *, help: str = "", choices: tuple | Callable[[],
 class DataConfig:
     """Which scan to load and how to subsample it (see ``ctuq.data.load_walnut_slice``)."""
 
-    path: Optional[str] = option(None, help="walnut folder or simulated scan; null: the bundled demo scan")
+    path: str | None = option(None, help="walnut folder or simulated scan; null: the bundled demo scan")
     ndim: int = option(2, choices=(2, 3), help="2: one slice (sparse operator), 3: a volume (GPU, ASTRA CUDA)")
     orbit: int = option(2, choices=(1, 2, 3), help="source orbit (tubeV1..3)")
     angular_subsampling: int = option(20, ge=1, help="use every k-th of the 1200 angles (20 → 60 angles)")
     detector_subsampling: int = option(6, ge=1, help="use every k-th detector column (6 → 128 of 768)")
-    slice_index: Optional[int] = option(None, ge=0, help="volume slice; null: the central slice")
-    image_shape: Optional[list[int]] = option(None, ge=1, help="reconstruction grid; null: the loader's default")
+    slice_index: int | None = option(None, ge=0, help="volume slice; null: the central slice")
+    image_shape: list[int] | None = option(None, ge=1, help="reconstruction grid; null: the loader's default")
     backend: str = option("auto", choices=values(Backend), help="ray-transform backend")
-    min_angles: int = option(8, ge=1,
-                             help="refuse a scan and angular_subsampling that leave fewer projection angles than "
-                                  "this (a reconstruction from so few is not meaningful); lower it to force a run")
-    expect_angles: Optional[int] = option(None, ge=1,
-                                          help="angles the setting is meant to have (published configs); a scan "
-                                               "that gives another number runs with a warning; null: no check")
-    expect_columns: Optional[int] = option(None, ge=1,
-                                           help="detector columns the setting is meant to have (published "
-                                                "configs); another number runs with a warning; null: no check")
+    min_angles: int = option(
+        8,
+        ge=1,
+        help="refuse a scan and angular_subsampling that leave fewer projection angles than "
+        "this (a reconstruction from so few is not meaningful); lower it to force a run",
+    )
+    expect_angles: int | None = option(
+        None,
+        ge=1,
+        help="angles the setting is meant to have (published configs); a scan "
+        "that gives another number runs with a warning; null: no check",
+    )
+    expect_columns: int | None = option(
+        None,
+        ge=1,
+        help="detector columns the setting is meant to have (published "
+        "configs); another number runs with a warning; null: no check",
+    )
 
     def validate(self) -> None:
         if self.image_shape is not None and len(self.image_shape) != self.ndim:
@@ -130,14 +148,14 @@ class ModelConfig:
     """The U-Net ``g`` (see ``ctuq.models.unet``)."""
 
     preset: str = option("small", choices=tuple(PRESETS), help="architecture preset")
-    channels: Optional[list[int]] = option(None, ge=1, help="channels per scale; null: the preset's")
-    skip_channels: Optional[list[int]] = option(None, ge=0, help="skip widths per scale; null: the preset's")
+    channels: list[int] | None = option(None, ge=1, help="channels per scale; null: the preset's")
+    skip_channels: list[int] | None = option(None, ge=0, help="skip widths per scale; null: the preset's")
     norm_groups: int = option(4, ge=1, help="GroupNorm groups")
     sigmoid: bool = option(False, help="sigmoid on the output")
     dropout: float = option(0.0, ge=0.0, lt=1.0, help="channel dropout after every conv (MC dropout)")
     input: str = option("noise", choices=("noise", "fbp"), help="fixed network input: seeded noise or the FBP")
     input_std: float = option(0.1, gt=0.0, help="std of the noise input")
-    pretrained: Optional[str] = option(None, help="weights to start from (.pt state dict / DIP checkpoint)")
+    pretrained: str | None = option(None, help="weights to start from (.pt state dict / DIP checkpoint)")
 
     def validate(self) -> None:
         channels = self.channels if self.channels is not None else list(PRESETS[self.preset]["channels"])
@@ -157,7 +175,7 @@ class DIPConfig:
     lr: float = option(1e-4, gt=0.0, help="Adam learning rate")
     tv_weight: float = option(6.5e-6, ge=0.0, help="TV weight γ (mean-squared data term, summed TV)")
     scale: float = option(14.0, gt=0.0, help="data and image are multiplied by this while fitting")
-    clip_grad_norm: Optional[float] = option(1.0, ge=0.0, help="gradient-norm clip; null or 0 disables")
+    clip_grad_norm: float | None = option(1.0, ge=0.0, help="gradient-norm clip; null or 0 disables")
     checkpoint_every: int = option(100, ge=0, help="checkpoint period in iterations (0: only at the end)")
 
 
@@ -193,63 +211,91 @@ class UQConfig:
     """
 
     prior: str = option("gprior", choices=values(Prior), help="weight prior scaling s")
-    gprior_method: str = option("exact", choices=values(GPriorMethod),
-                                help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)")
+    gprior_method: str = option(
+        "exact",
+        choices=values(GPriorMethod),
+        help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)",
+    )
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
-    solver: str = option("auto", choices=solver_choices,
-                         help="exact_primal (assemble Ψ, d < c), exact_dual (eigendecompose K̄, small c), cg "
-                              "(preconditioned CG), sdd (stochastic dual descent), sgd (primal "
-                              "sample-then-optimise); exact: the cheaper exact one; auto: by estimated cost")
-    preconditioner: str = option("nystrom", choices=values(Preconditioner),
-                                 help="CG preconditioner (randomised low-rank K̄, built once)")
+    solver: str = option(
+        "auto",
+        choices=solver_choices,
+        help="exact_primal (assemble Ψ, d < c), exact_dual (eigendecompose K̄, small c), cg "
+        "(preconditioned CG), sdd (stochastic dual descent), sgd (primal "
+        "sample-then-optimise); exact: the cheaper exact one; auto: by estimated cost",
+    )
+    preconditioner: str = option(
+        "nystrom", choices=values(Preconditioner), help="CG preconditioner (randomised low-rank K̄, built once)"
+    )
     rank: int = option(400, ge=1, help="preconditioner rank (the cap with adaptive_rank)")
-    adaptive_rank: bool = option(False, help="grow the Nyström preconditioner until λ_r/a < rank_threshold·σ² "
-                                             "(at the initial a, σ²), at most uq.rank")
-    rank_threshold: float = option(1.0, gt=0.0, help="adaptive_rank: the multiple of σ² below which λ_r/a stops "
-                                                     "the growth")
+    adaptive_rank: bool = option(
+        False,
+        help="grow the Nyström preconditioner until λ_r/a < rank_threshold·σ² (at the initial a, σ²), at most uq.rank",
+    )
+    rank_threshold: float = option(
+        1.0, gt=0.0, help="adaptive_rank: the multiple of σ² below which λ_r/a stops the growth"
+    )
     # The sdd_*/sgd_* defaults are the solvers' own (SDDSolver, SGDSolver); tests/test_config.py checks they agree.
     sdd_step: float = option(1.0, gt=0.0, help="SDD step size in units of 1/λ_max(C) (scale free)")
     sdd_momentum: float = option(0.99, ge=0.0, lt=1.0, help="SDD Nesterov momentum ρ")
-    sdd_batch: Optional[int] = option(None, ge=1,
-                                      help="SDD coordinate block size; null: full batch (every CT step costs a "
-                                           "full JVP + VJP anyway)")
+    sdd_batch: int | None = option(
+        None, ge=1, help="SDD coordinate block size; null: full batch (every CT step costs a full JVP + VJP anyway)"
+    )
     sdd_iterations: int = option(1000, ge=1, help="SDD iteration budget per solve")
     sgd_lr: float = option(1.0, gt=0.0, help="SGD step in units of 1/λ_max(ΨᵀΨ/σ² + aI)")
     sgd_momentum: float = option(0.99, ge=0.0, lt=1.0, help="SGD Nesterov momentum")
     sgd_lr_decay: str = option("none", choices=values(LRDecay), help="SGD learning-rate schedule")
-    sgd_clip: Optional[float] = option(None, gt=0.0,
-                                       help="SGD gradient clip (× the first step's gradient norm); null: none")
+    sgd_clip: float | None = option(
+        None, gt=0.0, help="SGD gradient clip (× the first step's gradient norm); null: none"
+    )
     sgd_iterations: int = option(1000, ge=1, help="SGD iteration budget per solve")
-    first_order_tol: float = option(1e-2, gt=0.0, lt=1.0,
-                                    help="sdd/sgd: relative residual at which a solve stops early (above it at "
-                                         "the budget: a warning)")
+    first_order_tol: float = option(
+        1e-2,
+        gt=0.0,
+        lt=1.0,
+        help="sdd/sgd: relative residual at which a solve stops early (above it at the budget: a warning)",
+    )
     oversampling: int = option(10, ge=0, help="preconditioner oversampling")
     cg_tol: float = option(1e-3, gt=0.0, lt=1.0, help="CG relative tolerance")
     cg_max_iter: int = option(150, ge=1, help="CG iteration cap")
     em_steps: int = option(5, ge=0, help="sampled-EM steps (0: keep the initial a, σ²)")
     em_samples: int = option(16, ge=1, help="posterior samples per EM step")
     em_tol: float = option(1e-2, ge=0.0, help="stop the EM when a changes by less than this (relative)")
-    em_stop_on: str = option("a", choices=values(EMStopRule),
-                             help="EM convergence: a alone, or a and σ² (both below em_tol)")
-    em_update: str = option("mackay", choices=values(EMUpdate),
-                            help="EM update of a: MacKay's, or damped where it oscillates (secant in log a)")
-    em_fixed_probes: Optional[bool] = option(None, help="EM probes drawn once and rescaled to each (a, σ²), with "
-                                                        "warm starts; null: on for sdd/sgd, off otherwise")
-    memory_budget_gb: Optional[float] = option(None, gt=0.0,
-                                               help="GiB one chunk of Jacobian products may use (too small for one "
-                                                    "product: an error naming the sizes); null: automatic")
+    em_stop_on: str = option(
+        "a", choices=values(EMStopRule), help="EM convergence: a alone, or a and σ² (both below em_tol)"
+    )
+    em_update: str = option(
+        "mackay",
+        choices=values(EMUpdate),
+        help="EM update of a: MacKay's, or damped where it oscillates (secant in log a)",
+    )
+    em_fixed_probes: bool | None = option(
+        None,
+        help="EM probes drawn once and rescaled to each (a, σ²), with warm starts; null: on for sdd/sgd, off otherwise",
+    )
+    memory_budget_gb: float | None = option(
+        None,
+        gt=0.0,
+        help="GiB one chunk of Jacobian products may use (too small for one "
+        "product: an error naming the sizes); null: automatic",
+    )
     prior_precision: float = option(100.0, gt=0.0, help="initial prior precision a")
-    noise_variance: Optional[float] = option(None, gt=0.0,
-                                             help="σ² (scaled data units); null: the DIP's mean squared residual")
+    noise_variance: float | None = option(
+        None, gt=0.0, help="σ² (scaled data units); null: the DIP's mean squared residual"
+    )
     learn_noise: bool = option(True, help="update σ² in the EM too")
     samples: int = option(1024, ge=2, help="prediction samples")
     sample_chunk: int = option(64, ge=1, help="prediction samples solved (and checkpointed) together")
-    chunk_size: Optional[int] = option(None, ge=1, help="vectors per vmapped Jacobian product; null: automatic")
-    roi: str = option("inner_square", choices=("inner_square", "full"),
-                      help="evaluation region: the published inner square (72:424 of 501², scaled) or all pixels")
+    chunk_size: int | None = option(None, ge=1, help="vectors per vmapped Jacobian product; null: automatic")
+    roi: str = option(
+        "inner_square",
+        choices=("inner_square", "full"),
+        help="evaluation region: the published inner square (72:424 of 501², scaled) or all pixels",
+    )
     patch_sizes: list[int] = option(factory=lambda: list(range(1, 11)), ge=1, help="joint-LL patch sizes")
-    save_samples: bool = option(False, help="also write every image sample to the run folder (samples/, large); "
-                                            "statistics never need them")
+    save_samples: bool = option(
+        False, help="also write every image sample to the run folder (samples/, large); statistics never need them"
+    )
 
 
 def posterior_arguments(uq: UQConfig) -> dict:
@@ -264,19 +310,50 @@ def posterior_arguments(uq: UQConfig) -> dict:
     each solver gets exactly its own keys; the exact solvers take none.
     """
     options = {
-        "cg": {"preconditioner": uq.preconditioner, "rank": uq.rank, "oversampling": uq.oversampling,
-               "rtol": uq.cg_tol, "max_iter": uq.cg_max_iter, "adaptive_rank": bool(uq.adaptive_rank),
-               "rank_threshold": float(uq.rank_threshold)},
-        "sdd": {"step_size": uq.sdd_step, "momentum": uq.sdd_momentum, "batch_size": uq.sdd_batch,
-                "max_iter": uq.sdd_iterations, "rtol": uq.first_order_tol},
-        "sgd": {"lr": uq.sgd_lr, "momentum": uq.sgd_momentum, "lr_decay": uq.sgd_lr_decay, "clip": uq.sgd_clip,
-                "max_iter": uq.sgd_iterations, "rtol": uq.first_order_tol},
+        "cg": {
+            "preconditioner": uq.preconditioner,
+            "rank": uq.rank,
+            "oversampling": uq.oversampling,
+            "rtol": uq.cg_tol,
+            "max_iter": uq.cg_max_iter,
+            "adaptive_rank": bool(uq.adaptive_rank),
+            "rank_threshold": float(uq.rank_threshold),
+        },
+        "sdd": {
+            "step_size": uq.sdd_step,
+            "momentum": uq.sdd_momentum,
+            "batch_size": uq.sdd_batch,
+            "max_iter": uq.sdd_iterations,
+            "rtol": uq.first_order_tol,
+        },
+        "sgd": {
+            "lr": uq.sgd_lr,
+            "momentum": uq.sgd_momentum,
+            "lr_decay": uq.sgd_lr_decay,
+            "clip": uq.sgd_clip,
+            "max_iter": uq.sgd_iterations,
+            "rtol": uq.first_order_tol,
+        },
     }
-    workload = Workload(em_steps=uq.em_steps, em_samples=uq.em_samples, prediction_samples=uq.samples,
-                        rank=uq.rank, oversampling=uq.oversampling, sdd_iterations=float(uq.sdd_iterations),
-                        sgd_iterations=float(uq.sgd_iterations), chunk=int(uq.sample_chunk))
-    return {"prior": uq.prior, "gprior_method": uq.gprior_method, "gprior_probes": uq.gprior_probes,
-            "a": uq.prior_precision, "solver": uq.solver, "solver_options": options, "workload": workload}
+    workload = Workload(
+        em_steps=uq.em_steps,
+        em_samples=uq.em_samples,
+        prediction_samples=uq.samples,
+        rank=uq.rank,
+        oversampling=uq.oversampling,
+        sdd_iterations=float(uq.sdd_iterations),
+        sgd_iterations=float(uq.sgd_iterations),
+        chunk=int(uq.sample_chunk),
+    )
+    return {
+        "prior": uq.prior,
+        "gprior_method": uq.gprior_method,
+        "gprior_probes": uq.gprior_probes,
+        "a": uq.prior_precision,
+        "solver": uq.solver,
+        "solver_options": options,
+        "workload": workload,
+    }
 
 
 @dataclasses.dataclass
@@ -288,38 +365,56 @@ class DesignConfig:
     works in scaled units (× ``dip.scale``²) and converts it.
     """
 
-    criterion: str = option("eig", choices=values(Criterion) + values(Baseline),
-                            help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: "
-                                 "equidistant, random")
-    prior: str = option("dip", choices=values(DesignPriorKind),
-                        help="image prior: linearised DIP, isotropic, Matérn-1/2")
+    criterion: str = option(
+        "eig",
+        choices=values(Criterion) + values(Baseline),
+        help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: equidistant, random",
+    )
+    prior: str = option(
+        "dip", choices=values(DesignPriorKind), help="image prior: linearised DIP, isotropic, Matérn-1/2"
+    )
     pilot: int = option(20, ge=1, help="pilot angles, equidistant among the candidates")
     acquire: int = option(40, help="angles to acquire after the pilot")
-    candidates: Optional[int] = option(None, ge=1, help="candidate angles: this many evenly spaced among the "
-                                                        "scan's angles; null: all of the scan's angles")
-    route: str = option("auto", choices=values(DesignRoute),
-                        help="exact candidate blocks, m pathwise-conditioned samples, or auto (exact unless the "
-                             "prior is refreshed during the design)")
+    candidates: int | None = option(
+        None,
+        ge=1,
+        help="candidate angles: this many evenly spaced among the scan's angles; null: all of the scan's angles",
+    )
+    route: str = option(
+        "auto",
+        choices=values(DesignRoute),
+        help="exact candidate blocks, m pathwise-conditioned samples, or auto (exact unless the "
+        "prior is refreshed during the design)",
+    )
     samples: int = option(1000, ge=2, help="m, pseudo-measurement samples (sampled route)")
     sample_chunk: int = option(256, ge=1, help="samples drawn together by the core sampler")
-    jitter: float = option(0.01, ge=0.0, help="criteria jitter η as a fraction of the mean diagonal of the "
-                                              "candidate blocks")
-    refresh_every: int = option(5, ge=0, help="refresh the DIP's g-prior scales and a every this many angles "
-                                              "(0: never)")
+    jitter: float = option(
+        0.01, ge=0.0, help="criteria jitter η as a fraction of the mean diagonal of the candidate blocks"
+    )
+    refresh_every: int = option(
+        5, ge=0, help="refresh the DIP's g-prior scales and a every this many angles (0: never)"
+    )
     retrain_every: int = option(0, ge=0, help="retrain the DIP (warm start) every this many angles (0: never)")
     retrain_iterations: int = option(300, ge=1, help="Adam iterations of one retraining")
-    prior_scale: str = option("auto", choices=values(DesignPriorScale),
-                              help="a by exact EM on the chosen rows, or by the signal energy; auto: em for "
-                                   "isotropic/Matérn, energy for the DIP")
+    prior_scale: str = option(
+        "auto",
+        choices=values(DesignPriorScale),
+        help="a by exact EM on the chosen rows, or by the signal energy; auto: em for "
+        "isotropic/Matérn, energy for the DIP",
+    )
     gprior_method: str = option("exact", choices=values(GPriorMethod), help="g-prior of a non-assembled network")
     gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
-    dense: str = option("auto", choices=values(DenseFeatures),
-                        help="assemble the DIP Jacobian (d JVPs) so every product is a GEMM: auto, always, never")
-    matern_lengthscales: Optional[list[float]] = option(None, gt=0.0,
-                                                        help="Matérn lengthscale grid (pixels); null: 1 … image "
-                                                             "side, 9 values")
-    noise_variance: Optional[float] = option(None, gt=0.0,
-                                             help="σ² in data units²; null: the pilot DIP's mean squared residual")
+    dense: str = option(
+        "auto",
+        choices=values(DenseFeatures),
+        help="assemble the DIP Jacobian (d JVPs) so every product is a GEMM: auto, always, never",
+    )
+    matern_lengthscales: list[float] | None = option(
+        None, gt=0.0, help="Matérn lengthscale grid (pixels); null: 1 … image side, 9 values"
+    )
+    noise_variance: float | None = option(
+        None, gt=0.0, help="σ² in data units²; null: the pilot DIP's mean squared residual"
+    )
     std_samples: int = option(256, ge=2, help="posterior samples for the std maps after pilot and design")
     reconstruct: bool = option(True, help="reconstruct pilot+designed and pilot+equidistant angles (FBP, TV, DIP)")
 
@@ -359,7 +454,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "dict") -> "Config":
+    def from_dict(cls, d: dict, source: str = "dict") -> Config:
         """Defaults updated by the nested dict ``d`` (partial dicts allowed), validated."""
         cfg = cls()
         apply_dict(cfg, d, source)
@@ -394,7 +489,8 @@ def _type_name(tp) -> str:
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 class _CoerceError(Exception):
@@ -465,8 +561,12 @@ def _check_bounds(value: Any, meta: dict, key: str, source: str) -> None:
             continue
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{source}: {key} must be finite, got {v}")
-        for bound, op, text in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
-                                ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+        for bound, op, text in (
+            ("ge", lambda a, b: a >= b, ">="),
+            ("gt", lambda a, b: a > b, ">"),
+            ("le", lambda a, b: a <= b, "<="),
+            ("lt", lambda a, b: a < b, "<"),
+        ):
             b = meta.get(bound)
             if b is not None and not op(v, b):
                 raise ConfigError(f"{source}: {key} must be {text} {b}, got {value!r}")
@@ -482,9 +582,7 @@ def set_value(obj: Any, path: list[str], value: Any, source: str, prefix: str = 
     valid = _valid_keys(obj)
     if name not in valid:
         where = f"section '{prefix[:-1]}'" if prefix else "the top level"
-        raise ConfigError(
-            f"{source}: unknown config key '{full}'; valid keys of {where}: {', '.join(valid)}"
-        )
+        raise ConfigError(f"{source}: unknown config key '{full}'; valid keys of {where}: {', '.join(valid)}")
     tp = _hints(obj)[name]
     if _is_section(tp):
         section = getattr(obj, name)
@@ -582,8 +680,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     if str(p) in (p.name, f"{stem}.yaml") and stem in bundled:
         return bundled[stem]
     raise ConfigError(
-        f"config file {str(name_or_path)!r} does not exist and is not a bundled config; "
-        f"bundled: {', '.join(bundled)}"
+        f"config file {str(name_or_path)!r} does not exist and is not a bundled config; bundled: {', '.join(bundled)}"
     )
 
 

@@ -27,8 +27,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CTUQError", "DataError", "OutDirError", "DeviceError", "NonFiniteLossError", "CheckpointMismatch",
-           "user_error_types", "is_user_error", "format_user_error", "debug_requested"]
+__all__ = [
+    "CTUQError",
+    "DataError",
+    "OutDirError",
+    "DeviceError",
+    "NonFiniteLossError",
+    "CheckpointMismatch",
+    "user_error_types",
+    "is_user_error",
+    "format_user_error",
+    "debug_requested",
+]
 
 
 class CTUQError(ValueError):
@@ -59,7 +69,12 @@ class NonFiniteLossError(CTUQError, FloatingPointError):
 
 # One tuple, no look-up table: a library error meant for the user subclasses CTUQError.
 _USER_ERRORS: tuple[type[BaseException], ...] = (
-    CTUQError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError,
+    CTUQError,
+    FileNotFoundError,
+    PermissionError,
+    NotADirectoryError,
+    IsADirectoryError,
+    FileExistsError,
     FloatingPointError,
 )
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import warnings
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -72,17 +72,28 @@ try:  # a private torch switch; without it the check in _traced_jvp_agrees still
 except ImportError:  # pragma: no cover - depends on the torch version
     _set_fwd_grad_enabled = None
 
-__all__ = ["LinearizedNetwork", "default_linearized_parameters", "count_linearized_weights", "eval_mode",
-           "LINEARIZED_MODULE_TYPES", "MemoryBudgetError"]
+__all__ = [
+    "LinearizedNetwork",
+    "default_linearized_parameters",
+    "count_linearized_weights",
+    "eval_mode",
+    "LINEARIZED_MODULE_TYPES",
+    "MemoryBudgetError",
+]
 
 
 class MemoryBudgetError(CTUQError, MemoryError):
     """Not even one Jacobian product of the network fits the memory budget; the message names the sizes."""
 
+
 # Module types whose ``weight`` is linearised by default.
 LINEARIZED_MODULE_TYPES: tuple[type[nn.Module], ...] = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d,
-    nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
     nn.Linear,
 )
 
@@ -406,8 +417,9 @@ class LinearizedNetwork:
         CPU cores, as a whole process: 14.3 s against 18.9 s with the traced :meth:`jvp` (its trace included).
         """
         if not 0 <= start <= stop <= self.d:
-            raise ValueError(f"LinearizedNetwork.jvp_basis: need 0 <= start <= stop <= d = {self.d}, got "
-                             f"start={start}, stop={stop}")
+            raise ValueError(
+                f"LinearizedNetwork.jvp_basis: need 0 <= start <= stop <= d = {self.d}, got start={start}, stop={stop}"
+            )
         n = stop - start
         if values is None:
             values = torch.ones(n, dtype=self.dtype, device=self.device)
@@ -422,6 +434,7 @@ class LinearizedNetwork:
             for name, numel, shape in zip(self.param_names, self._numels, self._shapes):
                 lo, hi = max(start, offset), min(stop, offset + numel)
                 if lo < hi:
+
                     def g(p, name=name):
                         return functional_call(self.model, {**base, name: p}, (self.net_input,)).reshape(-1)
 
@@ -429,8 +442,8 @@ class LinearizedNetwork:
                     for a in range(lo, hi, chunk):
                         b = min(hi, a + chunk)
                         U = torch.zeros((b - a, numel), dtype=self.dtype, device=self.device)
-                        U[torch.arange(b - a), torch.arange(a - offset, b - offset)] = values[a - start:b - start]
-                        out[a - start:b - start] = fn(U.view(b - a, *shape))
+                        U[torch.arange(b - a), torch.arange(a - offset, b - offset)] = values[a - start : b - start]
+                        out[a - start : b - start] = fn(U.view(b - a, *shape))
                 offset += numel
         self.n_jvp += n
         return out
@@ -483,11 +496,13 @@ class LinearizedNetwork:
     def _budget_message(self, kind: str, fixed: int, per_sample: int | None, budget: int) -> str:
         gib = 1024**3
         need = "" if per_sample is None else f" + {per_sample / gib:.2f} GiB per vector"
-        return (f"memory budget: one {kind.upper()} of this network (output {tuple(self.output_shape)}, "
-                f"{self.d:,} weights) needs {fixed / gib:.2f} GiB fixed{need} on {self.device}, but the budget is "
-                f"{budget / gib:.2f} GiB; raise it (uq.memory_budget_gb), compute on a device with more memory, use "
-                f"mode='recompute' (keeps no traced intermediates), or reconstruct a smaller volume "
-                f"(data.image_shape)")
+        return (
+            f"memory budget: one {kind.upper()} of this network (output {tuple(self.output_shape)}, "
+            f"{self.d:,} weights) needs {fixed / gib:.2f} GiB fixed{need} on {self.device}, but the budget is "
+            f"{budget / gib:.2f} GiB; raise it (uq.memory_budget_gb), compute on a device with more memory, use "
+            f"mode='recompute' (keeps no traced intermediates), or reconstruct a smaller volume "
+            f"(data.image_shape)"
+        )
 
     def estimate_memory(self, kind: str) -> tuple[int, int]:
         """``(fixed_bytes, bytes_per_sample)`` of one chunk of ``kind`` products.
@@ -506,8 +521,10 @@ class LinearizedNetwork:
                 return self._measure_cuda_memory(kind)
             except torch.OutOfMemoryError as exc:
                 act = self._activation_bytes()
-                raise MemoryBudgetError(self._budget_message(kind, 2 * act, None, self.memory_budget)
-                                        + f" (CUDA ran out of memory measuring two products: {exc})") from exc
+                raise MemoryBudgetError(
+                    self._budget_message(kind, 2 * act, None, self.memory_budget)
+                    + f" (CUDA ran out of memory measuring two products: {exc})"
+                ) from exc
         act = self._activation_bytes()
         fixed = 2 * act if self.mode == "linearize" else act
         return fixed, int(1.5 * act) + 2 * (self.d + self.d_out) * item

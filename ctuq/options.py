@@ -15,16 +15,35 @@ from __future__ import annotations
 import enum
 
 __all__ = [
-    "Vocabulary", "values",
+    "Vocabulary",
+    "values",
     # inference core
-    "Prior", "GPriorMethod", "Preconditioner", "CGBackend", "ExactSide", "SolverAlias", "EMUpdate", "EMStopRule",
-    "LRDecay", "DenseFeatures",
+    "Prior",
+    "GPriorMethod",
+    "Preconditioner",
+    "CGBackend",
+    "ExactSide",
+    "SolverAlias",
+    "EMUpdate",
+    "EMStopRule",
+    "LRDecay",
+    "DenseFeatures",
     # CT front end and operators
-    "Backend", "FilterType",
+    "Backend",
+    "FilterType",
     # experimental design
-    "DesignPriorKind", "DesignPriorScale", "DesignRoute", "Criterion", "Baseline",
+    "DesignPriorKind",
+    "DesignPriorScale",
+    "DesignRoute",
+    "Criterion",
+    "Baseline",
     # classification
-    "LinearModel", "PriorMethod", "HessianRoot", "Link", "WeightSubset", "TupleSampling",
+    "LinearModel",
+    "PriorMethod",
+    "HessianRoot",
+    "Link",
+    "WeightSubset",
+    "TupleSampling",
     # uncertainty metrics
     "Centering",
 ]

@@ -32,7 +32,7 @@ Random probes are drawn from ``generator`` (a ``torch.Generator``; default: a CP
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -187,8 +187,16 @@ def gprior_scales(
     if A_rmatvec is None or n_rows is None:
         raise ValueError(f"gprior_scales: method {method!r} needs A_rmatvec and n_rows")
     sq = column_sq_norms(
-        A_rmatvec, n_rows, method=method, n_probes=n_probes, chunk_size=chunk_size, generator=generator,
-        seed=seed, dtype=dtype, device=device, progress=progress,
+        A_rmatvec,
+        n_rows,
+        method=method,
+        n_probes=n_probes,
+        chunk_size=chunk_size,
+        generator=generator,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        progress=progress,
     )
     if n_features is not None and sq.numel() != n_features:
         raise ValueError(f"gprior_scales: A_rmatvec returned {sq.numel()} columns but n_features={n_features}")

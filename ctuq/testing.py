@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -44,8 +44,15 @@ from ctuq.inference.solvers import SOLVERS, Solver, SolverCostEstimate, SolveSta
 __all__ = ["SolverCase", "SolverContract", "FeatureContract", "contract_problem"]
 
 
-def contract_problem(c: int = 24, d: int = 36, *, seed: int = 0, top: float = 10.0, bottom: float = 0.01,
-                     dtype: torch.dtype = torch.float64) -> tuple[DenseFeatures, torch.Tensor, torch.Tensor]:
+def contract_problem(
+    c: int = 24,
+    d: int = 36,
+    *,
+    seed: int = 0,
+    top: float = 10.0,
+    bottom: float = 0.01,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[DenseFeatures, torch.Tensor, torch.Tensor]:
     """A seeded dense problem: ``(features, Ψ (c, d) float64, targets ỹ (c,))`` with the singular values of ``Ψ``
     log-spaced from ``√top`` to ``√bottom`` (so ``K̄`` has eigenvalues ``top … bottom``)."""
     g = torch.Generator().manual_seed(seed)
@@ -127,8 +134,7 @@ class SolverContract:
             assert cls.summary and "\n" not in cls.summary
         names = cls.option_names()
         assert isinstance(names, frozenset) and set(case.options) <= names
-        est = cls.estimate_cost(100, 50, Workload(), t_jvp=1.0, t_vjp=1.0, flop_rate=1e9, memory_budget=1e9,
-                                itemsize=8)
+        est = cls.estimate_cost(100, 50, Workload(), t_jvp=1.0, t_vjp=1.0, flop_rate=1e9, memory_budget=1e9, itemsize=8)
         assert est is None or (isinstance(est, SolverCostEstimate) and est.seconds > 0)
         a, s2 = self.hyper[0]
         solver.setup(a, s2)
@@ -220,8 +226,15 @@ class SolverContract:
         feats, _, y = problem
 
         def make():
-            return LinearizedPosterior(feats, y, likelihood=GaussianLikelihood(0.5, True), a=1.0, solver=case.name,
-                                       solver_options={case.name: case.options}, seed=3)
+            return LinearizedPosterior(
+                feats,
+                y,
+                likelihood=GaussianLikelihood(0.5, True),
+                a=1.0,
+                solver=case.name,
+                solver_options={case.name: case.options},
+                seed=3,
+            )
 
         full = make()
         full.fit(max_steps=3, n_samples=4, tol=0.0)
@@ -290,7 +303,7 @@ class FeatureContract:
         U, V = self._draws(F)
         lhs = (F.matvec(U).double() * V.double()).sum(1)
         rhs = (U.double() * F.rmatvec(V).double()).sum(1)
-        scale = (F.matvec(U).double().norm(dim=1) * V.double().norm(dim=1))
+        scale = F.matvec(U).double().norm(dim=1) * V.double().norm(dim=1)
         assert torch.all((lhs - rhs).abs() <= self.rtol * scale), (lhs - rhs).abs().max()
 
     def test_matches_the_dense_matrix(self, features):
@@ -350,7 +363,7 @@ class FeatureContract:
 
     def test_bad_shapes_name_the_shape(self, features):
         F, _ = features
-        with pytest.raises(ValueError, match=r"shape \(2, %d\)" % (F.n_features + 1)):
+        with pytest.raises(ValueError, match=rf"shape \(2, {F.n_features + 1}\)"):
             F.matvec(torch.zeros(2, F.n_features + 1, dtype=F.dtype))
-        with pytest.raises(ValueError, match=r"expected \(batch, %d\)" % F.n_outputs):
+        with pytest.raises(ValueError, match=rf"expected \(batch, {F.n_outputs}\)"):
             F.rmatvec(torch.zeros(2, F.n_outputs + 2, dtype=F.dtype))

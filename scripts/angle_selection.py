@@ -40,28 +40,44 @@ from ctuq.studies.angle_selection_report import markdown_tables, run_study
 from ctuq.utils import tune_malloc
 
 _HELP = {
-    "images": "number of images (default 30)", "images_file": ".npy or TIFF stack (N, H, W), H = W: own phantoms",
-    "size": "image side of the generated phantoms (default 128)", "orientation_mean": "fix every image's "
-    "preferential angle (degrees; default: U(0, 180) per image)", "orientation_std": "rectangles' spread around it "
-    "(degrees, default 2.86)", "noise": "noise std as a fraction of mean |Tx| (default 0.05)",
-    "candidates": "candidate angles in [0°, 180°) (default 200)", "pilot": "pilot angles (default 5)",
-    "acquire": "acquisitions (default 35)", "every": "reconstruct every this many angles (default 5)",
-    "samples": "m, samples per step of the DIP designs (default 3000)", "strategies": "subset of strategies",
-    "recon": "reconstructions: tv dip (default both)", "jitter": "criteria jitter (default 0.01)",
-    "refresh_every": "DIP g-prior refresh (default 5)", "retrain_every": "retraining period of *_retrain (default 5)",
-    "retrain_iterations": "iterations of one retraining (default 300)", "preset": "U-Net preset (default tiny)",
-    "iterations": "pilot DIP iterations (default 2000)", "lr": "pilot DIP learning rate (default 3e-3)",
-    "tv_weight": "DIP TV weight (default 1e-6)", "clip_grad_norm": "DIP gradient clip (default 1)",
-    "scale": "DIP data/image scale (default 1)", "input_std": "DIP input std (default 0.1)",
+    "images": "number of images (default 30)",
+    "images_file": ".npy or TIFF stack (N, H, W), H = W: own phantoms",
+    "size": "image side of the generated phantoms (default 128)",
+    "orientation_mean": "fix every image's preferential angle (degrees; default: U(0, 180) per image)",
+    "orientation_std": "rectangles' spread around it (degrees, default 2.86)",
+    "noise": "noise std as a fraction of mean |Tx| (default 0.05)",
+    "candidates": "candidate angles in [0°, 180°) (default 200)",
+    "pilot": "pilot angles (default 5)",
+    "acquire": "acquisitions (default 35)",
+    "every": "reconstruct every this many angles (default 5)",
+    "samples": "m, samples per step of the DIP designs (default 3000)",
+    "strategies": "subset of strategies",
+    "recon": "reconstructions: tv dip (default both)",
+    "jitter": "criteria jitter (default 0.01)",
+    "refresh_every": "DIP g-prior refresh (default 5)",
+    "retrain_every": "retraining period of *_retrain (default 5)",
+    "retrain_iterations": "iterations of one retraining (default 300)",
+    "preset": "U-Net preset (default tiny)",
+    "iterations": "pilot DIP iterations (default 2000)",
+    "lr": "pilot DIP learning rate (default 3e-3)",
+    "tv_weight": "DIP TV weight (default 1e-6)",
+    "clip_grad_norm": "DIP gradient clip (default 1)",
+    "scale": "DIP data/image scale (default 1)",
+    "input_std": "DIP input std (default 0.1)",
     "warm_iterations": "iterations of each warm-started DIP reconstruction (default 500)",
-    "warm_lr": "their learning rate (default 1e-3)", "tv_lambda": "TV reconstruction weight λ (default 0.003)",
-    "tv_iterations": "PDHG iterations (default 300)", "seed": "seed of phantoms, noise, networks, samples (default 0)",
+    "warm_lr": "their learning rate (default 1e-3)",
+    "tv_lambda": "TV reconstruction weight λ (default 0.003)",
+    "tv_iterations": "PDHG iterations (default 300)",
+    "seed": "seed of phantoms, noise, networks, samples (default 0)",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="angle_selection.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="angle_selection.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="study folder (created; reruns resume in it)")
     for key, default in DEFAULTS.items():
         flag = "--" + key.replace("_", "-")
@@ -71,16 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
         elif key == "images_file":
             p.add_argument(flag, metavar="FILE", help=_HELP[key])
         else:
-            typ = int if isinstance(default, int) and key not in ("noise",) else float if isinstance(
-                default, float) or key == "orientation_mean" else str
+            typ = (
+                int
+                if isinstance(default, int) and key not in ("noise",)
+                else float
+                if isinstance(default, float) or key == "orientation_mean"
+                else str
+            )
             p.add_argument(flag, type=typ, help=_HELP[key])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="default: cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is kinder on a shared machine)")
-    p.add_argument("--tiny", action="store_true", help="CI size: 2 images of 24², 20 candidates, pilot 4, 4 "
-                                                       "acquired, 64 samples, a few iterations")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CI size: 2 images of 24², 20 candidates, pilot 4, 4 acquired, 64 samples, a few iterations",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--report", action="store_true", help="run nothing: rebuild results.md/json and the figures "
-                   "from the finished results in --out (e.g. after several processes shared the folder)")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: rebuild results.md/json and the figures "
+        "from the finished results in --out (e.g. after several processes shared the folder)",
+    )
     return p
 
 
@@ -98,11 +126,24 @@ def resolve_options(args) -> dict:
         if not ok:
             raise StudyError(what)
 
-    for key in ("images", "size", "candidates", "pilot", "acquire", "every", "samples", "iterations",
-                "warm_iterations", "tv_iterations", "retrain_iterations"):
+    for key in (
+        "images",
+        "size",
+        "candidates",
+        "pilot",
+        "acquire",
+        "every",
+        "samples",
+        "iterations",
+        "warm_iterations",
+        "tv_iterations",
+        "retrain_iterations",
+    ):
         need(opts[key] >= 1, f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
-    need(opts["pilot"] + opts["acquire"] <= opts["candidates"], f"--acquire: pilot {opts['pilot']} + {opts['acquire']}"
-         f" exceed the {opts['candidates']} candidates")
+    need(
+        opts["pilot"] + opts["acquire"] <= opts["candidates"],
+        f"--acquire: pilot {opts['pilot']} + {opts['acquire']} exceed the {opts['candidates']} candidates",
+    )
     need(opts["noise"] > 0 and math.isfinite(opts["noise"]), f"--noise must be positive, got {opts['noise']}")
     need(opts["orientation_std"] >= 0, f"--orientation-std must be >= 0, got {opts['orientation_std']}")
     need(len(opts["strategies"]) == len(set(opts["strategies"])), "--strategies: repeated strategy")

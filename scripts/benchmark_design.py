@@ -43,8 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--pilot", type=int, default=5)
     p.add_argument("--acquire", type=int, default=35)
     p.add_argument("--samples", type=int, nargs="+", default=[1000])
-    p.add_argument("--priors", nargs="+", default=["dip", "isotropic", "matern"],
-                   choices=("dip", "isotropic", "matern"))
+    p.add_argument(
+        "--priors", nargs="+", default=["dip", "isotropic", "matern"], choices=("dip", "isotropic", "matern")
+    )
     p.add_argument("--criterion", default="eig", choices=("eig", "ese", "diag_eig"))
     p.add_argument("--route", default="auto", choices=("auto", "exact", "sampled"))
     p.add_argument("--refresh-every", type=int, default=5)
@@ -72,19 +73,44 @@ def main(argv=None) -> int:
     net = build_unet(args.preset, ndim=2).to(dev)
     ni = make_net_input((args.size, args.size), seed=args.seed)
     t0 = time.perf_counter()
-    fit_dip(op.subset(pilot), y[pilot], model=net, net_input=ni, iterations=args.dip_iterations, lr=3e-3,
-            tv_weight=1e-4, scale=1.0, progress=False, device=dev)
+    fit_dip(
+        op.subset(pilot),
+        y[pilot],
+        model=net,
+        net_input=ni,
+        iterations=args.dip_iterations,
+        lr=3e-3,
+        tv_weight=1e-4,
+        scale=1.0,
+        progress=False,
+        device=dev,
+    )
     fit_s = time.perf_counter() - t0
     threads = torch.get_num_threads()
-    print(f"# {args.size}² image, {args.candidates} candidates × {op.measurement_shape[1]} detector pixels, pilot "
-          f"{args.pilot}, {args.acquire} steps, U-Net {args.preset} (d = "
-          f"{count_parameters(net, conv_weights_only=True)}), device {dev}, {threads} threads; pilot DIP fit "
-          f"{fit_s:.1f} s (not in the totals); glibc malloc tuned: {'yes' if tune_malloc() else 'no'}\n")
-    cols = ["prior", "criterion", "route", "m", "linearise s", "prior s", "reset s", "step s (mean)", "first 5",
-            "last 5", "updates s", "total s", "CPU s / threads"]
+    print(
+        f"# {args.size}² image, {args.candidates} candidates × {op.measurement_shape[1]} detector pixels, pilot "
+        f"{args.pilot}, {args.acquire} steps, U-Net {args.preset} (d = "
+        f"{count_parameters(net, conv_weights_only=True)}), device {dev}, {threads} threads; pilot DIP fit "
+        f"{fit_s:.1f} s (not in the totals); glibc malloc tuned: {'yes' if tune_malloc() else 'no'}\n"
+    )
+    cols = [
+        "prior",
+        "criterion",
+        "route",
+        "m",
+        "linearise s",
+        "prior s",
+        "reset s",
+        "step s (mean)",
+        "first 5",
+        "last 5",
+        "updates s",
+        "total s",
+        "CPU s / threads",
+    ]
     print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|")
     for prior in args.priors:
-        for m in (args.samples if prior == "dip" or args.route == "sampled" else args.samples[:1]):
+        for m in args.samples if prior == "dip" or args.route == "sampled" else args.samples[:1]:
             c0, t0 = time.process_time(), time.perf_counter()
             lin = 0.0
             updater = None
@@ -97,18 +123,41 @@ def main(argv=None) -> int:
                 model = isotropic_model(op, pilot, y[pilot].reshape(-1).double(), sigma**2)
             else:
                 model = matern_model(op, pilot, y[pilot].reshape(-1).double(), sigma**2)
-            route = auto_route(model, updater is not None and args.refresh_every > 0) if args.route == "auto" \
+            route = (
+                auto_route(model, updater is not None and args.refresh_every > 0)
+                if args.route == "auto"
                 else args.route
+            )
             prior_s = time.perf_counter() - t0 - lin
             eng = DesignEngine(model, route=route, n_samples=m, seed=args.seed)
-            res = greedy_design(eng, pilot, args.acquire, criterion=args.criterion, jitter=0.01, updater=updater,
-                                angles_deg=np.arange(args.candidates) * 180.0 / args.candidates, progress=False)
+            res = greedy_design(
+                eng,
+                pilot,
+                args.acquire,
+                criterion=args.criterion,
+                jitter=0.01,
+                updater=updater,
+                angles_deg=np.arange(args.candidates) * 180.0 / args.candidates,
+                progress=False,
+            )
             total = time.perf_counter() - t0
             cpu = (time.process_time() - c0) / threads
             st = [s["time_s"] for s in res.steps]
-            row = [prior, args.criterion, route, m if route == "sampled" else "–", f"{lin:.1f}", f"{prior_s:.1f}",
-                   f"{res.timings['setup_s']:.2f}", f"{np.mean(st):.3f}", f"{np.mean(st[:5]):.3f}",
-                   f"{np.mean(st[-5:]):.3f}", f"{res.timings['updates_s']:.1f}", f"{total:.1f}", f"{cpu:.1f}"]
+            row = [
+                prior,
+                args.criterion,
+                route,
+                m if route == "sampled" else "–",
+                f"{lin:.1f}",
+                f"{prior_s:.1f}",
+                f"{res.timings['setup_s']:.2f}",
+                f"{np.mean(st):.3f}",
+                f"{np.mean(st[:5]):.3f}",
+                f"{np.mean(st[-5:]):.3f}",
+                f"{res.timings['updates_s']:.1f}",
+                f"{total:.1f}",
+                f"{cpu:.1f}",
+            ]
             print("| " + " | ".join(map(str, row)) + " |", flush=True)
     return 0
 

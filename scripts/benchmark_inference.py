@@ -224,19 +224,38 @@ def run_main(args) -> None:
     device = resolve_device(args.device)
     model, x, T = build_problem(args, device)
     net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
-    print(f"# preset {args.preset} at {args.size}², d = {net.d} linearised weights "
-          f"({count_parameters(model)} parameters), c = {T.c} ({args.map} map, {T.T.values().numel()} non-zeros), "
-          f"device {device}, torch threads {torch.get_num_threads()}, mode {args.mode}")
+    print(
+        f"# preset {args.preset} at {args.size}², d = {net.d} linearised weights "
+        f"({count_parameters(model)} parameters), c = {T.c} ({args.map} map, {T.T.values().numel()} non-zeros), "
+        f"device {device}, torch threads {torch.get_num_threads()}, mode {args.mode}"
+    )
     table = Table()
     with Phase(net, device) as ph:
         net.jvp(torch.zeros(1, net.d, device=device))
         net.vjp(torch.zeros(1, net.d_out, device=device))
-    table.add("linearise (trace + 1 warm-up each)", ph.wall, ph.jvp, ph.vjp, 0, 0, 0, None,
-              f"chunks jvp {net.chunk_size_for('jvp')}, vjp {net.chunk_size_for('vjp')}, jvp_impl {net.jvp_impl}")
+    table.add(
+        "linearise (trace + 1 warm-up each)",
+        ph.wall,
+        ph.jvp,
+        ph.vjp,
+        0,
+        0,
+        0,
+        None,
+        f"chunks jvp {net.chunk_size_for('jvp')}, vjp {net.chunk_size_for('vjp')}, jvp_impl {net.jvp_impl}",
+    )
 
     with Phase(net, device) as ph:
-        s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
-                          n_features=net.d, seed=args.seed, device=device, progress=args.progress)
+        s = gprior_scales(
+            lambda R: net.vjp(T.adjoint(R)),
+            T.c,
+            method=args.gprior,
+            n_probes=args.gprior_probes,
+            n_features=net.d,
+            seed=args.seed,
+            device=device,
+            progress=args.progress,
+        )
     floor = {"exact": T.c, "stochastic": args.gprior_probes, "isotropic": 0}[args.gprior]
     n_zero = int((s == 0).sum())
     table.add(f"g-prior scales ({args.gprior})", ph.wall, ph.jvp, ph.vjp, 0, 0, floor, None, f"{n_zero} zero columns")
@@ -245,42 +264,83 @@ def run_main(args) -> None:
     y = make_targets(args, feats, net, T, device)
 
     if args.solver == "auto":
-        wl = Workload(em_steps=args.em_steps, em_samples=args.samples, prediction_samples=args.pred_samples,
-                      rank=args.rank, oversampling=args.oversampling)
+        wl = Workload(
+            em_steps=args.em_steps,
+            em_samples=args.samples,
+            prediction_samples=args.pred_samples,
+            rank=args.rank,
+            oversampling=args.oversampling,
+        )
         with Phase(net, device) as ph:
             kind, est = choose_solver(feats, wl)
         for e in est.values():
-            print(f"# cost model {e.solver:5s}: {e.jvp:.0f} JVPs, {e.vjp:.0f} VJPs, {e.dense_flops:.2e} flops, "
-                  f"{e.memory_bytes / 1e6:.0f} MB, {e.seconds:.0f} s{'' if e.feasible else ' (does not fit)'}")
+            print(
+                f"# cost model {e.solver:5s}: {e.jvp:.0f} JVPs, {e.vjp:.0f} VJPs, {e.dense_flops:.2e} flops, "
+                f"{e.memory_bytes / 1e6:.0f} MB, {e.seconds:.0f} s{'' if e.feasible else ' (does not fit)'}"
+            )
         table.add(f"solver choice → {kind}", ph.wall, ph.jvp, ph.vjp, 0, 0, 0, None, "measures product times")
         args.solver = kind
     if args.solver == "exact":
         solver = ExactEigSolver(feats, memory_budget=args.memory_budget, progress=args.progress)
         with Phase(net, device) as ph:
             solver.decompose()
-        table.add("assemble K̄ + eigh (exact)", ph.wall, ph.jvp, ph.vjp, 0, 0, T.c, None,
-                  f"{solver.n_setup_products} rows")
+        table.add(
+            "assemble K̄ + eigh (exact)", ph.wall, ph.jvp, ph.vjp, 0, 0, T.c, None, f"{solver.n_setup_products} rows"
+        )
     else:
-        solver = CGSolver(feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling,
-                          rtol=args.rtol, max_iter=args.max_iter, seed=args.seed)
+        solver = CGSolver(
+            feats,
+            preconditioner=args.preconditioner,
+            rank=args.rank,
+            oversampling=args.oversampling,
+            rtol=args.rtol,
+            max_iter=args.max_iter,
+            seed=args.seed,
+        )
         with Phase(net, device) as ph:
             eig = solver.build_preconditioner()
         rp = 0 if eig is None else eig.n_products
-        table.add(f"preconditioner ({args.preconditioner}, r={args.rank}, p={args.oversampling})", ph.wall, ph.jvp,
-                  ph.vjp, 0, rp, rp + (0 if eig is None else eig.n_diag_products), None,
-                  "" if eig is None else f"λ_max {float(eig.eigenvalues[0]):.3g}, λ_r {float(eig.eigenvalues[-1]):.3g}")
+        table.add(
+            f"preconditioner ({args.preconditioner}, r={args.rank}, p={args.oversampling})",
+            ph.wall,
+            ph.jvp,
+            ph.vjp,
+            0,
+            rp,
+            rp + (0 if eig is None else eig.n_diag_products),
+            None,
+            "" if eig is None else f"λ_max {float(eig.eigenvalues[0]):.3g}, λ_r {float(eig.eigenvalues[-1]):.3g}",
+        )
 
-    em = SampledEM(feats, solver, y, a=args.a0, sigma2=args.sigma2, learn_noise=args.learn_noise,
-                   n_samples=args.samples, max_steps=args.em_steps, tol=args.em_tol, seed=args.seed)
+    em = SampledEM(
+        feats,
+        solver,
+        y,
+        a=args.a0,
+        sigma2=args.sigma2,
+        learn_noise=args.learn_noise,
+        n_samples=args.samples,
+        max_steps=args.em_steps,
+        tol=args.em_tol,
+        seed=args.seed,
+    )
     while not em.done:
         with Phase(net, device) as ph:
             rec = em.step()
         st = rec["solver"]
         cg_prods = 0 if st is None else st["n_products"]
         exact = rec["gamma_method"] == "exact"
-        table.add(f"EM step {rec['step']}", ph.wall, ph.jvp, ph.vjp, cg_prods, 0 if exact else args.samples, 0,
-                  None if st is None else st["max_iterations"],
-                  f"a {rec['a']:.3g}→{rec['a_new']:.3g}, γ {rec['gamma']:.1f}")
+        table.add(
+            f"EM step {rec['step']}",
+            ph.wall,
+            ph.jvp,
+            ph.vjp,
+            cg_prods,
+            0 if exact else args.samples,
+            0,
+            None if st is None else st["max_iterations"],
+            f"a {rec['a']:.3g}→{rec['a_new']:.3g}, γ {rec['gamma']:.1f}",
+        )
 
     k = args.pred_samples
     if k > 0:
@@ -288,15 +348,25 @@ def run_main(args) -> None:
             w_star, _, st_mean = posterior_mean(feats, solver, y, em.a, em.sigma2)
             sq = torch.zeros(net.d_out, dtype=torch.float64, device=device)
             max_it, cg_prods = st_mean.max_iterations, st_mean.n_products
-            for _, chunk in sample_chunks(feats, solver, em.a, em.sigma2, k, chunk_size=args.pred_chunk,
-                                          seed=args.seed):
+            for _, chunk in sample_chunks(
+                feats, solver, em.a, em.sigma2, k, chunk_size=args.pred_chunk, seed=args.seed
+            ):
                 xs = feats.network_matvec(chunk.weights)
                 sq += xs.double().pow(2).sum(0)
                 max_it = max(max_it, chunk.stats.max_iterations)
                 cg_prods += chunk.stats.n_products
             std = (sq / k).sqrt()
-        table.add(f"prediction ({k} samples + mean)", ph.wall, ph.jvp, ph.vjp, cg_prods, 2 * k, k + 1, max_it,
-                  f"mean std {float(std.mean()):.3g}, {ph.wall / k * 1e3:.0f} ms/sample")
+        table.add(
+            f"prediction ({k} samples + mean)",
+            ph.wall,
+            ph.jvp,
+            ph.vjp,
+            cg_prods,
+            2 * k,
+            k + 1,
+            max_it,
+            f"mean std {float(std.mean()):.3g}, {ph.wall / k * 1e3:.0f} ms/sample",
+        )
 
     table.print()
     tot_wall = sum(r[1] for r in table.rows)
@@ -308,8 +378,10 @@ def run_main(args) -> None:
 # ----------------------------------------------------------------------------------------------- products
 def run_products(args) -> None:
     device = resolve_device(args.device)
-    print(f"# per-sample Jacobian products at {args.size}², device {device}, torch threads {torch.get_num_threads()}; "
-          f"min and median of {args.repeats} calls after a warm-up call (the min is robust to other load)")
+    print(
+        f"# per-sample Jacobian products at {args.size}², device {device}, torch threads {torch.get_num_threads()}; "
+        f"min and median of {args.repeats} calls after a warm-up call (the min is robust to other load)"
+    )
     head = ("preset", "d", "mode", "chunk", "JVP ms/sample min", "median", "VJP ms/sample min", "median")
     rows = []
     for preset in args.presets:
@@ -362,8 +434,9 @@ def _precond_rows(name, feats, ranks, p, a, s2, n_rhs, seed):
             if rank > feats.n_outputs:
                 cells.append("-")
                 continue
-            solver = CGSolver(feats, preconditioner=method, rank=rank, oversampling=p, rtol=1e-3, max_iter=2000,
-                              seed=seed)
+            solver = CGSolver(
+                feats, preconditioner=method, rank=rank, oversampling=p, rtol=1e-3, max_iter=2000, seed=seed
+            )
             t0 = time.perf_counter()
             eig = solver.build_preconditioner()
             t_build = time.perf_counter() - t0
@@ -390,13 +463,30 @@ def run_compare_preconditioners(args) -> None:
         device = resolve_device(args.device)
         model, x, T = build_problem(args, device)
         net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
-        s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
-                          n_features=net.d, seed=args.seed, device=device)
+        s = gprior_scales(
+            lambda R: net.vjp(T.adjoint(R)),
+            T.c,
+            method=args.gprior,
+            n_probes=args.gprior_probes,
+            n_features=net.d,
+            seed=args.seed,
+            device=device,
+        )
         feats = ScaledFeatures(LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c), s)
-        rows += _precond_rows(f"U-Net {args.preset} {args.size}², c={T.c}, a={args.a0}", feats, args.ranks,
-                              args.oversampling, args.a0, args.sigma2, args.samples + 1, args.seed)
-    print("# CG iterations to rtol 1e-3 (max over right-hand sides); in brackets: kernel products of the "
-          "preconditioner (+d: diagonal products) and its build time")
+        rows += _precond_rows(
+            f"U-Net {args.preset} {args.size}², c={T.c}, a={args.a0}",
+            feats,
+            args.ranks,
+            args.oversampling,
+            args.a0,
+            args.sigma2,
+            args.samples + 1,
+            args.seed,
+        )
+    print(
+        "# CG iterations to rtol 1e-3 (max over right-hand sides); in brackets: kernel products of the "
+        "preconditioner (+d: diagonal products) and its build time"
+    )
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     print("  ".join("-" * w for w in widths))
@@ -408,15 +498,25 @@ def run_compare_cg(args) -> None:
     device = resolve_device(args.device)
     model, x, T = build_problem(args, device)
     net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
-    s = gprior_scales(lambda R: net.vjp(T.adjoint(R)), T.c, method=args.gprior, n_probes=args.gprior_probes,
-                      n_features=net.d, seed=args.seed, device=device)
+    s = gprior_scales(
+        lambda R: net.vjp(T.adjoint(R)),
+        T.c,
+        method=args.gprior,
+        n_probes=args.gprior_probes,
+        n_features=net.d,
+        seed=args.seed,
+        device=device,
+    )
     feats = ScaledFeatures(LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c), s)
-    base = CGSolver(feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling,
-                    seed=args.seed)
+    base = CGSolver(
+        feats, preconditioner=args.preconditioner, rank=args.rank, oversampling=args.oversampling, seed=args.seed
+    )
     eig = base.build_preconditioner()
     rhs = torch.randn(args.samples + 1, T.c, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    print(f"# {args.samples + 1} right-hand sides, preconditioner {args.preconditioner} rank {args.rank}, "
-          f"a = {args.a0}, σ² = {args.sigma2}, rtol {args.rtol}")
+    print(
+        f"# {args.samples + 1} right-hand sides, preconditioner {args.preconditioner} rank {args.rank}, "
+        f"a = {args.a0}, σ² = {args.sigma2}, rtol {args.rtol}"
+    )
     print("backend     wall s  kernel products  max it  max rel. residual")
     for backend in ("pcg", "linear_cg"):
         solver = CGSolver(feats, preconditioner=eig, rtol=args.rtol, max_iter=args.max_iter, backend=backend)
@@ -424,8 +524,10 @@ def run_compare_cg(args) -> None:
         t0 = time.perf_counter()
         _, st = solver.solve(rhs, args.a0, args.sigma2)
         _sync(device)
-        print(f"{backend:10s}  {time.perf_counter() - t0:6.1f}  {st.n_products:15d}  {st.max_iterations:6d}  "
-              f"{float(st.relative_residual.max()):.2e}")
+        print(
+            f"{backend:10s}  {time.perf_counter() - t0:6.1f}  {st.n_products:15d}  {st.max_iterations:6d}  "
+            f"{float(st.relative_residual.max()):.2e}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- solvers
@@ -457,24 +559,40 @@ def _exact_problem(args, device):
         data, path, _ = load_scan(cfg, device, progress=False)
         mf = read_model_file(f"{args.run}/{run_folder.MODEL_NAME}", need_input=True)
         model = mf.build(device)
-        settings = UQConfig(solver="exact_dual", gprior_method=args.gprior if args.gprior != "isotropic" else "exact",
-                            prior="isotropic" if args.gprior == "isotropic" else "gprior",
-                            gprior_probes=args.gprior_probes, prior_precision=args.a0)
-        post, net, info = ct_posterior(model, mf.net_input, data.op, data.y.to(device), scale=mf.scale,
-                                       settings=settings, seed=args.seed)
-        desc = (f"run {args.run} (scan {path}): {cfg.model.preset} U-Net, image {tuple(data.op.image_shape)}, "
-                f"c = {data.op.c}, d = {net.d}, σ² from the DIP residual {info['initial_sigma2']:.4g}")
+        settings = UQConfig(
+            solver="exact_dual",
+            gprior_method=args.gprior if args.gprior != "isotropic" else "exact",
+            prior="isotropic" if args.gprior == "isotropic" else "gprior",
+            gprior_probes=args.gprior_probes,
+            prior_precision=args.a0,
+        )
+        post, net, info = ct_posterior(
+            model, mf.net_input, data.op, data.y.to(device), scale=mf.scale, settings=settings, seed=args.seed
+        )
+        desc = (
+            f"run {args.run} (scan {path}): {cfg.model.preset} U-Net, image {tuple(data.op.image_shape)}, "
+            f"c = {data.op.c}, d = {net.d}, σ² from the DIP residual {info['initial_sigma2']:.4g}"
+        )
     else:
         model, x, T = build_problem(args, device)
         net = LinearizedNetwork(model, x, chunk_size=args.chunk_size, mode=args.mode)
         base = LinearizedFeatures(net, T.forward, T.adjoint, n_outputs=T.c)
         y = make_targets(args, base, net, T, device)
-        post = LinearizedPosterior(base, y, prior="isotropic" if args.gprior == "isotropic" else "gprior",
-                                   gprior_method="exact" if args.gprior == "exact" else "stochastic",
-                                   gprior_probes=args.gprior_probes, likelihood=GaussianLikelihood(args.sigma2, True),
-                                   a=args.a0, solver="exact_dual", seed=args.seed)
-        desc = (f"synthetic: {args.preset} U-Net (random weights) at {args.size}², {args.map} map, c = {T.c}, "
-                f"d = {net.d}, targets from the prior at a = {args.a_true}")
+        post = LinearizedPosterior(
+            base,
+            y,
+            prior="isotropic" if args.gprior == "isotropic" else "gprior",
+            gprior_method="exact" if args.gprior == "exact" else "stochastic",
+            gprior_probes=args.gprior_probes,
+            likelihood=GaussianLikelihood(args.sigma2, True),
+            a=args.a0,
+            solver="exact_dual",
+            seed=args.seed,
+        )
+        desc = (
+            f"synthetic: {args.preset} U-Net (random weights) at {args.size}², {args.map} map, c = {T.c}, "
+            f"d = {net.d}, targets from the prior at a = {args.a_true}"
+        )
     if args.cache and __import__("os").path.isfile(args.cache):
         post.load_state_dict(torch.load(args.cache, weights_only=True))
         desc += f"; decomposition from {args.cache}"
@@ -502,8 +620,17 @@ def _solve_counts(make, feats, R, a, s2, X_ref, kernel_diag=None):
     low = getattr(solver, "_eig", None)
     setup = low.n_products if low is not None else (setup or 0)
     err = float((X.double() - X_ref).norm() / X_ref.norm())
-    out = {"products": prods, "setup": setup, "solve": prods - setup, "residual": float(st.relative_residual.max()),
-           "error": err, "iterations": st.max_iterations, "wall": wall, "converged": st.all_converged, "X": X}
+    out = {
+        "products": prods,
+        "setup": setup,
+        "solve": prods - setup,
+        "residual": float(st.relative_residual.max()),
+        "error": err,
+        "iterations": st.max_iterations,
+        "wall": wall,
+        "converged": st.all_converged,
+        "X": X,
+    }
     if kernel_diag is not None:
         # error of Ψζ = K̄u/a (the sample at the measurement functionals): what a dual error costs a prediction
         out["meas_error"] = float(((X.double() - X_ref) * kernel_diag).norm() / (X_ref * kernel_diag).norm())
@@ -517,19 +644,31 @@ def run_compare_solvers(args) -> None:
     c = post.n_outputs
     feats = post.features
     print(f"# {desc}")
-    print(f"# exact reference: K̄ assembled and eigendecomposed in {t_setup:.0f} s ({j_setup} JVPs, {v_setup} VJPs "
-          f"incl. the g-prior); {lam.numel()} non-zero eigenvalues, λ_max {float(lam[-1]):.4g}; torch threads "
-          f"{torch.get_num_threads()}")
+    print(
+        f"# exact reference: K̄ assembled and eigendecomposed in {t_setup:.0f} s ({j_setup} JVPs, {v_setup} VJPs "
+        f"incl. the g-prior); {lam.numel()} non-zero eigenvalues, λ_max {float(lam[-1]):.4g}; torch threads "
+        f"{torch.get_num_threads()}"
+    )
 
     # The operating point: the exact EM fixed point (exact γ, no products).
-    em = SampledEM(feats, post.solver, post.targets, likelihood=GaussianLikelihood(post.sigma2, True), a=post.a,
-                   max_steps=500, tol=1e-10, seed=args.seed)
+    em = SampledEM(
+        feats,
+        post.solver,
+        post.targets,
+        likelihood=GaussianLikelihood(post.sigma2, True),
+        a=post.a,
+        max_steps=500,
+        tol=1e-10,
+        seed=args.seed,
+    )
     res = em.run()
     a_star, s2_star = res.a, res.sigma2
     gamma = float(post.solver.gamma(a_star, s2_star))
     above = int((lam / a_star > s2_star).sum())
-    print(f"# exact EM fixed point: a = {a_star:.6g}, σ² = {s2_star:.6g} ({res.steps} steps); effective dimension "
-          f"γ = {gamma:.1f}; eigenvalues with λ/a > σ²: {above}; κ(C) = {1 + float(lam[-1]) / (a_star * s2_star):.3g}")
+    print(
+        f"# exact EM fixed point: a = {a_star:.6g}, σ² = {s2_star:.6g} ({res.steps} steps); effective dimension "
+        f"γ = {gamma:.1f}; eigenvalues with λ/a > σ²: {above}; κ(C) = {1 + float(lam[-1]) / (a_star * s2_star):.3g}"
+    )
 
     # Right-hand sides at the fixed point: the mean's ỹ and k Matheron rows ε − Ψw₀, rotated into the eigenbasis.
     k = args.samples
@@ -543,9 +682,17 @@ def run_compare_solvers(args) -> None:
     rot = RotatedFeatures(lam, dtype=feats.dtype)
 
     def cg(rank, adaptive=False, rtol=1e-3, pre="nystrom", threshold=1.0):
-        return lambda f: CGSolver(f, preconditioner=pre, rank=rank, oversampling=args.oversampling, rtol=rtol,
-                                  max_iter=args.max_iter, seed=args.seed, adaptive_rank=adaptive,
-                                  rank_threshold=threshold)
+        return lambda f: CGSolver(
+            f,
+            preconditioner=pre,
+            rank=rank,
+            oversampling=args.oversampling,
+            rtol=rtol,
+            max_iter=args.max_iter,
+            seed=args.seed,
+            adaptive_rank=adaptive,
+            rank_threshold=threshold,
+        )
 
     def sdd(rtol, budget, **kw):
         return lambda f: SDDSolver(f, rtol=rtol, max_iter=budget, seed=args.seed, **kw)
@@ -554,23 +701,49 @@ def run_compare_solvers(args) -> None:
         return lambda f: SGDSolver(f, rtol=rtol, max_iter=budget, seed=args.seed, **kw)
 
     n_wl = args.em_steps * (k + 1) + args.workload_samples + 1
-    print(f"\n## Solve accuracy and products on the rotated problem ({k + 1} right-hand sides at the fixed point; "
-          f"workload = {args.em_steps} EM steps × {k + 1} + {args.workload_samples + 1} prediction right-hand "
-          f"sides = {n_wl} solves)")
-    head = ("solver", "rtol", "set-up prods", "solve prods/rhs", "max it", "max rel. res.", "rel. error u",
-            "rel. error Ψζ", "workload prods", "ratio vs CG-400")
+    print(
+        f"\n## Solve accuracy and products on the rotated problem ({k + 1} right-hand sides at the fixed point; "
+        f"workload = {args.em_steps} EM steps × {k + 1} + {args.workload_samples + 1} prediction right-hand "
+        f"sides = {n_wl} solves)"
+    )
+    head = (
+        "solver",
+        "rtol",
+        "set-up prods",
+        "solve prods/rhs",
+        "max it",
+        "max rel. res.",
+        "rel. error u",
+        "rel. error Ψζ",
+        "workload prods",
+        "ratio vs CG-400",
+    )
     rows = []
     base_total = {}
     configs = []
     kdiag = (lam32 / a_star).to(torch.float64)
     for tol in args.tols:
         configs += [(f"cg rank {args.rank}", tol, cg(args.rank, rtol=tol))]
-        configs += [(f"cg adaptive (cap {args.adaptive_cap}, thr {thr:g}σ²)", tol,
-                     cg(args.adaptive_cap, True, rtol=tol, threshold=thr)) for thr in args.rank_thresholds]
-        configs += [(f"sdd full batch η={args.sdd_step:g} ρ={args.sdd_momentum:g} (budget {args.fo_budget})", tol,
-                     sdd(tol, args.fo_budget, step_size=args.sdd_step, momentum=args.sdd_momentum)),
-                    (f"sgd η={args.sdd_step:g} ρ={args.sdd_momentum:g} (budget {args.fo_budget})", tol,
-                     sgd(tol, args.fo_budget, lr=args.sdd_step, momentum=args.sdd_momentum))]
+        configs += [
+            (
+                f"cg adaptive (cap {args.adaptive_cap}, thr {thr:g}σ²)",
+                tol,
+                cg(args.adaptive_cap, True, rtol=tol, threshold=thr),
+            )
+            for thr in args.rank_thresholds
+        ]
+        configs += [
+            (
+                f"sdd full batch η={args.sdd_step:g} ρ={args.sdd_momentum:g} (budget {args.fo_budget})",
+                tol,
+                sdd(tol, args.fo_budget, step_size=args.sdd_step, momentum=args.sdd_momentum),
+            ),
+            (
+                f"sgd η={args.sdd_step:g} ρ={args.sdd_momentum:g} (budget {args.fo_budget})",
+                tol,
+                sgd(tol, args.fo_budget, lr=args.sdd_step, momentum=args.sdd_momentum),
+            ),
+        ]
     for name, tol, make in configs if not args.skip_main else []:
         r = _solve_counts(make, rot, R_rot.to(rot.dtype), a_star, s2_star, X_rot, kdiag)
         per = r["solve"] / (k + 1)
@@ -578,9 +751,20 @@ def run_compare_solvers(args) -> None:
         if name.startswith("cg rank"):
             base_total[tol] = total
         ratio = base_total.get(tol, float("nan")) / total
-        rows.append((name, f"{tol:g}", r["setup"], f"{per:.1f}", r["iterations"], f"{r['residual']:.2e}",
-                     f"{r['error']:.2e}", f"{r['meas_error']:.2e}", f"{total:.0f}",
-                     f"{ratio:.2f}" if r["converged"] else f"({ratio:.2f}, not converged)"))
+        rows.append(
+            (
+                name,
+                f"{tol:g}",
+                r["setup"],
+                f"{per:.1f}",
+                r["iterations"],
+                f"{r['residual']:.2e}",
+                f"{r['error']:.2e}",
+                f"{r['meas_error']:.2e}",
+                f"{total:.0f}",
+                f"{ratio:.2f}" if r["converged"] else f"({ratio:.2f}, not converged)",
+            )
+        )
         print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     _print_table(head, rows)
 
@@ -592,20 +776,39 @@ def run_compare_solvers(args) -> None:
         return
 
     # EM fixed point with each solver (sampled γ̂, 16 probes per step unless --samples), against the exact one.
-    print(f"\n## Sampled EM with each solver (rotated problem, {args.em_steps} steps from a = {post.a:.4g}, σ² = "
-          f"{post.likelihood.sigma2:.4g}; {k} probes per step) vs the exact fixed point")
+    print(
+        f"\n## Sampled EM with each solver (rotated problem, {args.em_steps} steps from a = {post.a:.4g}, σ² = "
+        f"{post.likelihood.sigma2:.4g}; {k} probes per step) vs the exact fixed point"
+    )
     head = ("solver", "a", "rel. err a", "σ²", "rel. err σ²", "solve prods (all steps)", "max rel. res. (last)")
     rows = []
-    for name, make, fixed in ((f"cg rank {args.rank}", cg(args.rank), False),
-                              ("cg adaptive", cg(args.adaptive_cap, True, threshold=args.rank_thresholds[0]), False),
-                              ("sdd (fixed probes, warm)",
-                               sdd(args.em_tol_solver, args.fo_budget, step_size=args.sdd_step,
-                                   momentum=args.sdd_momentum), True),
-                              ("sgd (fixed probes, warm)", sgd(args.em_tol_solver, args.fo_budget, lr=args.sdd_step,
-                                                              momentum=args.sdd_momentum), True)):
+    for name, make, fixed in (
+        (f"cg rank {args.rank}", cg(args.rank), False),
+        ("cg adaptive", cg(args.adaptive_cap, True, threshold=args.rank_thresholds[0]), False),
+        (
+            "sdd (fixed probes, warm)",
+            sdd(args.em_tol_solver, args.fo_budget, step_size=args.sdd_step, momentum=args.sdd_momentum),
+            True,
+        ),
+        (
+            "sgd (fixed probes, warm)",
+            sgd(args.em_tol_solver, args.fo_budget, lr=args.sdd_step, momentum=args.sdd_momentum),
+            True,
+        ),
+    ):
         solver = make(rot)
-        em = SampledEM(rot, solver, y_rot.to(rot.dtype), likelihood=GaussianLikelihood(post.likelihood.sigma2, True),
-                       a=post.a, n_samples=k, max_steps=args.em_steps, tol=0.0, seed=args.seed, fixed_probes=fixed)
+        em = SampledEM(
+            rot,
+            solver,
+            y_rot.to(rot.dtype),
+            likelihood=GaussianLikelihood(post.likelihood.sigma2, True),
+            a=post.a,
+            n_samples=k,
+            max_steps=args.em_steps,
+            tol=0.0,
+            seed=args.seed,
+            fixed_probes=fixed,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -614,9 +817,17 @@ def run_compare_solvers(args) -> None:
                 rows.append((name, "failed", "-", "-", "-", "-", str(exc)[:60]))
                 continue
         prods = sum(rec["solver"]["n_products"] for rec in out.trace)
-        rows.append((name, f"{out.a:.5g}", f"{abs(out.a / a_star - 1):.2e}", f"{out.sigma2:.5g}",
-                     f"{abs(out.sigma2 / s2_star - 1):.2e}", prods,
-                     f"{out.trace[-1]['solver']['max_relative_residual']:.2e}"))
+        rows.append(
+            (
+                name,
+                f"{out.a:.5g}",
+                f"{abs(out.a / a_star - 1):.2e}",
+                f"{out.sigma2:.5g}",
+                f"{abs(out.sigma2 / s2_star - 1):.2e}",
+                prods,
+                f"{out.trace[-1]['solver']['max_relative_residual']:.2e}",
+            )
+        )
         print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     _print_table(head, rows)
 
@@ -625,23 +836,35 @@ def run_compare_solvers(args) -> None:
 
 
 def _tuning_tables(args, rot, R_rot, X_rot, a, s2, lam, Q, k):
-    print(f"\n## SDD tuning (rotated problem, {k + 1} right-hand sides, budget {args.fo_budget}); products per "
-          f"right-hand side to reach the relative residual (— : not within the budget)")
+    print(
+        f"\n## SDD tuning (rotated problem, {k + 1} right-hand sides, budget {args.fo_budget}); products per "
+        f"right-hand side to reach the relative residual (— : not within the budget)"
+    )
     head = ("variant", "step η", "ρ", "batch", "start", *[f"rtol {t:g}" for t in args.tune_tols], "res. at budget")
     rows = []
     variants = []
     for rho in (0.9, 0.99, 0.999):
         for eta in (0.5, 1.0, 1.3):
             variants.append(("full batch", eta, rho, None, "b/σ²", 1.0))
-    variants += [("full batch, published averaging χ=100/T", 1.0, 0.9, None, "b/σ²", None),
-                 ("full batch, published averaging χ=100/T", 1.3, 0.99, None, "b/σ²", None),
-                 ("full batch, from u₀ = 0", 1.0, 0.9, None, "0", 1.0),
-                 ("full batch, from u₀ = 0", 1.3, 0.99, None, "0", 1.0)]
+    variants += [
+        ("full batch, published averaging χ=100/T", 1.0, 0.9, None, "b/σ²", None),
+        ("full batch, published averaging χ=100/T", 1.3, 0.99, None, "b/σ²", None),
+        ("full batch, from u₀ = 0", 1.0, 0.9, None, "0", 1.0),
+        ("full batch, from u₀ = 0", 1.3, 0.99, None, "0", 1.0),
+    ]
     for name, eta, rho, batch, start, chi in variants:
         cells = []
         for tol in args.tune_tols:
-            S = SDDSolver(rot, step_size=eta, momentum=rho, batch_size=batch, rtol=tol, max_iter=args.fo_budget,
-                          averaging=chi, seed=args.seed)
+            S = SDDSolver(
+                rot,
+                step_size=eta,
+                momentum=rho,
+                batch_size=batch,
+                rtol=tol,
+                max_iter=args.fo_budget,
+                averaging=chi,
+                seed=args.seed,
+            )
             x0 = torch.zeros_like(R_rot).to(rot.dtype) if start == "0" else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -656,13 +879,20 @@ def _tuning_tables(args, rot, R_rot, X_rot, a, s2, lam, Q, k):
     print("\n## SGD (primal) tuning, same right-hand sides and budget")
     head = ("step η", "ρ", "lr decay", "clip", *[f"rtol {t:g}" for t in args.tune_tols], "res. at budget")
     rows = []
-    for eta, rho, decay, clip in ((1.0, 0.9, "none", None), (1.0, 0.99, "none", None), (1.0, 0.999, "none", None),
-                                  (1.0, 0.9, "linear", None), (1.0, 0.99, "linear", None), (1.0, 0.99, "none", 1.0),
-                                  (1.0, 0.99, "none", 0.1)):
+    for eta, rho, decay, clip in (
+        (1.0, 0.9, "none", None),
+        (1.0, 0.99, "none", None),
+        (1.0, 0.999, "none", None),
+        (1.0, 0.9, "linear", None),
+        (1.0, 0.99, "linear", None),
+        (1.0, 0.99, "none", 1.0),
+        (1.0, 0.99, "none", 0.1),
+    ):
         cells = []
         for tol in args.tune_tols:
-            S = SGDSolver(rot, lr=eta, momentum=rho, lr_decay=decay, clip=clip, rtol=tol, max_iter=args.fo_budget,
-                          seed=args.seed)
+            S = SGDSolver(
+                rot, lr=eta, momentum=rho, lr_decay=decay, clip=clip, rtol=tol, max_iter=args.fo_budget, seed=args.seed
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 _, st = S.solve(R_rot.to(rot.dtype), a, s2)
@@ -681,9 +911,11 @@ def _block_table(args, lam, Q, R_rot, a, s2):
     lam_C = float(lam.max()) / a + s2
     tr_C = float(lam.sum()) / a + c * s2
     eta_pub = 50.0 * lam_C / tr_C
-    print(f"\n## SDD: coordinate blocks vs the full batch ({R_q.shape[0]} right-hand sides, {args.block_budget} "
-          f"iterations each = {args.block_budget} kernel products per right-hand side whatever the block; ρ = 0.9, "
-          f"χ = 100/T; λ_max(C)/tr(C) = {lam_C / tr_C:.3g}, so the published βn = 50 is η = {eta_pub:.3g})")
+    print(
+        f"\n## SDD: coordinate blocks vs the full batch ({R_q.shape[0]} right-hand sides, {args.block_budget} "
+        f"iterations each = {args.block_budget} kernel products per right-hand side whatever the block; ρ = 0.9, "
+        f"χ = 100/T; λ_max(C)/tr(C) = {lam_C / tr_C:.3g}, so the published βn = 50 is η = {eta_pub:.3g})"
+    )
     head = ("batch r", "step η", "η·c/r", "rel. residual at budget", "rel. residual after 1/4 budget")
     rows = []
     for batch in [None, *args.blocks]:
@@ -692,14 +924,29 @@ def _block_table(args, lam, Q, R_rot, a, s2):
         for eta in etas:
             res = []
             for budget in (args.block_budget // 4, args.block_budget):
-                S = SDDSolver(QL, step_size=eta, momentum=0.9, batch_size=batch, rtol=1e-12, max_iter=budget,
-                              averaging=None, seed=args.seed)
+                S = SDDSolver(
+                    QL,
+                    step_size=eta,
+                    momentum=0.9,
+                    batch_size=batch,
+                    rtol=1e-12,
+                    max_iter=budget,
+                    averaging=None,
+                    seed=args.seed,
+                )
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _, st = S.solve(R_q, a, s2)
                 res.append(float(st.relative_residual.max()))
-            rows.append(("full" if batch is None else batch, f"{eta:.3g}", f"{eta * c / r:.3g}", f"{res[1]:.2e}",
-                         f"{res[0]:.2e}"))
+            rows.append(
+                (
+                    "full" if batch is None else batch,
+                    f"{eta:.3g}",
+                    f"{eta * c / r:.3g}",
+                    f"{res[1]:.2e}",
+                    f"{res[0]:.2e}",
+                )
+            )
             print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     _print_table(head, rows)
 
@@ -713,22 +960,45 @@ def _real_check(args, post, net, feats, a, s2, lam, Q, cg, sdd, sgd):
     dev = feats.device
     R = torch.cat([post.targets[None], eps.to(dev) - feats.matvec(w0.to(dev))], dim=0)
     X_ref = post.solver.solve(R, a, s2)[0].double()
-    print(f"\n## On the real network ({m} right-hand sides: the mean and {m - 1} Matheron rows at the fixed point); "
-          f"one kernel product = one JVP + one VJP")
-    head = ("solver", "rtol", "set-up prods", "solve prods/rhs", "max it", "max rel. res.", "rel. error", "wall s",
-            "s per kernel product")
+    print(
+        f"\n## On the real network ({m} right-hand sides: the mean and {m - 1} Matheron rows at the fixed point); "
+        f"one kernel product = one JVP + one VJP"
+    )
+    head = (
+        "solver",
+        "rtol",
+        "set-up prods",
+        "solve prods/rhs",
+        "max it",
+        "max rel. res.",
+        "rel. error",
+        "wall s",
+        "s per kernel product",
+    )
     rows = []
     for tol in args.real_tols:
-        for name, make in ((f"cg rank {args.rank}", cg(args.rank, rtol=tol)),
-                           ("cg adaptive", cg(args.adaptive_cap, True, rtol=tol, threshold=args.rank_thresholds[0])),
-                           ("sdd", sdd(tol, args.real_budget, step_size=args.sdd_step, momentum=args.sdd_momentum)),
-                           ("sgd", sgd(tol, args.real_budget, lr=args.sdd_step, momentum=args.sdd_momentum))):
+        for name, make in (
+            (f"cg rank {args.rank}", cg(args.rank, rtol=tol)),
+            ("cg adaptive", cg(args.adaptive_cap, True, rtol=tol, threshold=args.rank_thresholds[0])),
+            ("sdd", sdd(tol, args.real_budget, step_size=args.sdd_step, momentum=args.sdd_momentum)),
+            ("sgd", sgd(tol, args.real_budget, lr=args.sdd_step, momentum=args.sdd_momentum)),
+        ):
             if name.startswith(("sdd", "sgd")) and args.real_budget <= 0:
                 continue
             r = _solve_counts(make, feats, R, a, s2, X_ref)
-            rows.append((name, f"{tol:g}", r["setup"], f"{r['solve'] / m:.1f}", r["iterations"],
-                         f"{r['residual']:.2e}", f"{r['error']:.2e}", f"{r['wall']:.0f}",
-                         f"{r['wall'] / max(r['products'], 1):.3f}"))
+            rows.append(
+                (
+                    name,
+                    f"{tol:g}",
+                    r["setup"],
+                    f"{r['solve'] / m:.1f}",
+                    r["iterations"],
+                    f"{r['residual']:.2e}",
+                    f"{r['error']:.2e}",
+                    f"{r['wall']:.0f}",
+                    f"{r['wall'] / max(r['products'], 1):.3f}",
+                )
+            )
             print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     _print_table(head, rows)
 
@@ -746,26 +1016,40 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--products", action="store_true", help="per-sample JVP/VJP timing table instead of the phases")
     ap.add_argument("--compare-preconditioners", action="store_true", help="CG iterations per preconditioner")
-    ap.add_argument("--synthetic-only", action="store_true",
-                    help="with --compare-preconditioners: skip the U-Net kernel")
+    ap.add_argument(
+        "--synthetic-only", action="store_true", help="with --compare-preconditioners: skip the U-Net kernel"
+    )
     ap.add_argument("--compare-cg", action="store_true", help="deflated PCG vs linear_operator.linear_cg")
-    ap.add_argument("--compare-solvers", action="store_true",
-                    help="exact, cg (rank --rank and adaptive), sdd, sgd on one problem (module docstring)")
+    ap.add_argument(
+        "--compare-solvers",
+        action="store_true",
+        help="exact, cg (rank --rank and adaptive), sdd, sgd on one problem (module docstring)",
+    )
     ap.add_argument("--run", default=None, help="--compare-solvers: a finished ctuq reconstruct run folder")
     ap.add_argument("--cache", default=None, help="--compare-solvers: file caching the exact decomposition")
     ap.add_argument("--tols", nargs="+", type=float, default=[1e-2, 1e-3], help="--compare-solvers tolerances")
     ap.add_argument("--workload-samples", type=int, default=1024, help="prediction samples of the workload")
     ap.add_argument("--adaptive-cap", type=int, default=3000, help="rank cap of the adaptive preconditioner")
-    ap.add_argument("--rank-thresholds", nargs="+", type=float, default=[1.0],
-                    help="adaptive rank: stop when λ_r/a < this·σ² (one row each)")
+    ap.add_argument(
+        "--rank-thresholds",
+        nargs="+",
+        type=float,
+        default=[1.0],
+        help="adaptive rank: stop when λ_r/a < this·σ² (one row each)",
+    )
     ap.add_argument("--sdd-step", type=float, default=1.0, help="SDD/SGD step (× 1/λ_max)")
     ap.add_argument("--sdd-momentum", type=float, default=0.9)
     ap.add_argument("--fo-budget", type=int, default=5000, help="SDD/SGD iteration budget on the rotated problem")
     ap.add_argument("--em-tol-solver", type=float, default=1e-2, help="SDD/SGD rtol inside the EM comparison")
     ap.add_argument("--tune", action="store_true", help="--compare-solvers: also the SDD/SGD tuning tables")
     ap.add_argument("--tune-tols", nargs="+", type=float, default=[1e-1, 1e-2], help="tolerances of the tuning")
-    ap.add_argument("--blocks", nargs="*", type=int, default=[128, 512, 2048],
-                    help="SDD block sizes of the block table (none: skip it)")
+    ap.add_argument(
+        "--blocks",
+        nargs="*",
+        type=int,
+        default=[128, 512, 2048],
+        help="SDD block sizes of the block table (none: skip it)",
+    )
     ap.add_argument("--block-rhs", type=int, default=4, help="right-hand sides of the block-SDD runs")
     ap.add_argument("--blocks-only", action="store_true", help="only the block table (after the main table)")
     ap.add_argument("--skip-main", action="store_true", help="skip the main table (tuning / blocks only)")
@@ -797,10 +1081,15 @@ def main(argv=None) -> None:
     ap.add_argument("--a0", type=float, default=1.0, help="initial prior precision")
     ap.add_argument("--sigma2", type=float, default=1.0, help="noise variance")
     ap.add_argument("--noise-std", type=float, default=1.0, help="std of the synthetic measurement noise")
-    ap.add_argument("--target", default="prior", choices=("prior", "network"),
-                    help="ỹ = Ψw + ε with w ~ N(0, I/a_true) (prior), or T g(ṽ) + ε for the untrained network")
-    ap.add_argument("--a-true", type=float, default=1.0,
-                    help="prior precision of the synthetic weights (--target prior)")
+    ap.add_argument(
+        "--target",
+        default="prior",
+        choices=("prior", "network"),
+        help="ỹ = Ψw + ε with w ~ N(0, I/a_true) (prior), or T g(ṽ) + ε for the untrained network",
+    )
+    ap.add_argument(
+        "--a-true", type=float, default=1.0, help="prior precision of the synthetic weights (--target prior)"
+    )
     ap.add_argument("--learn-noise", action="store_true")
     ap.add_argument("--pred-samples", type=int, default=64, help="prediction samples (0: skip)")
     ap.add_argument("--pred-chunk", type=int, default=16, help="prediction samples per seeded chunk")

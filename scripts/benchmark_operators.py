@@ -87,31 +87,44 @@ def bench_operator(rows, label, op, batches, repeats, fbp_too):
             y = torch.rand((b, *op.measurement_shape), generator=gen).to(device)
             tf = time_calls(op.forward, x, device, repeats)
             ta = time_calls(op.adjoint, y, device, repeats)
-            row = dict(label, batch=b, fwd_ms=1e3 * statistics.median(tf), adj_ms=1e3 * statistics.median(ta),
-                       fwd_ips=b / statistics.median(tf), adj_ips=b / statistics.median(ta),
-                       fwd_min_ms=1e3 * min(tf), adj_min_ms=1e3 * min(ta))
+            row = dict(
+                label,
+                batch=b,
+                fwd_ms=1e3 * statistics.median(tf),
+                adj_ms=1e3 * statistics.median(ta),
+                fwd_ips=b / statistics.median(tf),
+                adj_ips=b / statistics.median(ta),
+                fwd_min_ms=1e3 * min(tf),
+                adj_min_ms=1e3 * min(ta),
+            )
             if fbp_too:
                 tb = time_calls(lambda t: fbp(op, t), y, device, max(1, repeats // 2))
                 row["fbp_ms"] = 1e3 * statistics.median(tb)
             rows.append(row)
             print_row(row, fbp_too)
         except (RuntimeError, MemoryError) as exc:  # e.g. out of memory at a large batch: report, go on
-            print(f"  {label['device']:<6} {label['backend']:<11} {label['size']:>5} {b:>6}  failed: {exc}",
-                  file=sys.stderr)
+            print(
+                f"  {label['device']:<6} {label['backend']:<11} {label['size']:>5} {b:>6}  failed: {exc}",
+                file=sys.stderr,
+            )
         finally:
             x = y = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-HEADER = (f"  {'device':<6} {'backend':<11} {'size':>5} {'batch':>6} {'fwd ms/call':>12} {'adj ms/call':>12} "
-          f"{'fwd img/s':>10} {'adj img/s':>10} {'fwd min ms':>11} {'adj min ms':>11}")
+HEADER = (
+    f"  {'device':<6} {'backend':<11} {'size':>5} {'batch':>6} {'fwd ms/call':>12} {'adj ms/call':>12} "
+    f"{'fwd img/s':>10} {'adj img/s':>10} {'fwd min ms':>11} {'adj min ms':>11}"
+)
 
 
 def print_row(r, fbp_too):
-    line = (f"  {r['device']:<6} {r['backend']:<11} {r['size']:>5} {r['batch']:>6} {r['fwd_ms']:>12.3f} "
-            f"{r['adj_ms']:>12.3f} {r['fwd_ips']:>10.1f} {r['adj_ips']:>10.1f} {r['fwd_min_ms']:>11.3f} "
-            f"{r['adj_min_ms']:>11.3f}")
+    line = (
+        f"  {r['device']:<6} {r['backend']:<11} {r['size']:>5} {r['batch']:>6} {r['fwd_ms']:>12.3f} "
+        f"{r['adj_ms']:>12.3f} {r['fwd_ips']:>10.1f} {r['adj_ips']:>10.1f} {r['fwd_min_ms']:>11.3f} "
+        f"{r['adj_min_ms']:>11.3f}"
+    )
     if fbp_too:
         line += f" {r.get('fbp_ms', float('nan')):>10.1f}"
     print(line, flush=True)
@@ -121,15 +134,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 501], help="image sizes n (n×n, 50.1 mm FOV)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="batch sizes")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CPU, plus CUDA when available")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CPU, plus CUDA when available"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (after one warm-up)")
-    parser.add_argument("--cone-size", type=int, default=128,
-                        help="GPU only: n for the n³ cone-beam volume (n detector rows); 0 skips it")
+    parser.add_argument(
+        "--cone-size",
+        type=int,
+        default=128,
+        help="GPU only: n for the n³ cone-beam volume (n detector rows); 0 skips it",
+    )
     parser.add_argument("--cone-batches", type=int, nargs="+", default=[1, 4], help="batch sizes of the 3D case")
     parser.add_argument("--fbp", action="store_true", help="also time the torch FBP of each batch")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; on a busy machine 1 can be faster)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; on a busy machine 1 can be faster)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))
@@ -149,9 +171,11 @@ def main(argv=None) -> int:
 
         astra_cuda = cuda_available()
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-          + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
-          + f"; fan beam {N_ANGLES} angles × {DET_COLS} columns, median of {args.repeats} calls")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+        + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+        + f"; fan beam {N_ANGLES} angles × {DET_COLS} columns, median of {args.repeats} calls"
+    )
     geometry = walnut_fan_geometry()
     rows = []
     print(HEADER + (f" {'fbp ms':>10}" if args.fbp else ""))
@@ -163,14 +187,21 @@ def main(argv=None) -> int:
         print(f"  (sparse {n}²: assembled in {setup:.1f} s, nnz {sparse_cpu.nnz / 1e6:.2f} M)", flush=True)
         for device in devices:
             op = sparse_cpu if device.type == "cpu" else sparse_cpu.to(device)
-            bench_operator(rows, dict(device=device.type, backend="sparse", size=n), op, args.batches,
-                           args.repeats, args.fbp)
+            bench_operator(
+                rows, dict(device=device.type, backend="sparse", size=n), op, args.batches, args.repeats, args.fbp
+            )
             if device.type == "cuda" and astra_cuda:
                 from ctuq.operators.astra_cuda import AstraCudaRayTransform
 
                 astra_op = AstraCudaRayTransform(volume, geometry, device=device)
-                bench_operator(rows, dict(device="cuda", backend="astra_cuda", size=n), astra_op, args.batches,
-                               args.repeats, args.fbp)
+                bench_operator(
+                    rows,
+                    dict(device="cuda", backend="astra_cuda", size=n),
+                    astra_op,
+                    args.batches,
+                    args.repeats,
+                    args.fbp,
+                )
                 astra_op.close()
         del sparse_cpu
     if astra_cuda and args.cone_size > 0:
@@ -180,8 +211,9 @@ def main(argv=None) -> int:
         volume = VolumeGeometry((n, n, n), FOV_MM / n)
         op3 = AstraCudaRayTransform(volume, walnut_cone_geometry(n), device="cuda")
         print(f"  (3D cone beam: {n}³ volume, {N_ANGLES} angles × {n} × {DET_COLS} detector)")
-        bench_operator(rows, dict(device="cuda", backend="astra_3d", size=n), op3, args.cone_batches,
-                       args.repeats, args.fbp)
+        bench_operator(
+            rows, dict(device="cuda", backend="astra_3d", size=n), op3, args.cone_batches, args.repeats, args.fbp
+        )
         op3.close()
     elif any(d.type == "cuda" for d in devices) and not astra_cuda:
         print("  (ASTRA CUDA unavailable: astra_cuda rows and the 3D cone-beam case skipped)")

@@ -107,18 +107,25 @@ def main(argv=None):
     la.optimize_prior(method="sampled_em", max_steps=5, n_samples=16, tol=0.0)
     f, Z = la.logit_deviations(d["Xt"], args.samples, seed=args.seed)
     secs = time.perf_counter() - t0
-    print(f"linearised Laplace (d = {la.n_params}, solver {la.posterior.solver_name}): a = {la.prior_precision:.4g} "
-          f"after {len(la.em_trace)} EM steps, {secs:.1f} s in all")
+    print(
+        f"linearised Laplace (d = {la.n_params}, solver {la.posterior.solver_name}): a = {la.prior_precision:.4g} "
+        f"after {len(la.em_trace)} EM steps, {secs:.1f} s in all"
+    )
 
     with torch.no_grad():
         map_probs = torch.softmax(model(d["Xt"]).double(), -1)
-    methods = {"MAP": (map_probs, None), "ctuq MC": (link_probabilities(f, Z, "mc"), f[None] + Z),
-               "ctuq probit": (link_probabilities(f, Z, "probit"), f[None] + Z)}
+    methods = {
+        "MAP": (map_probs, None),
+        "ctuq MC": (link_probabilities(f, Z, "mc"), f[None] + Z),
+        "ctuq probit": (link_probabilities(f, Z, "probit"), f[None] + Z),
+    }
     print("\n| method | NLL | accuracy | ECE | Brier | joint LL κ=1 | κ=10 |\n|---|---|---|---|---|---|---|")
     for name, (p, logits) in methods.items():
         r = metric_row(p, d["yt"], logits, kappas=[1, 10], seed=args.seed)
-        print(f"| {name} | {r['nll']:.3f} | {r['accuracy']:.3f} | {r['ece']:.3f} | {r['brier']:.3f} | "
-              f"{r['joint_ll'][1]:.3f} | {r['joint_ll'][10]:.3f} |")
+        print(
+            f"| {name} | {r['nll']:.3f} | {r['accuracy']:.3f} | {r['ece']:.3f} | {r['brier']:.3f} | "
+            f"{r['joint_ll'][1]:.3f} | {r['joint_ll'][10]:.3f} |"
+        )
 
     shifts = SHIFTS["digits"]
     table = {name: {} for name in methods}
@@ -128,12 +135,20 @@ def main(argv=None):
             fs, Zs = la.logit_deviations(X, args.samples, seed=args.seed)
             with torch.no_grad():
                 pm = torch.softmax(model(X).double(), -1)
-            for name, p in (("MAP", pm), ("ctuq MC", link_probabilities(fs, Zs, "mc")),
-                            ("ctuq probit", link_probabilities(fs, Zs, "probit"))):
+            for name, p in (
+                ("MAP", pm),
+                ("ctuq MC", link_probabilities(fs, Zs, "mc")),
+                ("ctuq probit", link_probabilities(fs, Zs, "probit")),
+            ):
                 table[name][(kind, sev)] = metric_row(p, d["yt"], kappas=[1])
-    print("\nNLL under shift: " + "; ".join(
-        f"{kind} {sev}: " + ", ".join(f"{n} {table[n][(kind, sev)]['nll']:.2f}" for n in table)
-        for kind in shifts for sev in shifts[kind][1::2]))
+    print(
+        "\nNLL under shift: "
+        + "; ".join(
+            f"{kind} {sev}: " + ", ".join(f"{n} {table[n][(kind, sev)]['nll']:.2f}" for n in table)
+            for kind in shifts
+            for sev in shifts[kind][1::2]
+        )
+    )
     p1 = plot_reliability(out / "reliability.png", {n: p for n, (p, _) in methods.items()}, d["yt"])
     p2 = plot_shift(out / "shift.png", table, shifts)
     print(f"\nfigures: {p1}, {p2}")

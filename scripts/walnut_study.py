@@ -67,32 +67,56 @@ from ctuq.utils import tune_malloc
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every study option defaults to ``None`` (resolved by :func:`resolve_options`)."""
     p = argparse.ArgumentParser(
-        prog="walnut_study.py", description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Outputs in"):], formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="walnut_study.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Outputs in") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = DEFAULTS
     g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="DIR", help="Walnut{id} folder (real or simulated); default: simulate one "
-                                                 "into OUT/scan (reused when it is there)")
-    g.add_argument("--scan-preset", choices=("bundled", "tiny", "walnut"),
-                   help=f"simulation preset when --data is not given (default {d['scan_preset']})")
+    g.add_argument(
+        "--data",
+        metavar="DIR",
+        help="Walnut{id} folder (real or simulated); default: simulate one into OUT/scan (reused when it is there)",
+    )
+    g.add_argument(
+        "--scan-preset",
+        choices=("bundled", "tiny", "walnut"),
+        help=f"simulation preset when --data is not given (default {d['scan_preset']})",
+    )
     g.add_argument("--out", metavar="DIR", required=True, help="study folder (created; reruns resume in it)")
-    g.add_argument("--settings", type=int, nargs="+", metavar="ANGLES",
-                   help=f"angle counts, each dividing the scan's number of distinct angles (default "
-                        f"{' '.join(map(str, d['settings']))})")
+    g.add_argument(
+        "--settings",
+        type=int,
+        nargs="+",
+        metavar="ANGLES",
+        help=f"angle counts, each dividing the scan's number of distinct angles (default "
+        f"{' '.join(map(str, d['settings']))})",
+    )
     g.add_argument("--orbit", type=int, choices=(1, 2, 3), help="source orbit (default 2)")
     g.add_argument("--slice-index", type=int, help="ground-truth slice (default: the central one)")
-    g.add_argument("--image-shape", type=int, nargs=2, metavar=("H", "W"),
-                   help="reconstruction grid (default: the ground-truth grid)")
-    g.add_argument("--detector-subsampling", type=int, metavar="K",
-                   help="keep every K-th detector column (default: about 128 columns remain)")
+    g.add_argument(
+        "--image-shape",
+        type=int,
+        nargs=2,
+        metavar=("H", "W"),
+        help="reconstruction grid (default: the ground-truth grid)",
+    )
+    g.add_argument(
+        "--detector-subsampling",
+        type=int,
+        metavar="K",
+        help="keep every K-th detector column (default: about 128 columns remain)",
+    )
     g.add_argument("--backend", choices=("auto", "sparse", "astra_cuda"), help="ray transform (default auto)")
     g = p.add_argument_group("DIP")
     g.add_argument("--preset", choices=("tiny", "small", "walnut"), help=f"U-Net preset (default {d['preset']})")
     g.add_argument("--iterations", type=int, help=f"DIP iterations (default {d['iterations']})")
     g.add_argument("--lr", type=float, help=f"Adam learning rate (default {d['lr']})")
     g.add_argument("--tv-weight", type=float, help=f"TV weight (default {d['tv_weight']})")
-    g.add_argument("--clip-grad-norm", type=float,
-                   help=f"gradient-norm clip, 0 disables (default {d['clip_grad_norm']})")
+    g.add_argument(
+        "--clip-grad-norm", type=float, help=f"gradient-norm clip, 0 disables (default {d['clip_grad_norm']})"
+    )
     g.add_argument("--scale", type=float, help=f"data/image scale of the DIP (default {d['scale']})")
     g.add_argument("--input-std", type=float, help=f"std of the fixed noise input (default {d['input_std']})")
     g = p.add_argument_group("linearised inference")
@@ -100,14 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exact-samples", type=int, help="prediction samples of the exact reference (default: --samples)")
     g.add_argument("--em-steps", type=int, help=f"sampled-EM steps (default {d['em_steps']})")
     g.add_argument("--em-samples", type=int, help=f"samples per sampled-EM step (default {d['em_samples']})")
-    g.add_argument("--exact-em-steps", type=int,
-                   help=f"EM steps of the exact reference (free there; default {d['exact_em_steps']}, tol 1e-3)")
+    g.add_argument(
+        "--exact-em-steps",
+        type=int,
+        help=f"EM steps of the exact reference (free there; default {d['exact_em_steps']}, tol 1e-3)",
+    )
     g.add_argument("--rank", type=int, help=f"CG preconditioner rank (default {d['rank']})")
-    g.add_argument("--gprior", choices=("exact", "stochastic"), help="g-prior scales: exact (c VJPs) or stochastic "
-                                                                     "(default exact)")
+    g.add_argument(
+        "--gprior", choices=("exact", "stochastic"), help="g-prior scales: exact (c VJPs) or stochastic (default exact)"
+    )
     g.add_argument("--prior-precision", type=float, help=f"initial prior precision a (default {d['prior_precision']})")
-    g.add_argument("--exact", choices=("auto", "always", "never"),
-                   help="run the exact reference: auto = when its memory estimate fits the device (default)")
+    g.add_argument(
+        "--exact",
+        choices=("auto", "always", "never"),
+        help="run the exact reference: auto = when its memory estimate fits the device (default)",
+    )
     g = p.add_argument_group("MC dropout")
     g.add_argument("--mc-passes", type=int, help=f"stochastic forward passes (default {d['mc_passes']})")
     g.add_argument("--mc-batch", type=int, help=f"passes per forward call (default {d['mc_batch']})")
@@ -115,12 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if available")
     g.add_argument("--seed", type=int, help="seed of inputs, weights, dropout and samples (default 0)")
-    g.add_argument("--tiny", action="store_true",
-                   help="tiny preset for tests: tiny simulated scan, 4 and 8 angles, 32² grid, 24 detector columns, "
-                        f"{TINY['iterations']} DIP iterations, a few samples (explicit options still win)")
-    g.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's choice; on a machine shared with other jobs 1 can be "
-                        "several times faster)")
+    g.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny preset for tests: tiny simulated scan, 4 and 8 angles, 32² grid, 24 detector columns, "
+        f"{TINY['iterations']} DIP iterations, a few samples (explicit options still win)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice; on a machine shared with other jobs 1 can be "
+        "several times faster)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     return p
 
@@ -145,8 +183,10 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
         if not ok:
             raise StudyError(what)
 
-    need(len(opts["settings"]) > 0 and min(opts["settings"]) >= 1, f"--settings: angle counts must be >= 1, got "
-                                                                    f"{opts['settings']}")
+    need(
+        len(opts["settings"]) > 0 and min(opts["settings"]) >= 1,
+        f"--settings: angle counts must be >= 1, got {opts['settings']}",
+    )
     need(len(set(opts["settings"])) == len(opts["settings"]), f"--settings: repeated angle count in {opts['settings']}")
     for key in ("iterations", "samples", "exact_samples", "mc_passes", "em_samples", "rank", "mc_batch"):
         need(opts[key] >= 1, f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
@@ -164,10 +204,11 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     if opts["image_shape"] is not None:
         need(min(opts["image_shape"]) >= 4, f"--image-shape must be at least 4 × 4, got {opts['image_shape']}")
     if opts["detector_subsampling"] is not None:
-        need(opts["detector_subsampling"] >= 1, f"--detector-subsampling must be >= 1, got "
-                                                f"{opts['detector_subsampling']}")
+        need(
+            opts["detector_subsampling"] >= 1,
+            f"--detector-subsampling must be >= 1, got {opts['detector_subsampling']}",
+        )
     return opts
-
 
 
 def main(argv: list[str] | None = None) -> int:

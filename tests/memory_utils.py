@@ -11,7 +11,7 @@ timestamp, so the running sum in time order is the live-byte curve that this mod
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,8 +21,10 @@ def _memory_events(prof) -> list[tuple[int, int]]:
     """``(start_ns, nbytes)`` of every CPU allocation (> 0) and free (< 0) recorded by ``prof``."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
-        raise RuntimeError("peak_cpu_bytes: this torch version exposes no raw profiler events "
-                           "(prof.profiler.kineto_results); the memory measurement needs updating")
+        raise RuntimeError(
+            "peak_cpu_bytes: this torch version exposes no raw profiler events "
+            "(prof.profiler.kineto_results); the memory measurement needs updating"
+        )
     out = []
     for e in results.events():
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes():

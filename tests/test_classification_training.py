@@ -46,7 +46,7 @@ def test_per_weight_precision_shrinks_only_the_weights_it_names():
     assert v_held[:first].abs().max() < 0.1
     # the weights without a precision are not pulled to 0
     last = free[2].weight.numel()
-    assert v_held[-last - 3:-3].norm() > 0.5 * start[-last - 3:-3].norm()
+    assert v_held[-last - 3 : -3].norm() > 0.5 * start[-last - 3 : -3].norm()
 
 
 def test_precision_of_the_wrong_shape_is_refused():

@@ -25,7 +25,7 @@ def _data(n, dim, n_classes, seed):
 
 
 def _loader(X, y, batch=16):
-    return [(X[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)]
+    return [(X[i : i + batch], y[i : i + batch]) for i in range(0, len(y), batch)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,9 @@ def tiny():
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     for _ in range(150):
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(X[:24]), y[:24]) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        loss = nn.functional.cross_entropy(model(X[:24]), y[:24]) + 1e-3 * sum(
+            p.pow(2).sum() for p in model.parameters()
+        )
         loss.backward()
         opt.step()
     return {"model": model, "X": X[:24], "y": y[:24], "Xt": X[24:], "yt": y[24:]}
@@ -180,13 +182,15 @@ def test_pseudo_targets_give_the_trained_network_when_it_is_the_mode():
     X, y = _data(40, 3, 3, seed=5)
     model = nn.Linear(3, 3).double()
     a = 0.7
-    opt = torch.optim.LBFGS(model.parameters(), max_iter=500, tolerance_grad=1e-12, tolerance_change=0,
-                            line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        model.parameters(), max_iter=500, tolerance_grad=1e-12, tolerance_change=0, line_search_fn="strong_wolfe"
+    )
 
     def closure():
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(X), y, reduction="sum") + 0.5 * a * sum(
-            p.pow(2).sum() for p in model.parameters())
+            p.pow(2).sum() for p in model.parameters()
+        )
         loss.backward()
         return loss
 
@@ -277,8 +281,9 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
     # an exact EM after the iterative one whitens the held J instead of computing Jacobians again
     la = runs["always"][0]
     la.optimize_prior("exact", max_steps=1)
-    torch.testing.assert_close(la.posterior.base.matrix, runs["never"][0].posterior.base.to_dense(), rtol=1e-9,
-                               atol=1e-12)
+    torch.testing.assert_close(
+        la.posterior.base.matrix, runs["never"][0].posterior.base.to_dense(), rtol=1e-9, atol=1e-12
+    )
     with pytest.raises(ValueError, match=r"DenseJacobian: matrix has shape \(3, 4\), the network's Jacobian is"):
         DenseJacobian(torch.zeros(3, 4, dtype=torch.float64), runs["never"][0].posterior.base.network)
     # columns of Ψ₀ over the held J are slices, not products (an exact solver's assembly)
@@ -287,8 +292,9 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
     base = _fit(tiny, dense_features="always", **kw).posterior.base
     with monkeypatch.context() as m:
         m.setattr(DenseJacobian, "jvp", lambda *a: pytest.fail("a product where a slice of J does"))
-        torch.testing.assert_close(assemble_features(base, by="columns"), la.posterior.base.matrix, rtol=1e-12,
-                                   atol=1e-14)
+        torch.testing.assert_close(
+            assemble_features(base, by="columns"), la.posterior.base.matrix, rtol=1e-12, atol=1e-14
+        )
     np.testing.assert_allclose(runs["always"][1], runs["never"][1], rtol=1e-6)
     torch.testing.assert_close(runs["always"][2], runs["never"][2], rtol=1e-6, atol=1e-9)
     import ctuq.classify.laplace as lap

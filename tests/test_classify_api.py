@@ -23,8 +23,16 @@ class SmallCNN(nn.Module):
     def __init__(self, norm="batch"):
         super().__init__()
         layer = (lambda c: nn.BatchNorm2d(c)) if norm == "batch" else (lambda c: nn.GroupNorm(2, c))
-        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), layer(4), nn.ReLU(), nn.Conv2d(4, 4, 3), layer(4),
-                                  nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1),
+            layer(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3),
+            layer(4),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+        )
         self.head = nn.Linear(16, 3)
 
     def forward(self, x):
@@ -129,7 +137,9 @@ class Squeeze(nn.Module):
 
 def test_bad_input_gets_clear_errors(mlp):
     model, X, y = mlp
-    with pytest.raises(ValueError, match=r"logits of shape \(N, C\) with C >= 2 classes; for 24 inputs it returned \(24,\)"):
+    with pytest.raises(
+        ValueError, match=r"logits of shape \(N, C\) with C >= 2 classes; for 24 inputs it returned \(24,\)"
+    ):
         LinearizedLaplace(Squeeze()).fit(_loader(X, y))
     bad = y.clone()
     bad[3] = 5

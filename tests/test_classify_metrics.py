@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from ctuq.metrics import (accuracy, brier_score, classification_summary, expected_calibration_error,
-                          joint_log_likelihood, joint_log_likelihoods, nll, reliability_diagram)
+from ctuq.metrics import (
+    accuracy,
+    brier_score,
+    classification_summary,
+    expected_calibration_error,
+    joint_log_likelihood,
+    joint_log_likelihoods,
+    nll,
+    reliability_diagram,
+)
 
 
 def test_nll_accuracy_brier_by_hand():

@@ -22,8 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bundled_configs_load_and_match_top_level_folder():
     names = bundled_configs()
-    assert set(names) >= {"demo", "demo_pretrained", "walnut_2d_60", "walnut_2d_120", "walnut_3d",
-                          "walnut_3d_published"}
+    assert set(names) >= {
+        "demo",
+        "demo_pretrained",
+        "walnut_2d_60",
+        "walnut_2d_120",
+        "walnut_3d",
+        "walnut_3d_published",
+    }
     for name, path in names.items():
         cfg = load_config(name)
         assert isinstance(cfg, Config)
@@ -58,8 +64,18 @@ def test_pretrained_demo_finds_the_bundled_weights_from_any_working_directory(tm
 
 
 def test_overrides_and_flags():
-    cfg = load_config("demo", ["dip.lr=1e-3", "model.channels=[8, 8, 8]", "model.skip_channels=[0, 2, 2]",
-                               "data.slice_index=null", "tv.enabled=false"], seed=7, device="auto")
+    cfg = load_config(
+        "demo",
+        [
+            "dip.lr=1e-3",
+            "model.channels=[8, 8, 8]",
+            "model.skip_channels=[0, 2, 2]",
+            "data.slice_index=null",
+            "tv.enabled=false",
+        ],
+        seed=7,
+        device="auto",
+    )
     assert cfg.dip.lr == 1e-3 and isinstance(cfg.dip.lr, float)
     assert cfg.model.channels == [8, 8, 8] and cfg.seed == 7 and cfg.device == "auto"
     assert cfg.tv.enabled is False
@@ -168,24 +184,77 @@ def test_posterior_arguments_give_each_solver_exactly_its_keys():
     from ctuq.config import UQConfig, posterior_arguments
     from ctuq.inference import SOLVERS, Workload, solver_kwargs
 
-    uq = UQConfig(prior="isotropic", gprior_method="stochastic", gprior_probes=9, solver="cg", preconditioner="halko",
-                  rank=12, oversampling=3, cg_tol=1e-5, cg_max_iter=77, adaptive_rank=False, sdd_step=0.7,
-                  sdd_momentum=0.9, sdd_batch=5, sdd_iterations=33, sgd_lr=0.5, sgd_momentum=0.8,
-                  sgd_lr_decay="linear", sgd_clip=2.0, sgd_iterations=44, first_order_tol=1e-3, prior_precision=3.0,
-                  em_steps=2, em_samples=3, samples=10, sample_chunk=5)
+    uq = UQConfig(
+        prior="isotropic",
+        gprior_method="stochastic",
+        gprior_probes=9,
+        solver="cg",
+        preconditioner="halko",
+        rank=12,
+        oversampling=3,
+        cg_tol=1e-5,
+        cg_max_iter=77,
+        adaptive_rank=False,
+        sdd_step=0.7,
+        sdd_momentum=0.9,
+        sdd_batch=5,
+        sdd_iterations=33,
+        sgd_lr=0.5,
+        sgd_momentum=0.8,
+        sgd_lr_decay="linear",
+        sgd_clip=2.0,
+        sgd_iterations=44,
+        first_order_tol=1e-3,
+        prior_precision=3.0,
+        em_steps=2,
+        em_samples=3,
+        samples=10,
+        sample_chunk=5,
+    )
     args = posterior_arguments(uq)
     assert set(args) == {"prior", "gprior_method", "gprior_probes", "a", "solver", "solver_options", "workload"}
     assert (args["prior"], args["gprior_method"], args["gprior_probes"], args["a"], args["solver"]) == (
-        "isotropic", "stochastic", 9, 3.0, "cg")
-    assert args["workload"] == Workload(em_steps=2, em_samples=3, prediction_samples=10, rank=12, oversampling=3,
-                                        sdd_iterations=33.0, sgd_iterations=44.0, chunk=5)
+        "isotropic",
+        "stochastic",
+        9,
+        3.0,
+        "cg",
+    )
+    assert args["workload"] == Workload(
+        em_steps=2,
+        em_samples=3,
+        prediction_samples=10,
+        rank=12,
+        oversampling=3,
+        sdd_iterations=33.0,
+        sgd_iterations=44.0,
+        chunk=5,
+    )
     opts = args["solver_options"]
-    assert solver_kwargs(opts, "cg") == {"preconditioner": "halko", "rank": 12, "oversampling": 3, "rtol": 1e-5,
-                                         "max_iter": 77, "adaptive_rank": False, "rank_threshold": 1.0}
-    assert solver_kwargs(opts, "sdd") == {"step_size": 0.7, "momentum": 0.9, "batch_size": 5, "max_iter": 33,
-                                          "rtol": 1e-3}
-    assert solver_kwargs(opts, "sgd") == {"lr": 0.5, "momentum": 0.8, "lr_decay": "linear", "clip": 2.0,
-                                          "max_iter": 44, "rtol": 1e-3}
+    assert solver_kwargs(opts, "cg") == {
+        "preconditioner": "halko",
+        "rank": 12,
+        "oversampling": 3,
+        "rtol": 1e-5,
+        "max_iter": 77,
+        "adaptive_rank": False,
+        "rank_threshold": 1.0,
+    }
+    assert solver_kwargs(opts, "sdd") == {
+        "step_size": 0.7,
+        "momentum": 0.9,
+        "batch_size": 5,
+        "max_iter": 33,
+        "rtol": 1e-3,
+    }
+    assert solver_kwargs(opts, "sgd") == {
+        "lr": 0.5,
+        "momentum": 0.8,
+        "lr_decay": "linear",
+        "clip": 2.0,
+        "max_iter": 44,
+        "rtol": 1e-3,
+    }
     assert solver_kwargs(opts, "exact_primal") == solver_kwargs(opts, "exact_dual") == {}
     for name in ("cg", "sdd", "sgd"):
         assert set(solver_kwargs(opts, name)) <= SOLVERS[name].option_names()
@@ -203,22 +272,35 @@ def test_uq_defaults_are_the_solvers_defaults():
         return inspect.signature(cls.__init__).parameters[name].default
 
     assert (uq.sdd_step, uq.sdd_momentum, uq.sdd_batch, uq.sdd_iterations) == tuple(
-        default(SDDSolver, n) for n in ("step_size", "momentum", "batch_size", "max_iter"))
+        default(SDDSolver, n) for n in ("step_size", "momentum", "batch_size", "max_iter")
+    )
     assert (uq.sgd_lr, uq.sgd_momentum, uq.sgd_lr_decay, uq.sgd_clip, uq.sgd_iterations) == tuple(
-        default(SGDSolver, n) for n in ("lr", "momentum", "lr_decay", "clip", "max_iter"))
+        default(SGDSolver, n) for n in ("lr", "momentum", "lr_decay", "clip", "max_iter")
+    )
     assert uq.first_order_tol == default(SDDSolver, "rtol") == default(SGDSolver, "rtol")
-    assert (uq.preconditioner, uq.rank, uq.oversampling, uq.cg_tol, uq.cg_max_iter, uq.adaptive_rank,
-            uq.rank_threshold) == tuple(default(CGSolver, n) for n in ("preconditioner", "rank", "oversampling", "rtol",
-                                                                        "max_iter", "adaptive_rank", "rank_threshold"))
+    assert (
+        uq.preconditioner,
+        uq.rank,
+        uq.oversampling,
+        uq.cg_tol,
+        uq.cg_max_iter,
+        uq.adaptive_rank,
+        uq.rank_threshold,
+    ) == tuple(
+        default(CGSolver, n)
+        for n in ("preconditioner", "rank", "oversampling", "rtol", "max_iter", "adaptive_rank", "rank_threshold")
+    )
 
 
 def test_the_config_imports_no_front_end():
     import subprocess
     import sys
 
-    code = ("import sys, ctuq.config\n"
-            "print(','.join(sorted(m for m in sys.modules if m.startswith(('ctuq.design', 'ctuq.classify', "
-            "'ctuq.pipeline', 'ctuq.studies', 'ctuq.uq')))))\n")
+    code = (
+        "import sys, ctuq.config\n"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith(('ctuq.design', 'ctuq.classify', "
+        "'ctuq.pipeline', 'ctuq.studies', 'ctuq.uq')))))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""

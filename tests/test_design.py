@@ -132,8 +132,9 @@ def test_bordered_cholesky_equals_recomputation_and_serves_the_core_sampler(op):
     feats = model.features(blocks)
     chol.bind(feats)
     a = sample_posterior(feats, chol, model.a, model.sigma2, 6, generator=torch.Generator().manual_seed(3))
-    b = sample_posterior(feats, ExactEigSolver(feats), model.a, model.sigma2, 6,
-                         generator=torch.Generator().manual_seed(3))
+    b = sample_posterior(
+        feats, ExactEigSolver(feats), model.a, model.sigma2, 6, generator=torch.Generator().manual_seed(3)
+    )
     assert torch.allclose(a.weights, b.weights, atol=1e-9)
 
 
@@ -240,8 +241,8 @@ def test_sequential_sample_update_equals_conditioning_on_all_rows_at_once(op):
 
     feats = model.features([0, 6])
     w0, eps_p = draw_prior_and_noise(m, feats, model.a, model.sigma2, chunk_generator(eng.chunk_seed() - 1, 0))
-    eps_b = torch.randn((m, K), generator=chunk_generator(5 + 7919, 1), dtype=torch.float64) * model.sigma2 ** 0.5
-    Psi = (model.factor.matrix * model.scales)  # image-space features L diag(s)
+    eps_b = torch.randn((m, K), generator=chunk_generator(5 + 7919, 1), dtype=torch.float64) * model.sigma2**0.5
+    Psi = model.factor.matrix * model.scales  # image-space features L diag(s)
     T = torch.from_numpy(op.matrix.toarray())
     P_all = T @ Psi
     rows = model.rows([0, 6, 3])
@@ -274,12 +275,15 @@ def test_first_greedy_pick_is_the_brute_force_argmax(op):
     """EIG (no jitter) = the information gain by entropy difference in weight space, for every candidate."""
     model = dense_model(op)
     eng = DesignEngine(model, route="exact")
-    res = greedy_design(eng, [0, 6], 1, criterion="eig", angles_deg=np.arange(N_ANG) * 15.0, jitter=0.0,
-                        progress=False)
+    res = greedy_design(eng, [0, 6], 1, criterion="eig", angles_deg=np.arange(N_ANG) * 15.0, jitter=0.0, progress=False)
     Psi = torch.from_numpy(op.matrix.toarray()) @ (model.factor.matrix * model.scales)
     pilot_rows = model.rows([0, 6]).numpy()
-    gains = [information_gain_bruteforce(Psi.numpy(), pilot_rows, model.rows([b]).numpy(), model.a, model.sigma2)
-             if b not in (0, 6) else -np.inf for b in range(N_ANG)]
+    gains = [
+        information_gain_bruteforce(Psi.numpy(), pilot_rows, model.rows([b]).numpy(), model.a, model.sigma2)
+        if b not in (0, 6)
+        else -np.inf
+        for b in range(N_ANG)
+    ]
     assert res.acquired[0] == int(np.argmax(gains))
     values = np.array([-np.inf if v is None else v for v in res.steps[0]["values"]])
     np.testing.assert_allclose(values[np.isfinite(values)], np.array(gains)[np.isfinite(gains)], rtol=1e-9)
@@ -325,16 +329,20 @@ def test_criteria_from_samples_small_m_uses_the_gram_matrix():
 # ------------------------------------------------------------------------------------------------ loop, resume
 def test_greedy_resume_replays_and_continues_like_an_uninterrupted_design(op, tmp_path):
     model = dense_model(op)
-    kw = dict(criterion="eig", angles_deg=np.arange(N_ANG) * 15.0, jitter=0.01, progress=False,
-              fingerprint={"problem": "test"})
+    kw = dict(
+        criterion="eig",
+        angles_deg=np.arange(N_ANG) * 15.0,
+        jitter=0.01,
+        progress=False,
+        fingerprint={"problem": "test"},
+    )
     full = greedy_design(DesignEngine(model, "sampled", n_samples=64, seed=2), [0, 6], 5, **kw)
     ck = tmp_path / "state.pt"
     greedy_design(DesignEngine(model, "sampled", n_samples=64, seed=2), [0, 6], 3, checkpoint=ck, **kw)
     resumed = greedy_design(DesignEngine(model, "sampled", n_samples=64, seed=2), [0, 6], 5, checkpoint=ck, **kw)
     assert resumed.resumed_steps == 3
     assert resumed.acquired == full.acquired
-    np.testing.assert_allclose([s["criterion"] for s in resumed.steps], [s["criterion"] for s in full.steps],
-                               rtol=1e-5)
+    np.testing.assert_allclose([s["criterion"] for s in resumed.steps], [s["criterion"] for s in full.steps], rtol=1e-5)
     with pytest.raises(CheckpointMismatch, match="pilot"):
         greedy_design(DesignEngine(model, "sampled", n_samples=64, seed=2), [0, 5], 5, checkpoint=ck, **kw)
 
@@ -363,8 +371,10 @@ def test_refreshing_updater_resets_the_engine(op):
     assert [n for n, _ in calls] == [1, 2] and again.chosen == first.chosen
     # the samples of the refresh after the last step are drawn only when needed (a std map does not need them)
     assert eng.Y is None and eng.posterior_std(8).shape == (model.d_x,) and eng.Y is None
-    lazy, eager = DesignEngine(model, "sampled", n_samples=32, seed=0), DesignEngine(model, "sampled", n_samples=32,
-                                                                                        seed=0)
+    lazy, eager = (
+        DesignEngine(model, "sampled", n_samples=32, seed=0),
+        DesignEngine(model, "sampled", n_samples=32, seed=0),
+    )
     lazy.reset([0, 3])
     eager.reset([0, 3])
     eager.prepare()

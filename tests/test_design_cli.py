@@ -12,10 +12,29 @@ import tifffile
 
 from ctuq.cli import main
 
-TINY = ["--no-progress", "--candidates", "24", "--acquire", "3", "--samples", "64",
-        "--set", "data.image_shape=[32, 32]", "--set", "data.detector_subsampling=8", "--set", "dip.iterations=10",
-        "--set", "tv.iterations=10", "--set", "design.std_samples=16", "--set", "design.dense=never",
-        "--set", "output.figure=false"]
+TINY = [
+    "--no-progress",
+    "--candidates",
+    "24",
+    "--acquire",
+    "3",
+    "--samples",
+    "64",
+    "--set",
+    "data.image_shape=[32, 32]",
+    "--set",
+    "data.detector_subsampling=8",
+    "--set",
+    "dip.iterations=10",
+    "--set",
+    "tv.iterations=10",
+    "--set",
+    "design.std_samples=16",
+    "--set",
+    "design.dense=never",
+    "--set",
+    "output.figure=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +79,20 @@ def test_design_resumes_from_its_checkpoint(design_run, capsys):
     assert again["angles_deg"] == first["angles_deg"]
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--pilot", "30"], "--pilot: 30 pilot angles but only 24 candidate angles"),
-    (["--pilot", "4", "--acquire", "0"], "--acquire: must be at least 1"),
-    (["--pilot", "4", "--candidates", "300"], "--candidates: 300 candidate angles but the scan"),
-    (["--pilot", "4", "--set", "design.criterion=best"], "design.criterion must be one of"),
-    (["--resume"], "--resume: needs --out"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--pilot", "30"], "--pilot: 30 pilot angles but only 24 candidate angles"),
+        (["--pilot", "4", "--acquire", "0"], "--acquire: must be at least 1"),
+        (["--pilot", "4", "--candidates", "300"], "--candidates: 300 candidate angles but the scan"),
+        (["--pilot", "4", "--set", "design.criterion=best"], "design.criterion must be one of"),
+        (["--resume"], "--resume: needs --out"),
+    ],
+)
 def test_bad_inputs_are_one_line_errors(argv, fragment, tmp_path, capsys):
-    rc = main(["design", "--out", str(tmp_path / "o"), *TINY, *argv] if argv != ["--resume"]
-              else ["design", "--resume"])
+    rc = main(
+        ["design", "--out", str(tmp_path / "o"), *TINY, *argv] if argv != ["--resume"] else ["design", "--resume"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and fragment in err and err.startswith("ctuq design: ") and err.count("\n") == 1
 

@@ -32,8 +32,9 @@ def problem():
     x = torch.from_numpy(img)
     y = op(x) + 0.02 * torch.randn(op.measurement_shape, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.LeakyReLU(0.2),
-                              torch.nn.Conv2d(4, 1, 3, padding=1))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.LeakyReLU(0.2), torch.nn.Conv2d(4, 1, 3, padding=1)
+    )
     return types.SimpleNamespace(op=op, y=y, x=x, net=net, ni=make_net_input((S, S), seed=0))
 
 
@@ -71,8 +72,12 @@ def test_dip_prior_scales_precision_and_refresh(problem):
 def test_assembled_and_jvp_dip_priors_give_the_same_design(problem):
     p = problem
     pilot = [0, 5]
-    models = [DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=DesignConfig(refresh_every=0, dense=d, samples=32),
-                       sigma2=0.05).build(pilot) for d in ("always", "never")]
+    models = [
+        DIPPrior(
+            p.net, p.ni, p.op, p.y, 14.0, settings=DesignConfig(refresh_every=0, dense=d, samples=32), sigma2=0.05
+        ).build(pilot)
+        for d in ("always", "never")
+    ]
     assert isinstance(models[0].factor, DenseFactor) and hasattr(models[1].factor, "params")
     vals = []
     for m in models:
@@ -112,8 +117,16 @@ def test_refreshed_design_through_vjps_keeps_the_chosen_rows(problem, monkeypatc
         model = prior.build([0, 5], n_steps=4)
         assert (model.row_store is not None) == keep
         eng = DesignEngine(model, "sampled", n_samples=32)
-        res = greedy_design(eng, [0, 5], 4, criterion="ese", angles_deg=np.arange(10) * 18.0, jitter=0.0,
-                            updater=prior.updater, progress=False)
+        res = greedy_design(
+            eng,
+            [0, 5],
+            4,
+            criterion="ese",
+            angles_deg=np.arange(10) * 18.0,
+            jitter=0.0,
+            updater=prior.updater,
+            progress=False,
+        )
         runs.append((res.acquired, eng.model.scales, model.row_store))
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 4
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-5, atol=0.0)
@@ -129,9 +142,17 @@ def test_retraining_updater_refits_and_restores(problem, tmp_path):
     ds = DesignConfig(refresh_every=0, retrain_every=1, retrain_iterations=3, dense="never", samples=16)
     prior = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05, work_dir=tmp_path)
     model = prior.build([0, 5])
-    res = greedy_design(DesignEngine(model, "sampled", n_samples=16), [0, 5], 1, criterion="ese",
-                        angles_deg=np.arange(10) * 18.0, jitter=0.0, updater=prior.updater, progress=False,
-                       update_last=True)
+    res = greedy_design(
+        DesignEngine(model, "sampled", n_samples=16),
+        [0, 5],
+        1,
+        criterion="ese",
+        angles_deg=np.arange(10) * 18.0,
+        jitter=0.0,
+        updater=prior.updater,
+        progress=False,
+        update_last=True,
+    )
     saved = tmp_path / "retrain_001.pt"
     assert saved.is_file() and prior.n_retrains == 1 and len(res.acquired) == 1
     again = DIPPrior(p.net, p.ni, p.op, p.y, 14.0, settings=ds, sigma2=0.05, work_dir=tmp_path)
@@ -160,9 +181,21 @@ def test_study_image_runs_and_resumes(tmp_path):
     from ctuq.studies.angle_selection import DEFAULTS, run_image
     from ctuq.studies.common import Log
 
-    opts = dict(DEFAULTS, size=16, candidates=10, pilot=2, acquire=2, every=2, samples=16, iterations=5,
-                warm_iterations=3, tv_iterations=5, recon=["tv", "dip"], progress=False,
-                strategies=["equidistant", "equidistant_grid", "random", "matern", "dip_ese"])
+    opts = dict(
+        DEFAULTS,
+        size=16,
+        candidates=10,
+        pilot=2,
+        acquire=2,
+        every=2,
+        samples=16,
+        iterations=5,
+        warm_iterations=3,
+        tv_iterations=5,
+        recon=["tv", "dip"],
+        progress=False,
+        strategies=["equidistant", "equidistant_grid", "random", "matern", "dip_ese"],
+    )
     from ctuq.data.rectangles import rectangles_stack
 
     gt = rectangles_stack(1, 16, seed=0)[0][0]
@@ -187,8 +220,15 @@ def test_study_adds_a_reconstruction_method_at_the_recorded_angles(tmp_path):
     from ctuq.studies.angle_selection_report import run_study
     from ctuq.studies.common import StudyError
 
-    opts = dict(DEFAULTS, **dict(TINY, images=1), strategies=["equidistant", "random"], progress=False,
-                device="cpu", threads=None, tiny=True)
+    opts = dict(
+        DEFAULTS,
+        **dict(TINY, images=1),
+        strategies=["equidistant", "random"],
+        progress=False,
+        device="cpu",
+        threads=None,
+        tiny=True,
+    )
     run_study(dict(opts, recon=["tv"]), tmp_path / "grown")
     first = json.loads((tmp_path / "grown/img_000/random/result.json").read_text())
     assert all(set(r) == {"tv"} for r in first["recon"].values())
@@ -251,8 +291,10 @@ def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_pat
     agg = run_study(dict(opts, strategies=["random"]), out)
     text = (out / "results.md").read_text()
     assert "| equidistant (n=2)" in text and "| random (n=2)" in text and "minus equidistant" in text
-    recs = [{s: json.loads((out / f"img_{i:03d}" / s / "result.json").read_text()) for s in ("equidistant", "random")}
-            for i in range(2)]
+    recs = [
+        {s: json.loads((out / f"img_{i:03d}" / s / "result.json").read_text()) for s in ("equidistant", "random")}
+        for i in range(2)
+    ]
     for count in ("4", "6", "8"):
         d = [r["random"]["recon"][count]["tv"]["psnr"] - r["equidistant"]["recon"][count]["tv"]["psnr"] for r in recs]
         cell = agg["paired"]["tv"]["psnr"]["random"][int(count)]

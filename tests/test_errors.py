@@ -20,8 +20,20 @@ from ctuq.errors import CTUQError, DataError, OutDirError, is_user_error
 
 REPO = Path(__file__).resolve().parents[1]
 # Seconds per run: 16 angles × 32 columns, a 32² image, 2 DIP iterations, no TV, no inference.
-FAST = ["--no-uq", "--no-progress", "--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
-        "--set", "data.detector_subsampling=3", "--set", "dip.iterations=2", "--set", "tv.enabled=false"]
+FAST = [
+    "--no-uq",
+    "--no-progress",
+    "--set",
+    "data.image_shape=[32, 32]",
+    "--set",
+    "data.angular_subsampling=2",
+    "--set",
+    "data.detector_subsampling=3",
+    "--set",
+    "dip.iterations=2",
+    "--set",
+    "tv.enabled=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +122,19 @@ def _bad_ground_truth(scan):
     return r"full_AGD_50_000002\.tiff: shape"
 
 
-@pytest.mark.parametrize("damage", [_missing_projection, _corrupt_projection, _misshaped_projection,
-                                    _flat_not_above_dark, _nan_projection, _bad_geometry, _bad_ground_truth],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _missing_projection,
+        _corrupt_projection,
+        _misshaped_projection,
+        _flat_not_above_dark,
+        _nan_projection,
+        _bad_geometry,
+        _bad_ground_truth,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_damaged_scan_is_one_line_naming_the_file(damage, broken, tmp_path, capsys):
     pattern = damage(broken)
     line = one_line_error(capsys, ["reconstruct", "--data", str(broken), "--out", str(tmp_path / "run"), *FAST])
@@ -124,11 +146,13 @@ def test_empty_folder_and_missing_folder_and_wrong_orbit(tiny_scan, tmp_path, ca
     empty.mkdir()
     line = one_line_error(capsys, ["reconstruct", "--data", str(empty), "--out", str(tmp_path / "a"), *FAST])
     assert str(empty) in line and "no Projections/tubeV* folder" in line
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "b"),
-                                   *FAST])
+    line = one_line_error(
+        capsys, ["reconstruct", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "b"), *FAST]
+    )
     assert line.startswith(f"ctuq reconstruct: data.path '{tmp_path / 'nowhere'}': no such scan folder")
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "c"), *FAST,
-                                   "--set", "data.orbit=1"])
+    line = one_line_error(
+        capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "c"), *FAST, "--set", "data.orbit=1"]
+    )
     assert "tubeV1: projection folder missing (orbit 1); this scan has tubeV2" in line
 
 
@@ -146,18 +170,23 @@ def test_slice_and_subsampling_out_of_range_name_the_option(tiny_scan, tmp_path,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_cuda_without_cuda_is_one_line(tiny_scan, tmp_path, capsys):
     out = tmp_path / "run"
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST,
-                                   "--device", "cuda"])
+    line = one_line_error(
+        capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST, "--device", "cuda"]
+    )
     assert line.startswith("ctuq reconstruct: device 'cuda': requested but torch sees no CUDA device")
     assert not out.exists()  # refused before any work, the run folder included
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST,
-                                   "--set", "data.backend=astra_cuda"])
+    line = one_line_error(
+        capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST, "--set", "data.backend=astra_cuda"]
+    )
     assert "data.backend = 'astra_cuda' needs a CUDA device" in line
 
 
 def test_non_finite_dip_loss_names_the_learning_rate(tiny_scan, tmp_path, capsys):
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "run"), *FAST,
-                                   "--set", "dip.lr=1e30"], only_line=False)  # after the load/DIP log lines
+    line = one_line_error(
+        capsys,
+        ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "run"), *FAST, "--set", "dip.lr=1e30"],
+        only_line=False,
+    )  # after the load/DIP log lines
     assert line.startswith("ctuq reconstruct: dip.lr = 1e+30: the DIP fit diverged") and "iteration" in line
 
 
@@ -226,8 +255,13 @@ def test_debug_flag_and_environment_show_the_traceback(tiny_scan, tmp_path, monk
         main(["reconstruct", *argv])
     monkeypatch.setenv("CTUQ_DEBUG", "0")
     assert main(["reconstruct", *argv]) == 2
-    res = subprocess.run([sys.executable, "-m", "ctuq", "--debug", "reconstruct", *argv], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "CTUQ_DEBUG": ""})
+    res = subprocess.run(
+        [sys.executable, "-m", "ctuq", "--debug", "reconstruct", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CTUQ_DEBUG": ""},
+    )
     assert res.returncode == 1 and "Traceback" in res.stderr and "OutDirError" in res.stderr
 
 
@@ -248,8 +282,18 @@ def test_a_scan_with_two_angles_is_refused(tmp_path, capsys):
 
     scan = tmp_path / "Walnut2"
     simulate_scan(scan, SimulationParameters.preset("tiny", n_projections=3, gt_shape=(1, 32, 32)), progress=False)
-    common = ["reconstruct", "--data", str(scan), "--out", str(tmp_path / "run"), *FAST,
-              "--set", "data.angular_subsampling=1", "--set", "data.image_shape=null"]
+    common = [
+        "reconstruct",
+        "--data",
+        str(scan),
+        "--out",
+        str(tmp_path / "run"),
+        *FAST,
+        "--set",
+        "data.angular_subsampling=1",
+        "--set",
+        "data.image_shape=null",
+    ]
     line = one_line_error(capsys, common)
     assert line.startswith(f"ctuq reconstruct: {scan}: only 2 projection angles left")
     assert "3 files, 2 distinct angles" in line and "data.min_angles = 8" in line
@@ -258,8 +302,19 @@ def test_a_scan_with_two_angles_is_refused(tmp_path, capsys):
 
 
 def test_subsampling_that_leaves_one_angle_is_refused(tiny_scan, tmp_path, capsys):
-    line = one_line_error(capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "run"), *FAST,
-                                   "--set", "data.angular_subsampling=32"])
+    line = one_line_error(
+        capsys,
+        [
+            "reconstruct",
+            "--data",
+            str(tiny_scan),
+            "--out",
+            str(tmp_path / "run"),
+            *FAST,
+            "--set",
+            "data.angular_subsampling=32",
+        ],
+    )
     assert line.startswith(f"ctuq reconstruct: {tiny_scan}: only 1 projection angle left")
     assert "data.angular_subsampling = 32" in line and "lower data.angular_subsampling to at most 4" in line
 
@@ -267,9 +322,27 @@ def test_subsampling_that_leaves_one_angle_is_refused(tiny_scan, tmp_path, capsy
 def test_published_setting_on_the_bundled_scan_warns_and_records_it(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("CTUQ_DATA", raising=False)  # the bundled data/Walnut1
     out = tmp_path / "w60"
-    rc = main(["reconstruct", "--config", "walnut_2d_60", "--device", "cpu", "--out", str(out), "--no-uq",
-               "--no-progress", "--set", "model.preset=tiny", "--set", "data.image_shape=[32, 32]",
-               "--set", "dip.iterations=2", "--set", "tv.enabled=false"])
+    rc = main(
+        [
+            "reconstruct",
+            "--config",
+            "walnut_2d_60",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--no-uq",
+            "--no-progress",
+            "--set",
+            "model.preset=tiny",
+            "--set",
+            "data.image_shape=[32, 32]",
+            "--set",
+            "dip.iterations=2",
+            "--set",
+            "tv.enabled=false",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("ctuq reconstruct: warning: ")]
@@ -298,8 +371,10 @@ def test_uq_command_errors_are_one_line(tiny_scan, tmp_path, capsys):
     (out / "dip_model.pt").write_bytes(b"garbage")
     line = one_line_error(capsys, ["uq", str(out), "--no-progress"], command="uq", only_line=False)
     assert line.startswith(f"ctuq uq: {out / 'dip_model.pt'}: not a readable torch file")
-    torch.save({"format": "ctuq.model", "version": 99, "model_config": {}, "state_dict": {}, "scale": 14.0},
-               out / "dip_model.pt")
+    torch.save(
+        {"format": "ctuq.model", "version": 99, "model_config": {}, "state_dict": {}, "scale": 14.0},
+        out / "dip_model.pt",
+    )
     line = one_line_error(capsys, ["uq", str(out), "--no-progress"], command="uq", only_line=False)
     assert "model file version 99 is newer" in line
 
@@ -308,17 +383,18 @@ def test_uq_command_errors_are_one_line(tiny_scan, tmp_path, capsys):
 def test_simulate_errors_are_one_line(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("x")
-    line = one_line_error(capsys, ["simulate", "--out", str(f), "--preset", "tiny", "--no-progress"],
-                          command="simulate")
+    line = one_line_error(
+        capsys, ["simulate", "--out", str(f), "--preset", "tiny", "--no-progress"], command="simulate"
+    )
     assert line.startswith(f"ctuq simulate: --out {f}: exists and is a file")
-    line = one_line_error(capsys, ["simulate", "--out", str(tmp_path / "x"), "--projections", "1"],
-                          command="simulate")
+    line = one_line_error(capsys, ["simulate", "--out", str(tmp_path / "x"), "--projections", "1"], command="simulate")
     assert line.startswith("ctuq simulate: SimulationParameters.n_projections = 1: need at least 2")
     real = tmp_path / "real"
     real.mkdir()
     (real / "keep.txt").write_text("x")
-    line = one_line_error(capsys, ["simulate", "--out", str(real), "--preset", "tiny", "--overwrite"],
-                          command="simulate")
+    line = one_line_error(
+        capsys, ["simulate", "--out", str(real), "--preset", "tiny", "--overwrite"], command="simulate"
+    )
     assert line.startswith(f"ctuq simulate: --out {real}: {real} is not empty and holds no ctuq_simulation.json")
 
 
@@ -327,8 +403,9 @@ def test_pretrain_errors_are_one_line(tiny_scan, tmp_path, capsys):
     assert line.startswith("ctuq pretrain: --seed 0: must be >= 1")
     line = one_line_error(capsys, ["pretrain", "--out", str(tmp_path), "--data", str(tiny_scan)], command="pretrain")
     assert line.startswith(f"ctuq pretrain: --out {tmp_path}: is a folder")
-    line = one_line_error(capsys, ["pretrain", "--out", str(tmp_path / "x.pt"), "--data", str(tmp_path / "nowhere")],
-                          command="pretrain")
+    line = one_line_error(
+        capsys, ["pretrain", "--out", str(tmp_path / "x.pt"), "--data", str(tmp_path / "nowhere")], command="pretrain"
+    )
     assert line.startswith("ctuq pretrain: data.path")
 
 
@@ -339,8 +416,10 @@ def test_error_types():
     assert issubclass(ConfigError, CTUQError) and issubclass(DataError, ValueError)
     assert issubclass(DeviceError, RuntimeError) and issubclass(NonFiniteLossError, FloatingPointError)
     assert is_user_error(FileNotFoundError(2, "No such file or directory", "x.tif"))
-    assert format_user_error(FileNotFoundError(2, "No such file or directory", "x.tif")) == \
-        "x.tif: No such file or directory"
+    assert (
+        format_user_error(FileNotFoundError(2, "No such file or directory", "x.tif"))
+        == "x.tif: No such file or directory"
+    )
     assert format_user_error(CTUQError("a: line one\n  line two\n")) == "a: line one; line two"
     assert not is_user_error(RuntimeError("CUDA error: an illegal memory access")) and not is_user_error(KeyError("k"))
 
@@ -356,8 +435,15 @@ def test_every_library_user_error_is_a_ctuq_error():
     from ctuq.models import ModelFileError
     from ctuq.studies import StudyError
 
-    for cls in (ConfigError, WalnutFormatError, ModelFileError, CheckpointMismatch, DesignError, StudyError,
-                MemoryBudgetError):
+    for cls in (
+        ConfigError,
+        WalnutFormatError,
+        ModelFileError,
+        CheckpointMismatch,
+        DesignError,
+        StudyError,
+        MemoryBudgetError,
+    ):
         assert issubclass(cls, CTUQError), cls
         assert is_user_error(cls("x: problem"))
     assert issubclass(StudyError, RuntimeError)  # as it was before

@@ -36,7 +36,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int, bool]]:
@@ -99,15 +100,18 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
             ls, ld = LAYER.get(_layer_key(src)), LAYER.get(_layer_key(dst))
             if ls is not None and ld is not None and ld > ls:
                 where = "" if top else ", in a function"
-                bad.append(f"{src} ({_layer_key(src)}, layer {ls}) -> {dst} ({_layer_key(dst)}, layer {ld}) "
-                           f"(line {line}{where})")
+                bad.append(
+                    f"{src} ({_layer_key(src)}, layer {ls}) -> {dst} ({_layer_key(dst)}, layer {ld}) "
+                    f"(line {line}{where})"
+                )
     assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(set(bad)))
 
 
 def test_module_level_imports_are_acyclic():
     _, graph = _graph()
-    edges = {src: sorted({dst for dst, _, top in es if top and dst != src and dst in graph})
-             for src, es in graph.items()}
+    edges = {
+        src: sorted({dst for dst, _, top in es if top and dst != src and dst in graph}) for src, es in graph.items()
+    }
     # Tarjan's strongly connected components: every component with more than one module is a cycle.
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -144,7 +148,11 @@ def test_module_level_imports_are_acyclic():
     lines = []
     for comp in cycles:
         members = set(comp)
-        cyc_edges = [f"  {src} -> {dst} (line {line})" for src in comp for dst, line, top in graph[src]
-                     if top and dst in members and dst != src]
+        cyc_edges = [
+            f"  {src} -> {dst} (line {line})"
+            for src in comp
+            for dst, line, top in graph[src]
+            if top and dst in members and dst != src
+        ]
         lines.append(f"cycle among {comp}:\n" + "\n".join(sorted(set(cyc_edges))))
     assert not cycles, "module-level import cycles:\n" + "\n".join(lines)

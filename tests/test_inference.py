@@ -220,8 +220,13 @@ def test_pcg_matches_direct_solve():
     Psi, y = _problem(c=40, d=80)
     feats = DenseFeatures(Psi)
     ex = ExactEigSolver(feats)
-    rhs = torch.stack([y, torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
-                       torch.zeros(40, dtype=torch.float64)])
+    rhs = torch.stack(
+        [
+            y,
+            torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+            torch.zeros(40, dtype=torch.float64),
+        ]
+    )
     direct, _ = ex.solve(rhs, 2.0, 0.5)
     for pre in ("none", "nystrom", "halko", "pivoted_cholesky"):
         cg = CGSolver(feats, preconditioner=pre, rank=10, rtol=1e-9, max_iter=500)
@@ -274,8 +279,11 @@ def test_nonconvergence_warns_loudly():
     eigs = torch.logspace(6, -4, 60, dtype=torch.float64)
     feats = DenseFeatures(_problem_with_spectrum(eigs, 100))
     cg = CGSolver(feats, preconditioner="none", rtol=1e-6, max_iter=3)
-    with pytest.warns(ConvergenceWarning, match=r"did not converge for 2 of 2 .* within 3 iterations: largest "
-                                                r"relative residual \d\.\d+e[+-]\d+ > rtol 1\.0e-06"):
+    with pytest.warns(
+        ConvergenceWarning,
+        match=r"did not converge for 2 of 2 .* within 3 iterations: largest "
+        r"relative residual \d\.\d+e[+-]\d+ > rtol 1\.0e-06",
+    ):
         _, stats = cg.solve(torch.ones(2, 60, dtype=torch.float64), 1.0, 1.0)
     assert not stats.converged.any() and int(stats.iterations.max()) == 3
     assert float(stats.relative_residual.min()) > 1e-6
@@ -391,8 +399,11 @@ def test_sampler_matches_exact_posterior(solver_kind):
     Psi, y = _problem(c=6, d=8, log_top=1.0, log_bottom=-1.0, seed=3)
     feats = DenseFeatures(Psi)
     a, s2 = 1.5, 0.5
-    solver = ExactEigSolver(feats) if solver_kind == "exact" else CGSolver(
-        feats, preconditioner="none", rtol=1e-10, max_iter=200)
+    solver = (
+        ExactEigSolver(feats)
+        if solver_kind == "exact"
+        else CGSolver(feats, preconditioner="none", rtol=1e-10, max_iter=200)
+    )
     n = 20_000
     gen = torch.Generator().manual_seed(123)  # fixed seed
     ps = sample_posterior(feats, solver, a, s2, n, generator=gen, y_tilde=y)

@@ -41,8 +41,15 @@ def test_stochastic_gprior_scales_within_stated_tolerance(jac_case):
     m = 400
     gen = torch.Generator().manual_seed(0)  # fixed seed
     net.reset_counters()
-    s = gprior_scales(lambda R: net.vjp(R @ L), 20, method="stochastic", n_probes=m, generator=gen,
-                      chunk_size=100, dtype=torch.float64)
+    s = gprior_scales(
+        lambda R: net.vjp(R @ L),
+        20,
+        method="stochastic",
+        n_probes=m,
+        generator=gen,
+        chunk_size=100,
+        dtype=torch.float64,
+    )
     assert net.n_vjp == m
     exact = 1.0 / A.norm(dim=0)
     rel = (s / exact - 1).abs()
@@ -59,8 +66,9 @@ def test_stochastic_is_reproducible_and_seeded(jac_case):
     A = (L @ J)[:, :50]
     f = lambda R: R @ A  # noqa: E731
     s1 = gprior_scales(f, 20, method="stochastic", n_probes=16, seed=3, dtype=torch.float64)
-    s2 = gprior_scales(f, 20, method="stochastic", n_probes=16, generator=torch.Generator().manual_seed(3),
-                       dtype=torch.float64)
+    s2 = gprior_scales(
+        f, 20, method="stochastic", n_probes=16, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
     s3 = gprior_scales(f, 20, method="stochastic", n_probes=16, seed=4, dtype=torch.float64)
     torch.testing.assert_close(s1, s2, rtol=0, atol=0)
     assert not torch.equal(s1, s3)

@@ -106,8 +106,13 @@ def test_jvp_basis_gives_scaled_jacobian_columns_across_parameter_boundaries(une
     E[torch.arange(stop - start), torch.arange(start, stop)] = values
     torch.testing.assert_close(got, net.jvp(E), rtol=1e-12, atol=1e-14)
     scales = torch.rand(net.d, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
-    base = LinearizedFeatures(net, output_map=lambda X: 2.0 * X[:, ::2], output_adjoint=lambda R: (
-        torch.zeros(R.shape[0], net.d_out, dtype=R.dtype).index_copy_(1, torch.arange(0, net.d_out, 2), 2.0 * R)))
+    base = LinearizedFeatures(
+        net,
+        output_map=lambda X: 2.0 * X[:, ::2],
+        output_adjoint=lambda R: torch.zeros(R.shape[0], net.d_out, dtype=R.dtype).index_copy_(
+            1, torch.arange(0, net.d_out, 2), 2.0 * R
+        ),
+    )
     feats = ScaledFeatures(base, scales)  # its columns come from the base's JVP basis
     torch.testing.assert_close(feats.columns(10, 40), FeatureOperator.columns(feats, 10, 40), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(base.columns(10, 40), FeatureOperator.columns(base, 10, 40), rtol=1e-12, atol=1e-14)
@@ -166,8 +171,10 @@ def test_chunking_does_not_change_results(unet_case):
         net.chunk_size = 0
     # An explicit budget too small for even one product is refused with the sizes, not run past its promise.
     tight = LinearizedNetwork(model, x, memory_budget=1, mode="recompute")
-    with pytest.raises(MemoryBudgetError,
-                       match=r"one JVP of this network \(output \(1, 1, 8, 8\), [0-9,]+ weights\).*budget is 0.00 GiB"):
+    with pytest.raises(
+        MemoryBudgetError,
+        match=r"one JVP of this network \(output \(1, 1, 8, 8\), [0-9,]+ weights\).*budget is 0.00 GiB",
+    ):
         tight.chunk_size_for("jvp")
 
 
@@ -332,8 +339,11 @@ def test_weight_selection_and_eval_mode_are_public():
     model = _Classifier().double().train()
     model.norm.eval()
     x = torch.randn(2, 1, 5, 5, dtype=torch.float64)
-    assert count_linearized_weights(model) == LinearizedNetwork(model, x).d == sum(
-        p.numel() for n, p in model.named_parameters() if n in default_linearized_parameters(model))
+    assert (
+        count_linearized_weights(model)
+        == LinearizedNetwork(model, x).d
+        == sum(p.numel() for n, p in model.named_parameters() if n in default_linearized_parameters(model))
+    )
     with eval_mode(model):
         assert not any(m.training for m in model.modules())
     assert model.training and model.drop.training and not model.norm.training

@@ -117,11 +117,13 @@ def test_clear_errors(net_input):
     with pytest.raises(ValueError, match="no dropout layer"):
         mc_dropout_predict(build_unet("tiny"), net_input, 4, progress=False)
     with pytest.raises(ValueError, match="no dropout layer"):
-        mc_dropout_predict(nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Dropout2d(0.0)), net_input, 4,
-                           progress=False)
+        mc_dropout_predict(
+            nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Dropout2d(0.0)), net_input, 4, progress=False
+        )
     with pytest.raises(ValueError, match="'1' is AlphaDropout"):  # named by its module path
-        mc_dropout_predict(nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.AlphaDropout(0.1)), net_input, 4,
-                           progress=False)
+        mc_dropout_predict(
+            nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.AlphaDropout(0.1)), net_input, 4, progress=False
+        )
     model = build_unet("tiny", dropout=0.1)
     with pytest.raises(ValueError, match="n_passes"):
         mc_dropout_predict(model, net_input, 1, progress=False)

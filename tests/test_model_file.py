@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from ctuq.config import load_config
-from ctuq.models import (MODEL_FILE_FORMAT, MODEL_FILE_VERSION, ModelFileError, build_unet, make_net_input,
-                         read_model_file, write_model_file)
+from ctuq.models import (
+    MODEL_FILE_FORMAT,
+    MODEL_FILE_VERSION,
+    ModelFileError,
+    build_unet,
+    make_net_input,
+    read_model_file,
+    write_model_file,
+)
 from ctuq.pipeline import RunState, phase_restore_dip
 from ctuq.reconstruct.pretrain import load_pretrained, save_pretrained
 
@@ -29,8 +36,16 @@ def _restore(out_dir: Path, scale: float = 14.0) -> RunState:
 def test_pre_change_dip_model_file_is_read_and_restored(tmp_path):
     # dip_model.pt as ctuq 0.1's `ctuq reconstruct` wrote it: no format, no version.
     model, net_input = _tiny(), make_net_input((16, 16), seed=3)
-    torch.save({"model_config": model.config.to_dict(), "state_dict": model.state_dict(), "net_input": net_input,
-                "scale": 14.0, "best_iteration": 7}, tmp_path / "dip_model.pt")
+    torch.save(
+        {
+            "model_config": model.config.to_dict(),
+            "state_dict": model.state_dict(),
+            "net_input": net_input,
+            "scale": 14.0,
+            "best_iteration": 7,
+        },
+        tmp_path / "dip_model.pt",
+    )
     mf = read_model_file(tmp_path / "dip_model.pt", need_input=True)
     assert mf.version == 0 and mf.best_iteration == 7 and mf.input == "noise" and mf.scale == 14.0
     state = _restore(tmp_path)
@@ -42,8 +57,14 @@ def test_pre_change_dip_model_file_is_read_and_restored(tmp_path):
 
 def test_written_model_file_round_trips_through_restore(tmp_path):
     model, net_input = _tiny(), make_net_input((16, 16), seed=1)
-    write_model_file(tmp_path / "dip_model.pt", model, scale=14.0, net_input=net_input, best_iteration=3,
-                     meta={"dip": {"iterations": 4}})
+    write_model_file(
+        tmp_path / "dip_model.pt",
+        model,
+        scale=14.0,
+        net_input=net_input,
+        best_iteration=3,
+        meta={"dip": {"iterations": 4}},
+    )
     blob = torch.load(tmp_path / "dip_model.pt", weights_only=True)
     assert blob["format"] == MODEL_FILE_FORMAT and blob["version"] == MODEL_FILE_VERSION
     state = _restore(tmp_path)
@@ -55,8 +76,17 @@ def test_written_model_file_round_trips_through_restore(tmp_path):
 def test_newer_version_is_refused_naming_the_version(tmp_path):
     model = _tiny()
     path = tmp_path / "dip_model.pt"
-    torch.save({"format": "ctuq.model", "version": 99, "model_config": model.config.to_dict(),
-                "state_dict": model.state_dict(), "net_input": make_net_input((16, 16)), "scale": 14.0}, path)
+    torch.save(
+        {
+            "format": "ctuq.model",
+            "version": 99,
+            "model_config": model.config.to_dict(),
+            "state_dict": model.state_dict(),
+            "net_input": make_net_input((16, 16)),
+            "scale": 14.0,
+        },
+        path,
+    )
     with pytest.raises(ModelFileError, match=r"dip_model.pt: model file version 99 is newer than this ctuq reads"):
         read_model_file(path)
     with pytest.raises(ModelFileError, match="version 99"):
@@ -69,8 +99,16 @@ def test_restore_without_model_file_uses_the_checkpoint_or_says_what_is_missing(
     with pytest.raises(FileNotFoundError, match="has neither dip_model.pt nor dip_checkpoint.pt"):
         _restore(tmp_path)
     model, net_input = _tiny(), make_net_input((16, 16), seed=2)
-    torch.save({"version": 1, "model_config": model.config.to_dict(), "best_state": model.state_dict(),
-                "net_input": net_input, "meta": {"scale": 14.0}}, tmp_path / "dip_checkpoint.pt")
+    torch.save(
+        {
+            "version": 1,
+            "model_config": model.config.to_dict(),
+            "best_state": model.state_dict(),
+            "net_input": net_input,
+            "meta": {"scale": 14.0},
+        },
+        tmp_path / "dip_checkpoint.pt",
+    )
     state = _restore(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(state.images["dip"], model.eval()(net_input)[0, 0] / 14.0)

@@ -65,19 +65,27 @@ def regression():
 @pytest.mark.parametrize("solver", ["exact_dual", "exact_primal", "cg"])
 def test_regression_front_end_reaches_the_exact_em_fixed_point(regression, solver):
     r = regression
-    post = LinearizedPosterior(r["base"], r["y_t"], prior="gprior", likelihood=GaussianLikelihood(0.05, True),
-                               a=1.0, solver=solver, solver_options={"rank": 30, "rtol": 1e-8}, seed=0)
+    post = LinearizedPosterior(
+        r["base"],
+        r["y_t"],
+        prior="gprior",
+        likelihood=GaussianLikelihood(0.05, True),
+        a=1.0,
+        solver=solver,
+        solver_options={"rank": 30, "rtol": 1e-8},
+        seed=0,
+    )
     post.setup()
     assert post.solver_name == solver
     torch.testing.assert_close(post.scales, r["s"], rtol=1e-8, atol=0)
     exact = solver != "cg"
     res = post.fit(max_steps=200 if exact else 40, n_samples=64, tol=1e-10 if exact else 0.0)
-    a_ref, s2_ref, _ = DenseLinearGaussian(r["Psi"], r["y_t"]).em_fixed_point(1.0, 0.05, learn_noise=True,
-                                                                              rtol=1e-12)
+    a_ref, s2_ref, _ = DenseLinearGaussian(r["Psi"], r["y_t"]).em_fixed_point(1.0, 0.05, learn_noise=True, rtol=1e-12)
     if exact:
         assert res.a == pytest.approx(a_ref, rel=1e-6) and post.sigma2 == pytest.approx(s2_ref, rel=1e-6)
-        assert post.log_evidence() == pytest.approx(DenseLinearGaussian(r["Psi"], r["y_t"]).log_evidence(
-            post.a, post.sigma2), rel=1e-8)
+        assert post.log_evidence() == pytest.approx(
+            DenseLinearGaussian(r["Psi"], r["y_t"]).log_evidence(post.a, post.sigma2), rel=1e-8
+        )
     else:
         # Sampled EM with 64 samples per step fluctuates around the fixed point: the mean of the last 20 steps'
         # a lies within 10 % of it (γ̂'s relative sd is ≈ 1/sqrt(64·γ); seed 0).
@@ -173,15 +181,28 @@ def test_solver_registry_is_the_one_vocabulary():
     # every name builds through the registry; each solver gets the options it takes
     built = {n: make_solver(feats, n, rank=5, max_iter=7, seed=3) for n in SOLVERS}
     assert [type(built[n]) for n in ("exact_primal", "exact_dual", "cg", "sdd", "sgd")] == [
-        SOLVERS["exact_primal"], SOLVERS["exact_dual"], CGSolver, SDDSolver, SGDSolver]
+        SOLVERS["exact_primal"],
+        SOLVERS["exact_dual"],
+        CGSolver,
+        SDDSolver,
+        SGDSolver,
+    ]
     assert isinstance(built["exact_primal"], ExactEigSolver) and built["exact_primal"].side == "primal"
     assert built["cg"].rank == 5 and built["sdd"].max_iter == built["sgd"].max_iter == 7
     # one rule for options: flat keys go to the chosen solver if it takes them, a mapping under its name wins
-    post = LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="sdd",
-                               solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}}).setup()
+    post = LinearizedPosterior(
+        feats,
+        torch.zeros(50, dtype=torch.float64),
+        solver="sdd",
+        solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}},
+    ).setup()
     assert isinstance(post.solver, SDDSolver) and post.solver.max_iter == 9
-    post = LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="sgd",
-                               solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}}).setup()
+    post = LinearizedPosterior(
+        feats,
+        torch.zeros(50, dtype=torch.float64),
+        solver="sgd",
+        solver_options={"rank": 5, "max_iter": 11, "sdd": {"max_iter": 9}},
+    ).setup()
     assert isinstance(post.solver, SGDSolver) and post.solver.max_iter == 11
     # a misspelt option is refused by name, not silently ignored
     with pytest.raises(ValueError, match=r"unknown solver option 'rnak'"):
@@ -210,9 +231,18 @@ def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
     r = regression
 
     def make():
-        return LinearizedPosterior(r["base"], r["y_t"], likelihood=GaussianLikelihood(0.05, True), a=1.0,
-                                   solver="cg", solver_options={"rank": 20}, prior="gprior",
-                                   gprior_method="stochastic", gprior_probes=32, seed=4)
+        return LinearizedPosterior(
+            r["base"],
+            r["y_t"],
+            likelihood=GaussianLikelihood(0.05, True),
+            a=1.0,
+            solver="cg",
+            solver_options={"rank": 20},
+            prior="gprior",
+            gprior_method="stochastic",
+            gprior_probes=32,
+            seed=4,
+        )
 
     full = make()
     full.fit(max_steps=4, n_samples=8, tol=0.0)
@@ -244,9 +274,15 @@ def test_streaming_prediction_memory_does_not_grow_with_the_sample_count():
     c, d, shape = 120, 24, (64, 64)
     feats = DenseFeatures(torch.randn(c, d, generator=g, dtype=torch.float64))
     to_image = torch.randn(d, shape[0] * shape[1], generator=g, dtype=torch.float64) / d**0.5
-    post = LinearizedPosterior(feats, torch.randn(c, generator=g, dtype=torch.float64), prior="isotropic",
-                               likelihood=GaussianLikelihood(0.5), a=1.0, solver="exact_dual",
-                               output_map=lambda W: W @ to_image).setup()
+    post = LinearizedPosterior(
+        feats,
+        torch.randn(c, generator=g, dtype=torch.float64),
+        prior="isotropic",
+        likelihood=GaussianLikelihood(0.5),
+        a=1.0,
+        solver="exact_dual",
+        output_map=lambda W: W @ to_image,
+    ).setup()
     k, chunk, sizes = 1024, 64, (1, 2, 4)
     all_samples_bytes = k * shape[0] * shape[1] * 8
 

@@ -42,15 +42,32 @@ def test_refuses_to_overwrite_a_finished_run(tmp_path, capsys):
 
 
 def test_console_script_entry_point():
-    res = subprocess.run([sys.executable, "-m", "ctuq.cli", "reconstruct", "--set", "x=1"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "ctuq.cli", "reconstruct", "--set", "x=1"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 2 and "unknown config key 'x'" in res.stderr
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-TINY = ["--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
-        "--set", "data.detector_subsampling=3", "--set", "dip.iterations=60", "--set", "dip.checkpoint_every=20",
-        "--set", "tv.iterations=20", "--set", "uq.samples=64", "--set", "uq.em_steps=5", "--no-progress"]
+TINY = [
+    "--set",
+    "data.image_shape=[32, 32]",
+    "--set",
+    "data.angular_subsampling=2",
+    "--set",
+    "data.detector_subsampling=3",
+    "--set",
+    "dip.iterations=60",
+    "--set",
+    "dip.checkpoint_every=20",
+    "--set",
+    "tv.iterations=20",
+    "--set",
+    "uq.samples=64",
+    "--set",
+    "uq.em_steps=5",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +91,23 @@ def finished_run(tiny_scan, tmp_path_factory):
 
 def test_reconstruct_with_uncertainty_writes_the_run_folder(finished_run):
     out = finished_run
-    for name in ("reconstruction.tif", "fbp.tif", "tv.tif", "ground_truth.tif", "std.tif", "reconstruction.png",
-                 "uncertainty.png", "calibration.png", "em_trace.png", "error_vs_std.png", "joint_ll.png",
-                 "metrics.json", "config.yaml", "dip_model.pt", "dip_checkpoint.pt"):
+    for name in (
+        "reconstruction.tif",
+        "fbp.tif",
+        "tv.tif",
+        "ground_truth.tif",
+        "std.tif",
+        "reconstruction.png",
+        "uncertainty.png",
+        "calibration.png",
+        "em_trace.png",
+        "error_vs_std.png",
+        "joint_ll.png",
+        "metrics.json",
+        "config.yaml",
+        "dip_model.pt",
+        "dip_checkpoint.pt",
+    ):
         assert (out / name).is_file(), name
     assert not (out / "uq_moments.pt").exists()  # the running sums of the prediction go once the run is finished
     assert not (out / "samples").exists()  # no image sample is written unless asked (--save-samples)
@@ -101,8 +132,10 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(finished_run):
 def test_uq_command_reruns_only_the_inference(finished_run, capsys):
     out = finished_run
     before = json.loads((out / "metrics.json").read_text())
-    assert main(["uq", str(out), "--set", "uq.samples=32", "--set", "uq.em_steps=2", "--no-progress",
-                 "--save-samples"]) == 0
+    assert (
+        main(["uq", str(out), "--set", "uq.samples=32", "--set", "uq.em_steps=2", "--no-progress", "--save-samples"])
+        == 0
+    )
     after = json.loads((out / "metrics.json").read_text())
     assert after["uq"]["n_samples"] == 32 and len(after["em_trace"]) == 2
     # --save-samples writes the image samples (one chunk of 32 here), whose RMS is the std map
@@ -110,8 +143,9 @@ def test_uq_command_reruns_only_the_inference(finished_run, capsys):
 
     saved = torch.load(out / "samples" / "samples_0000.pt", weights_only=True)
     assert saved.shape == (32, 32, 32) and sorted(p.name for p in (out / "samples").iterdir()) == ["samples_0000.pt"]
-    np.testing.assert_allclose(saved.double().pow(2).mean(0).sqrt().numpy(), tifffile.imread(out / "std.tif"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        saved.double().pow(2).mean(0).sqrt().numpy(), tifffile.imread(out / "std.tif"), rtol=1e-6
+    )
     assert after["dip"] == before["dip"]  # the DIP was restored, not refitted
     assert after["psnr"]["dip"] == pytest.approx(before["psnr"]["dip"], rel=1e-6)
     assert "restore_dip" in after["timings"] and "dip" not in after["timings"]
@@ -130,25 +164,72 @@ def test_resume_of_a_finished_run_does_not_refit(finished_run, tiny_scan, tmp_pa
     assert m["dip"]["resumed_from_iteration"] == 60
     # Resuming the inference with other settings is refused with a message naming the setting (exit 2).
     capsys.readouterr()
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--resume", *TINY,
-                 "--set", "uq.samples=80"]) == 2
+    assert (
+        main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--resume", *TINY, "--set", "uq.samples=80"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "its samples is 64 but this run has 80" in err
 
 
 def test_pretrain_then_educated_dip(tiny_scan, tmp_path):
     weights = tmp_path / "pre.pt"
-    common = ["--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
-              "--set", "data.detector_subsampling=3"]
-    assert main(["pretrain", "--data", str(tiny_scan), "--out", str(weights), "--phantoms", "2",
-                 "--slices-per-phantom", "2", "--iterations", "5", "--batch-size", "2", "--no-progress",
-                 *common]) == 0
+    common = [
+        "--set",
+        "data.image_shape=[32, 32]",
+        "--set",
+        "data.angular_subsampling=2",
+        "--set",
+        "data.detector_subsampling=3",
+    ]
+    assert (
+        main(
+            [
+                "pretrain",
+                "--data",
+                str(tiny_scan),
+                "--out",
+                str(weights),
+                "--phantoms",
+                "2",
+                "--slices-per-phantom",
+                "2",
+                "--iterations",
+                "5",
+                "--batch-size",
+                "2",
+                "--no-progress",
+                *common,
+            ]
+        )
+        == 0
+    )
     blob = torch.load(weights, weights_only=True)
     assert blob["input"] == "fbp" and blob["meta"]["phantom_seeds"] == [1000, 1001]
     assert blob["meta"]["image_shape"] == [32, 32]
     out = tmp_path / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--no-uq", "--no-progress", *common,
-                 "--set", f"model.pretrained={weights}", "--set", "model.input=fbp", "--set", "dip.iterations=3",
-                 "--set", "tv.enabled=false"]) == 0
+    assert (
+        main(
+            [
+                "reconstruct",
+                "--data",
+                str(tiny_scan),
+                "--out",
+                str(out),
+                "--no-uq",
+                "--no-progress",
+                *common,
+                "--set",
+                f"model.pretrained={weights}",
+                "--set",
+                "model.input=fbp",
+                "--set",
+                "dip.iterations=3",
+                "--set",
+                "tv.enabled=false",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "metrics.json").read_text())["config"]["model"]["pretrained"] == str(weights)
     assert main(["pretrain", "--out", str(tmp_path / "x.pt"), "--seed", "0"]) == 2  # seed 0 is the test walnut

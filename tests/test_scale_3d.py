@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def op():
-    return SlicewiseParallelRayTransform(VolumeGeometry((6, 10, 12), 0.5), np.linspace(0, np.pi, 9, endpoint=False),
-                                         16, 0.5)
+    return SlicewiseParallelRayTransform(
+        VolumeGeometry((6, 10, 12), 0.5), np.linspace(0, np.pi, 9, endpoint=False), 16, 0.5
+    )
 
 
 def test_slicewise_operator_is_the_2d_operator_per_slice_with_an_exact_adjoint(op):
@@ -35,8 +36,9 @@ def test_slicewise_operator_is_the_2d_operator_per_slice_with_an_exact_adjoint(o
     np.testing.assert_allclose(v3[:, [0, 1, 6, 7]], v2[:, [0, 1, 4, 5]], atol=1e-12)
     np.testing.assert_allclose(v3[:, 9:12], np.tile([0.0, 0.0, 0.5], (9, 1)), atol=1e-12)
     # hence FDK (parallel3d, pure torch) is the 2D FBP of every slice
-    torch.testing.assert_close(fdk(op, op(x[0])), fbp(op.slice_operator, op(x[0]).permute(1, 0, 2)),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        fdk(op, op(x[0])), fbp(op.slice_operator, op(x[0]).permute(1, 0, 2)), rtol=1e-4, atol=1e-5
+    )
     # angle subsets and the autograd wrapper work as for every backend
     sub = op.subset([0, 4])
     torch.testing.assert_close(sub(x), op(x)[:, [0, 4]])
@@ -47,14 +49,17 @@ def test_slicewise_operator_is_the_2d_operator_per_slice_with_an_exact_adjoint(o
 
 def test_make_ray_transform_builds_it_from_a_parallel3d_geometry():
     vol = VolumeGeometry((4, 8, 8), 1.0)
-    geom = ProjectionGeometry("parallel3d", (4, 12), angles=np.linspace(0, np.pi, 5, endpoint=False),
-                              det_spacing=(1.0, 1.0))
+    geom = ProjectionGeometry(
+        "parallel3d", (4, 12), angles=np.linspace(0, np.pi, 5, endpoint=False), det_spacing=(1.0, 1.0)
+    )
     assert isinstance(make_ray_transform(vol, geom, backend="sparse"), SlicewiseParallelRayTransform)
     with pytest.raises(ValueError, match=r"detector rows \(3, pitch 1.0 mm\) must coincide with the volume's slices"):
-        make_ray_transform(vol, ProjectionGeometry("parallel3d", (3, 12), angles=[0.0], det_spacing=(1.0, 1.0)),
-                           backend="sparse")
-    cone = ProjectionGeometry("cone", (4, 12), angles=[0.0], det_spacing=(1.0, 1.0), source_origin=50.0,
-                              origin_det=50.0)
+        make_ray_transform(
+            vol, ProjectionGeometry("parallel3d", (3, 12), angles=[0.0], det_spacing=(1.0, 1.0)), backend="sparse"
+        )
+    cone = ProjectionGeometry(
+        "cone", (4, 12), angles=[0.0], det_spacing=(1.0, 1.0), source_origin=50.0, origin_det=50.0
+    )
     with pytest.raises(ValueError, match="cone-beam volumes need 'astra_cuda'"):
         make_ray_transform(vol, cone, backend="sparse")
 
@@ -84,15 +89,40 @@ def test_the_3d_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     from ctuq.pipeline import reconstruct_problem
 
     data = simulate_parallel_volume((12, 12, 12), n_angles=8, noise=0.01, seed=0)
-    cfg = load_config("demo", ["model.preset=tiny", "dip.iterations=20", "tv.enabled=true", "uq.solver=cg",
-                               "uq.rank=400", "uq.adaptive_rank=true", "uq.prior_precision=0.3",
-                               "uq.gprior_method=stochastic", "uq.gprior_probes=16",
-                               "uq.em_steps=25", "uq.em_samples=2", "uq.em_tol=0.05", "uq.em_stop_on=a_and_sigma2",
-                               "uq.samples=8", "uq.sample_chunk=4", "uq.patch_sizes=[1, 2]"])
+    cfg = load_config(
+        "demo",
+        [
+            "model.preset=tiny",
+            "dip.iterations=20",
+            "tv.enabled=true",
+            "uq.solver=cg",
+            "uq.rank=400",
+            "uq.adaptive_rank=true",
+            "uq.prior_precision=0.3",
+            "uq.gprior_method=stochastic",
+            "uq.gprior_probes=16",
+            "uq.em_steps=25",
+            "uq.em_samples=2",
+            "uq.em_tol=0.05",
+            "uq.em_stop_on=a_and_sigma2",
+            "uq.samples=8",
+            "uq.sample_chunk=4",
+            "uq.patch_sizes=[1, 2]",
+        ],
+    )
     state = reconstruct_problem(cfg, tmp_path / "run", data, progress=False)
     out = tmp_path / "run"
-    for name in ("reconstruction.tif", "std.tif", "fbp.tif", "ground_truth.tif", "uncertainty_slices.png",
-                 "uncertainty.png", "calibration.png", "metrics.json", "dip_model.pt"):
+    for name in (
+        "reconstruction.tif",
+        "std.tif",
+        "fbp.tif",
+        "ground_truth.tif",
+        "uncertainty_slices.png",
+        "uncertainty.png",
+        "calibration.png",
+        "metrics.json",
+        "dip_model.pt",
+    ):
         assert (out / name).is_file(), name
     m = json.loads((out / "metrics.json").read_text())
     assert m["data"]["ndim"] == 3 and m["data"]["operator"] == "SlicewiseParallelRayTransform"
@@ -118,8 +148,11 @@ def test_moments_memory_error_names_the_patch_sizes(monkeypatch):
     need = moments_bytes((167, 167, 167), s)
     assert need == 8 * (167**3 + sum(117 * (117 // p) ** 2 * p**4 for p in (1, 2, 4, 8)))
     monkeypatch.setattr(ctuq.memory, "free_memory_bytes", lambda device: need)  # 80 % of it is all one may use
-    with pytest.raises(ValueError, match=r"uq.patch_sizes \[1, 2, 4, 8\]: the streaming statistics of a "
-                                         r"167×167×167 image .* need 1.\d GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"uq.patch_sizes \[1, 2, 4, 8\]: the streaming statistics of a "
+        r"167×167×167 image .* need 1.\d GiB",
+    ):
         check_moments_memory(s, (167, 167, 167))
 
 
@@ -132,7 +165,10 @@ def test_walnut_3d_configs_need_cuda_and_say_so(name, capsys):
     assert cfg.data.ndim == 3 and cfg.uq.solver == "sgd" and cfg.uq.gprior_method == "stochastic"
     if name == "walnut_3d_published":  # exactly the published setting
         assert (cfg.data.orbit, cfg.data.angular_subsampling, cfg.data.detector_subsampling) == (2, 60, 3)
-        assert cfg.data.image_shape == [167, 167, 167] and (cfg.data.expect_angles, cfg.data.expect_columns) == (20, 256)
+        assert cfg.data.image_shape == [167, 167, 167] and (cfg.data.expect_angles, cfg.data.expect_columns) == (
+            20,
+            256,
+        )
         assert (cfg.uq.em_steps, cfg.uq.em_tol, cfg.uq.noise_variance, cfg.uq.learn_noise) == (4, 0.0, 1.0, False)
     else:  # the default: EM to convergence of a and σ²
         assert cfg.uq.em_stop_on == "a_and_sigma2" and cfg.uq.em_tol > 0 and cfg.uq.learn_noise

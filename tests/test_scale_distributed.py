@@ -33,9 +33,10 @@ def _free_port() -> int:
 def _problem():
     """16² image, 30 angles × 32 detector pixels (c = 960), a small U-Net (d = 676)."""
     torch.manual_seed(0)
-    op = SparseRayTransform(VolumeGeometry((16, 16), 1.0),
-                            ProjectionGeometry("parallel", (32,), angles=np.linspace(0, np.pi, 30, endpoint=False),
-                                               det_spacing=0.6))
+    op = SparseRayTransform(
+        VolumeGeometry((16, 16), 1.0),
+        ProjectionGeometry("parallel", (32,), angles=np.linspace(0, np.pi, 30, endpoint=False), det_spacing=0.6),
+    )
     model = UNet(channels=(4, 4), skip_channels=(0, 2), norm_groups=2)
     net_input = make_net_input((16, 16), seed=1, std=1.0)
     yy, xx = np.mgrid[:16, :16] / 16 - 0.5
@@ -46,15 +47,31 @@ def _problem():
 
 def _settings(solver: str) -> UQSettings:
     # sdd: a short budget (the solves stop short and warn; sharding must not change what they return)
-    return UQSettings(solver=solver, rank=40, em_steps=2, em_samples=5, samples=20, sample_chunk=5,
-                      patch_sizes=[1, 2], roi="full", gprior_method="stochastic", gprior_probes=32,
-                      sdd_iterations=40, first_order_tol=1e-3)
+    return UQSettings(
+        solver=solver,
+        rank=40,
+        em_steps=2,
+        em_samples=5,
+        samples=20,
+        sample_chunk=5,
+        patch_sizes=[1, 2],
+        roi="full",
+        gprior_method="stochastic",
+        gprior_probes=32,
+        sdd_iterations=40,
+        first_order_tol=1e-3,
+    )
 
 
 def _summary(res) -> dict:
-    return {"std": res.std.double().numpy(), "a": res.a, "sigma2": res.sigma2, "n": res.n_samples,
-            "patch2": res.moments.state_dict()["patch_sums"]["2"].numpy(),
-            "em": [r["a_new"] for r in res.em_trace]}
+    return {
+        "std": res.std.double().numpy(),
+        "a": res.a,
+        "sigma2": res.sigma2,
+        "n": res.n_samples,
+        "patch2": res.moments.state_dict()["patch_sums"]["2"].numpy(),
+        "em": [r["a_new"] for r in res.em_trace],
+    }
 
 
 class _Interrupt(Exception):
@@ -89,15 +106,38 @@ def _worker(rank: int, world: int, port: int, solver: str, work: str, out: str) 
 
         SampleMoments.update = failing
         try:
-            run_linearized_uq(model, net_input, op, y, scale=3.0, settings=settings, seed=0, work_dir=work,
-                              progress=False, shard=shard, moments_checkpoint_seconds=0.0)
+            run_linearized_uq(
+                model,
+                net_input,
+                op,
+                y,
+                scale=3.0,
+                settings=settings,
+                seed=0,
+                work_dir=work,
+                progress=False,
+                shard=shard,
+                moments_checkpoint_seconds=0.0,
+            )
         except _Interrupt:
             pass
         finally:
             SampleMoments.update = original
         assert os.path.isfile(os.path.join(work, f"uq_moments.rank{rank}of{world}.pt"))
-        res = run_linearized_uq(model, net_input, op, y, scale=3.0, settings=settings, seed=0, work_dir=work,
-                                resume=True, progress=False, shard=shard, moments_checkpoint_seconds=0.0)
+        res = run_linearized_uq(
+            model,
+            net_input,
+            op,
+            y,
+            scale=3.0,
+            settings=settings,
+            seed=0,
+            work_dir=work,
+            resume=True,
+            progress=False,
+            shard=shard,
+            moments_checkpoint_seconds=0.0,
+        )
         if rank == 0:
             torch.save(_summary(res), out)
         else:
@@ -113,11 +153,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("solver", ["cg", "sdd"])
 def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(solver, tmp_path):
     op, model, net_input, y = _problem()
-    single = _summary(run_linearized_uq(model, net_input, op, y, scale=3.0, settings=_settings(solver), seed=0,
-                                        progress=False))
+    single = _summary(
+        run_linearized_uq(model, net_input, op, y, scale=3.0, settings=_settings(solver), seed=0, progress=False)
+    )
     out = str(tmp_path / "rank0.pt")
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), solver, str(tmp_path / "run"), out), nprocs=2,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(2, _free_port(), solver, str(tmp_path / "run"), out), nprocs=2, join=False, start_method="spawn"
+    )
     import time
 
     deadline = time.time() + TIMEOUT_S
@@ -136,6 +178,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(solver, tmp_path):
     np.testing.assert_allclose(sharded["patch2"], single["patch2"], rtol=1e-3, atol=1e-7)
     # resuming with another number of ranks is refused, naming the count that wrote the checkpoints
     with pytest.raises(CheckpointMismatch, match="written by 2 rank\\(s\\), this run has 3"):
+
         class Three(LocalShard):
             rank, world_size = 0, 3
 
@@ -161,20 +204,60 @@ def test_torchrun_uq_command_matches_one_process(tmp_path):
 
     scan = tmp_path / "scan" / "Walnut1"
     simulate_scan(scan, preset="tiny", progress=False)
-    base = ["--data", str(scan), "--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2",
-            "--set", "data.detector_subsampling=3", "--set", "dip.iterations=30", "--set", "model.preset=tiny",
-            "--set", "tv.enabled=false", "--no-progress"]
+    base = [
+        "--data",
+        str(scan),
+        "--set",
+        "data.image_shape=[32, 32]",
+        "--set",
+        "data.angular_subsampling=2",
+        "--set",
+        "data.detector_subsampling=3",
+        "--set",
+        "dip.iterations=30",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        "tv.enabled=false",
+        "--no-progress",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["reconstruct", *base, "--no-uq", "--out", str(one)]) == 0
     import shutil
 
     shutil.copytree(one, two)
-    uq = ["--set", "uq.solver=cg", "--set", "uq.rank=50", "--set", "uq.samples=24", "--set", "uq.sample_chunk=6",
-          "--set", "uq.em_steps=2", "--set", "uq.em_samples=4", "--set", "uq.patch_sizes=[1, 2]", "--no-progress"]
+    uq = [
+        "--set",
+        "uq.solver=cg",
+        "--set",
+        "uq.rank=50",
+        "--set",
+        "uq.samples=24",
+        "--set",
+        "uq.sample_chunk=6",
+        "--set",
+        "uq.em_steps=2",
+        "--set",
+        "uq.em_samples=4",
+        "--set",
+        "uq.patch_sizes=[1, 2]",
+        "--no-progress",
+    ]
     assert main(["uq", str(one), *uq]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CTUQ_NO_PROGRESS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
-           "-m", "ctuq", "uq", str(two), *uq]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "ctuq",
+        "uq",
+        str(two),
+        *uq,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     m1 = json.loads((one / "metrics.json").read_text())

@@ -44,7 +44,7 @@ def _rhs(k, c, seed=1):
 
 
 def _true_rel_residual(Psi, X, R, a, s2):
-    return ((X @ (Psi @ Psi.T) / a + s2 * X - R).norm(dim=1) / R.norm(dim=1))
+    return (X @ (Psi @ Psi.T) / a + s2 * X - R).norm(dim=1) / R.norm(dim=1)
 
 
 # ----------------------------------------------------------------------------------------------- solvers
@@ -113,25 +113,31 @@ def test_warm_start_and_stopping_short():
         solver.solve(R, 1.0, 10.0, x0=X[:2])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"step_size": 0.0}, "step_size must be positive"),
-    ({"momentum": 1.0}, r"momentum must lie in \[0, 1\)"),
-    ({"batch_size": 0}, "batch_size must be a positive int or None"),
-    ({"averaging": 1.5}, r"averaging \(χ\) must lie in \(0, 1\]"),
-    ({"max_iter": 0}, "max_iter must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"step_size": 0.0}, "step_size must be positive"),
+        ({"momentum": 1.0}, r"momentum must lie in \[0, 1\)"),
+        ({"batch_size": 0}, "batch_size must be a positive int or None"),
+        ({"averaging": 1.5}, r"averaging \(χ\) must lie in \(0, 1\]"),
+        ({"max_iter": 0}, "max_iter must be a positive int"),
+    ],
+)
 def test_sdd_bad_settings_are_named(kwargs, match):
     f, _ = _features(c=10, d=20)
     with pytest.raises(ValueError, match=match):
         SDDSolver(f, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"lr": -1.0}, "lr must be positive"),
-    ({"lr_decay": "cosine"}, r"lr_decay must be one of \['linear', 'none'\]"),
-    ({"clip": 0.0}, "clip must be positive or None"),
-    ({"rtol": 0.0}, "rtol must be positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -1.0}, "lr must be positive"),
+        ({"lr_decay": "cosine"}, r"lr_decay must be one of \['linear', 'none'\]"),
+        ({"clip": 0.0}, "clip must be positive or None"),
+        ({"rtol": 0.0}, "rtol must be positive"),
+    ],
+)
 def test_sgd_bad_settings_are_named(kwargs, match):
     f, _ = _features(c=10, d=20)
     with pytest.raises(ValueError, match=match):
@@ -205,7 +211,8 @@ def _em_problem(c=60, d=120, seed=5):
     f, _ = _features(c=c, d=d, top=100.0, power=1.0, seed=seed)
     g = torch.Generator().manual_seed(seed)
     y = f.matrix @ (torch.randn(d, generator=g, dtype=torch.float64) / 2.0) + 0.5 * torch.randn(
-        c, generator=g, dtype=torch.float64)
+        c, generator=g, dtype=torch.float64
+    )
     return f, y
 
 
@@ -216,9 +223,16 @@ def test_fixed_probe_em_with_first_order_solvers_reaches_the_fixed_point(solver)
     f, y = _em_problem()
     a_ref, s2_ref, _ = DenseLinearGaussian(f.matrix, y).em_fixed_point(1.0, 1.0, learn_noise=True, rtol=1e-12)
     options = {solver: {"max_iter": 1000, "rtol": 1e-5}}
-    post = LinearizedPosterior(f, y, prior=torch.ones(f.n_features, dtype=torch.float64),
-                               likelihood=GaussianLikelihood(1.0, True), a=1.0, solver=solver,
-                               solver_options=options, seed=0).setup()
+    post = LinearizedPosterior(
+        f,
+        y,
+        prior=torch.ones(f.n_features, dtype=torch.float64),
+        likelihood=GaussianLikelihood(1.0, True),
+        a=1.0,
+        solver=solver,
+        solver_options=options,
+        seed=0,
+    ).setup()
     res = post.fit(max_steps=40, n_samples=32, tol=1e-3, stop_on="a_and_sigma2")
     assert res.converged and post.em.fixed_probes and post.em.solver.warm_starts
     assert res.trace[-1]["rel_change_sigma2"] < 1e-3 and res.trace[-1]["rel_change_a"] < 1e-3
@@ -236,8 +250,19 @@ def test_fixed_probe_em_resumes_exactly_with_its_warm_starts(tmp_path):
 
     def make():
         solver = SDDSolver(f, max_iter=500, rtol=1e-5, lambda_max=100.0)
-        return SampledEM(f, solver, y, a=1.0, sigma2=0.5, learn_noise=True, n_samples=8, max_steps=6, tol=0.0,
-                         fixed_probes=True, seed=3)
+        return SampledEM(
+            f,
+            solver,
+            y,
+            a=1.0,
+            sigma2=0.5,
+            learn_noise=True,
+            n_samples=8,
+            max_steps=6,
+            tol=0.0,
+            fixed_probes=True,
+            seed=3,
+        )
 
     full = make()
     full.run()
@@ -258,8 +283,9 @@ def test_fixed_probes_first_step_equals_the_fresh_probe_step():
     y = _rhs(1, 40)[0]
     steps = []
     for fixed in (False, True):
-        em = SampledEM(f, ExactEigSolver(f), y, a=2.0, sigma2=0.7, n_samples=5, gamma="sampled", seed=11,
-                       fixed_probes=fixed)
+        em = SampledEM(
+            f, ExactEigSolver(f), y, a=2.0, sigma2=0.7, n_samples=5, gamma="sampled", seed=11, fixed_probes=fixed
+        )
         steps.append(em.step())
     assert steps[0]["gamma"] == pytest.approx(steps[1]["gamma"], rel=1e-12)
 
@@ -270,11 +296,16 @@ def test_jacobian_memory_budget_error_names_the_sizes():
     from ctuq.models import build_unet, make_net_input
 
     torch.manual_seed(0)
-    net = LinearizedNetwork(build_unet("tiny", ndim=3), make_net_input((8, 8, 8), seed=0), memory_budget=10_000,
-                            mode="recompute")
-    with pytest.raises(MemoryBudgetError, match=r"memory budget: one JVP of this network \(output \(1, 1, 8, 8, 8\), "
-                                                r"[\d,]+ weights\) needs .* GiB fixed .* but the budget is 0.00 GiB"):
+    net = LinearizedNetwork(
+        build_unet("tiny", ndim=3), make_net_input((8, 8, 8), seed=0), memory_budget=10_000, mode="recompute"
+    )
+    with pytest.raises(
+        MemoryBudgetError,
+        match=r"memory budget: one JVP of this network \(output \(1, 1, 8, 8, 8\), "
+        r"[\d,]+ weights\) needs .* GiB fixed .* but the budget is 0.00 GiB",
+    ):
         net.jvp(torch.zeros(1, net.d))
-    ok = LinearizedNetwork(build_unet("tiny", ndim=3), make_net_input((8, 8, 8), seed=0), memory_budget=2**30,
-                           mode="recompute")
+    ok = LinearizedNetwork(
+        build_unet("tiny", ndim=3), make_net_input((8, 8, 8), seed=0), memory_budget=2**30, mode="recompute"
+    )
     assert ok.jvp(torch.zeros(2, ok.d)).shape == (2, 512)

@@ -79,8 +79,17 @@ def test_posterior_std_matches_the_dense_posterior(problem, solver):
     Phi, s, Psi, _ = _reference(op, model, net_input, y)
     a, sigma2 = 0.5, 0.05
     k = 2000 if solver == "exact" else 600  # CG pays ~2 products per sample and iteration
-    settings = UQSettings(solver=solver, em_steps=0, prior_precision=a, noise_variance=sigma2, samples=k,
-                          sample_chunk=k, gprior_method="exact", rank=300, cg_tol=1e-5)
+    settings = UQSettings(
+        solver=solver,
+        em_steps=0,
+        prior_precision=a,
+        noise_variance=sigma2,
+        samples=k,
+        sample_chunk=k,
+        gprior_method="exact",
+        rank=300,
+        cg_tol=1e-5,
+    )
     res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
     assert res.stats["route"] == ("exact_primal" if solver == "exact" else "cg")
     expected = _std_reference(Phi, s, Psi, a, sigma2).reshape(16, 16).float()
@@ -101,8 +110,16 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
     op, model, net_input, y = problem
     Phi, s, Psi, y_t = _reference(op, model, net_input, y)
     # EM to convergence with the exact solver: the result is the exact MacKay fixed point of the dense model.
-    settings = UQSettings(solver="exact", em_steps=200, em_tol=1e-9, prior_precision=1.0, noise_variance=0.1,
-                          learn_noise=True, samples=2, gprior_method="exact")
+    settings = UQSettings(
+        solver="exact",
+        em_steps=200,
+        em_tol=1e-9,
+        prior_precision=1.0,
+        noise_variance=0.1,
+        learn_noise=True,
+        samples=2,
+        gprior_method="exact",
+    )
     res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
     a_ref, s2_ref, _ = DenseLinearGaussian(Psi, y_t).em_fixed_point(1.0, 0.1, learn_noise=True, rtol=1e-11)
     assert res.a == pytest.approx(a_ref, rel=1e-4) and res.sigma2 == pytest.approx(s2_ref, rel=1e-4)
@@ -116,11 +133,21 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
     net, base = uq_module.ct_features(model, net_input, op)
     feats = ScaledFeatures(base, s.float())
     ex = ExactEigSolver(feats, side="dual")
-    assert ex.gamma(a_ref, s2_ref) == pytest.approx(DenseLinearGaussian(Psi, y_t).effective_dimension(a_ref, s2_ref),
-                                                    rel=1e-3)
-    stoch = run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=0, progress=False,
-                              settings=UQSettings(solver="cg", gprior_method="stochastic", gprior_probes=4000,
-                                                  em_steps=0, samples=2, rank=50))
+    assert ex.gamma(a_ref, s2_ref) == pytest.approx(
+        DenseLinearGaussian(Psi, y_t).effective_dimension(a_ref, s2_ref), rel=1e-3
+    )
+    stoch = run_linearized_uq(
+        model,
+        net_input,
+        op,
+        y,
+        scale=SCALE,
+        seed=0,
+        progress=False,
+        settings=UQSettings(
+            solver="cg", gprior_method="stochastic", gprior_probes=4000, em_steps=0, samples=2, rank=50
+        ),
+    )
     assert stoch.stats["gprior"]["method"] == "stochastic"
 
 
@@ -129,8 +156,15 @@ def test_offset_makes_the_linear_model_exact_at_the_dip_weights(problem):
     # posterior-mean residual with a huge prior precision: w* → 0 and ‖ỹ − Ψw*‖² → ‖ỹ‖²).
     op, model, net_input, y = problem
     Phi, s, Psi, y_t = _reference(op, model, net_input, y)
-    settings = UQSettings(solver="exact", em_steps=1, prior_precision=1e12, noise_variance=1.0, learn_noise=True,
-                          samples=2, gprior_method="exact")
+    settings = UQSettings(
+        solver="exact",
+        em_steps=1,
+        prior_precision=1e12,
+        noise_variance=1.0,
+        learn_noise=True,
+        samples=2,
+        gprior_method="exact",
+    )
     res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
     c = op.c
     # σ²_new = ‖ỹ − Ψw*‖²/(c − γ) with γ ≈ 0, w* ≈ 0  ⇒  ‖ỹ‖²/c
@@ -145,20 +179,40 @@ def _interrupting_log(after: str):
     def log(msg):
         if msg.startswith(after):
             raise Stop(msg)
+
     return log
 
 
 @pytest.mark.parametrize("solver", ["exact", "cg"])
 def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, monkeypatch, solver):
     op, model, net_input, y = problem
-    settings = UQSettings(solver=solver, em_steps=3, em_tol=0.0, samples=40, sample_chunk=10, rank=60,
-                          gprior_method="stochastic", gprior_probes=64)
-    full = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3,
-                             work_dir=tmp_path / "full", progress=False)
+    settings = UQSettings(
+        solver=solver,
+        em_steps=3,
+        em_tol=0.0,
+        samples=40,
+        sample_chunk=10,
+        rank=60,
+        gprior_method="stochastic",
+        gprior_probes=64,
+    )
+    full = run_linearized_uq(
+        model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=tmp_path / "full", progress=False
+    )
     work = tmp_path / "run"
     with pytest.raises(Stop):  # killed right after EM step 2 was checkpointed
-        run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work,
-                          progress=False, log=_interrupting_log("EM step 2"))
+        run_linearized_uq(
+            model,
+            net_input,
+            op,
+            y,
+            scale=SCALE,
+            settings=settings,
+            seed=3,
+            work_dir=work,
+            progress=False,
+            log=_interrupting_log("EM step 2"),
+        )
     assert (work / STATE_NAME).is_file()
     # Killed again during prediction, right after the running sums of the second chunk reached the disk.
     save = checkpoints.atomic_torch_save
@@ -170,12 +224,34 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
 
     monkeypatch.setattr(checkpoints, "atomic_torch_save", save_then_stop)
     with pytest.raises(Stop):
-        run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work,
-                          resume=True, progress=False, moments_checkpoint_seconds=0)
+        run_linearized_uq(
+            model,
+            net_input,
+            op,
+            y,
+            scale=SCALE,
+            settings=settings,
+            seed=3,
+            work_dir=work,
+            resume=True,
+            progress=False,
+            moments_checkpoint_seconds=0,
+        )
     monkeypatch.setattr(checkpoints, "atomic_torch_save", save)
     messages = []
-    resumed = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work,
-                                resume=True, progress=False, log=messages.append)
+    resumed = run_linearized_uq(
+        model,
+        net_input,
+        op,
+        y,
+        scale=SCALE,
+        settings=settings,
+        seed=3,
+        work_dir=work,
+        resume=True,
+        progress=False,
+        log=messages.append,
+    )
     assert any("reusing 2 of 4 sample chunks" in m for m in messages)
     assert resumed.a == full.a and resumed.sigma2 == full.sigma2
     assert [r["a_new"] for r in resumed.em_trace] == [r["a_new"] for r in full.em_trace]
@@ -186,8 +262,18 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
             assert torch.equal(resumed.moments.state_dict()[key], value), key
     # Resuming with other settings is refused, naming the setting.
     with pytest.raises(CheckpointMismatch, match="samples"):
-        run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=3, work_dir=work, resume=True, progress=False,
-                          settings=UQSettings(**{**settings.__dict__, "samples": 50}))
+        run_linearized_uq(
+            model,
+            net_input,
+            op,
+            y,
+            scale=SCALE,
+            seed=3,
+            work_dir=work,
+            resume=True,
+            progress=False,
+            settings=UQSettings(**{**settings.__dict__, "samples": 50}),
+        )
 
 
 def test_bad_settings_and_shapes_are_clear(problem):
@@ -210,5 +296,15 @@ def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
     op, model, net_input, y = problem
     atomic_torch_save(tmp_path / STATE_NAME, {"version": 1, "fingerprint": {}, "stage": "em", "em": {}})
     with pytest.raises(CheckpointMismatch, match=r"version 1.*reads version 2.*delete"):
-        run_linearized_uq(model, net_input, op, y, scale=SCALE, seed=0, work_dir=tmp_path, resume=True,
-                          progress=False, settings=UQSettings(solver="exact", em_steps=0, samples=2))
+        run_linearized_uq(
+            model,
+            net_input,
+            op,
+            y,
+            scale=SCALE,
+            seed=0,
+            work_dir=tmp_path,
+            resume=True,
+            progress=False,
+            settings=UQSettings(solver="exact", em_steps=0, samples=2),
+        )

@@ -67,8 +67,11 @@ def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
     res = json.loads((tiny_run / "results.json").read_text())
     rows = res["table"]
     assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in METHODS]
-    expected_samples = {"linearised_sampled": TINY["samples"], "linearised_exact": TINY["exact_samples"],
-                        "mc_dropout": TINY["mc_passes"]}
+    expected_samples = {
+        "linearised_sampled": TINY["samples"],
+        "linearised_exact": TINY["exact_samples"],
+        "mc_dropout": TINY["mc_passes"],
+    }
     for r in rows:
         assert r["status"] == "done", r
         for key in ("psnr", "marginal_ll", "joint_ll_10", "coverage_90", "time_prediction_s", "time_fit_s"):
@@ -118,9 +121,17 @@ def test_dip_model_files_are_versioned_and_version_0_files_still_resume(tiny_run
         mf = read_model_file(path, need_input=True)
         assert mf.version == MODEL_FILE_VERSION and mf.net_input.shape == (1, 1, 32, 32)
         assert mf.meta["reconstruction"].shape == (32, 32) and "best_psnr_history" in mf.meta["summary"]
-        torch.save({"model_config": mf.model_config, "state_dict": mf.state_dict, "net_input": mf.net_input,
-                    "scale": mf.scale, "summary": mf.meta["summary"], "reconstruction": mf.meta["reconstruction"]},
-                   path)
+        torch.save(
+            {
+                "model_config": mf.model_config,
+                "state_dict": mf.state_dict,
+                "net_input": mf.net_input,
+                "scale": mf.scale,
+                "summary": mf.meta["summary"],
+                "reconstruction": mf.meta["reconstruction"],
+            },
+            path,
+        )
         assert read_model_file(path).version == 0
     # MC dropout reruns its passes from the version-0 dropout network: same numbers as from the fitted one
     mc_metrics = sdir / "mc_dropout" / "metrics.json"

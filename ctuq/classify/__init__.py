@@ -24,5 +24,14 @@ from ctuq.classify.laplace import LinearizedLaplace, exact_solver
 from ctuq.classify.mode import LinearMode, ModeResult
 from ctuq.classify.predictive import link_probabilities, logit_samples
 
-__all__ = ["LinearizedLaplace", "exact_solver", "SoftmaxHessianRoot", "softmax_hessian", "LinearMode", "ModeResult",
-           "link_probabilities", "logit_samples", "resolve_weights"]
+__all__ = [
+    "LinearizedLaplace",
+    "exact_solver",
+    "SoftmaxHessianRoot",
+    "softmax_hessian",
+    "LinearMode",
+    "ModeResult",
+    "link_probabilities",
+    "logit_samples",
+    "resolve_weights",
+]

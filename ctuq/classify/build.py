@@ -25,8 +25,7 @@ from ctuq.linearize import eval_mode
 from ctuq.options import GPriorMethod, Prior
 from ctuq.priors import gprior_scales, scales_from_sq_norms
 
-__all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays",
-           "whitened_matrix"]
+__all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays", "whitened_matrix"]
 
 
 def forward_flops_per_example(model, X: torch.Tensor, batch: int = 64) -> float:
@@ -58,9 +57,19 @@ def assembly_pays(flops_per_example: float, n_classes: int, n_params: int) -> bo
     return flops_per_example >= 2.0 * n_classes * n_params
 
 
-def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRoot, *, dense: bool,
-                      dtype: torch.dtype, chunk_size: int = 32, keep_jacobian: bool = False,
-                      progress: bool = False) -> tuple[FeatureOperator, torch.Tensor | None, object]:
+def whitened_features(
+    model,
+    net,
+    X: torch.Tensor,
+    names,
+    root: SoftmaxHessianRoot,
+    *,
+    dense: bool,
+    dtype: torch.dtype,
+    chunk_size: int = 32,
+    keep_jacobian: bool = False,
+    progress: bool = False,
+) -> tuple[FeatureOperator, torch.Tensor | None, object]:
     """``(Ψ₀, squared column norms or None, the network of the mode finder)``.
 
     ``dense`` and not ``keep_jacobian`` (the exact solvers): ``Ψ₀`` assembled as a matrix, products through
@@ -68,35 +77,53 @@ def whitened_features(model, net, X: torch.Tensor, names, root: SoftmaxHessianRo
     both ``Ψ₀ = blockdiag(L_iᵀ) J`` and the mode finder multiply by it. Otherwise: products through ``net``.
     """
     if dense and keep_jacobian:
-        jac = DenseJacobian(assemble_jacobian(model, X, names, chunk_size=chunk_size, progress=progress,
-                                              dtype=dtype), net)
+        jac = DenseJacobian(
+            assemble_jacobian(model, X, names, chunk_size=chunk_size, progress=progress, dtype=dtype), net
+        )
         sq = torch.zeros(jac.d, dtype=torch.float64)
         for _, rows in jac.whitened_chunks(root):  # float64 column norms of Ψ₀
             sq += rows.pow(2).sum((0, 1))
-        features = LinearizedFeatures(jac, output_map=root.apply_transpose,
-                                      output_adjoint=root.apply, n_outputs=jac.d_out)
+        features = LinearizedFeatures(
+            jac, output_map=root.apply_transpose, output_adjoint=root.apply, n_outputs=jac.d_out
+        )
         return features, sq, jac
     if dense:
         P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
         sq = torch.zeros(P0.shape[1], dtype=torch.float64)
         for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
-            sq += P0[lo:lo + 4096].double().pow(2).sum(0)
+            sq += P0[lo : lo + 4096].double().pow(2).sum(0)
         return DenseFeatures(P0), sq, net
-    return LinearizedFeatures(net, output_map=root.apply_transpose, output_adjoint=root.apply,
-                              n_outputs=net.d_out), None, net
+    return (
+        LinearizedFeatures(net, output_map=root.apply_transpose, output_adjoint=root.apply, n_outputs=net.d_out),
+        None,
+        net,
+    )
 
 
 def whitened_matrix(jac: DenseJacobian, root: SoftmaxHessianRoot) -> torch.Tensor:
     """``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` from an assembled Jacobian (no Jacobian products), in ``J``'s dtype."""
     out = torch.empty_like(jac.matrix)
     for start, rows in jac.whitened_chunks(root):
-        out[start * root.C:(start + rows.shape[0]) * root.C] = rows.reshape(-1, jac.d)
+        out[start * root.C : (start + rows.shape[0]) * root.C] = rows.reshape(-1, jac.d)
     return out
 
 
-def prior_scales(prior, *, base: FeatureOperator, model, X: torch.Tensor, names, root: SoftmaxHessianRoot,
-                 n_params: int, sq_norms: torch.Tensor | None = None, gprior_method: str = "exact",
-                 gprior_probes: int = 256, seed: int = 0, chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
+def prior_scales(
+    prior,
+    *,
+    base: FeatureOperator,
+    model,
+    X: torch.Tensor,
+    names,
+    root: SoftmaxHessianRoot,
+    n_params: int,
+    sq_norms: torch.Tensor | None = None,
+    gprior_method: str = "exact",
+    gprior_probes: int = 256,
+    seed: int = 0,
+    chunk_size: int = 32,
+    progress: bool = False,
+) -> torch.Tensor:
     """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor)."""
     if isinstance(prior, torch.Tensor):
         if tuple(prior.shape) != (n_params,):
@@ -107,9 +134,15 @@ def prior_scales(prior, *, base: FeatureOperator, model, X: torch.Tensor, names,
     if prior == Prior.ISOTROPIC:
         return torch.ones(n_params, dtype=torch.float64)
     if gprior_method == GPriorMethod.STOCHASTIC:
-        return gprior_scales(base.rmatvec, base.n_outputs, method=GPriorMethod.STOCHASTIC.value,
-                             n_probes=gprior_probes, seed=seed,
-                             dtype=base.dtype, progress=progress).double()
+        return gprior_scales(
+            base.rmatvec,
+            base.n_outputs,
+            method=GPriorMethod.STOCHASTIC.value,
+            n_probes=gprior_probes,
+            seed=seed,
+            dtype=base.dtype,
+            progress=progress,
+        ).double()
     if sq_norms is None:
         sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
     return scales_from_sq_norms(sq_norms)

@@ -7,7 +7,7 @@ regression model, one-hot labels or an exhausted iterator learns it from the mes
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -16,8 +16,7 @@ from ctuq.linearize import eval_mode
 from ctuq.options import WeightSubset, values
 from ctuq.utils import progress as _progress
 
-__all__ = ["collect_inputs", "collect_loader", "check_logits", "check_labels", "resolve_weights",
-           "eval_logits"]
+__all__ = ["collect_inputs", "collect_loader", "check_logits", "check_labels", "resolve_weights", "eval_logits"]
 
 
 def _as_tensor(x, what: str, where: str) -> torch.Tensor:
@@ -29,8 +28,9 @@ def _as_tensor(x, what: str, where: str) -> torch.Tensor:
         raise TypeError(f"{where}: {what} must be a tensor (or convertible to one), got {type(x).__name__}") from exc
 
 
-def collect_loader(loader: Iterable, *, where: str = "LinearizedLaplace.fit",
-                   progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def collect_loader(
+    loader: Iterable, *, where: str = "LinearizedLaplace.fit", progress: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate the ``(x, y)`` batches of ``loader`` into ``X`` ``(n, ...)`` and integer labels ``y`` ``(n,)``.
 
     Accepts any iterable of pairs (a ``torch.utils.data.DataLoader``, a list of tuples). Raises ``ValueError`` for
@@ -41,29 +41,39 @@ def collect_loader(loader: Iterable, *, where: str = "LinearizedLaplace.fit",
     try:
         iterator = iter(loader)
     except TypeError as exc:
-        raise TypeError(f"{where}: expected an iterable of (inputs, labels) batches such as a DataLoader, got "
-                        f"{type(loader).__name__}") from exc
+        raise TypeError(
+            f"{where}: expected an iterable of (inputs, labels) batches such as a DataLoader, got "
+            f"{type(loader).__name__}"
+        ) from exc
     for i, batch in enumerate(_progress(iterator, desc="collect data", disable=not progress)):
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-            raise ValueError(f"{where}: batch {i} is a {type(batch).__name__}"
-                             f"{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}; "
-                             f"expected (inputs, labels)")
+            raise ValueError(
+                f"{where}: batch {i} is a {type(batch).__name__}"
+                f"{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}; "
+                f"expected (inputs, labels)"
+            )
         x = _as_tensor(batch[0], f"the inputs of batch {i}", where)
         y = _as_tensor(batch[1], f"the labels of batch {i}", where)
         if x.ndim == 0 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-            raise ValueError(f"{where}: batch {i} has inputs {tuple(x.shape)} and labels {tuple(y.shape)}; expected "
-                             f"inputs (B, ...) and integer class labels (B,)")
+            raise ValueError(
+                f"{where}: batch {i} has inputs {tuple(x.shape)} and labels {tuple(y.shape)}; expected "
+                f"inputs (B, ...) and integer class labels (B,)"
+            )
         if xs and x.shape[1:] != xs[0].shape[1:]:
-            raise ValueError(f"{where}: batch {i} has inputs of shape {tuple(x.shape[1:])} per example, batch 0 had "
-                             f"{tuple(xs[0].shape[1:])}")
+            raise ValueError(
+                f"{where}: batch {i} has inputs of shape {tuple(x.shape[1:])} per example, batch 0 had "
+                f"{tuple(xs[0].shape[1:])}"
+            )
         xs.append(x)
         ys.append(y)
     if not xs or sum(x.shape[0] for x in xs) == 0:
         raise ValueError(f"{where}: the data loader yielded no examples (is it empty or already exhausted?)")
     y = torch.cat(ys)
     if y.dtype.is_floating_point or y.dtype == torch.bool or y.dtype.is_complex:
-        raise ValueError(f"{where}: labels must be integer class indices (B,), got dtype {y.dtype}; convert one-hot "
-                         f"labels with labels.argmax(1)")
+        raise ValueError(
+            f"{where}: labels must be integer class indices (B,), got dtype {y.dtype}; convert one-hot "
+            f"labels with labels.argmax(1)"
+        )
     return torch.cat(xs), y.long()
 
 
@@ -86,8 +96,10 @@ def check_labels(y: torch.Tensor, n_classes: int, *, where: str) -> torch.Tensor
     """Labels ``(n,)`` checked to lie in ``0 … n_classes − 1``."""
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= n_classes:
-        raise ValueError(f"{where}: labels must lie in 0..{n_classes - 1} (the model returns {n_classes} logits), "
-                         f"got labels in {lo}..{hi}")
+        raise ValueError(
+            f"{where}: labels must lie in 0..{n_classes - 1} (the model returns {n_classes} logits), "
+            f"got labels in {lo}..{hi}"
+        )
     return y
 
 
@@ -96,8 +108,10 @@ def check_logits(out, n: int, *, where: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{where}: the model must return one logits tensor (N, C), got {type(out).__name__}")
     if out.ndim != 2 or out.shape[0] != n or out.shape[1] < 2:
-        raise ValueError(f"{where}: the model must return logits of shape (N, C) with C >= 2 classes; for {n} inputs "
-                         f"it returned {tuple(out.shape)}")
+        raise ValueError(
+            f"{where}: the model must return logits of shape (N, C) with C >= 2 classes; for {n} inputs "
+            f"it returned {tuple(out.shape)}"
+        )
     if not torch.isfinite(out).all():
         raise ValueError(f"{where}: the model returned NaN or Inf logits")
     return out
@@ -109,7 +123,7 @@ def eval_logits(model: nn.Module, X: torch.Tensor, *, batch_size: int = 1024, wh
     outs = []
     with eval_mode(model):
         for start in range(0, X.shape[0], batch_size):
-            xb = X[start:start + batch_size]
+            xb = X[start : start + batch_size]
             try:
                 out = model(xb)
             except Exception as exc:  # noqa: BLE001 - re-raised with context
@@ -133,23 +147,29 @@ def resolve_weights(model: nn.Module, weights: str | Sequence[str]) -> list[str]
             if last is None:
                 raise ValueError("LinearizedLaplace: the model has no module with parameters (weights='last_layer')")
             prefix = f"{last}." if last else ""
-            names = [n for n, _ in model.named_parameters() if n.startswith(prefix) and "." not in n[len(prefix):]]
+            names = [n for n, _ in model.named_parameters() if n.startswith(prefix) and "." not in n[len(prefix) :]]
         else:
-            raise ValueError(f"LinearizedLaplace: weights must be one of {list(values(WeightSubset))} or a list of "
-                             f"parameter names, got {weights!r}")
+            raise ValueError(
+                f"LinearizedLaplace: weights must be one of {list(values(WeightSubset))} or a list of "
+                f"parameter names, got {weights!r}"
+            )
         if not names:
             raise ValueError(f"LinearizedLaplace: weights={weights!r} selects no parameters (all frozen?)")
         return names
     names = list(weights)
     if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"LinearizedLaplace: weights must be 'all', 'last_layer' or a non-empty list of parameter "
-                         f"names, got {weights!r}")
+        raise ValueError(
+            f"LinearizedLaplace: weights must be 'all', 'last_layer' or a non-empty list of parameter "
+            f"names, got {weights!r}"
+        )
     valid = [n for n, _ in model.named_parameters()]
     unknown = [n for n in names if n not in valid]
     if unknown:
         hints = {n: difflib.get_close_matches(n, valid, n=3) for n in unknown[:5]}
-        raise ValueError(f"LinearizedLaplace: unknown parameter name(s) {unknown[:10]} in weights; closest matches: "
-                         f"{hints}; valid names are those of model.named_parameters()")
+        raise ValueError(
+            f"LinearizedLaplace: unknown parameter name(s) {unknown[:10]} in weights; closest matches: "
+            f"{hints}; valid names are those of model.named_parameters()"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"LinearizedLaplace: weights lists a parameter more than once: {names}")
     return names

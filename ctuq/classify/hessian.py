@@ -60,8 +60,9 @@ class SoftmaxHessianRoot:
     Flat layout: logit ``k`` of example ``i`` at ``i·C + k`` (:class:`ctuq.linearize.LinearizedNetwork`'s).
     """
 
-    def __init__(self, probs: torch.Tensor, root: str = "closed_form", prob_floor: float = 1e-12,
-                 eig_floor: float = 1e-12):
+    def __init__(
+        self, probs: torch.Tensor, root: str = "closed_form", prob_floor: float = 1e-12, eig_floor: float = 1e-12
+    ):
         if root not in values(HessianRoot):
             raise ValueError(f"SoftmaxHessianRoot: root must be one of {list(values(HessianRoot))}, got {root!r}")
         if not isinstance(probs, torch.Tensor) or probs.ndim != 2 or probs.shape[1] < 2:
@@ -120,8 +121,10 @@ class SoftmaxHessianRoot:
         """``L_iᵀ J_i`` for per-example matrices ``J`` ``(m, C, d)`` of examples ``start … start + m − 1``."""
         stop = start + J.shape[0]
         if J.ndim != 3 or J.shape[1] != self.C or not 0 <= start < stop <= self.n:
-            raise ValueError(f"SoftmaxHessianRoot.transpose_blocks: J must be (m, {self.C}, d) for examples within "
-                             f"0..{self.n - 1}, got {tuple(J.shape)} from {start}")
+            raise ValueError(
+                f"SoftmaxHessianRoot.transpose_blocks: J must be (m, {self.C}, d) for examples within "
+                f"0..{self.n - 1}, got {tuple(J.shape)} from {start}"
+            )
         if self.root == HessianRoot.SYMMETRIC:
             return torch.einsum("ikl,ild->ikd", self._sym[start:stop].to(J.dtype), J)
         sp, p = self.sqrt_p[start:stop, :, None].to(J.dtype), self.p[start:stop, :, None].to(J.dtype)

@@ -14,7 +14,7 @@ Memory: one chunk holds ``chunk_size · C · d`` numbers.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,8 +28,9 @@ from ctuq.utils import progress as _progress
 __all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian", "assemble_jacobian", "DenseJacobian"]
 
 
-def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32,
-                      progress: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
+def example_jacobians(
+    model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32, progress: bool = False
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield ``(start, J)`` with ``J`` ``(m, C, d)``: the logit Jacobians of examples ``start … start + m − 1`` with
     respect to the parameters ``names`` (flattened in that order, as :class:`ctuq.linearize.LinearizedNetwork`
     flattens them), evaluated in eval mode at the current weights."""
@@ -45,13 +46,20 @@ def example_jacobians(model: nn.Module, X: torch.Tensor, names: Sequence[str], *
     starts = range(0, X.shape[0], chunk_size)
     with eval_mode(model):
         for start in _progress(starts, total=len(starts), desc="per-example Jacobians", disable=not progress):
-            parts = jac(lin, X[start:start + chunk_size])
-            m = X[start:start + chunk_size].shape[0]
+            parts = jac(lin, X[start : start + chunk_size])
+            m = X[start : start + chunk_size].shape[0]
             yield start, torch.cat([parts[n].reshape(m, parts[n].shape[1], -1) for n in names], dim=2)
 
 
-def ggn_diagonal(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: SoftmaxHessianRoot, *,
-                 chunk_size: int = 32, progress: bool = False) -> torch.Tensor:
+def ggn_diagonal(
+    model: nn.Module,
+    X: torch.Tensor,
+    names: Sequence[str],
+    root: SoftmaxHessianRoot,
+    *,
+    chunk_size: int = 32,
+    progress: bool = False,
+) -> torch.Tensor:
     """``diag(Σ_i J_iᵀ B_i J_i)`` ``(d,)`` float64 = the squared column norms of ``Ψ₀`` (exact g-prior)."""
     total = None
     for start, J in example_jacobians(model, X, names, chunk_size=chunk_size, progress=progress):
@@ -61,17 +69,31 @@ def ggn_diagonal(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: 
     return total
 
 
-def assemble_whitened_jacobian(model: nn.Module, X: torch.Tensor, names: Sequence[str], root: SoftmaxHessianRoot,
-                               *, chunk_size: int = 32, progress: bool = False,
-                               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def assemble_whitened_jacobian(
+    model: nn.Module,
+    X: torch.Tensor,
+    names: Sequence[str],
+    root: SoftmaxHessianRoot,
+    *,
+    chunk_size: int = 32,
+    progress: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Dense ``Ψ₀ = blockdiag(L_iᵀ) J`` ``(n·C, d)`` in ``dtype`` (row ``i·C + k``: class ``k`` of example ``i``),
     written chunk by chunk into one tensor (no second copy: ``n·C·d`` numbers in all, 5.4 GB in float32 for
     MNIST-1D's 40,000 logits × 33,930 CNN weights). The whitening runs in float64 per chunk."""
     return _assemble(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
 
 
-def assemble_jacobian(model: nn.Module, X: torch.Tensor, names: Sequence[str], *, chunk_size: int = 32,
-                      progress: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def assemble_jacobian(
+    model: nn.Module,
+    X: torch.Tensor,
+    names: Sequence[str],
+    *,
+    chunk_size: int = 32,
+    progress: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Dense logit Jacobian ``J`` ``(n·C, d)`` in ``dtype`` (row ``i·C + k``: class ``k`` of example ``i``), one
     tensor written chunk by chunk (``n·C·d`` numbers)."""
     return _assemble(model, X, names, None, chunk_size=chunk_size, progress=progress, dtype=dtype)
@@ -84,7 +106,7 @@ def _assemble(model, X, names, root, *, chunk_size, progress, dtype) -> torch.Te
         if out is None:
             out = torch.empty((X.shape[0] * J.shape[1], J.shape[2]), dtype=dtype)
         lo = start * J.shape[1]
-        out[lo:lo + rows.shape[0]] = rows
+        out[lo : lo + rows.shape[0]] = rows
     assert out is not None
     return out
 
@@ -110,8 +132,10 @@ class DenseJacobian:
 
     def __init__(self, matrix: torch.Tensor, network):
         if matrix.shape != (network.d_out, network.d):
-            raise ValueError(f"DenseJacobian: matrix has shape {tuple(matrix.shape)}, the network's Jacobian is "
-                             f"({network.d_out}, {network.d})")
+            raise ValueError(
+                f"DenseJacobian: matrix has shape {tuple(matrix.shape)}, the network's Jacobian is "
+                f"({network.d_out}, {network.d})"
+            )
         self.dense = DenseFeatures(matrix)
         self.d, self.d_out = int(network.d), int(network.d_out)
         self.dtype, self.device = matrix.dtype, matrix.device
@@ -143,7 +167,7 @@ class DenseJacobian:
         C = root.C
         step = max(1, rows // C)
         for start in range(0, root.n, step):
-            J = self.matrix[start * C:(start + step) * C].double().reshape(-1, C, self.d)
+            J = self.matrix[start * C : (start + step) * C].double().reshape(-1, C, self.d)
             yield start, root.transpose_blocks(J, start)
 
     def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -120,24 +120,42 @@ class LinearizedLaplace(PredictiveMixin):
         JVP and one VJP over the data and ≈ 0.03 s for one GEMM pair with ``Ψ₀``; ``"never"``: products always.
     """
 
-    def __init__(self, model: nn.Module, *, prior: str | torch.Tensor = "gprior", weights: str | Sequence[str] = "all",
-                 prior_precision: float = 1.0, linear_model: str = "tangent", gprior_method: str = "exact",
-                 gprior_probes: int = 256, hessian_root: str = "closed_form", solver: str = "auto",
-                 solver_options: dict | None = None, dtype: torch.dtype = torch.float64, seed: int = 0,
-                 progress: bool = False, log: Callable[[str], None] | None = None, mode_options: dict | None = None,
-                 jacobian_chunk: int = 32, dense_features: str = "auto"):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        prior: str | torch.Tensor = "gprior",
+        weights: str | Sequence[str] = "all",
+        prior_precision: float = 1.0,
+        linear_model: str = "tangent",
+        gprior_method: str = "exact",
+        gprior_probes: int = 256,
+        hessian_root: str = "closed_form",
+        solver: str = "auto",
+        solver_options: dict | None = None,
+        dtype: torch.dtype = torch.float64,
+        seed: int = 0,
+        progress: bool = False,
+        log: Callable[[str], None] | None = None,
+        mode_options: dict | None = None,
+        jacobian_chunk: int = 32,
+        dense_features: str = "auto",
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"LinearizedLaplace: model must be an nn.Module, got {type(model).__name__}")
         if isinstance(prior, str) and prior not in values(Prior):
-            raise ValueError(f"LinearizedLaplace: prior must be 'gprior', 'isotropic' or a tensor of scales, "
-                             f"got {prior!r}")
+            raise ValueError(
+                f"LinearizedLaplace: prior must be 'gprior', 'isotropic' or a tensor of scales, got {prior!r}"
+            )
         if not (float(prior_precision) > 0 and math.isfinite(float(prior_precision))):
             raise ValueError(f"LinearizedLaplace: prior_precision must be positive and finite, got {prior_precision}")
-        for name, value, allowed in (("linear_model", linear_model, values(LinearModel)),
-                                     ("hessian_root", hessian_root, values(HessianRoot)),
-                                     ("gprior_method", gprior_method, values(GPriorMethod)),
-                                     ("solver", solver, solver_choices()),
-                                     ("dense_features", dense_features, values(DenseChoice))):
+        for name, value, allowed in (
+            ("linear_model", linear_model, values(LinearModel)),
+            ("hessian_root", hessian_root, values(HessianRoot)),
+            ("gprior_method", gprior_method, values(GPriorMethod)),
+            ("solver", solver, solver_choices()),
+            ("dense_features", dense_features, values(DenseChoice)),
+        ):
             if value not in allowed:
                 raise ValueError(f"LinearizedLaplace: {name} must be one of {list(allowed)}, got {value!r}")
         if dtype not in (torch.float32, torch.float64):
@@ -203,11 +221,13 @@ class LinearizedLaplace(PredictiveMixin):
 
     def _require(self, what: str, samples_ok: bool = False) -> None:
         if self.posterior is None and not (samples_ok and self._samples is not None):
-            raise RuntimeError(f"LinearizedLaplace.{what}: call fit(train_loader) first"
-                               + (" (or load a state that holds posterior samples)" if samples_ok else ""))
+            raise RuntimeError(
+                f"LinearizedLaplace.{what}: call fit(train_loader) first"
+                + (" (or load a state that holds posterior samples)" if samples_ok else "")
+            )
 
     # ------------------------------------------------------------------------------------------ fit
-    def fit(self, train_loader) -> "LinearizedLaplace":
+    def fit(self, train_loader) -> LinearizedLaplace:
         """Linearise at the trained weights on the training data of ``train_loader`` (``(x, y)`` batches).
 
         Collects the data, computes the softmax Hessians, the prior scales, the linearised model's mode at the
@@ -233,24 +253,48 @@ class LinearizedLaplace(PredictiveMixin):
         # A network's fit can take minutes (every product runs over all n training inputs): say what runs.
         t0 = time.perf_counter()
         base, sq_norms, mode_net = self._features(X)
-        self.say(f"features Ψ₀ ({n * C} × {self.n_params}, "
-                 f"{'assembled' if sq_norms is not None else 'Jacobian products'}): {time.perf_counter() - t0:.1f} s")
+        self.say(
+            f"features Ψ₀ ({n * C} × {self.n_params}, "
+            f"{'assembled' if sq_norms is not None else 'Jacobian products'}): {time.perf_counter() - t0:.1f} s"
+        )
         if self.scales is None:  # else restored from a state
             t0 = time.perf_counter()
-            self.scales = prior_scales(self.prior, base=base, model=self._model, X=X, names=self.param_names,
-                                       root=root, n_params=self.n_params, sq_norms=sq_norms,
-                                       gprior_method=self.gprior_method, gprior_probes=self.gprior_probes,
-                                       seed=self.seed, chunk_size=self.jacobian_chunk, progress=self.progress)
-            self.say(f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
-                     f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): "
-                     f"{time.perf_counter() - t0:.1f} s")
+            self.scales = prior_scales(
+                self.prior,
+                base=base,
+                model=self._model,
+                X=X,
+                names=self.param_names,
+                root=root,
+                n_params=self.n_params,
+                sq_norms=sq_norms,
+                gprior_method=self.gprior_method,
+                gprior_probes=self.gprior_probes,
+                seed=self.seed,
+                chunk_size=self.jacobian_chunk,
+                progress=self.progress,
+            )
+            self.say(
+                f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
+                f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         self._mode_finder = LinearMode(mode_net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
         targets = self._refresh_mode(a, self._mode_w)
-        post = LinearizedPosterior(base, targets.to(self.dtype), prior=self.scales.to(self.dtype),
-                                   likelihood=CategoricalLikelihood(), a=a, solver=self.solver,
-                                   solver_options=self.solver_options, seed=self.seed, progress=self.progress,
-                                   log=self.say, workload=Workload(em_steps=5, em_samples=16, prediction_samples=64))
+        post = LinearizedPosterior(
+            base,
+            targets.to(self.dtype),
+            prior=self.scales.to(self.dtype),
+            likelihood=CategoricalLikelihood(),
+            a=a,
+            solver=self.solver,
+            solver_options=self.solver_options,
+            seed=self.seed,
+            progress=self.progress,
+            log=self.say,
+            workload=Workload(em_steps=5, em_samples=16, prediction_samples=64),
+        )
         if self._pending_posterior is not None:
             post.load_state_dict(self._pending_posterior)
             self._pending_posterior = None
@@ -268,9 +312,11 @@ class LinearizedLaplace(PredictiveMixin):
         if self.dense_features == DenseChoice.ALWAYS:
             dense = True
             if need > budget:
-                raise MemoryError(f"LinearizedLaplace(dense_features='always'): Ψ₀ ({c} × {d}, {self.dtype}) needs "
-                                  f"{need / 2**30:.1f} GiB, the dense budget is {budget / 2**30:.1f} "
-                                  f"GiB; use dtype=torch.float32, dense_features='auto', or fewer training examples")
+                raise MemoryError(
+                    f"LinearizedLaplace(dense_features='always'): Ψ₀ ({c} × {d}, {self.dtype}) needs "
+                    f"{need / 2**30:.1f} GiB, the dense budget is {budget / 2**30:.1f} "
+                    f"GiB; use dtype=torch.float32, dense_features='auto', or fewer training examples"
+                )
         elif self.dense_features == DenseChoice.NEVER:
             dense = False
         elif exact:
@@ -280,34 +326,60 @@ class LinearizedLaplace(PredictiveMixin):
         else:
             flops = forward_flops_per_example(self._model, X)
             dense = assembly_pays(flops, self.n_classes, d)
-            why = (f"a forward pass costs {flops:.3g} flops per example "
-                   f"{'≥' if dense else '<'} 2·C·d = {2.0 * self.n_classes * d:.3g}")
+            why = (
+                f"a forward pass costs {flops:.3g} flops per example "
+                f"{'≥' if dense else '<'} 2·C·d = {2.0 * self.n_classes * d:.3g}"
+            )
             if dense and need > budget:
                 dense = False
-                self.say(f"Ψ₀ would pay ({why}) but needs {need / 2**30:.1f} GiB of a {budget / 2**30:.1f} GiB dense "
-                         f"budget: Jacobian products"
-                         + (" (with dtype=torch.float32 it would fit)" if need / 2 <= budget and
-                            self.dtype == torch.float64 else ""))
+                self.say(
+                    f"Ψ₀ would pay ({why}) but needs {need / 2**30:.1f} GiB of a {budget / 2**30:.1f} GiB dense "
+                    f"budget: Jacobian products"
+                    + (
+                        " (with dtype=torch.float32 it would fit)"
+                        if need / 2 <= budget and self.dtype == torch.float64
+                        else ""
+                    )
+                )
             else:
                 self.say(f"Ψ₀ {'assembled' if dense else 'through Jacobian products'}: {why}")
-        return whitened_features(self._model, self._net, X, self.param_names, self._root, dense=dense,
-                                 dtype=self.dtype, chunk_size=self.jacobian_chunk, keep_jacobian=not exact,
-                                 progress=self.progress)
+        return whitened_features(
+            self._model,
+            self._net,
+            X,
+            self.param_names,
+            self._root,
+            dense=dense,
+            dtype=self.dtype,
+            chunk_size=self.jacobian_chunk,
+            keep_jacobian=not exact,
+            progress=self.progress,
+        )
 
     def _refresh_mode(self, a: float, w0: torch.Tensor | None = None) -> torch.Tensor:
         """Mode at ``a`` (warm start) and the pseudo-targets ``ỹ = Ψ w* + ρ`` ``(n·C,)`` float64."""
         start = w0 if w0 is not None else (self._mode.w if self._mode is not None else None)
         t0 = time.perf_counter()
         self._mode = mode = self._mode_finder.fit(a, start)
-        self.say(f"mode of the linearised model at a = {a:.4g}: {mode.evaluations} L-BFGS evaluations (a JVP and a "
-                 f"VJP each), ‖∇‖ {mode.grad_norm:.2e}, {time.perf_counter() - t0:.1f} s")
+        self.say(
+            f"mode of the linearised model at a = {a:.4g}: {mode.evaluations} L-BFGS evaluations (a JVP and a "
+            f"VJP each), ‖∇‖ {mode.grad_norm:.2e}, {time.perf_counter() - t0:.1f} s"
+        )
         self._rho = self._root.residual_targets(self._labels, mode.probs)
         eta = self._mode_finder.jvp(mode.w)  # J (s ⊙ w*), flat
         return self._root.apply_transpose(eta[None])[0] + self._rho
 
     # ------------------------------------------------------------------------------------------ EM
-    def optimize_prior(self, method: str = "sampled_em", *, max_steps: int = 5, n_samples: int = 16,
-                       tol: float = 1e-2, callback: Callable[[dict], None] | None = None, update: str = "damped"):
+    def optimize_prior(
+        self,
+        method: str = "sampled_em",
+        *,
+        max_steps: int = 5,
+        n_samples: int = 16,
+        tol: float = 1e-2,
+        callback: Callable[[dict], None] | None = None,
+        update: str = "damped",
+    ):
         """MacKay EM for ``a`` (module docstring): ``"sampled_em"`` (``γ̂`` from ``n_samples`` posterior samples
         per step) or ``"exact"`` (exact ``γ``; switches to an exact solver if needed). Runs up to ``max_steps``
         more steps, stopping when ``|Δa|/a < tol``; ``callback(record)`` after each. ``update``: ``"damped"``
@@ -316,8 +388,9 @@ class LinearizedLaplace(PredictiveMixin):
         :class:`~ctuq.inference.EMResult`; the trace is :attr:`em_trace`."""
         self._require("optimize_prior")
         if method not in values(PriorMethod):
-            raise ValueError(f"LinearizedLaplace.optimize_prior: method must be one of {list(values(PriorMethod))}, "
-                             f"got {method!r}")
+            raise ValueError(
+                f"LinearizedLaplace.optimize_prior: method must be one of {list(values(PriorMethod))}, got {method!r}"
+            )
         post = self.posterior
         if method == PriorMethod.EXACT and not post.exact:
             self.say("optimize_prior('exact'): rebuilding the posterior with an exact solver")
@@ -325,14 +398,22 @@ class LinearizedLaplace(PredictiveMixin):
             if isinstance(post.base, DenseFeatures):
                 base = post.base
             elif isinstance(getattr(post.base, "network", None), DenseJacobian) and dense_features_fit(
-                    post.base.n_outputs, post.base.n_features, "cpu"):
+                post.base.n_outputs, post.base.n_features, "cpu"
+            ):
                 base = DenseFeatures(whitened_matrix(post.base.network, self._root))  # no Jacobians again
             else:
                 base = self._features(self._net.net_input, True)[0]
-            post = LinearizedPosterior(base, post.targets, prior=self.scales.to(self.dtype),
-                                       likelihood=CategoricalLikelihood(), a=post.a, solver=SolverAlias.EXACT.value,
-                                       seed=self.seed,
-                                       progress=self.progress, log=self.say).setup()
+            post = LinearizedPosterior(
+                base,
+                post.targets,
+                prior=self.scales.to(self.dtype),
+                likelihood=CategoricalLikelihood(),
+                a=post.a,
+                solver=SolverAlias.EXACT.value,
+                seed=self.seed,
+                progress=self.progress,
+                log=self.say,
+            ).setup()
             self.posterior, self.solver = post, SolverAlias.EXACT.value
         elif post.em is not None and self._em_method not in (None, method):
             self._old_trace += post.em_trace  # a new EM for the other γ method; keep the trace
@@ -351,10 +432,13 @@ class LinearizedLaplace(PredictiveMixin):
             post.set_targets(self._refresh_mode(post.a).to(self.dtype))
             state["mode"] = self._mode
             self._samples = None
-            damped = (f" (damped {record['damping']:.2f}; MacKay {record['a_mackay']:.4g})" if record["damping"] < 1
-                      else "")
-            self.say(f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
-                     f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}")
+            damped = (
+                f" (damped {record['damping']:.2f}; MacKay {record['a_mackay']:.4g})" if record["damping"] < 1 else ""
+            )
+            self.say(
+                f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
+                f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}"
+            )
             if bar is not None:
                 bar.update(1)
             if callback is not None:
@@ -364,8 +448,14 @@ class LinearizedLaplace(PredictiveMixin):
         if post.em is None:  # create the EM first (it restores a loaded EM state): steps count from there
             post.fit(max_steps=0, n_samples=int(n_samples), tol=float(tol), gamma=gamma, update=update)
         steps = post.em.step_count
-        result = post.fit(max_steps=steps + int(max_steps), n_samples=int(n_samples), tol=float(tol), gamma=gamma,
-                          callback=after, update=update)
+        result = post.fit(
+            max_steps=steps + int(max_steps),
+            n_samples=int(n_samples),
+            tol=float(tol),
+            gamma=gamma,
+            callback=after,
+            update=update,
+        )
         if bar is not None:
             bar.close()
         return result
@@ -375,30 +465,38 @@ class LinearizedLaplace(PredictiveMixin):
         solvers only."""
         self._require("log_evidence")
         if not self.posterior.exact:
-            raise ValueError(f"LinearizedLaplace.log_evidence needs an exact solver (solver='exact'); this one uses "
-                             f"{self.posterior.solver_name!r}")
+            raise ValueError(
+                f"LinearizedLaplace.log_evidence needs an exact solver (solver='exact'); this one uses "
+                f"{self.posterior.solver_name!r}"
+            )
         c = self.posterior.n_outputs
         logp = torch.log_softmax(self._mode.logits, 1)[torch.arange(self.n_train), self._labels].sum()
-        return (self.posterior.log_evidence() + 0.5 * float(self._rho.pow(2).sum()) + 0.5 * c * math.log(2 * math.pi)
-                + float(logp))
+        return (
+            self.posterior.log_evidence()
+            + 0.5 * float(self._rho.pow(2).sum())
+            + 0.5 * c * math.log(2 * math.pi)
+            + float(logp)
+        )
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Everything to predict and resume; tensors and plain values (``torch.load(weights_only=True)``)."""
         return _state.state_dict(self)
 
-    def load_state_dict(self, state: dict) -> "LinearizedLaplace":
+    def load_state_dict(self, state: dict) -> LinearizedLaplace:
         """Restore :meth:`state_dict` output into this (unfitted) object: stored posterior samples predict at once;
         a later :meth:`fit` resumes the posterior (no g-prior or EM work is repeated). Returns ``self``."""
         _state.load_state_dict(self, state)
         return self
 
     @classmethod
-    def from_state_dict(cls, model: nn.Module, state: dict, **kwargs) -> "LinearizedLaplace":
+    def from_state_dict(cls, model: nn.Module, state: dict, **kwargs) -> LinearizedLaplace:
         """A new object for ``model`` with the settings stored in ``state`` (``kwargs`` override), restored."""
         return cls(model, **{**_state.settings(state), **kwargs}).load_state_dict(state)
 
     def __repr__(self) -> str:
         prior = self.prior if isinstance(self.prior, str) else "scales"
-        return (f"LinearizedLaplace(d={self.n_params}, prior={prior}, "
-                f"a={self.prior_precision:.4g}, solver={self.solver!r}, fitted={self.posterior is not None})")
+        return (
+            f"LinearizedLaplace(d={self.n_params}, prior={prior}, "
+            f"a={self.prior_precision:.4g}, solver={self.solver!r}, fitted={self.posterior is not None})"
+        )

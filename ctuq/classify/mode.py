@@ -67,8 +67,17 @@ class LinearMode:
         Relative gradient tolerance.
     """
 
-    def __init__(self, network, scales: torch.Tensor, labels: torch.Tensor, logits: torch.Tensor, *,
-                 kind: str = "tangent", max_iter: int = 500, gtol: float = 1e-4):
+    def __init__(
+        self,
+        network,
+        scales: torch.Tensor,
+        labels: torch.Tensor,
+        logits: torch.Tensor,
+        *,
+        kind: str = "tangent",
+        max_iter: int = 500,
+        gtol: float = 1e-4,
+    ):
         if kind not in values(LinearModel):
             raise ValueError(f"LinearMode: kind must be one of {list(values(LinearModel))}, got {kind!r}")
         self.net = network
@@ -109,8 +118,15 @@ class LinearMode:
         if not (a > 0 and math.isfinite(a)):
             raise ValueError(f"LinearMode.fit: a must be positive and finite, got {a}")
         w = (self.w_trained if w0 is None else w0.detach().double()).clone().requires_grad_(True)
-        opt = torch.optim.LBFGS([w], lr=1.0, max_iter=self.max_iter, history_size=20,
-                                line_search_fn="strong_wolfe", tolerance_grad=0.0, tolerance_change=0.0)
+        opt = torch.optim.LBFGS(
+            [w],
+            lr=1.0,
+            max_iter=self.max_iter,
+            history_size=20,
+            line_search_fn="strong_wolfe",
+            tolerance_grad=0.0,
+            tolerance_change=0.0,
+        )
         count = [0]
 
         def closure():

@@ -14,7 +14,7 @@ setting). All work happens in the model's dtype; inputs are processed in batches
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -28,9 +28,17 @@ __all__ = ["logit_samples", "link_probabilities", "PredictiveMixin"]
 
 
 @torch.no_grad()
-def logit_samples(model: nn.Module, names: Sequence[str], X: torch.Tensor, scaled_weights: torch.Tensor,
-                  scales: torch.Tensor, *, batch_size: int = 256, progress: bool = False,
-                  where: str = "LinearizedLaplace") -> tuple[torch.Tensor, torch.Tensor]:
+def logit_samples(
+    model: nn.Module,
+    names: Sequence[str],
+    X: torch.Tensor,
+    scaled_weights: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    batch_size: int = 256,
+    progress: bool = False,
+    where: str = "LinearizedLaplace",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f (N, C), Z (k, N, C))``: network logits and zero-mean linearised deviations ``J(x)(s ⊙ ζ_j)``.
 
     ``model`` is in the dtype of the computation; ``X`` ``(N, ...)`` is converted to it; ``scaled_weights``
@@ -41,12 +49,14 @@ def logit_samples(model: nn.Module, names: Sequence[str], X: torch.Tensor, scale
     means, devs = [], []
     starts = range(0, X.shape[0], batch_size)
     for start in _progress(starts, total=len(starts), desc="predict", disable=not progress):
-        xb = X[start:start + batch_size].to(dtype)
+        xb = X[start : start + batch_size].to(dtype)
         try:
             net = LinearizedNetwork(model, xb, param_names=list(names), mode="recompute")
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{where}: the model failed on inputs of shape {tuple(xb.shape)} (do they have the "
-                             f"training inputs' shape per example?): {exc}") from exc
+            raise ValueError(
+                f"{where}: the model failed on inputs of shape {tuple(xb.shape)} (do they have the "
+                f"training inputs' shape per example?): {exc}"
+            ) from exc
         f = check_logits(net.output().reshape(net.output_shape), xb.shape[0], where=where)
         means.append(f)
         devs.append(net.jvp(V).reshape(V.shape[0], *f.shape) if V.shape[0] else f.new_zeros((0, *f.shape)))
@@ -74,8 +84,12 @@ class PredictiveMixin:
     def posterior_samples(self, n: int, seed: int = 0) -> torch.Tensor:
         """``n`` zero-mean posterior samples ``ζ`` ``(n, d)`` of the scaled weights (cached per ``(n, seed, a)``)."""
         c = self._samples
-        if (c is not None and c["n"] == n and c["seed"] == seed
-                and (self.posterior is None or c["a"] == self.posterior.a)):
+        if (
+            c is not None
+            and c["n"] == n
+            and c["seed"] == seed
+            and (self.posterior is None or c["a"] == self.posterior.a)
+        ):
             return c["weights"]
         self._require("posterior_samples")
         if not isinstance(n, int) or n < 1:
@@ -88,8 +102,16 @@ class PredictiveMixin:
         self._require(where, samples_ok=True)
         X = collect_inputs(x, where=f"LinearizedLaplace.{where}")
         W = self.posterior_samples(n_samples, seed)
-        return logit_samples(self._model, self.param_names, X, W, self.scales, batch_size=batch_size,
-                             progress=self.progress, where=f"LinearizedLaplace.{where}")
+        return logit_samples(
+            self._model,
+            self.param_names,
+            X,
+            W,
+            self.scales,
+            batch_size=batch_size,
+            progress=self.progress,
+            where=f"LinearizedLaplace.{where}",
+        )
 
     def logit_deviations(self, x, n_samples: int = 64, *, seed: int = 0, batch_size: int = 256):
         """``(f (N, C), Z (n_samples, N, C))``: the network's logits at ``x`` and the zero-mean linearised
@@ -113,4 +135,3 @@ class PredictiveMixin:
             raise ValueError(f"LinearizedLaplace.predict: link must be one of {list(values(Link))}, got {link!r}")
         f, Z = self._logits(x, samples, seed, batch_size, "predict")
         return link_probabilities(f, Z, link)
-

@@ -24,9 +24,12 @@ def model_fingerprint(model, names) -> dict:
     parameter and buffer."""
     params = dict(model.named_parameters())
     tensors = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return {"names": list(names), "numels": [int(params[n].numel()) for n in names],
-            "sum": float(sum(t.detach().double().sum() for t in tensors)),
-            "sq": float(sum(t.detach().double().pow(2).sum() for t in tensors))}
+    return {
+        "names": list(names),
+        "numels": [int(params[n].numel()) for n in names],
+        "sum": float(sum(t.detach().double().sum() for t in tensors)),
+        "sq": float(sum(t.detach().double().pow(2).sum() for t in tensors)),
+    }
 
 
 def state_dict(la) -> dict:
@@ -43,10 +46,18 @@ def state_dict(la) -> dict:
     return {
         "version": STATE_VERSION,
         "kind": _KIND,
-        "settings": {"weights": list(la.param_names), "prior": la.prior if isinstance(la.prior, str) else "given",
-                     "linear_model": la.linear_model, "gprior_method": la.gprior_method,
-                     "gprior_probes": la.gprior_probes, "hessian_root": la.hessian_root, "solver": la.solver,
-                     "dtype": str(la.dtype).replace("torch.", ""), "seed": la.seed, "prior_precision": la.a0},
+        "settings": {
+            "weights": list(la.param_names),
+            "prior": la.prior if isinstance(la.prior, str) else "given",
+            "linear_model": la.linear_model,
+            "gprior_method": la.gprior_method,
+            "gprior_probes": la.gprior_probes,
+            "hessian_root": la.hessian_root,
+            "solver": la.solver,
+            "dtype": str(la.dtype).replace("torch.", ""),
+            "seed": la.seed,
+            "prior_precision": la.a0,
+        },
         "model": model_fingerprint(la.model, la.param_names),
         "n_classes": la.n_classes,
         "n_train": la.n_train,
@@ -55,8 +66,9 @@ def state_dict(la) -> dict:
         "mode": None if mode is None else mode.detach().cpu().double(),
         "posterior": post_state,
         "em_trace_before": [dict(r) for r in getattr(la, "_old_trace", [])],
-        "samples": None if la._samples is None else {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                                                     for k, v in la._samples.items()},
+        "samples": None
+        if la._samples is None
+        else {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in la._samples.items()},
     }
 
 
@@ -65,8 +77,10 @@ def _check(state) -> dict:
         got = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"LinearizedLaplace.load_state_dict: not a LinearizedLaplace state (got {got})")
     if state.get("version") != STATE_VERSION:
-        raise ValueError(f"LinearizedLaplace.load_state_dict: state version {state.get('version')!r}; this ctuq "
-                         f"reads version {STATE_VERSION}")
+        raise ValueError(
+            f"LinearizedLaplace.load_state_dict: state version {state.get('version')!r}; this ctuq "
+            f"reads version {STATE_VERSION}"
+        )
     return state
 
 
@@ -87,13 +101,17 @@ def load_state_dict(la, state: dict) -> None:
         raise RuntimeError(f"{where}: call it on an object that was not fitted yet")
     saved, now = state["model"], model_fingerprint(la.model, la.param_names)
     if saved["names"] != now["names"] or saved["numels"] != now["numels"]:
-        raise ValueError(f"{where}: the state was saved for parameters {saved['names'][:6]}… "
-                         f"(d={sum(saved['numels'])}); this model linearises {now['names'][:6]}… "
-                         f"(d={sum(now['numels'])})")
+        raise ValueError(
+            f"{where}: the state was saved for parameters {saved['names'][:6]}… "
+            f"(d={sum(saved['numels'])}); this model linearises {now['names'][:6]}… "
+            f"(d={sum(now['numels'])})"
+        )
     for key in ("sum", "sq"):
         if abs(saved[key] - now[key]) > 1e-6 * max(1.0, abs(saved[key])):
-            raise ValueError(f"{where}: the model's weights differ from those the state was computed for "
-                             f"(weight {key} {now[key]:.8g} vs {saved[key]:.8g})")
+            raise ValueError(
+                f"{where}: the model's weights differ from those the state was computed for "
+                f"(weight {key} {now[key]:.8g} vs {saved[key]:.8g})"
+            )
     for key in ("linear_model", "hessian_root", "dtype"):
         mine = str(la.dtype).replace("torch.", "") if key == "dtype" else getattr(la, key)
         if state["settings"][key] != mine:

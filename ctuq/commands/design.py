@@ -37,17 +37,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
-    p.add_argument("--config", metavar="FILE", help="YAML config or bundled name for scan, DIP, FBP, TV (default: "
-                                                    "demo)")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override a config value, e.g. --set design.samples=500 (repeatable)")
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML config or bundled name for scan, DIP, FBP, TV (default: demo)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config value, e.g. --set design.samples=500 (repeatable)",
+    )
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/<timestamp>)")
-    p.add_argument("--pilot", type=int, metavar="N", help="pilot angles, equidistant among the candidates "
-                                                         "(design.pilot, default 20)")
-    p.add_argument("--pilot-angles", metavar="FILE", help="pilot angles in degrees (text, one per line, or .npy); "
-                                                         "each must be a candidate angle")
-    p.add_argument("--candidates", type=int, metavar="N", help="N candidate angles evenly spaced among the scan's "
-                                                               "(default: all of the scan's angles)")
+    p.add_argument(
+        "--pilot",
+        type=int,
+        metavar="N",
+        help="pilot angles, equidistant among the candidates (design.pilot, default 20)",
+    )
+    p.add_argument(
+        "--pilot-angles",
+        metavar="FILE",
+        help="pilot angles in degrees (text, one per line, or .npy); each must be a candidate angle",
+    )
+    p.add_argument(
+        "--candidates",
+        type=int,
+        metavar="N",
+        help="N candidate angles evenly spaced among the scan's (default: all of the scan's angles)",
+    )
     p.add_argument("--acquire", type=int, metavar="N", help="angles to acquire (design.acquire, default 40)")
     p.add_argument("--criterion", choices=STRATEGIES, help="eig (default), ese, diag_eig, or a baseline")
     p.add_argument("--prior", choices=values(DesignPriorKind), help="dip (default), isotropic or matern")
@@ -68,10 +86,21 @@ def run(args: argparse.Namespace) -> int:
         raise DesignError("--pilot-angles: give either --pilot N or --pilot-angles FILE, not both")
     # The design chooses among all of the scan's angles unless the user thins them (--set wins over this default).
     overrides = ["data.angular_subsampling=1", "data.min_angles=1", *args.overrides]
-    cfg = load_config(args.config, overrides, **{
-        "data.path": args.data, "device": args.device, "seed": args.seed, "design.pilot": args.pilot,
-        "design.acquire": args.acquire, "design.candidates": args.candidates, "design.criterion": args.criterion,
-        "design.prior": args.prior, "design.samples": args.samples})
+    cfg = load_config(
+        args.config,
+        overrides,
+        **{
+            "data.path": args.data,
+            "device": args.device,
+            "seed": args.seed,
+            "design.pilot": args.pilot,
+            "design.acquire": args.acquire,
+            "design.candidates": args.candidates,
+            "design.criterion": args.criterion,
+            "design.prior": args.prior,
+            "design.samples": args.samples,
+        },
+    )
     pilot_angles = read_angles_file(args.pilot_angles) if args.pilot_angles else None
     out = args.out or run_folder.new_run_folder("runs")
     run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)

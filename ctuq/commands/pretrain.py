@@ -37,15 +37,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the weights (.pt)")
     p.add_argument("--config", metavar="FILE", help="config whose data/model/dip sections to match (default demo)")
     p.add_argument("--data", metavar="DIR", help="scan whose geometry to train for (default: the bundled scan)")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override a config value (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config value (repeatable)",
+    )
     p.add_argument("--phantoms", type=int, default=48, help="synthetic walnuts (default 48)")
     p.add_argument("--slices-per-phantom", type=int, default=4, help="slices per walnut (default 4)")
     p.add_argument("--iterations", type=int, default=1500, help="Adam iterations (default 1500)")
     p.add_argument("--batch-size", type=int, default=8, help="images per iteration (default 8)")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate, cosine-annealed (default 2e-3)")
-    p.add_argument("--noise", type=float, default=0.01,
-                   help="Gaussian noise std relative to the mean |sinogram| (default 0.01)")
+    p.add_argument(
+        "--noise", type=float, default=0.01, help="Gaussian noise std relative to the mean |sinogram| (default 0.01)"
+    )
     p.add_argument("--seed", type=int, default=1000, help="first phantom seed (default 1000; must be > 0)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -56,11 +63,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq pretrain`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
     # Pretraining starts from random weights unless the user overrides model.pretrained explicitly.
-    cfg = load_config(args.config, ["model.pretrained=null", *args.overrides],
-                      **{"data.path": args.data, "device": args.device})
-    pretrain(cfg, args.out, phantoms=args.phantoms, slices_per_phantom=args.slices_per_phantom,
-             iterations=args.iterations, batch_size=args.batch_size, lr=args.lr, noise=args.noise, seed=args.seed,
-             progress=not args.no_progress)
-    print(f"[ctuq pretrain] wrote {args.out}; use it with --set model.pretrained={args.out} --set model.input=fbp",
-          file=sys.stderr, flush=True)
+    cfg = load_config(
+        args.config, ["model.pretrained=null", *args.overrides], **{"data.path": args.data, "device": args.device}
+    )
+    pretrain(
+        cfg,
+        args.out,
+        phantoms=args.phantoms,
+        slices_per_phantom=args.slices_per_phantom,
+        iterations=args.iterations,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        noise=args.noise,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print(
+        f"[ctuq pretrain] wrote {args.out}; use it with --set model.pretrained={args.out} --set model.input=fbp",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0

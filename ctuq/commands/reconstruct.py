@@ -35,19 +35,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML config file or bundled name (demo, demo_pretrained, walnut_2d_60, walnut_2d_120, "
-                        "walnut_3d, walnut_3d_published); default: demo, or the run folder's config.yaml with --resume")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override a config value, e.g. --set dip.lr=1e-3 (repeatable)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML config file or bundled name (demo, demo_pretrained, walnut_2d_60, walnut_2d_120, "
+        "walnut_3d, walnut_3d_published); default: demo, or the run folder's config.yaml with --resume",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config value, e.g. --set dip.lr=1e-3 (repeatable)",
+    )
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<timestamp>)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
     p.add_argument("--seed", type=int, help="overrides the config's seed")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the DIP from the checkpoint in --out (which must be given)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the DIP from the checkpoint in --out (which must be given)"
+    )
     p.add_argument("--no-uq", action="store_true", help="skip the uncertainty phase (reconstruction only)")
-    p.add_argument("--save-samples", action="store_true",
-                   help="also write every posterior image sample to OUT/samples/ (large; = --set uq.save_samples=true)")
+    p.add_argument(
+        "--save-samples",
+        action="store_true",
+        help="also write every posterior image sample to OUT/samples/ (large; = --set uq.save_samples=true)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
@@ -60,8 +73,16 @@ def run(args: argparse.Namespace) -> int:
     config_path = args.config
     if args.resume and config_path is None and (Path(args.out) / run_folder.CONFIG_NAME).is_file():
         config_path = Path(args.out) / run_folder.CONFIG_NAME
-    cfg = load_config(config_path, args.overrides, **{"data.path": args.data, "device": args.device, "seed": args.seed,
-                                                            "uq.save_samples": args.save_samples or None})
+    cfg = load_config(
+        config_path,
+        args.overrides,
+        **{
+            "data.path": args.data,
+            "device": args.device,
+            "seed": args.seed,
+            "uq.save_samples": args.save_samples or None,
+        },
+    )
     out_dir = Path(args.out) if args.out else run_folder.new_run_folder("runs")
     state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
     state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")

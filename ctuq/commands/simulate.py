@@ -39,19 +39,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
     p.add_argument("--preset", choices=sorted(SCAN_PRESETS), default="bundled", help="size preset (default: bundled)")
     g = p.add_argument_group("scan (override the preset)")
-    g.add_argument("--projections", type=int, metavar="N", dest="n_projections",
-                   help="projection files per orbit; N−1 distinct angles over 360°, the last repeats the first")
+    g.add_argument(
+        "--projections",
+        type=int,
+        metavar="N",
+        dest="n_projections",
+        help="projection files per orbit; N−1 distinct angles over 360°, the last repeats the first",
+    )
     g.add_argument("--det-rows", type=int, metavar="R", help="detector rows")
     g.add_argument("--det-cols", type=int, metavar="C", help="detector columns")
     g.add_argument("--pixel-size", type=float, metavar="MM", help="detector column pitch (mm)")
     g.add_argument("--row-pixel-size", type=float, metavar="MM", help="detector row pitch (mm; default: --pixel-size)")
     g.add_argument("--source-origin", type=float, metavar="MM", help="source–rotation-axis distance (mm)")
     g.add_argument("--source-detector", type=float, metavar="MM", help="source–detector distance (mm)")
-    g.add_argument("--orbits", type=int, nargs="+", choices=(1, 2, 3), metavar="O",
-                   help="orbits to simulate among 1 2 3 (2: source in z = 0; 1/3: above/below)")
+    g.add_argument(
+        "--orbits",
+        type=int,
+        nargs="+",
+        choices=(1, 2, 3),
+        metavar="O",
+        help="orbits to simulate among 1 2 3 (2: source in z = 0; 1/3: above/below)",
+    )
     g.add_argument("--orbit-height", type=float, metavar="MM", help="source height of orbits 1 (+) and 3 (−) (mm)")
-    g.add_argument("--no-corrections", action="store_true",
-                   help="ideal circular geometry (no per-orbit detector tilt/offset)")
+    g.add_argument(
+        "--no-corrections", action="store_true", help="ideal circular geometry (no per-orbit detector tilt/offset)"
+    )
     g.add_argument("--supersampling", type=int, metavar="S", help="sub-rays per detector pixel and axis")
     g = p.add_argument_group("ground truth")
     g.add_argument("--gt-shape", type=int, nargs=3, metavar=("NZ", "NY", "NX"), help="ground-truth volume shape")
@@ -64,8 +76,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-noise", action="store_true", help="exact counts (only rounded to integers)")
     g.add_argument("--no-compress", action="store_true", help="uncompressed TIFFs (default: lossless zlib)")
     g.add_argument("--seed", type=int, help="seed of the phantom, detector patterns and noise (default 0)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a scan previously simulated into --out (only its scan files are removed)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a scan previously simulated into --out (only its scan files are removed)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
@@ -76,9 +91,23 @@ def run(args: argparse.Namespace) -> int:
     to :func:`ctuq.cli.main`."""
     overrides = {
         key: getattr(args, key)
-        for key in ("n_projections", "det_rows", "det_cols", "pixel_size", "row_pixel_size", "source_origin",
-                    "source_detector", "orbit_height", "supersampling", "gt_voxel_size", "gt_supersampling",
-                    "flat_counts", "dark_counts", "read_noise", "seed")
+        for key in (
+            "n_projections",
+            "det_rows",
+            "det_cols",
+            "pixel_size",
+            "row_pixel_size",
+            "source_origin",
+            "source_detector",
+            "orbit_height",
+            "supersampling",
+            "gt_voxel_size",
+            "gt_supersampling",
+            "flat_counts",
+            "dark_counts",
+            "read_noise",
+            "seed",
+        )
     }
     if args.orbits:
         overrides["orbits"] = tuple(args.orbits)
@@ -90,10 +119,12 @@ def run(args: argparse.Namespace) -> int:
         overrides["noise"] = False
     if args.no_compress:
         overrides["compress"] = False
-    res = simulate(args.out, args.preset, overrides=overrides, overwrite=args.overwrite,
-                   progress=not args.no_progress)
+    res = simulate(args.out, args.preset, overrides=overrides, overwrite=args.overwrite, progress=not args.no_progress)
     params = res["params"]
-    print(f"ctuq simulate: wrote {res['out']} ({params.n_projections} projections × orbits {list(params.orbits)}, "
-          f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
-          f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s", file=sys.stderr)
+    print(
+        f"ctuq simulate: wrote {res['out']} ({params.n_projections} projections × orbits {list(params.orbits)}, "
+        f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
+        f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s",
+        file=sys.stderr,
+    )
     return 0

@@ -45,16 +45,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="folder written by `ctuq reconstruct`")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override a config value, e.g. --set uq.samples=256 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config value, e.g. --set uq.samples=256 (repeatable)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the run's device")
     p.add_argument("--resume", action="store_true", help="continue from the inference checkpoints in RUN_DIR")
-    p.add_argument("--save-samples", action="store_true",
-                   help="also write every posterior image sample to RUN_DIR/samples/ (large)")
+    p.add_argument(
+        "--save-samples",
+        action="store_true",
+        help="also write every posterior image sample to RUN_DIR/samples/ (large)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--distributed", action="store_true",
-                   help="shard the EM probes and prediction samples over the ranks of a torchrun launch "
-                        "(implied when WORLD_SIZE > 1)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="shard the EM probes and prediction samples over the ranks of a torchrun launch "
+        "(implied when WORLD_SIZE > 1)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -62,8 +74,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq uq`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
     out_dir = Path(args.run_dir)
-    cfg = load_config(run_folder.require_run_folder(out_dir), args.overrides,
-                      **{"device": args.device, "uq.save_samples": args.save_samples or None})
+    cfg = load_config(
+        run_folder.require_run_folder(out_dir),
+        args.overrides,
+        **{"device": args.device, "uq.save_samples": args.save_samples or None},
+    )
     distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not distributed:
         state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)
@@ -72,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.device)
     shard, device = init_from_env(device.type)
     try:
-        state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard,
-                         device=device)
+        state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard, device=device)
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s on {shard.world_size} rank(s)")
     finally:
         if dist.is_initialized():

@@ -27,19 +27,19 @@ option vocabularies are :class:`ctuq.options.Criterion`, :class:`~ctuq.options.B
 
 from ctuq.design.bordered import BorderedCholesky
 from ctuq.design.candidates import (
-                                    DesignError,
-                                    check_design_sizes,
-                                    equidistant_angles,
-                                    equidistant_indices,
-                                    match_angles,
-                                    random_indices,
+    DesignError,
+    check_design_sizes,
+    equidistant_angles,
+    equidistant_indices,
+    match_angles,
+    random_indices,
 )
 from ctuq.design.criteria import (
-                                    DEFAULT_JITTER,
-                                    criteria_from_blocks,
-                                    criteria_from_samples,
-                                    dense_posterior_blocks,
-                                    information_gain_bruteforce,
+    DEFAULT_JITTER,
+    criteria_from_blocks,
+    criteria_from_samples,
+    dense_posterior_blocks,
+    information_gain_bruteforce,
 )
 from ctuq.design.dip_prior import DIPPrior
 from ctuq.design.engine import DesignEngine, auto_route
@@ -47,17 +47,39 @@ from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, kerne
 from ctuq.design.greedy import STRATEGIES, DesignResult, baseline_design, greedy_design
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import (
-                                    energy_precision,
-                                    fit_precision,
-                                    isotropic_model,
-                                    matern_model,
+    energy_precision,
+    fit_precision,
+    isotropic_model,
+    matern_model,
 )
 
 __all__ = [
-    "BorderedCholesky", "DIPPrior", "DEFAULT_JITTER", "DenseFactor", "DesignEngine", "DesignError", "DesignModel",
-    "DesignResult", "IdentityFactor", "MaternFactor", "STRATEGIES", "auto_route", "baseline_design",
-    "check_design_sizes", "criteria_from_blocks", "criteria_from_samples", "dense_posterior_blocks",
-    "energy_precision", "equidistant_angles", "equidistant_indices", "fit_precision", "greedy_design",
-    "information_gain_bruteforce", "isotropic_model", "kernel_apply", "match_angles", "matern_model",
+    "BorderedCholesky",
+    "DIPPrior",
+    "DEFAULT_JITTER",
+    "DenseFactor",
+    "DesignEngine",
+    "DesignError",
+    "DesignModel",
+    "DesignResult",
+    "IdentityFactor",
+    "MaternFactor",
+    "STRATEGIES",
+    "auto_route",
+    "baseline_design",
+    "check_design_sizes",
+    "criteria_from_blocks",
+    "criteria_from_samples",
+    "dense_posterior_blocks",
+    "energy_precision",
+    "equidistant_angles",
+    "equidistant_indices",
+    "fit_precision",
+    "greedy_design",
+    "information_gain_bruteforce",
+    "isotropic_model",
+    "kernel_apply",
+    "match_angles",
+    "matern_model",
     "random_indices",
 ]

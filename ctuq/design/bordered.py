@@ -70,7 +70,7 @@ class BorderedCholesky(Solver):
         if features is not None:
             self.bind(features)
 
-    def bind(self, features) -> "BorderedCholesky":
+    def bind(self, features) -> BorderedCholesky:
         """Attach the feature operator of the current rows (its ``n_outputs`` must equal the factor's size)."""
         if features.n_outputs != self.size:
             raise ValueError(f"BorderedCholesky: features have {features.n_outputs} rows, the factor {self.size}")
@@ -158,7 +158,7 @@ class BorderedCholesky(Solver):
         return self.backward(self.forward(rhs.double().cpu().T)).T
 
     @classmethod
-    def from_features(cls, features, a: float, sigma2: float, block: int | None = None) -> "BorderedCholesky":
+    def from_features(cls, features, a: float, sigma2: float, block: int | None = None) -> BorderedCholesky:
         """The factor of ``C = ΨΨᵀ/a + σ² I`` for the rows of ``features`` (assembled by ``c`` rmatvecs), bound to
         them."""
         out = cls(a, sigma2)
@@ -169,8 +169,9 @@ class BorderedCholesky(Solver):
     def _check_for(self, a: float, sigma2: float, where: str) -> tuple[float, float]:
         a_f, s2_f = check_hyper(a, sigma2, where)
         if abs(a_f - self.a) > 1e-12 * self.a or abs(s2_f - self.sigma2) > 1e-12 * self.sigma2:
-            raise ValueError(f"BorderedCholesky was built for a={self.a:g}, σ²={self.sigma2:g}; asked for "
-                             f"a={a_f:g}, σ²={s2_f:g}")
+            raise ValueError(
+                f"BorderedCholesky was built for a={self.a:g}, σ²={self.sigma2:g}; asked for a={a_f:g}, σ²={s2_f:g}"
+            )
         return a_f, s2_f
 
     def setup(self, a: float, sigma2: float) -> None:
@@ -180,9 +181,14 @@ class BorderedCholesky(Solver):
 
     def state_dict(self) -> dict | None:
         """``{"a", "sigma2", "offsets", "P", "L", "max_jitter"}``: the factor's block rows (CPU float64)."""
-        return {"a": self.a, "sigma2": self.sigma2, "offsets": [int(o) for o in self.offsets],
-                "P": [P.clone() for P, _ in self.blocks], "L": [L.clone() for _, L in self.blocks],
-                "max_jitter": float(self.max_jitter)}
+        return {
+            "a": self.a,
+            "sigma2": self.sigma2,
+            "offsets": [int(o) for o in self.offsets],
+            "P": [P.clone() for P, _ in self.blocks],
+            "L": [L.clone() for _, L in self.blocks],
+            "max_jitter": float(self.max_jitter),
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore a factor from :meth:`state_dict` (for the same ``(a, σ²)``); bound features are kept when their
@@ -213,6 +219,11 @@ class BorderedCholesky(Solver):
         k = rhs.shape[0]
         dev = self.features.device if self.features is not None else rhs.device
         dt = self.features.dtype if self.features is not None else rhs.dtype
-        stats = SolveStats(torch.zeros(k, dtype=torch.long), torch.zeros(k, dtype=torch.float64),
-                           torch.ones(k, dtype=torch.bool), 0, "bordered_cholesky")
+        stats = SolveStats(
+            torch.zeros(k, dtype=torch.long),
+            torch.zeros(k, dtype=torch.float64),
+            torch.ones(k, dtype=torch.bool),
+            0,
+            "bordered_cholesky",
+        )
         return X.to(device=dev, dtype=dt), stats

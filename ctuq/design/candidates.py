@@ -10,14 +10,20 @@ is refused: its measurements could not enter the same linear model).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ctuq.errors import CTUQError
 
-__all__ = ["DesignError", "equidistant_indices", "equidistant_angles", "random_indices", "match_angles",
-           "check_design_sizes"]
+__all__ = [
+    "DesignError",
+    "equidistant_indices",
+    "equidistant_angles",
+    "random_indices",
+    "match_angles",
+    "check_design_sizes",
+]
 
 
 class DesignError(CTUQError):
@@ -57,8 +63,9 @@ def random_indices(n_candidates: int, count: int, exclude: Sequence[int] = (), s
     return np.random.default_rng(seed).choice(pool, size=count, replace=False)
 
 
-def match_angles(angles_deg: Sequence[float], candidates_rad: np.ndarray, period: float, *, what: str,
-                 tol_deg: float | None = None) -> np.ndarray:
+def match_angles(
+    angles_deg: Sequence[float], candidates_rad: np.ndarray, period: float, *, what: str, tol_deg: float | None = None
+) -> np.ndarray:
     """Indices of the candidates at ``angles_deg`` (degrees, taken modulo the period).
 
     A requested angle matches a candidate within ``tol_deg`` (default: 0.05°, or a quarter of the smallest
@@ -77,8 +84,10 @@ def match_angles(angles_deg: Sequence[float], candidates_rad: np.ndarray, period
         diff = np.abs((cand - np.mod(a, math.degrees(period)) + half) % (2 * half) - half)
         j = int(np.argmin(diff))
         if diff[j] > tol_deg:
-            raise DesignError(f"{what}: angle {a:g}° is not among the {len(cand)} candidate angles (nearest "
-                              f"{cand[j]:.4g}°); the pilot's geometry must be part of the candidate set")
+            raise DesignError(
+                f"{what}: angle {a:g}° is not among the {len(cand)} candidate angles (nearest "
+                f"{cand[j]:.4g}°); the pilot's geometry must be part of the candidate set"
+            )
         out.append(j)
     if len(set(out)) != len(out):
         raise DesignError(f"{what}: an angle is given twice")
@@ -93,10 +102,14 @@ def check_design_sizes(n_candidates: int, n_pilot: int, n_acquire: int) -> None:
     if n_pilot < 1:
         raise DesignError(f"--pilot: the pilot needs at least one angle, got {n_pilot}")
     if n_pilot > n_candidates:
-        raise DesignError(f"--pilot: {n_pilot} pilot angles but only {n_candidates} candidate angles; the pilot "
-                          f"must be a subset of the candidates")
+        raise DesignError(
+            f"--pilot: {n_pilot} pilot angles but only {n_candidates} candidate angles; the pilot "
+            f"must be a subset of the candidates"
+        )
     if n_acquire < 1:
         raise DesignError(f"--acquire: must be at least 1, got {n_acquire} (a design acquires angles)")
     if n_pilot + n_acquire > n_candidates:
-        raise DesignError(f"--acquire: {n_acquire} angles after a {n_pilot}-angle pilot exceed the "
-                          f"{n_candidates} candidate angles (at most {n_candidates - n_pilot})")
+        raise DesignError(
+            f"--acquire: {n_acquire} angles after a {n_pilot}-angle pilot exceed the "
+            f"{n_candidates} candidate angles (at most {n_candidates - n_pilot})"
+        )

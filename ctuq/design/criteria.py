@@ -31,8 +31,14 @@ import torch
 
 from ctuq.options import Criterion
 
-__all__ = ["DEFAULT_JITTER", "criteria_from_blocks", "criteria_from_samples", "jitter_value",
-           "dense_posterior_blocks", "information_gain_bruteforce"]
+__all__ = [
+    "DEFAULT_JITTER",
+    "criteria_from_blocks",
+    "criteria_from_samples",
+    "jitter_value",
+    "dense_posterior_blocks",
+    "information_gain_bruteforce",
+]
 
 DEFAULT_JITTER = 0.01
 """Default ``η / mean diag M``: 1 % of the mean diagonal of the candidate blocks (the authors searched 1–10 %)."""
@@ -65,8 +71,12 @@ def _logdet_plus_identity(G: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return out
 
 
-def criteria_from_blocks(M: torch.Tensor, sigma2: float, criterion: str, jitter: float = DEFAULT_JITTER,
-                         ) -> tuple[torch.Tensor, float]:
+def criteria_from_blocks(
+    M: torch.Tensor,
+    sigma2: float,
+    criterion: str,
+    jitter: float = DEFAULT_JITTER,
+) -> tuple[torch.Tensor, float]:
     """Criterion values ``(n,)`` (float64) of candidate blocks ``M`` ``(n, k, k)``, and the jitter ``η`` used."""
     _check(criterion)
     M = M.double()
@@ -80,8 +90,14 @@ def criteria_from_blocks(M: torch.Tensor, sigma2: float, criterion: str, jitter:
     return 0.5 * _logdet_plus_identity(M, 1.0 / s2), eta
 
 
-def criteria_from_samples(Y: torch.Tensor, sigma2: float, criterion: str, jitter: float = DEFAULT_JITTER,
-                          chunk: int = 32, index: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def criteria_from_samples(
+    Y: torch.Tensor,
+    sigma2: float,
+    criterion: str,
+    jitter: float = DEFAULT_JITTER,
+    chunk: int = 32,
+    index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
     """Criterion values from zero-mean pseudo-measurement samples ``Y`` ``(m, n, k)``.
 
     ``M̂_β = Y_βᵀ Y_β / m`` per candidate (``k × k``; the ``m × m`` Gram ``Y_β Y_βᵀ`` when ``m < k``, same non-zero
@@ -98,14 +114,14 @@ def criteria_from_samples(Y: torch.Tensor, sigma2: float, criterion: str, jitter
     diag = torch.empty((n, k), dtype=torch.float64)
     grams = []
     for lo in range(0, n, chunk):
-        Yc = Y[:, index[lo:lo + chunk]].permute(1, 0, 2)  # (c, m, k), a copy of this chunk only
+        Yc = Y[:, index[lo : lo + chunk]].permute(1, 0, 2)  # (c, m, k), a copy of this chunk only
         if criterion == Criterion.EIG:
             G = Yc.mT @ Yc if m >= k else Yc @ Yc.mT  # (c, k, k) or (c, m, m)
             grams.append(G)
             d = torch.diagonal(G, dim1=-2, dim2=-1) if m >= k else (Yc * Yc).sum(1)
         else:
             d = (Yc * Yc).sum(1)
-        diag[lo:lo + Yc.shape[0]] = d.double().cpu() / m
+        diag[lo : lo + Yc.shape[0]] = d.double().cpu() / m
     eta = jitter_value(float(diag.mean()), jitter)
     s2 = float(sigma2) + eta
     if criterion == Criterion.ESE:
@@ -131,7 +147,7 @@ def dense_posterior_blocks(K: np.ndarray, T: np.ndarray, chosen_rows, sigma2: fl
         post = K - KT @ np.linalg.solve(Tt @ KT + sigma2 * np.eye(rows.size), KT.T)
     TP = T @ post @ T.T
     n = T.shape[0] // k
-    return np.stack([TP[i * k:(i + 1) * k, i * k:(i + 1) * k] for i in range(n)])
+    return np.stack([TP[i * k : (i + 1) * k, i * k : (i + 1) * k] for i in range(n)])
 
 
 def information_gain_bruteforce(Psi: np.ndarray, chosen_rows, candidate_rows, a: float, sigma2: float) -> float:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -73,9 +73,22 @@ class DIPPrior:
         Where retrained weights are stored (``retrain_<n>.pt``) so that a resumed design restores them.
     """
 
-    def __init__(self, model, net_input, op, y, scale: float, *, settings, sigma2: float | None = None,
-                 dip_settings=None, work_dir=None, seed: int = 0, progress: bool = False,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        model,
+        net_input,
+        op,
+        y,
+        scale: float,
+        *,
+        settings,
+        sigma2: float | None = None,
+        dip_settings=None,
+        work_dir=None,
+        seed: int = 0,
+        progress: bool = False,
+        log: Callable[[str], None] | None = None,
+    ):
         self.net_model = model
         self.net_input = net_input
         self.op, self.y, self.scale = op, y, float(scale)
@@ -104,13 +117,15 @@ class DIPPrior:
         dense = {DenseChoice.ALWAYS: True, DenseChoice.NEVER: False}.get(self.settings.dense, DenseChoice.AUTO)
         if dense == DenseChoice.AUTO:
             # per step: k VJPs (Ψ_β) + k JVPs (T̄ L H) on the weight-space route
-            dense = (d * d_x * 4 <= memory_budget(Budget.DESIGN_DENSE, self.op.device)
-                     and min(d, d_x) <= 2 * k * max(1, n_steps))
+            dense = d * d_x * 4 <= memory_budget(Budget.DESIGN_DENSE, self.op.device) and min(d, d_x) <= 2 * k * max(
+                1, n_steps
+            )
         # Tracing the JVP (mode "linearize") costs seconds once and pays off only over many JVPs: a design through
         # JVPs. Assembling Φ needs one (the offset): its columns come from per-parameter JVPs (jvp_basis), untraced.
         jvps = 1 if dense else n_steps * k + 3 * self.settings.samples
-        net = LinearizedNetwork(self.net_model, self.net_input.to(self.op.device),
-                                mode="linearize" if jvps >= 2000 else "recompute")
+        net = LinearizedNetwork(
+            self.net_model, self.net_input.to(self.op.device), mode="linearize" if jvps >= 2000 else "recompute"
+        )
         with torch.no_grad():
             self.g0 = net.output()
             self.delta = net.jvp(net.params()[None])[0] - self.g0  # Φṽ − g(ṽ), scaled image units
@@ -148,10 +163,19 @@ class DIPPrior:
         if self.sigma2_given is None:
             self.sigma2_given = self._residual_sigma2(chosen)
             if not self.sigma2_given > 0:
-                raise FloatingPointError("the DIP fits the pilot exactly (zero residual); give the noise variance "
-                                         "(design.noise_variance)")
-        base = DesignModel(self.op, self.factor, torch.ones(self.factor.d), a=1.0, sigma2=self.sigma2_given,
-                           image_prior=DesignPriorKind.DIP.value, image_scale=self.scale, row_store=self._rows)
+                raise FloatingPointError(
+                    "the DIP fits the pilot exactly (zero residual); give the noise variance (design.noise_variance)"
+                )
+        base = DesignModel(
+            self.op,
+            self.factor,
+            torch.ones(self.factor.d),
+            a=1.0,
+            sigma2=self.sigma2_given,
+            image_prior=DesignPriorKind.DIP.value,
+            image_scale=self.scale,
+            row_store=self._rows,
+        )
         return self._scaled(base, chosen)
 
     def _scaled(self, base: DesignModel, chosen) -> DesignModel:
@@ -160,20 +184,29 @@ class DIPPrior:
             s = scales_from_sq_norms(base.column_sq_norms(chosen, cache=self._sq_norms))
         else:
             feats = base.features(chosen)
-            s = gprior_scales(feats.rmatvec, feats.n_outputs, method=GPriorMethod.STOCHASTIC.value, n_features=base.d,
-                              n_probes=self.settings.gprior_probes, seed=self.seed, dtype=feats.dtype,
-                              device=feats.device)
+            s = gprior_scales(
+                feats.rmatvec,
+                feats.n_outputs,
+                method=GPriorMethod.STOCHASTIC.value,
+                n_features=base.d,
+                n_probes=self.settings.gprior_probes,
+                seed=self.seed,
+                dtype=feats.dtype,
+                device=feats.device,
+            )
         s = s.to(self.factor.dtype)
         model = base.with_updates(scales=s, info={"n_chosen": len(chosen), "nonzero_scales": int((s > 0).sum())})
         y_t = self.targets(chosen)
         if self.settings.prior_scale == DesignPriorScale.EM:
             a, s2, ev = fit_precision(model, chosen, y_t, learn_noise=False)
-            return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.EM.value,
-                                                 "log_evidence": ev})
+            return model.with_updates(
+                a=a, info={**model.info, "prior_scale": DesignPriorScale.EM.value, "log_evidence": ev}
+            )
         # auto and energy: the energy rule (the authors' g-prior scale)
         a, clipped = energy_precision(float((s > 0).sum()), y_t, model.sigma2)
-        return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value,
-                                             "energy_clipped": clipped})
+        return model.with_updates(
+            a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value, "energy_clipped": clipped}
+        )
 
     # ------------------------------------------------------------------------------------------ updates
     def updater(self, engine, n_acquired: int, chosen, replay: bool) -> DesignModel | None:
@@ -198,11 +231,20 @@ class DIPPrior:
             if replay:
                 self.say(f"retraining after {n_acquired} angles again (no stored weights in {path})")
             dc = self.dip
-            res = fit_dip(self.op.subset(chosen), self.y[chosen].to(self.op.device), model=model,
-                          net_input=self.net_input, iterations=int(self.settings.retrain_iterations),
-                          lr=dc.lr if dc else 1e-3, tv_weight=dc.tv_weight if dc else 1e-4,
-                          clip_grad_norm=dc.clip_grad_norm if dc else 1.0, scale=self.scale,
-                          seed=self.seed + n_acquired, device=self.op.device, progress=self.progress)
+            res = fit_dip(
+                self.op.subset(chosen),
+                self.y[chosen].to(self.op.device),
+                model=model,
+                net_input=self.net_input,
+                iterations=int(self.settings.retrain_iterations),
+                lr=dc.lr if dc else 1e-3,
+                tv_weight=dc.tv_weight if dc else 1e-4,
+                clip_grad_norm=dc.clip_grad_norm if dc else 1.0,
+                scale=self.scale,
+                seed=self.seed + n_acquired,
+                device=self.op.device,
+                progress=self.progress,
+            )
             model.load_state_dict(res.best_state_dict)
             if path is not None:
                 atomic_torch_save(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})

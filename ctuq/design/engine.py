@@ -143,12 +143,11 @@ class DesignEngine:
         mdl = self.model
         chol = self._bound()
         out = torch.empty((n, mdl.c), dtype=torch.float32)
-        for i, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk,
-                                   seed=seed):
+        for i, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk, seed=seed):
             with torch.no_grad():
                 x = mdl.images(ps.weights)
                 lo = i * self.sample_chunk
-                out[lo:lo + x.shape[0]] = mdl.op.forward_flat(x.to(mdl.op.dtype)).float().cpu()
+                out[lo : lo + x.shape[0]] = mdl.op.forward_flat(x.to(mdl.op.dtype)).float().cpu()
         return out.reshape(n, mdl.n_candidates, mdl.k)
 
     def posterior_std(self, n: int = 256, seed: int = 0) -> torch.Tensor:
@@ -157,8 +156,7 @@ class DesignEngine:
         mdl = self.model
         chol = self._bound()
         moment = torch.zeros(mdl.d_x, dtype=torch.float64)
-        for _, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk,
-                                   seed=seed):
+        for _, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk, seed=seed):
             with torch.no_grad():
                 moment += mdl.images(ps.weights).double().pow(2).sum(0).cpu()
         return (moment / n).sqrt().float()
@@ -171,20 +169,21 @@ class DesignEngine:
         eps = None
         if self.route == DesignRoute.SAMPLED:
             gen = chunk_generator(self.seed + 7919, step)
-            eps = torch.randn((self.m, self.model.k), generator=gen, dtype=torch.float64) * self.model.sigma2 ** 0.5
+            eps = torch.randn((self.m, self.model.k), generator=gen, dtype=torch.float64) * self.model.sigma2**0.5
         self._condition(int(beta), eps)
 
     def _rows_append(self, Fb: torch.Tensor) -> None:
         """Append ``Ψ_β`` to the kept rows (capacity doubles: no copy of all rows per step)."""
         n = 0 if self.F is None else self.F.shape[0]
         if self._Fbuf is None or self._Fbuf.shape[0] < n + Fb.shape[0]:
-            buf = torch.empty((max(2 * (n + Fb.shape[0]), 8 * Fb.shape[0]), Fb.shape[1]), dtype=Fb.dtype,
-                              device=Fb.device)
+            buf = torch.empty(
+                (max(2 * (n + Fb.shape[0]), 8 * Fb.shape[0]), Fb.shape[1]), dtype=Fb.dtype, device=Fb.device
+            )
             if n:
                 buf[:n] = self.F
             self._Fbuf = buf
-        self._Fbuf[n:n + Fb.shape[0]] = Fb
-        self.F = self._Fbuf[:n + Fb.shape[0]]
+        self._Fbuf[n : n + Fb.shape[0]] = Fb
+        self.F = self._Fbuf[: n + Fb.shape[0]]
 
     def _cross_weight(self, beta: int):
         """Weight space: ``(X (k, c̄), B = C[τ, β] (c_t, k), D = C[β, β] − σ²I (k, k), L⁻¹B)``."""
@@ -238,8 +237,11 @@ class DesignEngine:
             R = eps - Y[:, beta, :].double()  # (m, k)
             coef = torch.cholesky_solve(R.T, Ls).T  # (ε − y_β) S⁻¹
             Y.view(self.m, -1).addmm_(coef.to(Y.dtype), X.to(Y.dtype))  # in place, no (m, c̄) temp
-        self.chol.append(B if B is not None else torch.zeros((0, k), dtype=torch.float64),
-                         D + mdl.sigma2 * torch.eye(k, dtype=torch.float64), forwarded=Zf)
+        self.chol.append(
+            B if B is not None else torch.zeros((0, k), dtype=torch.float64),
+            D + mdl.sigma2 * torch.eye(k, dtype=torch.float64),
+            forwarded=Zf,
+        )
         self.chosen.append(beta)
 
     def criteria(self, criterion: str, jitter: float) -> tuple[torch.Tensor, float]:
@@ -249,8 +251,9 @@ class DesignEngine:
         if self.route == DesignRoute.EXACT:
             got, eta = criteria_from_blocks(self.M[left], self.model.sigma2, criterion, jitter)
         else:
-            got, eta = criteria_from_samples(self.samples(), self.model.sigma2, criterion, jitter,
-                                             index=left.nonzero()[:, 0])
+            got, eta = criteria_from_samples(
+                self.samples(), self.model.sigma2, criterion, jitter, index=left.nonzero()[:, 0]
+            )
         vals = torch.full((self.model.n_candidates,), -float("inf"), dtype=torch.float64)
         vals[left] = got
         return vals, eta

@@ -28,9 +28,18 @@ import torch
 from ctuq.inference import DenseFeatures
 from ctuq.memory import Budget, memory_budget
 
-__all__ = ["IdentityFactor", "MaternFactor", "DenseFactor", "BlockRowStore", "kernel_apply", "kernel_from_rows",
-           "project_rows",
-           "sparse_rows", "matern_matrix", "block_rows"]
+__all__ = [
+    "IdentityFactor",
+    "MaternFactor",
+    "DenseFactor",
+    "BlockRowStore",
+    "kernel_apply",
+    "kernel_from_rows",
+    "project_rows",
+    "sparse_rows",
+    "matern_matrix",
+    "block_rows",
+]
 
 
 def block_rows(blocks, k: int) -> torch.Tensor:
@@ -169,8 +178,9 @@ class DenseFactor(_Factor):
 
     def __init__(self, matrix: torch.Tensor, image_shape):
         if matrix.ndim != 2 or matrix.shape[0] != math.prod(image_shape):
-            raise ValueError(f"DenseFactor: matrix must be (d_x = {math.prod(image_shape)}, d), got "
-                             f"{tuple(matrix.shape)}")
+            raise ValueError(
+                f"DenseFactor: matrix must be (d_x = {math.prod(image_shape)}, d), got {tuple(matrix.shape)}"
+            )
         super().__init__(image_shape, matrix.shape[1], matrix.dtype, matrix.device)
         self.dense = DenseFeatures(matrix)
         # (operator, the store of its projected blocks or None when T Φ does not fit)
@@ -245,7 +255,7 @@ class BlockRowStore:
         return budget is None or capacity * k * d * element_size <= budget
 
     @classmethod
-    def if_fits(cls, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu") -> "BlockRowStore | None":
+    def if_fits(cls, capacity: int, k: int, d: int, dtype=torch.float32, device="cpu") -> BlockRowStore | None:
         """A store of ``capacity`` blocks of ``k × d`` rows, or ``None`` when they would not :meth:`fit <fits>`."""
         size = torch.empty((), dtype=dtype).element_size()
         return cls(capacity, k, d, dtype, device) if cls.fits(capacity, k, d, size, device) else None
@@ -260,25 +270,25 @@ class BlockRowStore:
         if len(missing) > room:  # they do not all fit: this request keeps nothing new
             extra = {}
             for lo in range(0, len(missing), chunk):
-                part = missing[lo:lo + chunk]
+                part = missing[lo : lo + chunk]
                 R = project_rows(factor, op.subset(part)).to(self.buf.dtype)
                 extra.update(zip(part, R.reshape(len(part), self.k, self.d)))
             self.n_projected += len(missing)
             return torch.cat([extra[b] if b in extra else self._slot_rows(b) for b in blocks])
         for lo in range(0, len(missing), chunk):
-            part = missing[lo:lo + chunk]
+            part = missing[lo : lo + chunk]
             first = len(self.slots)
-            self.buf[first * self.k:(first + len(part)) * self.k] = project_rows(factor, op.subset(part))
+            self.buf[first * self.k : (first + len(part)) * self.k] = project_rows(factor, op.subset(part))
             self.slots.update((b, first + j) for j, b in enumerate(part))
             self.n_projected += len(part)
         idx = [self.slots[b] for b in blocks]
         if idx == list(range(len(idx))):
-            return self.buf[:len(idx) * self.k]
+            return self.buf[: len(idx) * self.k]
         return self.buf[block_rows(idx, self.k).to(self.buf.device)]
 
     def _slot_rows(self, b: int) -> torch.Tensor:
         i = self.slots[b]
-        return self.buf[i * self.k:(i + 1) * self.k]
+        return self.buf[i * self.k : (i + 1) * self.k]
 
 
 def sparse_rows(op) -> torch.Tensor:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -74,18 +74,36 @@ def _load(path: Path, fingerprint: dict) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True)
     version = state.get("version") if isinstance(state, dict) else None
     if version != CHECKPOINT_VERSION:
-        raise CheckpointMismatch(f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
-                                 f"{CHECKPOINT_VERSION}; delete it to start the design afresh")
-    check_fingerprint(state.get("fingerprint", {}), fingerprint, what=f"{path}: cannot resume the design",
-                      error=CheckpointMismatch, hint="delete it to start afresh, or use the same settings")
+        raise CheckpointMismatch(
+            f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
+            f"{CHECKPOINT_VERSION}; delete it to start the design afresh"
+        )
+    check_fingerprint(
+        state.get("fingerprint", {}),
+        fingerprint,
+        what=f"{path}: cannot resume the design",
+        error=CheckpointMismatch,
+        hint="delete it to start afresh, or use the same settings",
+    )
     return state
 
 
-def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, jitter: float,
-                  updater: Callable | None = None, checkpoint: str | Path | None = None,
-                  fingerprint: dict | None = None, progress: bool = True,
-                  log: Callable[[str], None] | None = None,
-                  on_setup: Callable | None = None, update_last: bool = False) -> DesignResult:
+def greedy_design(
+    engine,
+    pilot,
+    n_acquire: int,
+    *,
+    criterion: str,
+    angles_deg,
+    jitter: float,
+    updater: Callable | None = None,
+    checkpoint: str | Path | None = None,
+    fingerprint: dict | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    on_setup: Callable | None = None,
+    update_last: bool = False,
+) -> DesignResult:
     """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
 
     Parameters
@@ -137,8 +155,9 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
             if new is not None:
                 engine.reset(engine.chosen, model=new)
     resumed = len(steps)
-    bar = _progress_bar(total=n_acquire, initial=resumed, desc=f"design ({criterion})",
-                        disable=None if progress else True)
+    bar = _progress_bar(
+        total=n_acquire, initial=resumed, desc=f"design ({criterion})", disable=None if progress else True
+    )
     try:
         for step in range(resumed + 1, n_acquire + 1):
             t0 = time.perf_counter()
@@ -154,10 +173,17 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
                     if step < n_acquire:
                         engine.prepare()  # timed with the update; after the last step nothing is scored
             du = time.perf_counter() - t1
-            rec = {"step": step, "candidate": beta, "angle_deg": float(angles_deg[beta]),
-                   "criterion": float(values[beta]), "jitter": eta, "time_s": dt, "update_s": du,
-                   "n_chosen": len(engine.chosen),
-                   "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()]}
+            rec = {
+                "step": step,
+                "candidate": beta,
+                "angle_deg": float(angles_deg[beta]),
+                "criterion": float(values[beta]),
+                "jitter": eta,
+                "time_s": dt,
+                "update_s": du,
+                "n_chosen": len(engine.chosen),
+                "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()],
+            }
             steps.append(rec)
             timings["steps_s"] += dt
             timings["updates_s"] += du
@@ -171,8 +197,9 @@ def greedy_design(engine, pilot, n_acquire: int, *, criterion: str, angles_deg, 
     return DesignResult(criterion, pilot, [s["candidate"] for s in steps], steps, timings, resumed)
 
 
-def baseline_design(strategy: str, n_candidates: int, pilot, n_acquire: int, *, angles_deg,
-                    seed: int = 0) -> DesignResult:
+def baseline_design(
+    strategy: str, n_candidates: int, pilot, n_acquire: int, *, angles_deg, seed: int = 0
+) -> DesignResult:
     """Pilot plus ``n_acquire`` baseline angles (candidate indices).
 
     ``equidistant``: the ``n_acquire`` candidates evenly spaced over the grid that are farthest from the pilot
@@ -193,8 +220,9 @@ def baseline_design(strategy: str, n_candidates: int, pilot, n_acquire: int, *, 
             idx = equidistant_indices(n_candidates, n_acquire, offset=off)
             if set(idx.tolist()) & set(pilot):
                 continue
-            gaps = np.abs((idx[:, None] - np.asarray(pilot)[None, :] + n_candidates / 2) % n_candidates
-                          - n_candidates / 2).min(1)
+            gaps = np.abs(
+                (idx[:, None] - np.asarray(pilot)[None, :] + n_candidates / 2) % n_candidates - n_candidates / 2
+            ).min(1)
             if gaps.min() > best_gap:
                 best, best_gap = idx, float(gaps.min())
         if best is None:
@@ -202,8 +230,24 @@ def baseline_design(strategy: str, n_candidates: int, pilot, n_acquire: int, *, 
             best = left[equidistant_indices(len(left), n_acquire)]
         picks = best
     angles_deg = np.asarray(angles_deg, dtype=np.float64)
-    steps = [{"step": i + 1, "candidate": int(b), "angle_deg": float(angles_deg[b]), "criterion": None,
-              "values": None, "jitter": None, "time_s": 0.0, "update_s": 0.0, "n_chosen": len(pilot) + i + 1}
-             for i, b in enumerate(picks)]
-    return DesignResult(strategy, pilot, [int(b) for b in picks], steps,
-                        {"setup_s": 0.0, "steps_s": 0.0, "updates_s": 0.0, "total_s": time.perf_counter() - t0})
+    steps = [
+        {
+            "step": i + 1,
+            "candidate": int(b),
+            "angle_deg": float(angles_deg[b]),
+            "criterion": None,
+            "values": None,
+            "jitter": None,
+            "time_s": 0.0,
+            "update_s": 0.0,
+            "n_chosen": len(pilot) + i + 1,
+        }
+        for i, b in enumerate(picks)
+    ]
+    return DesignResult(
+        strategy,
+        pilot,
+        [int(b) for b in picks],
+        steps,
+        {"setup_s": 0.0, "steps_s": 0.0, "updates_s": 0.0, "total_s": time.perf_counter() - t0},
+    )

@@ -13,7 +13,7 @@ g-prior of :mod:`ctuq.inference` / :mod:`ctuq.priors` apply unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -113,7 +113,7 @@ class DesignModel:
             self._cache[key] = self.op.subset(list(key))
         return self._cache[key]
 
-    def with_updates(self, **changes) -> "DesignModel":
+    def with_updates(self, **changes) -> DesignModel:
         """A copy with some fields replaced (``scales``, ``a``, ``sigma2``, ``factor``, ``info``)."""
         return dataclasses.replace(self, **changes)
 
@@ -121,8 +121,9 @@ class DesignModel:
     def features(self, blocks: Sequence[int] | None = None) -> LinearizedFeatures:
         """``Ψ = T_B L diag(s)`` for candidate ``blocks`` (all when ``None``): the core's feature operator."""
         op = self.op if blocks is None else self.subset(blocks)
-        return ScaledFeatures(LinearizedFeatures(self.factor, op.forward_flat, op.adjoint_flat, n_outputs=op.c),
-                              self.scales)
+        return ScaledFeatures(
+            LinearizedFeatures(self.factor, op.forward_flat, op.adjoint_flat, n_outputs=op.c), self.scales
+        )
 
     def kernel(self, X: torch.Tensor) -> torch.Tensor:
         """``K x`` for image rows ``X`` ``(B, d_x)`` → ``(B, d_x)`` (factor dtype)."""
@@ -188,15 +189,16 @@ class DesignModel:
         out = torch.empty((n, k, k), dtype=torch.float64)
         for lo in range(0, n, chunk):
             idx = list(range(lo, min(n, lo + chunk)))
-            if isinstance(self.factor, MaternFactor) or (isinstance(self.factor, IdentityFactor)
-                                                         and bool((self.scales == 1).all())):
+            if isinstance(self.factor, MaternFactor) or (
+                isinstance(self.factor, IdentityFactor) and bool((self.scales == 1).all())
+            ):
                 full = self.block_kernel(idx, idx)
                 for j, i in enumerate(idx):
-                    out[i] = full[j * k:(j + 1) * k, j * k:(j + 1) * k]
+                    out[i] = full[j * k : (j + 1) * k, j * k : (j + 1) * k]
             else:  # only the diagonal blocks: (T^β L s)(T^β L s)ᵀ / a, batched
                 F = (self.projected_rows(idx).double() * self.scales.double()).cpu()
                 F = F.reshape(len(idx), k, -1)
-                out[lo:lo + len(idx)] = F @ F.mT / self.a
+                out[lo : lo + len(idx)] = F @ F.mT / self.a
         return out
 
     def column_sq_norms(self, blocks: Sequence[int], cache: dict | None = None) -> torch.Tensor:
@@ -212,7 +214,7 @@ class DesignModel:
         cache = {} if cache is None else cache
         missing = list(dict.fromkeys(b for b in blocks if b not in cache))
         for lo in range(0, len(missing), 8):
-            part = missing[lo:lo + 8]
+            part = missing[lo : lo + 8]
             sq = self.projected_rows(part).double().pow(2).reshape(len(part), self.k, self.d).sum(1).cpu()
             cache.update(zip(part, sq))
         out = torch.zeros(self.d, dtype=torch.float64)
@@ -223,8 +225,15 @@ class DesignModel:
     def summary(self) -> dict:
         """Plain numbers for design.json."""
         s = self.scales
-        return {"kind": self.image_prior, "n_candidates": self.n_candidates, "k": self.k, "d": self.d, "d_x": self.d_x,
-                "a": float(self.a), "sigma2": float(self.sigma2), "image_scale": float(self.image_scale),
-                "zero_scales": int((s == 0).sum()), **{k: v for k, v in self.info.items()
-                                                       if isinstance(v, (int, float, str, bool, type(None)))}}
-
+        return {
+            "kind": self.image_prior,
+            "n_candidates": self.n_candidates,
+            "k": self.k,
+            "d": self.d,
+            "d_x": self.d_x,
+            "a": float(self.a),
+            "sigma2": float(self.sigma2),
+            "image_scale": float(self.image_scale),
+            "zero_scales": int((s == 0).sum()),
+            **{k: v for k, v in self.info.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        }

@@ -6,7 +6,7 @@ Like :mod:`ctuq.figures`: stand-alone Agg figures written atomically as PNG; eve
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -16,8 +16,15 @@ from ctuq.outputs import to_numpy
 __all__ = ["plot_design_polar", "plot_std_maps", "plot_psnr_curves"]
 
 
-def plot_design_polar(path, pilot_deg: Sequence[float], acquired_deg: Sequence[float], *, period_deg: float = 180.0,
-                      title: str | None = None, dpi: int = 120):
+def plot_design_polar(
+    path,
+    pilot_deg: Sequence[float],
+    acquired_deg: Sequence[float],
+    *,
+    period_deg: float = 180.0,
+    title: str | None = None,
+    dpi: int = 120,
+):
     """Chosen angles as rays on a polar plot: the pilot grey, acquisitions coloured and numbered by order.
 
     Parallel-beam angles (``period_deg = 180``) are drawn at ``θ`` and ``θ + 180°`` (the same rays).
@@ -28,17 +35,19 @@ def plot_design_polar(path, pilot_deg: Sequence[float], acquired_deg: Sequence[f
     ax = fig.add_subplot(projection="polar")
     mirror = period_deg < 359.0
     for a in pilot_deg:
-        for t in ([a, a + 180.0] if mirror else [a]):
+        for t in [a, a + 180.0] if mirror else [a]:
             ax.plot([math.radians(t)] * 2, [0, 1.0], color="0.55", lw=2.2)
     n = max(1, len(acquired_deg))
     colors = cm.viridis(np.linspace(0.0, 0.92, n))
     for i, a in enumerate(acquired_deg):
-        for t in ([a, a + 180.0] if mirror else [a]):
+        for t in [a, a + 180.0] if mirror else [a]:
             ax.plot([math.radians(t)] * 2, [0, 0.9], color=colors[i], lw=1.3)
         ax.text(math.radians(a), 0.97, str(i + 1), fontsize=6, ha="center", va="center", color=colors[i])
     ax.set_yticks([])
-    ax.set_title(title or f"pilot (grey, {len(pilot_deg)}) and {len(acquired_deg)} acquired angles (order: colour, "
-                 f"number)", fontsize=9)
+    ax.set_title(
+        title or f"pilot (grey, {len(pilot_deg)}) and {len(acquired_deg)} acquired angles (order: colour, number)",
+        fontsize=9,
+    )
     return _save(fig, path)
 
 
@@ -57,14 +66,13 @@ def plot_std_maps(path, maps: Mapping[str, object], *, dpi: int = 120):
     return _save(fig, path)
 
 
-def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylabel: str = "PSNR (dB)",
-                     dpi: int = 120):
+def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylabel: str = "PSNR (dB)", dpi: int = 120):
     """PSNR against number of angles: ``curves[name] = (counts, mean, stderr)`` (stderr may be ``None``)."""
     fig = _figure(None, (6.4, 4.4), dpi)
     ax = fig.add_subplot()
     for name, (x, mean, err) in curves.items():
         x, mean = np.asarray(x, float), np.asarray(mean, float)
-        line, = ax.plot(x, mean, marker="o", ms=3, label=name)
+        (line,) = ax.plot(x, mean, marker="o", ms=3, label=name)
         if err is not None:
             err = np.asarray(err, float)
             ax.fill_between(x, mean - err, mean + err, color=line.get_color(), alpha=0.15, lw=0)

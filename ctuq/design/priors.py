@@ -16,7 +16,7 @@ The linearised DIP is built in :mod:`ctuq.design.dip_prior`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,8 +26,7 @@ from ctuq.design.model import DesignModel
 from ctuq.inference import DenseFeatures, GaussianLikelihood, LinearizedPosterior
 from ctuq.options import DesignPriorKind, DesignPriorScale
 
-__all__ = ["fit_precision", "energy_precision", "isotropic_model", "matern_model",
-           "default_lengthscales"]
+__all__ = ["fit_precision", "energy_precision", "isotropic_model", "matern_model", "default_lengthscales"]
 
 
 def _pilot_posterior(model: DesignModel, blocks, targets: torch.Tensor, learn_noise: bool) -> LinearizedPosterior:
@@ -42,13 +41,25 @@ def _pilot_posterior(model: DesignModel, blocks, targets: torch.Tensor, learn_no
     K = model.block_kernel(blocks, blocks) * model.a  # T_B L diag(s)² Lᵀ T_Bᵀ, independent of a
     lam, Q = torch.linalg.eigh(0.5 * (K + K.T))
     features = DenseFeatures((Q * lam.clamp_min(0.0).sqrt()).to(torch.float64))
-    return LinearizedPosterior(features, targets.reshape(-1).to(torch.float64), prior="isotropic",
-                               likelihood=GaussianLikelihood(model.sigma2, learn_noise), a=model.a,
-                               solver="exact_dual").setup()
+    return LinearizedPosterior(
+        features,
+        targets.reshape(-1).to(torch.float64),
+        prior="isotropic",
+        likelihood=GaussianLikelihood(model.sigma2, learn_noise),
+        a=model.a,
+        solver="exact_dual",
+    ).setup()
 
 
-def fit_precision(model: DesignModel, blocks: Sequence[int], targets: torch.Tensor, *, learn_noise: bool = False,
-                  max_steps: int = 200, tol: float = 1e-6) -> tuple[float, float, float]:
+def fit_precision(
+    model: DesignModel,
+    blocks: Sequence[int],
+    targets: torch.Tensor,
+    *,
+    learn_noise: bool = False,
+    max_steps: int = 200,
+    tol: float = 1e-6,
+) -> tuple[float, float, float]:
     """``(a, σ², log evidence)`` at the exact EM fixed point on the rows of ``blocks`` (targets ``(c_B,)``).
 
     Uses the core posterior with its exact dual solver on the kernel of those rows (:func:`_pilot_posterior`).
@@ -76,20 +87,35 @@ def _set_precision(model: DesignModel, blocks, targets, method: str, learn_noise
     ``blocks``, the method and its evidence or clipping recorded in ``info``."""
     if method == DesignPriorScale.EM:
         a, s2, ev = fit_precision(model, blocks, targets, learn_noise=learn_noise)
-        return model.with_updates(a=a, sigma2=s2, info={**model.info, "prior_scale": DesignPriorScale.EM.value,
-                                                        "log_evidence": ev})
+        return model.with_updates(
+            a=a, sigma2=s2, info={**model.info, "prior_scale": DesignPriorScale.EM.value, "log_evidence": ev}
+        )
     trace = float(model.block_kernel(blocks, blocks).diagonal().sum()) * model.a
     a, clipped = energy_precision(trace, targets, model.sigma2)
-    return model.with_updates(a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value,
-                                         "energy_clipped": clipped})
+    return model.with_updates(
+        a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value, "energy_clipped": clipped}
+    )
 
 
-def isotropic_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float, *, prior_scale: str = "em",
-                    learn_noise: bool = False) -> DesignModel:
+def isotropic_model(
+    op,
+    pilot: Sequence[int],
+    y_pilot: torch.Tensor,
+    sigma2: float,
+    *,
+    prior_scale: str = "em",
+    learn_noise: bool = False,
+) -> DesignModel:
     """``K = I/a`` over the pixels of ``op``'s image; ``a`` from the pilot measurements ``y_pilot`` (data units)."""
     factor = IdentityFactor(op.image_shape, dtype=op.dtype, device=op.device)
-    model = DesignModel(op, factor, torch.ones(factor.d, dtype=op.dtype), a=1.0, sigma2=float(sigma2),
-                        image_prior=DesignPriorKind.ISOTROPIC.value)
+    model = DesignModel(
+        op,
+        factor,
+        torch.ones(factor.d, dtype=op.dtype),
+        a=1.0,
+        sigma2=float(sigma2),
+        image_prior=DesignPriorKind.ISOTROPIC.value,
+    )
     method = DesignPriorScale.EM if prior_scale == DesignPriorScale.AUTO else prior_scale
     return _set_precision(model, pilot, y_pilot, method, learn_noise)
 
@@ -99,9 +125,17 @@ def default_lengthscales(image_shape) -> list[float]:
     return [float(v) for v in np.geomspace(1.0, float(max(image_shape)), 9)]
 
 
-def matern_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float, *,
-                 lengthscales: Sequence[float] | None = None, prior_scale: str = "em", learn_noise: bool = False,
-                 log: Callable[[str], None] | None = None) -> DesignModel:
+def matern_model(
+    op,
+    pilot: Sequence[int],
+    y_pilot: torch.Tensor,
+    sigma2: float,
+    *,
+    lengthscales: Sequence[float] | None = None,
+    prior_scale: str = "em",
+    learn_noise: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> DesignModel:
     """Matérn-½ prior with the lengthscale of largest exact pilot evidence (grid search; ``a`` by EM at each ℓ).
 
     ``info`` records the grid, each ℓ's log evidence and ``a``, and the chosen ℓ. With ``prior_scale="energy"``
@@ -112,9 +146,15 @@ def matern_model(op, pilot: Sequence[int], y_pilot: torch.Tensor, sigma2: float,
     best, table = None, []
     for ell in grid:
         factor = MaternFactor(op.image_shape, ell, dtype=op.dtype, device=op.device)
-        model = DesignModel(op, factor, torch.ones(factor.d, dtype=op.dtype), a=1.0, sigma2=float(sigma2),
-                            image_prior=DesignPriorKind.MATERN.value,
-                            info={"lengthscale": float(ell), "embedding_clipped": factor.clipped})
+        model = DesignModel(
+            op,
+            factor,
+            torch.ones(factor.d, dtype=op.dtype),
+            a=1.0,
+            sigma2=float(sigma2),
+            image_prior=DesignPriorKind.MATERN.value,
+            info={"lengthscale": float(ell), "embedding_clipped": factor.clipped},
+        )
         fitted = _set_precision(model, pilot, y_pilot, DesignPriorScale.EM, learn_noise)
         ev = fitted.info["log_evidence"]
         table.append({"lengthscale": float(ell), "log_evidence": ev, "a": fitted.a, "sigma2": fitted.sigma2})

@@ -104,13 +104,18 @@ class TorchShard(Shard):
 
     def __init__(self, device: torch.device | str | None = None):
         if not (dist.is_available() and dist.is_initialized()):
-            raise DistributedSetupError("TorchShard: torch.distributed is not initialised (use init_from_env or "
-                                        "torch.distributed.init_process_group first)")
+            raise DistributedSetupError(
+                "TorchShard: torch.distributed is not initialised (use init_from_env or "
+                "torch.distributed.init_process_group first)"
+            )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-                      else torch.device("cpu"))
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend() == "nccl"
+                else torch.device("cpu")
+            )
         self.device = torch.device(device)
 
     def _run(self, t: torch.Tensor, op) -> torch.Tensor:
@@ -172,7 +177,8 @@ def init_from_env(device_type: str = "cpu", *, timeout_s: float = 1800.0) -> tup
     if missing:
         raise DistributedSetupError(
             f"--distributed: the environment lacks {', '.join(missing)}; launch with "
-            f"`torchrun --nproc_per_node=N -m ctuq uq RUN_DIR` (which sets them), or set {', '.join(need)} yourself")
+            f"`torchrun --nproc_per_node=N -m ctuq uq RUN_DIR` (which sets them), or set {', '.join(need)} yourself"
+        )
     if device_type not in ("cpu", "cuda"):
         raise DistributedSetupError(f"--distributed: device must be cpu or cuda, got {device_type!r}")
     local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
@@ -180,8 +186,10 @@ def init_from_env(device_type: str = "cpu", *, timeout_s: float = 1800.0) -> tup
         if not torch.cuda.is_available():
             raise DistributedSetupError("--distributed --device cuda: torch sees no CUDA device")
         if local >= torch.cuda.device_count():
-            raise DistributedSetupError(f"--distributed: LOCAL_RANK {local} but this node has "
-                                        f"{torch.cuda.device_count()} GPU(s); use --nproc_per_node <= the GPU count")
+            raise DistributedSetupError(
+                f"--distributed: LOCAL_RANK {local} but this node has "
+                f"{torch.cuda.device_count()} GPU(s); use --nproc_per_node <= the GPU count"
+            )
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"

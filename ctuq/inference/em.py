@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -336,8 +336,15 @@ class SampledEM:
             summary = stats.summary()
         else:
             V = rhs
-            summary = {"method": None, "n_rhs": 0, "max_iterations": 0, "mean_iterations": 0.0,
-                       "max_relative_residual": 0.0, "n_converged": 0, "n_products": 0}
+            summary = {
+                "method": None,
+                "n_rhs": 0,
+                "max_iterations": 0,
+                "mean_iterations": 0.0,
+                "max_relative_residual": 0.0,
+                "n_converged": 0,
+                "n_products": 0,
+            }
         if self.fixed_probes and self.solver.warm_starts:
             full = torch.zeros((k + 1, f.n_outputs), dtype=torch.float64)
             full[torch.as_tensor(rows, dtype=torch.long)] = V.detach().double().cpu()
@@ -353,19 +360,25 @@ class SampledEM:
         sums[3], sums[4], sums[5] = n, summary["mean_iterations"] * n, summary["n_converged"]
         sums[6] = summary["n_products"]
         sums = sh.all_reduce_sum(sums)
-        worst = sh.all_reduce_max(torch.tensor([summary["max_iterations"], summary["max_relative_residual"]],
-                                               dtype=torch.float64))
+        worst = sh.all_reduce_max(
+            torch.tensor([summary["max_iterations"], summary["max_relative_residual"]], dtype=torch.float64)
+        )
         gamma = float(sums[0] / k / s2)
         wnorm = max(float(sums[1] - s2 * sums[2]) / a, 0.0)  # uᵀ(K̄/a)u ≥ 0: clamp round-off
         rnorm = float(s2**2 * sums[2])
         method = summary["method"] if sh.is_root else None
-        combined = {"method": sh.broadcast_object(method) if sh.distributed else method, "n_rhs": int(sums[3]),
-                    "max_iterations": int(worst[0]), "mean_iterations": float(sums[4] / max(sums[3], 1)),
-                    "max_relative_residual": float(worst[1]), "n_converged": int(sums[5]),
-                    "n_products": int(sums[6])}
+        combined = {
+            "method": sh.broadcast_object(method) if sh.distributed else method,
+            "n_rhs": int(sums[3]),
+            "max_iterations": int(worst[0]),
+            "mean_iterations": float(sums[4] / max(sums[3], 1)),
+            "max_relative_residual": float(worst[1]),
+            "n_converged": int(sums[5]),
+            "n_products": int(sums[6]),
+        }
         return gamma, wnorm, rnorm, combined
 
-    def run(self, callback: Callable[["SampledEM", dict], None] | None = None) -> EMResult:
+    def run(self, callback: Callable[[SampledEM, dict], None] | None = None) -> EMResult:
         """Step until :attr:`done`; ``callback(em, record)`` after each step (e.g. to checkpoint
         ``em.state_dict()`` atomically)."""
         while not self.done:
@@ -423,9 +436,12 @@ class SampledEM:
         self.trace = [dict(r) for r in state["trace"]]
         self.generator.set_state(state["generator_state"])
         warm = state.get("warm")
-        if warm is not None and (not isinstance(warm, torch.Tensor)
-                                 or tuple(warm.shape) != (self.n_samples + 1, self.features.n_outputs)):
-            raise CheckpointMismatch(f"SampledEM state: warm-start solutions must be ({self.n_samples + 1}, "
-                                  f"{self.features.n_outputs}), got {getattr(warm, 'shape', type(warm).__name__)}")
+        if warm is not None and (
+            not isinstance(warm, torch.Tensor) or tuple(warm.shape) != (self.n_samples + 1, self.features.n_outputs)
+        ):
+            raise CheckpointMismatch(
+                f"SampledEM state: warm-start solutions must be ({self.n_samples + 1}, "
+                f"{self.features.n_outputs}), got {getattr(warm, 'shape', type(warm).__name__)}"
+            )
         self._warm = None if warm is None else warm.double()
         self._probes = None  # fixed probes are redrawn from the seed (k JVPs) at the next step

@@ -23,18 +23,26 @@ row restriction, stacking, product counters).
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ctuq.utils import as_rows
 
-__all__ = ["FeatureOperator", "DenseFeatures", "LinearizedFeatures", "ScaledFeatures", "RowSubsetFeatures",
-           "StackedFeatures", "stack_features"]
+__all__ = [
+    "FeatureOperator",
+    "DenseFeatures",
+    "LinearizedFeatures",
+    "ScaledFeatures",
+    "RowSubsetFeatures",
+    "StackedFeatures",
+    "stack_features",
+]
 
 
-def _unit_rows(start: int, stop: int, n: int, dtype: torch.dtype, device,
-               values: torch.Tensor | None = None) -> torch.Tensor:
+def _unit_rows(
+    start: int, stop: int, n: int, dtype: torch.dtype, device, values: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(stop − start, n)`` rows ``e_start … e_(stop−1)``, times ``values`` ``(stop − start,)`` when given."""
     E = torch.zeros((stop - start, n), dtype=dtype, device=device)
     E[torch.arange(stop - start), torch.arange(start, stop)] = 1.0 if values is None else values.to(E)
@@ -113,7 +121,7 @@ class FeatureOperator(abc.ABC):
         """``{"matvec": n_matvec, "rmatvec": n_rmatvec}``."""
         return {"matvec": self.n_matvec, "rmatvec": self.n_rmatvec}
 
-    def restrict(self, rows) -> "FeatureOperator":
+    def restrict(self, rows) -> FeatureOperator:
         """``Ψ[rows]`` (rows: a 1-D integer index or a boolean mask over the ``c`` outputs; no duplicates)."""
         return RowSubsetFeatures(self, rows)
 
@@ -166,7 +174,7 @@ class DenseFeatures(FeatureOperator):
         """The matrix itself (no products counted)."""
         return self.matrix
 
-    def restrict(self, rows) -> "DenseFeatures":
+    def restrict(self, rows) -> DenseFeatures:
         """``Ψ[rows]`` as a dense matrix (no products)."""
         return DenseFeatures(self.matrix[_check_rows(rows, self.n_outputs, "DenseFeatures.restrict").to(self.device)])
 
@@ -196,8 +204,10 @@ class LinearizedFeatures(FeatureOperator):
     ):
         super().__init__()
         if isinstance(output_map, torch.Tensor):
-            raise TypeError("LinearizedFeatures(network, output_map, output_adjoint, n_outputs) takes no prior "
-                            "scales: apply them with ScaledFeatures(LinearizedFeatures(...), scales)")
+            raise TypeError(
+                "LinearizedFeatures(network, output_map, output_adjoint, n_outputs) takes no prior "
+                "scales: apply them with ScaledFeatures(LinearizedFeatures(...), scales)"
+            )
         if (output_map is None) != (output_adjoint is None):
             raise ValueError("LinearizedFeatures: give both output_map (L) and output_adjoint (Lᵀ), or neither")
         self.network = network
@@ -277,8 +287,9 @@ def _check_rows(rows, c: int, where: str) -> torch.Tensor:
             raise ValueError(f"{where}: a boolean row mask must have shape ({c},), got {tuple(idx.shape)}")
         idx = idx.nonzero().reshape(-1)
     if idx.ndim != 1 or idx.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        raise ValueError(f"{where}: rows must be a 1-D integer index or a boolean mask, got "
-                         f"{tuple(idx.shape)} {idx.dtype}")
+        raise ValueError(
+            f"{where}: rows must be a 1-D integer index or a boolean mask, got {tuple(idx.shape)} {idx.dtype}"
+        )
     idx = idx.long()
     if idx.numel() == 0:
         raise ValueError(f"{where}: rows is empty (a linear model needs at least one target)")
@@ -366,8 +377,10 @@ class StackedFeatures(FeatureOperator):
             if b.n_features != d:
                 raise ValueError(f"stack_features: block {i} has {b.n_features} features, block 0 has {d}")
             if b.device != blocks[0].device or b.dtype != blocks[0].dtype:
-                raise ValueError(f"stack_features: block {i} is {b.dtype} on {b.device}, block 0 is "
-                                 f"{blocks[0].dtype} on {blocks[0].device}")
+                raise ValueError(
+                    f"stack_features: block {i} is {b.dtype} on {b.device}, block 0 is "
+                    f"{blocks[0].dtype} on {blocks[0].device}"
+                )
         self.blocks = blocks
         self.offsets = [0]
         for b in blocks:

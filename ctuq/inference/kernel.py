@@ -65,7 +65,7 @@ class KernelOperator(LinearOperator):
         c = self.features.n_outputs
         return torch.Size([c, c])
 
-    def _transpose_nonbatch(self) -> "KernelOperator":
+    def _transpose_nonbatch(self) -> KernelOperator:
         return self
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,9 @@ class KernelOperator(LinearOperator):
         block = max(1, int(self.max_block_bytes // (d * item)))
         if X.shape[0] <= block:
             return self.features.matvec(self.features.rmatvec(X))
-        return torch.cat([self.features.matvec(self.features.rmatvec(X[i:i + block]))
-                          for i in range(0, X.shape[0], block)])
+        return torch.cat(
+            [self.features.matvec(self.features.rmatvec(X[i : i + block])) for i in range(0, X.shape[0], block)]
+        )
 
     @property
     def n_outputs(self) -> int:
@@ -153,14 +154,22 @@ def kernel_diagonal(
     if method == "stochastic":
         # Column norms of Ψᵀ (d × c) from products with (Ψᵀ)ᵀ = Ψ.
         return column_sq_norms(
-            features.matvec, d, method="stochastic", n_probes=n_probes, chunk_size=chunk_size,
-            generator=generator, seed=seed, dtype=features.dtype, device=features.device,
+            features.matvec,
+            d,
+            method="stochastic",
+            n_probes=n_probes,
+            chunk_size=chunk_size,
+            generator=generator,
+            seed=seed,
+            dtype=features.dtype,
+            device=features.device,
         ).to(features.dtype)
     raise ValueError(f"kernel_diagonal: method must be 'exact' or 'stochastic', got {method!r}")
 
 
-def assemble_features(features: FeatureOperator, *, chunk_size: int = 64, by: str = "auto",
-                      progress: bool = False) -> torch.Tensor:
+def assemble_features(
+    features: FeatureOperator, *, chunk_size: int = 64, by: str = "auto", progress: bool = False
+) -> torch.Tensor:
     """Dense ``Ψ`` ``(c, d)`` in float64: ``d`` products ``Ψ e_i`` (JVPs) or ``c`` products ``Ψᵀ e_j`` (VJPs); a
     :class:`~ctuq.inference.features.DenseFeatures` hands over its matrix (no products).
 

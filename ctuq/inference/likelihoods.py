@@ -55,8 +55,10 @@ class Likelihood(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore ``σ²`` (the noise model itself must match)."""
         if not isinstance(state, dict) or state.get("name") != self.name:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: state is for likelihood "
-                             f"{state.get('name') if isinstance(state, dict) else state!r}, not {self.name!r}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state is for likelihood "
+                f"{state.get('name') if isinstance(state, dict) else state!r}, not {self.name!r}"
+            )
         self.sigma2 = _positive(state["sigma2"], "sigma2")
 
 
@@ -88,8 +90,9 @@ class GaussianLikelihood(Likelihood):
         if not self.learn_noise:
             return self.sigma2
         if not n_outputs - gamma > 0:
-            raise FloatingPointError(f"SampledEM: c − γ = {n_outputs - gamma:.3e} <= 0; cannot update the noise "
-                                     f"variance")
+            raise FloatingPointError(
+                f"SampledEM: c − γ = {n_outputs - gamma:.3e} <= 0; cannot update the noise variance"
+            )
         return residual_norm_sq / (n_outputs - gamma)
 
     def __repr__(self) -> str:

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -133,14 +134,19 @@ class LinearizedPosterior:
     ):
         if isinstance(prior, torch.Tensor):
             if tuple(prior.shape) != (features.n_features,):
-                raise ValueError(f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
-                                 f"got {tuple(prior.shape)}")
+                raise ValueError(
+                    f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
+                    f"got {tuple(prior.shape)}"
+                )
         elif prior not in values(Prior):
-            raise ValueError(f"LinearizedPosterior: prior must be one of {list(values(Prior))} or the scales "
-                             f"themselves, got {prior!r}")
+            raise ValueError(
+                f"LinearizedPosterior: prior must be one of {list(values(Prior))} or the scales "
+                f"themselves, got {prior!r}"
+            )
         if gprior_method not in values(GPriorMethod):
-            raise ValueError(f"LinearizedPosterior: gprior_method must be one of {list(values(GPriorMethod))}, "
-                             f"got {gprior_method!r}")
+            raise ValueError(
+                f"LinearizedPosterior: gprior_method must be one of {list(values(GPriorMethod))}, got {gprior_method!r}"
+            )
         if solver not in solver_choices():
             raise ValueError(f"LinearizedPosterior: solver must be one of {list(solver_choices())}, got {solver!r}")
         self.base = features
@@ -162,8 +168,9 @@ class LinearizedPosterior:
         # set by setup() / fit() / load_state_dict()
         self.solver_name: str | None = None
         self.cost_estimates: dict[str, SolverCostEstimate] | None = None
-        self.scales: torch.Tensor | None = prior.detach().to(features.device, features.dtype) \
-            if isinstance(prior, torch.Tensor) else None
+        self.scales: torch.Tensor | None = (
+            prior.detach().to(features.device, features.dtype) if isinstance(prior, torch.Tensor) else None
+        )
         self.features: FeatureOperator | None = None
         self.solver: Solver | None = None
         self.em: SampledEM | None = None
@@ -193,7 +200,7 @@ class LinearizedPosterior:
         return bool(self.solver is not None and self.solver.exact)
 
     # ------------------------------------------------------------------------------------------ set-up
-    def setup(self, on_stage: Callable[[str], None] | None = None) -> "LinearizedPosterior":
+    def setup(self, on_stage: Callable[[str], None] | None = None) -> LinearizedPosterior:
         """Resolve the solver, compute the prior scales, build ``Ψ`` and the solver (idempotent).
 
         ``on_stage("scales")`` after the scales, ``on_stage("solver")`` after the preconditioner or
@@ -218,8 +225,10 @@ class LinearizedPosterior:
         if name is None:
             name, self.cost_estimates = resolve_solver(self.solver_option, self.base, self.workload)
             if self.cost_estimates:
-                self.say("solver cost estimates: "
-                         + ", ".join(f"{k} {e.seconds:.0f} s" for k, e in self.cost_estimates.items()))
+                self.say(
+                    "solver cost estimates: "
+                    + ", ".join(f"{k} {e.seconds:.0f} s" for k, e in self.cost_estimates.items())
+                )
         self.solver_name = name
         self.timings["route"] = time.perf_counter() - t0
 
@@ -230,9 +239,11 @@ class LinearizedPosterior:
                 self._assembled = assemble_features(self.base, by="columns", chunk_size=64, progress=self.progress)
             if self.scales is None:
                 # Exact column norms are free once Ψ₀ is assembled (a stochastic g-prior is not needed here).
-                self.scales = (torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
-                               if self.prior == Prior.ISOTROPIC
-                               else scales_from_sq_norms(self._assembled.pow(2).sum(0)).to(self.base.dtype))
+                self.scales = (
+                    torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
+                    if self.prior == Prior.ISOTROPIC
+                    else scales_from_sq_norms(self._assembled.pow(2).sum(0)).to(self.base.dtype)
+                )
             self.features = DenseFeatures(self._assembled * self.scales.double()[None, :])
         else:
             if self.scales is None and "scales" in self._pending:
@@ -246,8 +257,9 @@ class LinearizedPosterior:
         t0 = time.perf_counter()
         self.solver = self._build_solver(name)
         self.timings["solver_setup"] = time.perf_counter() - t0
-        self.say(f"solver {name} set up (decomposition, preconditioner or step sizes): "
-                 f"{self.timings['solver_setup']:.1f} s")
+        self.say(
+            f"solver {name} set up (decomposition, preconditioner or step sizes): {self.timings['solver_setup']:.1f} s"
+        )
         hook("solver")
         return self
 
@@ -257,9 +269,18 @@ class LinearizedPosterior:
             return gprior_scales(None, method="isotropic", n_features=b.n_features, dtype=b.dtype, device=b.device)
         n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.gprior_probes
         self.say(f"g-prior scales ({self.gprior_method}, {n} VJPs)")
-        return gprior_scales(b.rmatvec, b.n_outputs, method=self.gprior_method, n_features=b.n_features,
-                             n_probes=self.gprior_probes, seed=self.seed, dtype=b.dtype, device=b.device,
-                             chunk_size=64, progress=self.progress)
+        return gprior_scales(
+            b.rmatvec,
+            b.n_outputs,
+            method=self.gprior_method,
+            n_features=b.n_features,
+            n_probes=self.gprior_probes,
+            seed=self.seed,
+            dtype=b.dtype,
+            device=b.device,
+            chunk_size=64,
+            progress=self.progress,
+        )
 
     def _build_solver(self, name: str) -> Solver:
         """The registered solver ``name`` with its options (:func:`~ctuq.inference.solvers.solver_kwargs`), its
@@ -284,9 +305,18 @@ class LinearizedPosterior:
             raise RuntimeError(f"LinearizedPosterior.{what}: call setup() first")
 
     # ------------------------------------------------------------------------------------------ EM
-    def fit(self, *, max_steps: int = 5, n_samples: int = 16, tol: float = 1e-2, gamma: str = "auto",
-            callback: Callable[[dict], None] | None = None, fixed_probes: bool | None = None,
-            stop_on: str = "a", update: str = "mackay") -> EMResult:
+    def fit(
+        self,
+        *,
+        max_steps: int = 5,
+        n_samples: int = 16,
+        tol: float = 1e-2,
+        gamma: str = "auto",
+        callback: Callable[[dict], None] | None = None,
+        fixed_probes: bool | None = None,
+        stop_on: str = "a",
+        update: str = "mackay",
+    ) -> EMResult:
         """Sampled (or, with an exact solver, exact) EM for ``a`` (and ``σ²`` if the likelihood learns it).
 
         ``callback(record)`` after every step (:meth:`SampledEM.step`'s record), after :attr:`a` and the
@@ -299,17 +329,29 @@ class LinearizedPosterior:
         :attr:`shard`, the probes are split across ranks.
         """
         if update not in values(EMUpdate):
-            raise ValueError(f"LinearizedPosterior.fit: update must be one of {list(values(EMUpdate))}, got "
-                             f"{update!r}")
+            raise ValueError(f"LinearizedPosterior.fit: update must be one of {list(values(EMUpdate))}, got {update!r}")
         self.setup()
         if fixed_probes is None:
             fixed_probes = bool(getattr(self.solver, "warm_starts", False))
         if self.em is not None:
             self.em.max_steps, self.em.tol, self.em.update = int(max_steps), float(tol), str(update)
         else:
-            self.em = SampledEM(self.features, self.solver, self.targets, a=self.a, likelihood=self.likelihood,
-                                n_samples=n_samples, max_steps=max_steps, tol=tol, gamma=gamma, seed=self.seed,
-                                fixed_probes=fixed_probes, stop_on=stop_on, shard=self.shard, update=update)
+            self.em = SampledEM(
+                self.features,
+                self.solver,
+                self.targets,
+                a=self.a,
+                likelihood=self.likelihood,
+                n_samples=n_samples,
+                max_steps=max_steps,
+                tol=tol,
+                gamma=gamma,
+                seed=self.seed,
+                fixed_probes=fixed_probes,
+                stop_on=stop_on,
+                shard=self.shard,
+                update=update,
+            )
             if "em" in self._pending:
                 self.em.load_state_dict(self._pending["em"])
                 self.a = self.em.a
@@ -360,12 +402,14 @@ class LinearizedPosterior:
         self._require_setup("log_evidence")
         if not self.solver.exact:
             exact = [n for n, cls in SOLVERS.items() if cls.exact]
-            raise ValueError(f"log_evidence needs an exact solver ({' / '.join(exact)}); this posterior uses "
-                             f"{self.solver_name!r}")
+            raise ValueError(
+                f"log_evidence needs an exact solver ({' / '.join(exact)}); this posterior uses {self.solver_name!r}"
+            )
         return self.solver.log_evidence(self.targets, self.a, self.sigma2)
 
-    def sample(self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0,
-               chunks: Iterable[int] | None = None) -> Iterator[tuple[int, PosteriorSamples]]:
+    def sample(
+        self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0, chunks: Iterable[int] | None = None
+    ) -> Iterator[tuple[int, PosteriorSamples]]:
         """Zero-mean posterior weight samples ``ζ`` in chunks: yields ``(i, PosteriorSamples)``.
 
         Chunk ``i`` draws from its own generator ``(seed, i)``, so starting at ``start_chunk`` reproduces the
@@ -373,8 +417,17 @@ class LinearizedPosterior:
         restricts to those chunk indices (e.g. a rank's share, ``i ≡ rank (mod world_size)``).
         """
         self._require_setup("sample")
-        return sample_chunks(self.features, self.solver, self.a, self.sigma2, n, chunk_size=chunk_size,
-                             seed=seed, start_chunk=start_chunk, chunks=chunks)
+        return sample_chunks(
+            self.features,
+            self.solver,
+            self.a,
+            self.sigma2,
+            n,
+            chunk_size=chunk_size,
+            seed=seed,
+            start_chunk=start_chunk,
+            chunks=chunks,
+        )
 
     def output_samples(self, weights: torch.Tensor) -> torch.Tensor:
         """Network outputs ``Φ (s ⊙ ζ)`` ``(B, d_out)`` of scaled weight samples ``ζ`` ``(B, d)``."""
@@ -382,12 +435,14 @@ class LinearizedPosterior:
         if self._output_map is not None:
             return self._output_map(weights)
         if not hasattr(self.base, "network_matvec"):
-            raise ValueError("LinearizedPosterior: these features have no network to map weights to outputs; "
-                             "pass output_map=")
+            raise ValueError(
+                "LinearizedPosterior: these features have no network to map weights to outputs; pass output_map="
+            )
         return self.base.network_matvec(weights.to(self.base.dtype) * self.scales)
 
-    def sample_outputs(self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0,
-                       chunks: Iterable[int] | None = None) -> Iterator[tuple[int, torch.Tensor, PosteriorSamples]]:
+    def sample_outputs(
+        self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0, chunks: Iterable[int] | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, PosteriorSamples]]:
         """Zero-mean output-space (image) samples in chunks: yields ``(i, outputs (B, d_out), samples)``."""
         for i, ps in self.sample(n, chunk_size=chunk_size, seed=seed, start_chunk=start_chunk, chunks=chunks):
             with torch.no_grad():
@@ -396,11 +451,21 @@ class LinearizedPosterior:
     # ------------------------------------------------------------------------------------------ rows
     def _derived(self, base: FeatureOperator, targets: torch.Tensor, assembled: torch.Tensor | None):
         other = LinearizedPosterior(
-            base, targets, prior=self.scales if self.scales is not None else self.prior,
-            gprior_method=self.gprior_method, gprior_probes=self.gprior_probes,
-            likelihood=copy.deepcopy(self.likelihood), a=self.a, solver=self.solver_option,
-            solver_options=self.solver_options, workload=self.workload, seed=self.seed,
-            output_map=self._output_map, progress=self.progress, log=self.say, shard=self.shard,
+            base,
+            targets,
+            prior=self.scales if self.scales is not None else self.prior,
+            gprior_method=self.gprior_method,
+            gprior_probes=self.gprior_probes,
+            likelihood=copy.deepcopy(self.likelihood),
+            a=self.a,
+            solver=self.solver_option,
+            solver_options=self.solver_options,
+            workload=self.workload,
+            seed=self.seed,
+            output_map=self._output_map,
+            progress=self.progress,
+            log=self.say,
+            shard=self.shard,
         )
         if self._output_map is None and hasattr(self.base, "network_matvec") and not hasattr(base, "network_matvec"):
             net_base = self.base
@@ -408,7 +473,7 @@ class LinearizedPosterior:
         other._assembled = assembled
         return other
 
-    def restrict(self, rows) -> "LinearizedPosterior":
+    def restrict(self, rows) -> LinearizedPosterior:
         """The posterior given only measurements ``rows`` (index or boolean mask over ``c``).
 
         Keeps the prior scales ``s`` (once :meth:`setup` computed them; before that the new posterior computes its
@@ -422,7 +487,7 @@ class LinearizedPosterior:
         assembled = None if self._assembled is None else self._assembled[idx.to(self._assembled.device)]
         return self._derived(base, self.targets[idx.to(self.targets.device)], assembled)
 
-    def extend(self, features: FeatureOperator, targets: torch.Tensor) -> "LinearizedPosterior":
+    def extend(self, features: FeatureOperator, targets: torch.Tensor) -> LinearizedPosterior:
         """The posterior given these measurements and new rows ``features`` (unscaled ``Ψ₀`` rows, ``c' × d``)
         with targets ``(c',)``; same scales, ``a``, ``σ²``."""
         base = stack_features([self.base, features])
@@ -454,8 +519,9 @@ class LinearizedPosterior:
         """Resume from :meth:`state_dict` output; call before :meth:`setup` and :meth:`fit`."""
         if not isinstance(state, dict) or state.get("version") != POSTERIOR_STATE_VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise CheckpointMismatch(f"not a LinearizedPosterior state of version {POSTERIOR_STATE_VERSION} "
-                                     f"(got {got!r})")
+            raise CheckpointMismatch(
+                f"not a LinearizedPosterior state of version {POSTERIOR_STATE_VERSION} (got {got!r})"
+            )
         if self.solver is not None:
             raise RuntimeError("LinearizedPosterior.load_state_dict: call it before setup()")
         name = state.get("solver_name")
@@ -475,16 +541,26 @@ class LinearizedPosterior:
     def summary(self) -> dict:
         """Plain numbers for reports: ``c``, ``d``, solver, ``a``, ``σ²``, EM steps, g-prior scale range."""
         s = self.scales
-        out = {"c": int(self.n_outputs), "d": int(self.n_features), "solver": self.solver_name,
-               "a": float(self.a), "sigma2": float(self.sigma2), "likelihood": self.likelihood.name,
-               "em_steps": len(self.em_trace)}
+        out = {
+            "c": int(self.n_outputs),
+            "d": int(self.n_features),
+            "solver": self.solver_name,
+            "a": float(self.a),
+            "sigma2": float(self.sigma2),
+            "likelihood": self.likelihood.name,
+            "em_steps": len(self.em_trace),
+        }
         if s is not None:
             pos = s[s > 0]
-            out["scales"] = {"zero": int((s == 0).sum()), "min": float(pos.min()) if pos.numel() else None,
-                             "max": float(s.max())}
+            out["scales"] = {
+                "zero": int((s == 0).sum()),
+                "min": float(pos.min()) if pos.numel() else None,
+                "max": float(s.max()),
+            }
         return out
 
     def __repr__(self) -> str:
-        return (f"LinearizedPosterior(c={self.n_outputs}, d={self.n_features}, "
-                f"solver={self.solver_name or self.solver_option!r}, a={self.a:.4g}, {self.likelihood!r})")
-
+        return (
+            f"LinearizedPosterior(c={self.n_outputs}, d={self.n_features}, "
+            f"solver={self.solver_name or self.solver_option!r}, a={self.a:.4g}, {self.likelihood!r})"
+        )

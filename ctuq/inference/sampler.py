@@ -26,7 +26,7 @@ which they are computed, so a run resumed at chunk ``i`` reproduces the uninterr
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -75,8 +75,13 @@ class PosteriorSamples:
 
 
 def draw_prior_and_noise(
-    n: int, features: FeatureOperator, a: float, sigma2: float, generator: torch.Generator,
-    *, likelihood: Likelihood | None = None,
+    n: int,
+    features: FeatureOperator,
+    a: float,
+    sigma2: float,
+    generator: torch.Generator,
+    *,
+    likelihood: Likelihood | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w₀ (n, d), ε (n, c))`` with ``w₀ ~ N(0, a⁻¹ I)`` and the likelihood's noise ``ε`` (default
     ``N(0, σ² I)``); ``w₀`` drawn first."""

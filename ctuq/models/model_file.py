@@ -38,8 +38,14 @@ from ctuq.errors import CTUQError
 from ctuq.models.unet import UNet
 from ctuq.utils import atomic_torch_save
 
-__all__ = ["MODEL_FILE_FORMAT", "MODEL_FILE_VERSION", "ModelFile", "ModelFileError", "write_model_file",
-           "read_model_file"]
+__all__ = [
+    "MODEL_FILE_FORMAT",
+    "MODEL_FILE_VERSION",
+    "ModelFile",
+    "ModelFileError",
+    "write_model_file",
+    "read_model_file",
+]
 
 MODEL_FILE_FORMAT = "ctuq.model"
 MODEL_FILE_VERSION = 2
@@ -70,9 +76,17 @@ class ModelFile:
         return model.to(device).eval()
 
 
-def write_model_file(path: str | os.PathLike, model: torch.nn.Module, *, scale: float,
-                     state_dict: dict | None = None, net_input: torch.Tensor | None = None, input: str = "noise",
-                     best_iteration: int | None = None, meta: dict | None = None) -> Path:
+def write_model_file(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    *,
+    scale: float,
+    state_dict: dict | None = None,
+    net_input: torch.Tensor | None = None,
+    input: str = "noise",
+    best_iteration: int | None = None,
+    meta: dict | None = None,
+) -> Path:
     """Write ``model``'s architecture and weights (``state_dict`` if given, e.g. a DIP's best weights) atomically.
 
     Parameters
@@ -98,17 +112,20 @@ def write_model_file(path: str | os.PathLike, model: torch.nn.Module, *, scale: 
         raise ValueError(f"write_model_file: scale must be positive, got {scale}")
     weights = state_dict if state_dict is not None else model.state_dict()
     path = Path(path)
-    atomic_torch_save(path, {
-        "format": MODEL_FILE_FORMAT,
-        "version": MODEL_FILE_VERSION,
-        "model_config": model.config.to_dict(),
-        "state_dict": {k: v.detach().cpu() for k, v in weights.items()},
-        "scale": float(scale),
-        "net_input": None if net_input is None else net_input.detach().cpu(),
-        "input": str(input),
-        "best_iteration": None if best_iteration is None else int(best_iteration),
-        "meta": dict(meta or {}),
-    })
+    atomic_torch_save(
+        path,
+        {
+            "format": MODEL_FILE_FORMAT,
+            "version": MODEL_FILE_VERSION,
+            "model_config": model.config.to_dict(),
+            "state_dict": {k: v.detach().cpu() for k, v in weights.items()},
+            "scale": float(scale),
+            "net_input": None if net_input is None else net_input.detach().cpu(),
+            "input": str(input),
+            "best_iteration": None if best_iteration is None else int(best_iteration),
+            "meta": dict(meta or {}),
+        },
+    )
     return path
 
 
@@ -142,8 +159,10 @@ def read_model_file(path: str | os.PathLike, *, need_input: bool = False) -> Mod
     if blob.get("format") == MODEL_FILE_FORMAT:
         version = blob.get("version")
         if not isinstance(version, int) or version > MODEL_FILE_VERSION:
-            raise ModelFileError(f"{path}: model file version {version!r} is newer than this ctuq reads "
-                                 f"(version {MODEL_FILE_VERSION}); upgrade ctuq")
+            raise ModelFileError(
+                f"{path}: model file version {version!r} is newer than this ctuq reads "
+                f"(version {MODEL_FILE_VERSION}); upgrade ctuq"
+            )
     else:
         version = 0  # ctuq 0.1: dip_model.pt without a version, or a pretrain file with its own "version": 1
     missing = {"model_config", "state_dict", "scale"} - set(blob)

@@ -25,20 +25,60 @@ from ctuq.errors import CheckpointMismatch
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_MOMENTS_SHARD_PATTERN
 from ctuq.utils import atomic_torch_save, check_fingerprint
 
-__all__ = ["UQ_STATE_VERSION", "uq_fingerprint", "load_uq_checkpoint", "save_uq_checkpoint", "moments_file_name",
-           "shard_moments_files", "shard_world_sizes", "check_shard_checkpoints"]
+__all__ = [
+    "UQ_STATE_VERSION",
+    "uq_fingerprint",
+    "load_uq_checkpoint",
+    "save_uq_checkpoint",
+    "moments_file_name",
+    "shard_moments_files",
+    "shard_world_sizes",
+    "check_shard_checkpoints",
+]
 
 UQ_STATE_VERSION = 2  # 1: ctuq 0.1 (samples kept per chunk, routes dense/exact/cg)
 
 # Settings that change the numbers of a run, always in the fingerprint.
-_FINGERPRINT_KEYS = ("prior", "gprior_method", "gprior_probes", "solver", "preconditioner", "rank", "oversampling",
-                     "cg_tol", "cg_max_iter", "em_steps", "em_samples", "em_tol", "prior_precision", "noise_variance",
-                     "learn_noise", "samples", "sample_chunk", "roi", "patch_sizes")
+_FINGERPRINT_KEYS = (
+    "prior",
+    "gprior_method",
+    "gprior_probes",
+    "solver",
+    "preconditioner",
+    "rank",
+    "oversampling",
+    "cg_tol",
+    "cg_max_iter",
+    "em_steps",
+    "em_samples",
+    "em_tol",
+    "prior_precision",
+    "noise_variance",
+    "learn_noise",
+    "samples",
+    "sample_chunk",
+    "roi",
+    "patch_sizes",
+)
 # Settings added with the first-order solvers: in the fingerprint only when they differ from their defaults, so
 # that the checkpoints of runs that never used them still resume.
-_LATER_KEYS = ("adaptive_rank", "rank_threshold", "sdd_step", "sdd_momentum", "sdd_batch", "sdd_iterations",
-               "sgd_lr", "sgd_momentum", "sgd_lr_decay", "sgd_clip", "sgd_iterations", "first_order_tol",
-               "em_stop_on", "em_fixed_probes", "em_update")
+_LATER_KEYS = (
+    "adaptive_rank",
+    "rank_threshold",
+    "sdd_step",
+    "sdd_momentum",
+    "sdd_batch",
+    "sdd_iterations",
+    "sgd_lr",
+    "sgd_momentum",
+    "sgd_lr_decay",
+    "sgd_clip",
+    "sgd_iterations",
+    "first_order_tol",
+    "em_stop_on",
+    "em_fixed_probes",
+    "em_update",
+)
 
 
 def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: UQConfig) -> dict:
@@ -73,11 +113,15 @@ def load_uq_checkpoint(path: Path, fingerprint: dict) -> dict:
     if version != UQ_STATE_VERSION:
         raise CheckpointMismatch(
             f"cannot resume from {path}: it is a ctuq UQ checkpoint of version {version!r}, this ctuq reads version "
-            f"{UQ_STATE_VERSION} (delete {path.parent / 'uq_*'} to start the inference afresh)")
-    check_fingerprint(state.get("fingerprint", {}), fingerprint, what=f"cannot resume the uncertainty phase from "
-                      f"{path}", error=CheckpointMismatch,
-                      hint=f"delete {path.parent / 'uq_*'} to start the inference afresh, or use the same "
-                           f"data/settings")
+            f"{UQ_STATE_VERSION} (delete {path.parent / 'uq_*'} to start the inference afresh)"
+        )
+    check_fingerprint(
+        state.get("fingerprint", {}),
+        fingerprint,
+        what=f"cannot resume the uncertainty phase from {path}",
+        error=CheckpointMismatch,
+        hint=f"delete {path.parent / 'uq_*'} to start the inference afresh, or use the same data/settings",
+    )
     return state
 
 
@@ -114,8 +158,10 @@ def check_shard_checkpoints(work: Path, shard) -> None:
         raise CheckpointMismatch(
             f"cannot resume the sharded prediction in {work}: its running sums were written by {other[0]} rank(s), "
             f"this run has {shard.world_size}; resume with --nproc_per_node={other[0]} (or delete "
-            f"{work / 'uq_moments.rank*'} to sample afresh)")
+            f"{work / 'uq_moments.rank*'} to sample afresh)"
+        )
     if (work / UQ_MOMENTS_NAME).is_file():
         raise CheckpointMismatch(
             f"cannot resume the sharded prediction in {work}: {UQ_MOMENTS_NAME} holds the running sums of a "
-            f"single-process run; resume without torchrun (or delete it to sample afresh)")
+            f"single-process run; resume without torchrun (or delete it to sample afresh)"
+        )

@@ -86,11 +86,20 @@ def _read_metrics(path: Path) -> dict:
 def _reconstruct(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
     """A run folder of FBP/TV/DIP from ``op``/``y`` (the pipeline's phases); reused when already finished."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = RunState(cfg=cfg, out_dir=folder, device=device, resume=(folder / rf.CHECKPOINT_NAME).is_file(),
-                     uq=False, progress=progress, command="design")
+    state = RunState(
+        cfg=cfg,
+        out_dir=folder,
+        device=device,
+        resume=(folder / rf.CHECKPOINT_NAME).is_file(),
+        uq=False,
+        progress=progress,
+        command="design",
+    )
     state.op, state.y, state.ground_truth = op, y.to(device), None if gt is None else gt.to(device)
-    state.metrics["data"] = {"angles_deg": np.degrees(op.angles).tolist(),
-                             "measurement_shape": list(op.measurement_shape)}
+    state.metrics["data"] = {
+        "angles_deg": np.degrees(op.angles).tolist(),
+        "measurement_shape": list(op.measurement_shape),
+    }
     if rf.is_finished_run(folder):
         if need_model:
             run_phases(state, [Phase("restore_dip", phase_restore_dip)])
@@ -105,9 +114,20 @@ def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, 
     ds, scale = cfg.design, float(cfg.dip.scale)
     nv = ds.noise_variance
     if image_prior == DesignPriorKind.DIP:
-        prior = DIPPrior(pilot_state.model, pilot_state.net_input, cand_op, y_cand, scale, settings=ds,
-                         sigma2=None if nv is None else nv * scale**2, dip_settings=cfg.dip, work_dir=work,
-                         seed=cfg.seed, progress=progress, log=_log)
+        prior = DIPPrior(
+            pilot_state.model,
+            pilot_state.net_input,
+            cand_op,
+            y_cand,
+            scale,
+            settings=ds,
+            sigma2=None if nv is None else nv * scale**2,
+            dip_settings=cfg.dip,
+            work_dir=work,
+            seed=cfg.seed,
+            progress=progress,
+            log=_log,
+        )
         return prior.build(pilot, n_steps=ds.acquire), prior.updater
     if nv is None:  # the pilot DIP's mean squared residual, data units
         op_p = cand_op.subset(pilot)
@@ -116,8 +136,9 @@ def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, 
     y_p = y_cand[pilot].reshape(-1).double()
     if image_prior == DesignPriorKind.ISOTROPIC:
         return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None
-    return matern_model(cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale,
-                        log=_log), None
+    return matern_model(
+        cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale, log=_log
+    ), None
 
 
 def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progress: bool = True) -> dict:
@@ -142,8 +163,9 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     out = rf.check_writable_folder(out_dir)
     state_path = out / STATE_NAME
     if (out / DESIGN_NAME).is_file() and not resume:
-        raise DesignError(f"--out {out}: already holds a finished design ({DESIGN_NAME}); choose another --out or "
-                          f"pass --resume")
+        raise DesignError(
+            f"--out {out}: already holds a finished design ({DESIGN_NAME}); choose another --out or pass --resume"
+        )
     work = out / WORK_DIR
     if not resume and state_path.exists():
         state_path.unlink()
@@ -159,7 +181,7 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     period = math.pi if op.geometry is not None and op.geometry.is_parallel else 2 * math.pi
     if ds.candidates is not None and ds.candidates > n_scan:
         raise DesignError(f"--candidates: {ds.candidates} candidate angles but the scan {scan_path} has {n_scan}")
-    cand_idx = (np.arange(n_scan) if ds.candidates is None else equidistant_indices(n_scan, ds.candidates))
+    cand_idx = np.arange(n_scan) if ds.candidates is None else equidistant_indices(n_scan, ds.candidates)
     cand_deg = np.mod(np.degrees(op.angles[cand_idx]), math.degrees(period))
     if pilot_angles is not None:
         match_angles(pilot_angles, op.angles, period, what="--pilot-angles (the scan's angles)")
@@ -171,12 +193,15 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     cand_op = op if ds.candidates is None else op.subset(cand_idx)
     y_cand = data.y[torch.as_tensor(cand_idx)]
     gt = data.ground_truth
-    _log(f"{scan_path}: {n_scan} angles × {op.measurement_shape[1]} detector pixels; {len(cand_idx)} candidates, "
-         f"pilot {len(pilot)}, acquiring {ds.acquire} ({ds.criterion}, prior {ds.prior})")
+    _log(
+        f"{scan_path}: {n_scan} angles × {op.measurement_shape[1]} detector pixels; {len(cand_idx)} candidates, "
+        f"pilot {len(pilot)}, acquiring {ds.acquire} ({ds.criterion}, prior {ds.prior})"
+    )
 
     # ---------------------------------------------------------------- pilot DIP, prior, design
-    pilot_state, pilot_metrics = _reconstruct(cfg, out / "pilot", cand_op.subset(pilot), y_cand[pilot], gt, device,
-                                              progress, need_model=True)
+    pilot_state, pilot_metrics = _reconstruct(
+        cfg, out / "pilot", cand_op.subset(pilot), y_cand[pilot], gt, device, progress, need_model=True
+    )
     t0 = time.perf_counter()
     model, updater = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
     refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
@@ -192,16 +217,37 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         s = engine.posterior_std(ds.std_samples, seed=cfg.seed + 11) / engine.model.image_scale
         return s.reshape(shape)
 
-    fingerprint = {"scan": str(scan_path), "y_sum": float(data.y.double().sum()), "candidates": cand_idx.tolist(),
-                   "prior": ds.prior, "route": route, "samples": ds.samples, "jitter": ds.jitter,
-                   "refresh_every": ds.refresh_every, "retrain_every": ds.retrain_every, "seed": cfg.seed,
-                   "sigma2": float(model.sigma2), "a": float(model.a)}
+    fingerprint = {
+        "scan": str(scan_path),
+        "y_sum": float(data.y.double().sum()),
+        "candidates": cand_idx.tolist(),
+        "prior": ds.prior,
+        "route": route,
+        "samples": ds.samples,
+        "jitter": ds.jitter,
+        "refresh_every": ds.refresh_every,
+        "retrain_every": ds.retrain_every,
+        "seed": cfg.seed,
+        "sigma2": float(model.sigma2),
+        "a": float(model.a),
+    }
     greedy = ds.criterion in values(Criterion)
     if greedy:
-        result = greedy_design(engine, pilot, ds.acquire, criterion=ds.criterion, angles_deg=cand_deg,
-                               jitter=ds.jitter, updater=updater, checkpoint=state_path,
-                               fingerprint=fingerprint, progress=progress, log=_log, update_last=True,
-                               on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)))
+        result = greedy_design(
+            engine,
+            pilot,
+            ds.acquire,
+            criterion=ds.criterion,
+            angles_deg=cand_deg,
+            jitter=ds.jitter,
+            updater=updater,
+            checkpoint=state_path,
+            fingerprint=fingerprint,
+            progress=progress,
+            log=_log,
+            update_last=True,
+            on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)),
+        )
     else:
         result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
         std["after the pilot"] = std_map(pilot)
@@ -220,15 +266,24 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     comparison = {}
     if ds.reconstruct:
         n_total = len(result.chosen)
-        for name, idx in (("designed", sorted(result.chosen)),
-                          ("equidistant", sorted(equidistant_indices(len(cand_idx), n_total).tolist()))):
-            _, m = _reconstruct(cfg, out / name, cand_op.subset(idx), y_cand[idx], gt, device, progress,
-                                need_model=False)
-            comparison[name] = {"n_angles": len(idx), "angles_deg": cand_deg[idx].tolist(), "psnr": m.get("psnr"),
-                                "ssim": m.get("ssim")}
+        for name, idx in (
+            ("designed", sorted(result.chosen)),
+            ("equidistant", sorted(equidistant_indices(len(cand_idx), n_total).tolist())),
+        ):
+            _, m = _reconstruct(
+                cfg, out / name, cand_op.subset(idx), y_cand[idx], gt, device, progress, need_model=False
+            )
+            comparison[name] = {
+                "n_angles": len(idx),
+                "angles_deg": cand_deg[idx].tolist(),
+                "psnr": m.get("psnr"),
+                "ssim": m.get("ssim"),
+            }
             if m.get("psnr"):
-                _log(f"{name} ({len(idx)} angles): PSNR " + ", ".join(f"{k} {v:.2f} dB" for k, v in m["psnr"].items()
-                                                                       if v is not None))
+                _log(
+                    f"{name} ({len(idx)} angles): PSNR "
+                    + ", ".join(f"{k} {v:.2f} dB" for k, v in m["psnr"].items() if v is not None)
+                )
     record = {
         "ctuq_version": __version__,
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -240,17 +295,31 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         "period_deg": math.degrees(period),
         "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
         "pilot": {"candidates": pilot, "angles_deg": pilot_deg},
-        "acquired": [{"step": s["step"], "candidate": s["candidate"], "scan_index": int(cand_idx[s["candidate"]]),
-                      "angle_deg": s["angle_deg"], "criterion": s["criterion"], "jitter": s["jitter"],
-                      "time_s": s["time_s"], "update_s": s["update_s"]} for s in result.steps],
+        "acquired": [
+            {
+                "step": s["step"],
+                "candidate": s["candidate"],
+                "scan_index": int(cand_idx[s["candidate"]]),
+                "angle_deg": s["angle_deg"],
+                "criterion": s["criterion"],
+                "jitter": s["jitter"],
+                "time_s": s["time_s"],
+                "update_s": s["update_s"],
+            }
+            for s in result.steps
+        ],
         "angles_deg": pilot_deg + acq_deg,
         "criterion_traces": [s["values"] for s in result.steps],
         "prior": {**engine.model.summary(), "evidence_grid": engine.model.info.get("evidence_grid")},
         "std_mean": {k: float(v.mean()) for k, v in std.items()},
         "pilot_reconstruction": {"psnr": pilot_metrics.get("psnr"), "ssim": pilot_metrics.get("ssim")},
         "comparison": comparison,
-        "timings": {"prior_s": prior_s, **result.timings, "resumed_steps": result.resumed_steps,
-                    "total_s": time.perf_counter() - t_start},
+        "timings": {
+            "prior_s": prior_s,
+            **result.timings,
+            "resumed_steps": result.resumed_steps,
+            "total_s": time.perf_counter() - t_start,
+        },
         "config": cfg.to_dict(),
     }
     write_metrics(out / DESIGN_NAME, record)

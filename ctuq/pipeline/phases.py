@@ -18,8 +18,9 @@ import dataclasses
 import datetime as _dt
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tifffile
 import torch
@@ -36,8 +37,18 @@ from ctuq.reconstruct.classical import tv_reconstruction
 from ctuq.reconstruct.dip import fit_dip, load_checkpoint
 from ctuq.reconstruct.pretrain import load_pretrained
 
-__all__ = ["RunState", "Phase", "phase_load", "phase_fbp", "phase_tv", "phase_dip", "phase_restore_dip",
-           "phase_write", "build_model", "make_input"]
+__all__ = [
+    "RunState",
+    "Phase",
+    "phase_load",
+    "phase_fbp",
+    "phase_tv",
+    "phase_dip",
+    "phase_restore_dip",
+    "phase_write",
+    "build_model",
+    "make_input",
+]
 
 
 @dataclasses.dataclass
@@ -112,8 +123,10 @@ def phase_load(state: RunState) -> None:
         "operator": type(d.op).__name__,
         "has_ground_truth": state.ground_truth is not None,
     }
-    state.log(f"loaded {path}: image {tuple(d.op.image_shape)}, sinogram {tuple(d.op.measurement_shape)}, "
-              f"operator {type(d.op).__name__} on {state.device}")
+    state.log(
+        f"loaded {path}: image {tuple(d.op.image_shape)}, sinogram {tuple(d.op.measurement_shape)}, "
+        f"operator {type(d.op).__name__} on {state.device}"
+    )
     for msg in warnings:
         state.warn(msg)
 
@@ -131,8 +144,14 @@ def phase_tv(state: RunState) -> None:
     """TV-regularised baseline with ODL's PDHG → ``images['tv']``, ``tv.tif``."""
     tc = state.cfg.tv
     res = tv_reconstruction(
-        state.op, state.y, weight=tc.weight, iterations=tc.iterations, nonnegative=tc.nonnegative,
-        isotropic=tc.isotropic, x0=state.images.get("fbp"), progress=state.progress,
+        state.op,
+        state.y,
+        weight=tc.weight,
+        iterations=tc.iterations,
+        nonnegative=tc.nonnegative,
+        isotropic=tc.isotropic,
+        x0=state.images.get("fbp"),
+        progress=state.progress,
     )
     state.images["tv"] = res["reconstruction"]
     state.metrics["tv"] = {k: res[k] for k in ("iterations", "time_s", "objective", "op_norm")}
@@ -145,8 +164,13 @@ def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
     mc = cfg.model
     torch.manual_seed(cfg.seed)
     model = build_unet(
-        mc.preset, channels=mc.channels, skip_channels=mc.skip_channels, ndim=ndim,
-        norm_groups=mc.norm_groups, sigmoid=mc.sigmoid, dropout=mc.dropout,
+        mc.preset,
+        channels=mc.channels,
+        skip_channels=mc.skip_channels,
+        ndim=ndim,
+        norm_groups=mc.norm_groups,
+        sigmoid=mc.sigmoid,
+        dropout=mc.dropout,
     )
     if mc.pretrained:
         load_pretrained(model, mc.pretrained)
@@ -175,14 +199,28 @@ def phase_dip(state: RunState) -> None:
     ckpt = state.out_dir / rf.CHECKPOINT_NAME
     if state.resume and not ckpt.is_file():
         state.log(f"--resume: no checkpoint {ckpt} yet, starting the DIP from iteration 0")
-    state.log(f"DIP: U-Net {count_parameters(model):,} parameters "
-              f"({count_parameters(model, conv_weights_only=True):,} conv weights), {dc.iterations} iterations")
+    state.log(
+        f"DIP: U-Net {count_parameters(model):,} parameters "
+        f"({count_parameters(model, conv_weights_only=True):,} conv weights), {dc.iterations} iterations"
+    )
     try:
         result = fit_dip(
-            state.op, state.y, model=model, net_input=net_input, iterations=dc.iterations, lr=dc.lr,
-            tv_weight=dc.tv_weight, clip_grad_norm=dc.clip_grad_norm, scale=dc.scale,
-            ground_truth=state.ground_truth, checkpoint_path=ckpt, checkpoint_every=dc.checkpoint_every,
-            resume=state.resume, seed=cfg.seed, device=state.device, progress=state.progress,
+            state.op,
+            state.y,
+            model=model,
+            net_input=net_input,
+            iterations=dc.iterations,
+            lr=dc.lr,
+            tv_weight=dc.tv_weight,
+            clip_grad_norm=dc.clip_grad_norm,
+            scale=dc.scale,
+            ground_truth=state.ground_truth,
+            checkpoint_path=ckpt,
+            checkpoint_every=dc.checkpoint_every,
+            resume=state.resume,
+            seed=cfg.seed,
+            device=state.device,
+            progress=state.progress,
         )
     except FloatingPointError as exc:
         if isinstance(exc, CTUQError):
@@ -198,9 +236,16 @@ def phase_dip(state: RunState) -> None:
     }
     write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction)
     if cfg.output.save_model:
-        write_model_file(state.out_dir / rf.MODEL_NAME, model, scale=result.scale, state_dict=result.best_state_dict,
-                         net_input=result.net_input, input=cfg.model.input, best_iteration=result.best_iteration,
-                         meta={"dip": result.summary()})
+        write_model_file(
+            state.out_dir / rf.MODEL_NAME,
+            model,
+            scale=result.scale,
+            state_dict=result.best_state_dict,
+            net_input=result.net_input,
+            input=cfg.model.input,
+            best_iteration=result.best_iteration,
+            meta={"dip": result.summary()},
+        )
     if not cfg.output.keep_checkpoint and ckpt.exists():
         ckpt.unlink()
 
@@ -239,8 +284,10 @@ def phase_restore_dip(state: RunState) -> None:
             f"(with output.save_model or output.keep_checkpoint enabled)"
         )
     if abs(float(scale) - state.cfg.dip.scale) > 1e-12 * max(1.0, abs(float(scale))):
-        raise CTUQError(f"dip.scale = {state.cfg.dip.scale:g}: the DIP in {source} was fitted with scale {scale}; "
-                        f"use the run's dip.scale")
+        raise CTUQError(
+            f"dip.scale = {state.cfg.dip.scale:g}: the DIP in {source} was fitted with scale {scale}; "
+            f"use the run's dip.scale"
+        )
     with torch.no_grad():
         recon = model(net_input.to(state.device))[0, 0] / float(scale)
     state.model, state.net_input = model, net_input

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -44,8 +44,9 @@ class PretrainRun:
     n_pairs: int
 
 
-def simulated_slices(volume, n_phantoms: int, slices_per_phantom: int, *, seed: int, z_range: float = 4.0,
-                     progress: bool = True) -> torch.Tensor:
+def simulated_slices(
+    volume, n_phantoms: int, slices_per_phantom: int, *, seed: int, z_range: float = 4.0, progress: bool = True
+) -> torch.Tensor:
     """``(n_phantoms · slices_per_phantom, *volume.shape)`` float32 phantom slices (mm⁻¹) on the 2D grid
     ``volume``, from ``walnut_phantom(seed + i)`` at heights evenly spread over ``[−z_range, z_range]`` mm."""
     if n_phantoms < 1 or slices_per_phantom < 1:
@@ -67,9 +68,20 @@ def _check_out_file(out: Path) -> None:
     check_writable_folder(out.parent, option="--out")
 
 
-def pretrain(cfg: Config, out: str | Path, *, phantoms: int = 48, slices_per_phantom: int = 4,
-             iterations: int = 1500, batch_size: int = 8, lr: float = 2e-3, noise: float = 0.01, seed: int = 1000,
-             progress: bool = True, log: Callable[[str], None] | None = None) -> PretrainRun:
+def pretrain(
+    cfg: Config,
+    out: str | Path,
+    *,
+    phantoms: int = 48,
+    slices_per_phantom: int = 4,
+    iterations: int = 1500,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    noise: float = 0.01,
+    seed: int = 1000,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> PretrainRun:
     """Pretrain ``cfg``'s U-Net for ``cfg``'s scan geometry and write it to ``out`` (``.pt`` model file).
 
     Parameters
@@ -99,6 +111,7 @@ def pretrain(cfg: Config, out: str | Path, *, phantoms: int = 48, slices_per_pha
         :func:`ctuq.pipeline.scan.load_scan`.
     """
     if log is None:
+
         def log(msg: str) -> None:
             print(f"[ctuq pretrain] {msg}", file=sys.stderr, flush=True)
 
@@ -117,24 +130,40 @@ def pretrain(cfg: Config, out: str | Path, *, phantoms: int = 48, slices_per_pha
     images = simulated_slices(d.op.volume, phantoms, slices_per_phantom, seed=seed, progress=progress)
     stack = iter(images)
     inputs, targets = make_training_pairs(
-        d.op, lambda y: fbp(d.op, y, filter_type=cfg.fbp.filter, frequency_scaling=cfg.fbp.frequency_scaling),
-        lambda _gen: next(stack), len(images), noise=noise, scale=cfg.dip.scale, seed=seed, progress=progress)
+        d.op,
+        lambda y: fbp(d.op, y, filter_type=cfg.fbp.filter, frequency_scaling=cfg.fbp.frequency_scaling),
+        lambda _gen: next(stack),
+        len(images),
+        noise=noise,
+        scale=cfg.dip.scale,
+        seed=seed,
+        progress=progress,
+    )
     log(f"{len(images)} training pairs from {phantoms} synthetic walnuts in {time.perf_counter() - t0:.1f} s")
     model = build_model(cfg, d.op.ndim).to(device)
-    result = pretrain_unet(model, inputs, targets, iterations=iterations, batch_size=batch_size, lr=lr, seed=seed,
-                           progress=progress)
+    result = pretrain_unet(
+        model, inputs, targets, iterations=iterations, batch_size=batch_size, lr=lr, seed=seed, progress=progress
+    )
     final = float(np.mean(result.loss_history[-50:]))
-    log(f"trained {iterations} iterations in {result.time_s:.1f} s; final loss {final:.3e} (scaled units², mean "
-        f"of the last 50)")
-    save_pretrained(out, model, scale=cfg.dip.scale, meta={
-        "phantom_seeds": [seed, seed + phantoms - 1],
-        "slices_per_phantom": slices_per_phantom,
-        "noise": noise,
-        "iterations": iterations,
-        "data": str(path),
-        "image_shape": list(d.op.image_shape),
-        "measurement_shape": list(d.op.measurement_shape),
-        "final_loss": final,
-    })
-    return PretrainRun(path=out, model=model, loss_history=result.loss_history, time_s=result.time_s,
-                       n_pairs=len(images))
+    log(
+        f"trained {iterations} iterations in {result.time_s:.1f} s; final loss {final:.3e} (scaled units², mean "
+        f"of the last 50)"
+    )
+    save_pretrained(
+        out,
+        model,
+        scale=cfg.dip.scale,
+        meta={
+            "phantom_seeds": [seed, seed + phantoms - 1],
+            "slices_per_phantom": slices_per_phantom,
+            "noise": noise,
+            "iterations": iterations,
+            "data": str(path),
+            "image_shape": list(d.op.image_shape),
+            "measurement_shape": list(d.op.measurement_shape),
+            "final_loss": final,
+        },
+    )
+    return PretrainRun(
+        path=out, model=model, loss_history=result.loss_history, time_s=result.time_s, n_pairs=len(images)
+    )

@@ -39,11 +39,33 @@ from ctuq.errors import OutDirError
 from ctuq.outputs import new_run_dir
 
 __all__ = [
-    "CONFIG_NAME", "METRICS_NAME", "RECONSTRUCTION_NAME", "FBP_NAME", "TV_NAME", "GROUND_TRUTH_NAME", "STD_NAME",
-    "CHECKPOINT_NAME", "MODEL_NAME", "UQ_STATE_NAME", "UQ_MOMENTS_NAME", "UQ_MOMENTS_SHARD_PATTERN", "UQ_SAMPLES_DIR",
-    "UQ_SAMPLE_FILE_PATTERN", "RECONSTRUCTION_FIGURE", "UNCERTAINTY_FIGURE", "CALIBRATION_FIGURE", "JOINT_LL_FIGURE",
-    "ERROR_VS_STD_FIGURE", "EM_TRACE_FIGURE", "UNCERTAINTY_SLICES_FIGURE", "FIGURE_NAMES", "prepare_out_dir",
-    "check_writable_folder", "require_run_folder", "new_run_folder", "is_finished_run",
+    "CONFIG_NAME",
+    "METRICS_NAME",
+    "RECONSTRUCTION_NAME",
+    "FBP_NAME",
+    "TV_NAME",
+    "GROUND_TRUTH_NAME",
+    "STD_NAME",
+    "CHECKPOINT_NAME",
+    "MODEL_NAME",
+    "UQ_STATE_NAME",
+    "UQ_MOMENTS_NAME",
+    "UQ_MOMENTS_SHARD_PATTERN",
+    "UQ_SAMPLES_DIR",
+    "UQ_SAMPLE_FILE_PATTERN",
+    "RECONSTRUCTION_FIGURE",
+    "UNCERTAINTY_FIGURE",
+    "CALIBRATION_FIGURE",
+    "JOINT_LL_FIGURE",
+    "ERROR_VS_STD_FIGURE",
+    "EM_TRACE_FIGURE",
+    "UNCERTAINTY_SLICES_FIGURE",
+    "FIGURE_NAMES",
+    "prepare_out_dir",
+    "check_writable_folder",
+    "require_run_folder",
+    "new_run_folder",
+    "is_finished_run",
 ]
 
 CONFIG_NAME = "config.yaml"
@@ -69,8 +91,15 @@ JOINT_LL_FIGURE = "joint_ll.png"
 ERROR_VS_STD_FIGURE = "error_vs_std.png"
 EM_TRACE_FIGURE = "em_trace.png"
 UNCERTAINTY_SLICES_FIGURE = "uncertainty_slices.png"  # volumes: axial / coronal / sagittal planes
-FIGURE_NAMES = (RECONSTRUCTION_FIGURE, UNCERTAINTY_FIGURE, CALIBRATION_FIGURE, JOINT_LL_FIGURE,
-                ERROR_VS_STD_FIGURE, EM_TRACE_FIGURE, UNCERTAINTY_SLICES_FIGURE)
+FIGURE_NAMES = (
+    RECONSTRUCTION_FIGURE,
+    UNCERTAINTY_FIGURE,
+    CALIBRATION_FIGURE,
+    JOINT_LL_FIGURE,
+    ERROR_VS_STD_FIGURE,
+    EM_TRACE_FIGURE,
+    UNCERTAINTY_SLICES_FIGURE,
+)
 
 
 def is_finished_run(folder: str | os.PathLike) -> bool:
@@ -133,8 +162,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, resume: bool = False, option:
     """
     out_dir = Path(out_dir)
     if not resume and out_dir.is_dir() and is_finished_run(out_dir):
-        raise OutDirError(f"{option} {out_dir}: already holds a finished run ({METRICS_NAME}); choose another "
-                          f"{option} or pass --resume")
+        raise OutDirError(
+            f"{option} {out_dir}: already holds a finished run ({METRICS_NAME}); choose another "
+            f"{option} or pass --resume"
+        )
     return check_writable_folder(out_dir, option=option)
 
 

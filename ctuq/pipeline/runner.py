@@ -25,8 +25,7 @@ from ctuq.pipeline.scan import check_device
 from ctuq.pipeline.uq_phase import phase_uq
 from ctuq.utils import atomic_path, resolve_device
 
-__all__ = ["uq_phases", "build_phases", "run_phases", "write_config", "reconstruct", "rerun_uq",
-           "reconstruct_problem"]
+__all__ = ["uq_phases", "build_phases", "run_phases", "write_config", "reconstruct", "rerun_uq", "reconstruct_problem"]
 
 
 def uq_phases(state: RunState) -> list[Phase]:
@@ -71,8 +70,15 @@ def write_config(cfg: Config, out_dir: Path) -> None:
         tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def reconstruct(cfg: Config, out_dir: str | Path, *, resume: bool = False, uq: bool = True, progress: bool = True,
-                overwrite: bool = False) -> RunState:
+def reconstruct(
+    cfg: Config,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    uq: bool = True,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> RunState:
     """Programmatic ``ctuq reconstruct``: run all phases for ``cfg`` into the run folder ``out_dir``.
 
     The device and the folder are checked before any work starts (:func:`ctuq.utils.resolve_device`,
@@ -112,8 +118,15 @@ def reconstruct(cfg: Config, out_dir: str | Path, *, resume: bool = False, uq: b
     return run_phases(state, build_phases(state))
 
 
-def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True, shard=None,
-             device: torch.device | None = None) -> RunState:
+def rerun_uq(
+    cfg: Config,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    shard=None,
+    device: torch.device | None = None,
+) -> RunState:
     """Programmatic ``ctuq uq``: rerun only the uncertainty phase on the finished run folder ``out_dir``.
 
     Reloads the scan and the FBP, restores the fitted DIP (``dip_model.pt``, else the checkpoint; no refitting),
@@ -130,18 +143,39 @@ def rerun_uq(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress
     rf.require_run_folder(out_dir)
     device = device if device is not None else resolve_device(cfg.device)
     check_device(cfg, device)
-    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=True,
-                     progress=progress and (shard is None or shard.is_root), command="uq", shard=shard)
-    phases = [Phase("load", phase_load), Phase("fbp", phase_fbp), Phase("restore_dip", phase_restore_dip),
-              *uq_phases(state), Phase("write", phase_write)]
+    state = RunState(
+        cfg=cfg,
+        out_dir=out_dir,
+        device=device,
+        resume=resume,
+        uq=True,
+        progress=progress and (shard is None or shard.is_root),
+        command="uq",
+        shard=shard,
+    )
+    phases = [
+        Phase("load", phase_load),
+        Phase("fbp", phase_fbp),
+        Phase("restore_dip", phase_restore_dip),
+        *uq_phases(state),
+        Phase("write", phase_write),
+    ]
     run_phases(state, phases)
     if state.is_root:
         write_config(cfg, out_dir)
     return state
 
 
-def reconstruct_problem(cfg: Config, out_dir: str | Path, data, *, uq: bool = True, resume: bool = False,
-                        progress: bool = True, overwrite: bool = False) -> RunState:
+def reconstruct_problem(
+    cfg: Config,
+    out_dir: str | Path,
+    data,
+    *,
+    uq: bool = True,
+    resume: bool = False,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> RunState:
     """The phases of ``ctuq reconstruct`` on a problem given in code instead of a scan folder: fbp → dip → [uq] →
     write into the run folder ``out_dir`` (same files and metrics.json as a scan run).
 
@@ -164,17 +198,23 @@ def reconstruct_problem(cfg: Config, out_dir: str | Path, data, *, uq: bool = Tr
     """
     device = resolve_device(cfg.device)
     if data.op.device.type != device.type:
-        raise ConfigError(f"device {cfg.device!r}: the problem's operator lives on {data.op.device}; build it there "
-                          f"or set device accordingly")
+        raise ConfigError(
+            f"device {cfg.device!r}: the problem's operator lives on {data.op.device}; build it there "
+            f"or set device accordingly"
+        )
     out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
     write_config(cfg, out_dir)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
     state.data, state.op = data, data.op
     state.y = data.y.to(device)
     state.ground_truth = data.ground_truth.to(device) if data.ground_truth is not None else None
-    state.metrics["data"] = {"source": "given in code", "ndim": int(data.op.ndim),
-                             "image_shape": list(data.op.image_shape),
-                             "measurement_shape": list(data.op.measurement_shape),
-                             "operator": type(data.op).__name__, "has_ground_truth": state.ground_truth is not None,
-                             "meta": dict(getattr(data, "meta", {}) or {})}
+    state.metrics["data"] = {
+        "source": "given in code",
+        "ndim": int(data.op.ndim),
+        "image_shape": list(data.op.image_shape),
+        "measurement_shape": list(data.op.measurement_shape),
+        "operator": type(data.op).__name__,
+        "has_ground_truth": state.ground_truth is not None,
+        "meta": dict(getattr(data, "meta", {}) or {}),
+    }
     return run_phases(state, build_phases(state))

@@ -22,8 +22,7 @@ from ctuq.config import Config
 from ctuq.errors import DataError, DeviceError
 from ctuq.geometry import VolumeGeometry
 
-__all__ = ["data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan",
-           "count_kept"]
+__all__ = ["data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan", "count_kept"]
 
 # The walnut data set (Der Sarkissian et al. 2019) the published settings subsample.
 _WALNUT_ANGLES, _WALNUT_COLUMNS = 1200, 768
@@ -53,11 +52,15 @@ def check_device(cfg: Config, device: torch.device) -> None:
     if device.type == "cuda":
         return
     if cfg.data.ndim == 3:
-        raise DeviceError(f"data.ndim = 3: volumes need a CUDA device (ASTRA has no 3D CPU projectors), but this "
-                          f"run uses {device}; use --device cuda on a GPU machine, or data.ndim = 2")
+        raise DeviceError(
+            f"data.ndim = 3: volumes need a CUDA device (ASTRA has no 3D CPU projectors), but this "
+            f"run uses {device}; use --device cuda on a GPU machine, or data.ndim = 2"
+        )
     if cfg.data.backend == "astra_cuda":
-        raise DeviceError(f"data.backend = 'astra_cuda' needs a CUDA device, but this run uses {device}; use "
-                          f"--device cuda, or --set data.backend=sparse")
+        raise DeviceError(
+            f"data.backend = 'astra_cuda' needs a CUDA device, but this run uses {device}; use "
+            f"--device cuda, or --set data.backend=sparse"
+        )
 
 
 def check_scan_setting(scan: Any, cfg: Config) -> None:
@@ -75,22 +78,30 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
     n_rows, n_cols = scan.det_shape
     if dc.ndim == 2 and dc.slice_index is not None and not dc.slice_index < scan.gt_shape[0]:
         n_z = scan.gt_shape[0]
-        raise DataError(f"data.slice_index: {dc.slice_index} is out of range: {scan.path} has {n_z} ground-truth "
-                        f"slices (0 … {n_z - 1}); set it below {n_z}, or null for the central slice")
+        raise DataError(
+            f"data.slice_index: {dc.slice_index} is out of range: {scan.path} has {n_z} ground-truth "
+            f"slices (0 … {n_z - 1}); set it below {n_z}, or null for the central slice"
+        )
     if dc.detector_subsampling > n_cols:
-        raise DataError(f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_cols} detector "
-                        f"columns of {scan.proj_dir}")
+        raise DataError(
+            f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_cols} detector "
+            f"columns of {scan.proj_dir}"
+        )
     if dc.ndim == 3 and dc.detector_subsampling > n_rows:
-        raise DataError(f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_rows} detector rows "
-                        f"of {scan.proj_dir} (3D subsamples rows and columns alike)")
+        raise DataError(
+            f"data.detector_subsampling: {dc.detector_subsampling} exceeds the {n_rows} detector rows "
+            f"of {scan.proj_dir} (3D subsamples rows and columns alike)"
+        )
     if dc.image_shape is not None:
         grid = scan.ground_truth_grid() if dc.ndim == 3 else VolumeGeometry(scan.gt_shape[1:], scan.voxel_size)
         try:
             grid.coarsened(dc.image_shape)
         except ValueError:
-            raise DataError(f"data.image_shape: {list(dc.image_shape)} changes the aspect ratio of the scan's "
-                            f"ground-truth grid {list(grid.shape)} ({scan.path}); the field of view is kept, so "
-                            f"use a shape with the same aspect ratio") from None
+            raise DataError(
+                f"data.image_shape: {list(dc.image_shape)} changes the aspect ratio of the scan's "
+                f"ground-truth grid {list(grid.shape)} ({scan.path}); the field of view is kept, so "
+                f"use a shape with the same aspect ratio"
+            ) from None
     distinct = scan.n_files - 1  # the last file repeats the first angle
     kept = count_kept(distinct, dc.angular_subsampling)
     if kept < dc.min_angles:
@@ -127,14 +138,20 @@ def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[i
     k_a = next((k for k in range(1, distinct + 1) if count_kept(distinct, k) == want_a), None)
     k_c = next((k for k in range(1, n_cols + 1) if count_kept(n_cols, k) == want_c), None)
     if k_a is not None and k_c is not None:
-        fix = (f"--set data.angular_subsampling={k_a} --set data.detector_subsampling={k_c} gives "
-               f"{want_a} × {want_c} on this scan")
+        fix = (
+            f"--set data.angular_subsampling={k_a} --set data.detector_subsampling={k_c} gives "
+            f"{want_a} × {want_c} on this scan"
+        )
     else:
-        fix = (f"this scan cannot give {want_a} × {want_c} (the walnut data set has {_WALNUT_ANGLES} angles × "
-               f"{_WALNUT_COLUMNS} columns)")
-    return [f"{scan.path}: the config states {want_a} angles × {want_c} detector columns "
-            f"(data.expect_angles/expect_columns) but this scan gives {got_a} × {got_c}: {'; '.join(why)}; {fix}; "
-            f"results are not comparable with the published setting"]
+        fix = (
+            f"this scan cannot give {want_a} × {want_c} (the walnut data set has {_WALNUT_ANGLES} angles × "
+            f"{_WALNUT_COLUMNS} columns)"
+        )
+    return [
+        f"{scan.path}: the config states {want_a} angles × {want_c} detector columns "
+        f"(data.expect_angles/expect_columns) but this scan gives {got_a} × {got_c}: {'; '.join(why)}; {fix}; "
+        f"results are not comparable with the published setting"
+    ]
 
 
 def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tuple[Any, Path, list[str]]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ctuq.data.simulate import SimulationParameters, estimate_work, simulate_scan
 from ctuq.errors import CTUQError, OutDirError
@@ -19,9 +20,15 @@ __all__ = ["simulate", "PAIRS_PER_SECOND"]
 PAIRS_PER_SECOND = 3.5e7
 
 
-def simulate(out: str | Path, preset: str = "bundled", *, overrides: dict[str, Any] | None = None,
-             overwrite: bool = False, progress: bool = True,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def simulate(
+    out: str | Path,
+    preset: str = "bundled",
+    *,
+    overrides: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Simulate the scan of ``preset`` with ``overrides`` (fields of :class:`ctuq.data.SimulationParameters`;
     ``None`` values ignored) into the folder ``out``.
 
@@ -37,6 +44,7 @@ def simulate(out: str | Path, preset: str = "bundled", *, overrides: dict[str, A
         scan (or is one and ``overwrite`` is false).
     """
     if log is None:
+
         def log(msg: str) -> None:
             print(f"ctuq simulate: {msg}", file=sys.stderr, flush=True)
 
@@ -48,8 +56,10 @@ def simulate(out: str | Path, preset: str = "bundled", *, overrides: dict[str, A
     work = estimate_work(params)
     hours = work["ray_ellipsoid_pairs"] / PAIRS_PER_SECOND / 3600
     if hours > 0.5:
-        log(f"this traces {work['rays']:.2e} rays and writes ~{work['bytes_uncompressed'] / 1e9:.1f} GB "
-            f"(uncompressed): expect about {hours:.0f} hours on a 2-core CPU")
+        log(
+            f"this traces {work['rays']:.2e} rays and writes ~{work['bytes_uncompressed'] / 1e9:.1f} GB "
+            f"(uncompressed): expect about {hours:.0f} hours on a 2-core CPU"
+        )
     t0 = time.perf_counter()
     try:
         # simulate_scan checks the folder (prepare_output_dir) before it traces a ray.

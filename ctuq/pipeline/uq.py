@@ -41,8 +41,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -59,8 +59,18 @@ from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["UQSettings", "UQResult", "UQRun", "run_linearized_uq", "ct_features", "ct_posterior",
-           "MOMENTS_CHECKPOINT_SECONDS", "moments_bytes", "check_moments_memory", "statistics_roi"]
+__all__ = [
+    "UQSettings",
+    "UQResult",
+    "UQRun",
+    "run_linearized_uq",
+    "ct_features",
+    "ct_posterior",
+    "MOMENTS_CHECKPOINT_SECONDS",
+    "moments_bytes",
+    "check_moments_memory",
+    "statistics_roi",
+]
 
 MOMENTS_CHECKPOINT_SECONDS = 60.0
 
@@ -118,8 +128,14 @@ class UQResult:
     samples: torch.Tensor | None = None
 
 
-def ct_features(model: torch.nn.Module, net_input: torch.Tensor, op, *, chunk_size: int | None = None,
-                memory_budget: int | None = None):
+def ct_features(
+    model: torch.nn.Module,
+    net_input: torch.Tensor,
+    op,
+    *,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+):
     """``(network, Ψ₀)`` for CT: the linearised U-Net ``Φ`` and the unscaled features ``Ψ₀ = T Φ``.
 
     ``model`` maps ``net_input`` ``(1, C, *image_shape)`` to ``(1, 1, *image_shape)`` (scaled image units);
@@ -129,14 +145,26 @@ def ct_features(model: torch.nn.Module, net_input: torch.Tensor, op, *, chunk_si
     """
     net = LinearizedNetwork(model, net_input, chunk_size=chunk_size, memory_budget=memory_budget)
     if net.d_out != op.d_x:
-        raise ValueError(f"ct_features: the network outputs {tuple(net.output_shape)} ({net.d_out} values) but the "
-                         f"operator expects images of shape {op.image_shape} ({op.d_x} pixels)")
+        raise ValueError(
+            f"ct_features: the network outputs {tuple(net.output_shape)} ({net.d_out} values) but the "
+            f"operator expects images of shape {op.image_shape} ({op.d_x} pixels)"
+        )
     return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
 
 
-def ct_posterior(model: torch.nn.Module, net_input: torch.Tensor, op, y: torch.Tensor, *, scale: float = 1.0,
-                 settings: UQConfig | None = None, seed: int = 0, progress: bool = False,
-                 log: Callable[[str], None] | None = None, shard=None):
+def ct_posterior(
+    model: torch.nn.Module,
+    net_input: torch.Tensor,
+    op,
+    y: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    settings: UQConfig | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+    shard=None,
+):
     """The (not yet set-up) posterior of a fitted DIP: ``(posterior, network, info)``.
 
     ``info`` holds ``g0`` (the DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2``
@@ -155,11 +183,19 @@ def ct_posterior(model: torch.nn.Module, net_input: torch.Tensor, op, y: torch.T
     dip_noise = float(residual.double().pow(2).mean())
     sigma2_0 = settings.noise_variance if settings.noise_variance is not None else dip_noise
     if not sigma2_0 > 0:
-        raise FloatingPointError("the DIP fits the data exactly (zero residual); set uq.noise_variance to a "
-                                 "positive value")
+        raise FloatingPointError(
+            "the DIP fits the data exactly (zero residual); set uq.noise_variance to a positive value"
+        )
     posterior = LinearizedPosterior(
-        base, y_s + delta, likelihood=GaussianLikelihood(sigma2_0, settings.learn_noise), seed=seed,
-        progress=progress, log=log, shard=shard, **posterior_arguments(settings))
+        base,
+        y_s + delta,
+        likelihood=GaussianLikelihood(sigma2_0, settings.learn_noise),
+        seed=seed,
+        progress=progress,
+        log=log,
+        shard=shard,
+        **posterior_arguments(settings),
+    )
     return posterior, net, {"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)}
 
 
@@ -189,7 +225,8 @@ def check_moments_memory(settings: UQConfig, image_shape) -> None:
             f"{'×'.join(map(str, image_shape))} image (uq.roi {settings.roi!r}) need {need / GIB:.1f} GiB (pixel sums "
             f"plus p×p patch covariances, {sum(p * p for p in settings.patch_sizes)} per ROI pixel per slice) but "
             f"{avail / GIB:.1f} GiB of host memory are available; use fewer or smaller patch sizes (e.g. "
-            f"uq.patch_sizes=[1,2,4]) or a smaller image")
+            f"uq.patch_sizes=[1,2,4]) or a smaller image"
+        )
 
 
 class UQRun:
@@ -200,24 +237,40 @@ class UQRun:
     ``timings`` and its Jacobian products in ``products``, and checkpoints into ``work_dir`` (when given).
     """
 
-    def __init__(self, model: torch.nn.Module, net_input: torch.Tensor, op, y: torch.Tensor, *, scale: float = 1.0,
-                 settings: UQConfig | None = None, seed: int = 0, work_dir: str | Path | None = None,
-                 resume: bool = False, progress: bool = True, log: Callable[[str], None] | None = None,
-                 keep_samples: bool = False, moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
-                 shard=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        net_input: torch.Tensor,
+        op,
+        y: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        settings: UQConfig | None = None,
+        seed: int = 0,
+        work_dir: str | Path | None = None,
+        resume: bool = False,
+        progress: bool = True,
+        log: Callable[[str], None] | None = None,
+        keep_samples: bool = False,
+        moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
+        shard=None,
+    ):
         settings = settings or UQConfig()
         check_section(settings, "uq")
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
         if tuple(y.shape) != tuple(op.measurement_shape):
-            raise ValueError(f"run_linearized_uq: y has shape {tuple(y.shape)}; the operator expects "
-                             f"{tuple(op.measurement_shape)}")
+            raise ValueError(
+                f"run_linearized_uq: y has shape {tuple(y.shape)}; the operator expects {tuple(op.measurement_shape)}"
+            )
         if resume and work_dir is None:
             raise ValueError("run_linearized_uq: resume=True needs a work_dir")
         if keep_samples and shard.distributed:
-            raise ValueError("run_linearized_uq: keep_samples is not available in a sharded run (the samples live on "
-                             "different ranks); use uq.save_samples")
+            raise ValueError(
+                "run_linearized_uq: keep_samples is not available in a sharded run (the samples live on "
+                "different ranks); use uq.save_samples"
+            )
         self.model, self.net_input, self.op, self.y = model, net_input, op, y
         self.scale, self.settings, self.seed, self.shard = scale, settings, seed, shard
         self.resume, self.keep_samples = resume, keep_samples
@@ -254,8 +307,9 @@ class UQRun:
     def _save(self, stage: str) -> None:
         """Checkpoint the posterior after ``stage`` (rank 0 only)."""
         if self.state_path is not None and self.shard.is_root:
-            checkpoints.save_uq_checkpoint(self.state_path, self.fingerprint, stage=stage,
-                                           posterior=self.posterior.state_dict())
+            checkpoints.save_uq_checkpoint(
+                self.state_path, self.fingerprint, stage=stage, posterior=self.posterior.state_dict()
+            )
 
     @property
     def solver_name(self) -> str:
@@ -263,14 +317,23 @@ class UQRun:
         return self.posterior.solver_name
 
     # ------------------------------------------------------------------------------------------ steps
-    def set_up(self) -> "UQRun":
+    def set_up(self) -> UQRun:
         """Linearise the DIP, compute the offset and ``σ²₀`` (:func:`ct_posterior`), resume the posterior from
         ``uq_state.pt`` when asked, then set it up (g-prior scales, solver), checkpointing after each stage."""
         self.model = self.model.to(self.op.device)
         t0 = time.perf_counter()
         self.posterior, self.net, self.info = ct_posterior(
-            self.model, self.net_input.to(self.op.device), self.op, self.y, scale=self.scale, settings=self.settings,
-            seed=self.seed, progress=self.progress, log=self.say, shard=self.shard)
+            self.model,
+            self.net_input.to(self.op.device),
+            self.op,
+            self.y,
+            scale=self.scale,
+            settings=self.settings,
+            seed=self.seed,
+            progress=self.progress,
+            log=self.say,
+            shard=self.shard,
+        )
         self.timings["offset"] = time.perf_counter() - t0  # linearisation and the offset's one JVP
         self.products["offset"] = {"jvp": self.net.n_jvp, "vjp": self.net.n_vjp}
         self.fingerprint = checkpoints.uq_fingerprint(self.net, self.op, self.y, self.scale, self.seed, self.settings)
@@ -288,7 +351,7 @@ class UQRun:
         self.say(f"solver: {self.solver_name}{self.posterior.solver.describe()}")
         return self
 
-    def fit(self) -> "UQRun":
+    def fit(self) -> UQRun:
         """The sampled EM (``uq.em_*``) from where a resumed state left it, checkpointing after every step."""
         st = self.settings
         steps_done = int(self.resumed_state.get("posterior", {}).get("em", {}).get("step", 0))
@@ -297,23 +360,33 @@ class UQRun:
         def after_step(record: dict) -> None:
             self._save("em")
             bar.update(1)
-            bar.set_postfix({"a": f"{record['a_new']:.3g}", "γ": f"{record['gamma']:.4g}",
-                             "σ²": f"{record['sigma2_new']:.3g}"}, refresh=False)
-            self.say(f"EM step {record['step'] + 1}: a {record['a']:.4g} → {record['a_new']:.4g}, γ "
-                     f"{record['gamma']:.5g}, ‖w*‖² {record['weight_norm_sq']:.4g}, σ² {record['sigma2_new']:.4g}"
-                     + (f", CG ≤ {record['solver']['max_iterations']} it." if record.get("solver") else ""))
+            bar.set_postfix(
+                {"a": f"{record['a_new']:.3g}", "γ": f"{record['gamma']:.4g}", "σ²": f"{record['sigma2_new']:.3g}"},
+                refresh=False,
+            )
+            self.say(
+                f"EM step {record['step'] + 1}: a {record['a']:.4g} → {record['a_new']:.4g}, γ "
+                f"{record['gamma']:.5g}, ‖w*‖² {record['weight_norm_sq']:.4g}, σ² {record['sigma2_new']:.4g}"
+                + (f", CG ≤ {record['solver']['max_iterations']} it." if record.get("solver") else "")
+            )
 
         try:
-            self.em_result = self.posterior.fit(max_steps=st.em_steps, n_samples=st.em_samples, tol=st.em_tol,
-                                                callback=after_step, fixed_probes=st.em_fixed_probes,
-                                                stop_on=st.em_stop_on, update=st.em_update)
+            self.em_result = self.posterior.fit(
+                max_steps=st.em_steps,
+                n_samples=st.em_samples,
+                tol=st.em_tol,
+                callback=after_step,
+                fixed_probes=st.em_fixed_probes,
+                stop_on=st.em_stop_on,
+                update=st.em_update,
+            )
         finally:
             bar.close()
         self._spent("em")
         self._save("predict")
         return self
 
-    def stream_moments(self) -> "UQRun":
+    def stream_moments(self) -> UQRun:
         """Draw the prediction samples chunk by chunk (this rank's chunks in a sharded run) into the running pixel
         and patch moments, resuming from and checkpointing to the running sums' file; sum the ranks' moments onto
         rank 0."""
@@ -333,18 +406,25 @@ class UQRun:
             moments.load_state_dict(saved["moments"])
             start = int(saved["next_chunk"])
             cg_iters, cg_res = list(saved["cg_iterations"]), list(saved["cg_residuals"])
-            self.say(f"reusing {start} of {n_chunks} sample chunks" + (f" on each of {shard.world_size} ranks' shares"
-                                                                      if shard.distributed else ""))
+            self.say(
+                f"reusing {start} of {n_chunks} sample chunks"
+                + (f" on each of {shard.world_size} ranks' shares" if shard.distributed else "")
+            )
         todo = [i for i in mine if i >= start]
         last_mine = mine[-1] if mine else -1
         if st.save_samples and work is not None:
             (work / UQ_SAMPLES_DIR).mkdir(exist_ok=True)
         last_save = time.perf_counter()
-        bar = _progress_bar(total=st.samples, initial=min(st.samples, start * st.sample_chunk), desc="samples",
-                            disable=None if self.progress else True)
+        bar = _progress_bar(
+            total=st.samples,
+            initial=min(st.samples, start * st.sample_chunk),
+            desc="samples",
+            disable=None if self.progress else True,
+        )
         try:
-            for i, images, ps in self.posterior.sample_outputs(st.samples, chunk_size=st.sample_chunk,
-                                                               seed=self.seed + 1, start_chunk=start, chunks=todo):
+            for i, images, ps in self.posterior.sample_outputs(
+                st.samples, chunk_size=st.sample_chunk, seed=self.seed + 1, start_chunk=start, chunks=todo
+            ):
                 images = (images / self.scale).to("cpu", torch.float32).reshape(-1, *op.image_shape)
                 moments.update(images)
                 summary = ps.stats.summary()
@@ -355,19 +435,26 @@ class UQRun:
                 if st.save_samples and work is not None:
                     atomic_torch_save(work / UQ_SAMPLES_DIR / UQ_SAMPLE_FILE_PATTERN.format(i), images)
                 now = time.perf_counter()
-                if self.moments_path is not None and (i == last_mine
-                                                      or now - last_save >= self.moments_checkpoint_seconds):
-                    checkpoints.save_uq_checkpoint(self.moments_path, self.fingerprint, next_chunk=i + 1,
-                                                   moments=moments.state_dict(), cg_iterations=cg_iters,
-                                                   cg_residuals=cg_res)
+                if self.moments_path is not None and (
+                    i == last_mine or now - last_save >= self.moments_checkpoint_seconds
+                ):
+                    checkpoints.save_uq_checkpoint(
+                        self.moments_path,
+                        self.fingerprint,
+                        next_chunk=i + 1,
+                        moments=moments.state_dict(),
+                        cg_iterations=cg_iters,
+                        cg_residuals=cg_res,
+                    )
                     last_save = time.perf_counter()
                 bar.update(images.shape[0])
         finally:
             bar.close()
         if shard.distributed:
             moments.reduce_(shard)  # every rank's running sums summed onto rank 0
-            worst = shard.all_reduce_max(torch.tensor([max(cg_iters, default=0), max(cg_res, default=0.0)],
-                                                      dtype=torch.float64))
+            worst = shard.all_reduce_max(
+                torch.tensor([max(cg_iters, default=0), max(cg_res, default=0.0)], dtype=torch.float64)
+            )
             cg_iters, cg_res = [int(worst[0])], [float(worst[1])]
         self.moments, self.cg_iterations, self.cg_residuals = moments, cg_iters, cg_res
         self.timings["prediction"] = time.perf_counter() - t0
@@ -400,20 +487,37 @@ class UQRun:
             "em_converged": bool(self.em_result.converged),
             "em_steps": int(self.em_result.steps),
             # an assembling solver has every column of Ψ₀ at hand: its g-prior is exact whatever was asked
-            "gprior": {"method": (Prior.ISOTROPIC.value if st.prior == Prior.ISOTROPIC
-                                  else "exact" if SOLVERS[solver_name].assembles_features else st.gprior_method),
-                       "zero_scales": post["scales"]["zero"], "scale_min": post["scales"]["min"],
-                       "scale_max": post["scales"]["max"]},
+            "gprior": {
+                "method": (
+                    Prior.ISOTROPIC.value
+                    if st.prior == Prior.ISOTROPIC
+                    else "exact"
+                    if SOLVERS[solver_name].assembles_features
+                    else st.gprior_method
+                ),
+                "zero_scales": post["scales"]["zero"],
+                "scale_min": post["scales"]["min"],
+                "scale_max": post["scales"]["max"],
+            },
             **posterior.solver.report(),
         }
         if shard.distributed:
             stats["world_size"] = int(shard.world_size)
-        return UQResult(std=std, mean=mean, moments=self.moments if shard.is_root else None,
-                        n_samples=int(self.moments.n_samples) if shard.is_root else 0, a=float(posterior.a),
-                        sigma2=float(posterior.sigma2), em_trace=[dict(r) for r in self.em_result.trace],
-                        solver="exact" if exact else solver_name, stats=stats, timings=timings,
-                        products=self.products, posterior=posterior,
-                        samples=torch.cat(self.kept, dim=0) if self.keep_samples else None)
+        return UQResult(
+            std=std,
+            mean=mean,
+            moments=self.moments if shard.is_root else None,
+            n_samples=int(self.moments.n_samples) if shard.is_root else 0,
+            a=float(posterior.a),
+            sigma2=float(posterior.sigma2),
+            em_trace=[dict(r) for r in self.em_result.trace],
+            solver="exact" if exact else solver_name,
+            stats=stats,
+            timings=timings,
+            products=self.products,
+            posterior=posterior,
+            samples=torch.cat(self.kept, dim=0) if self.keep_samples else None,
+        )
 
 
 def run_linearized_uq(
@@ -479,7 +583,20 @@ def run_linearized_uq(
     CheckpointMismatch
         ``resume`` with checkpoints of another run, version or rank count.
     """
-    run = UQRun(model, net_input, op, y, scale=scale, settings=settings, seed=seed, work_dir=work_dir, resume=resume,
-                progress=progress, log=log, keep_samples=keep_samples,
-                moments_checkpoint_seconds=moments_checkpoint_seconds, shard=shard)
+    run = UQRun(
+        model,
+        net_input,
+        op,
+        y,
+        scale=scale,
+        settings=settings,
+        seed=seed,
+        work_dir=work_dir,
+        resume=resume,
+        progress=progress,
+        log=log,
+        keep_samples=keep_samples,
+        moments_checkpoint_seconds=moments_checkpoint_seconds,
+        shard=shard,
+    )
     return run.set_up().fit().stream_moments().report()

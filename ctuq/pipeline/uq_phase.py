@@ -28,9 +28,18 @@ def phase_uq(state: RunState) -> None:
     if state.model is None:
         raise RuntimeError("the uncertainty phase needs the fitted DIP (state.model)")
     res = run_linearized_uq(
-        state.model, state.net_input, state.op, state.y, scale=cfg.dip.scale,
-        settings=cfg.uq, seed=cfg.seed, work_dir=state.out_dir, resume=state.resume,
-        progress=state.progress, log=state.log, shard=state.shard,
+        state.model,
+        state.net_input,
+        state.op,
+        state.y,
+        scale=cfg.dip.scale,
+        settings=cfg.uq,
+        seed=cfg.seed,
+        work_dir=state.out_dir,
+        resume=state.resume,
+        progress=state.progress,
+        log=state.log,
+        shard=state.shard,
     )
     state.uq_result = res
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
@@ -55,9 +64,11 @@ def phase_uq(state: RunState) -> None:
         state.metrics["coverage"] = summary["coverage"]
         uq_metrics["summary"] = summary
         state.uq_summary = summary
-        state.log(f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
-                  f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
-                  f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f}")
+        state.log(
+            f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
+            f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
+            f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f}"
+        )
     state.metrics["uq"] = uq_metrics
     state.uq_result = res
     if cfg.output.figure:
@@ -78,22 +89,48 @@ def _uq_figures(state: RunState, res) -> None:
     roi = statistics_roi(state.cfg.uq, res.std.shape)
     abs_err = (res.mean - gt).abs() if gt is not None else None
     if res.std.ndim == 3:  # volumes: the three orthogonal planes through the centre
-        figures.plot_orthogonal_slices(out / rf.UNCERTAINTY_SLICES_FIGURE, res.mean,
-                                       abs_err if abs_err is not None else res.mean * 0, res.std, ground_truth=gt,
-                                       roi=roi)
+        figures.plot_orthogonal_slices(
+            out / rf.UNCERTAINTY_SLICES_FIGURE,
+            res.mean,
+            abs_err if abs_err is not None else res.mean * 0,
+            res.std,
+            ground_truth=gt,
+            roi=roi,
+        )
     if abs_err is not None:
-        figures.plot_uq_panels(out / rf.UNCERTAINTY_FIGURE, res.mean, abs_err, res.std, ground_truth=gt, roi=roi,
-                               titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"])
+        figures.plot_uq_panels(
+            out / rf.UNCERTAINTY_FIGURE,
+            res.mean,
+            abs_err,
+            res.std,
+            ground_truth=gt,
+            roi=roi,
+            titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"],
+        )
         summary = state.uq_summary
         cal = summary["calibration"]
-        figures.plot_calibration(out / rf.CALIBRATION_FIGURE,
-                                 {"linearised DIP": (cal["levels"], cal["coverage"])})
+        figures.plot_calibration(out / rf.CALIBRATION_FIGURE, {"linearised DIP": (cal["levels"], cal["coverage"])})
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})
         figures.plot_error_vs_std(out / rf.ERROR_VS_STD_FIGURE, abs_err, res.std, roi)
     else:
-        figures.plot_uq_panels(out / rf.UNCERTAINTY_FIGURE, res.mean, res.mean * 0, res.std,
-                               titles=["DIP reconstruction", "(no ground truth)", "posterior std"], roi=roi)
+        figures.plot_uq_panels(
+            out / rf.UNCERTAINTY_FIGURE,
+            res.mean,
+            res.mean * 0,
+            res.std,
+            titles=["DIP reconstruction", "(no ground truth)", "posterior std"],
+            roi=roi,
+        )
     if res.em_trace:
-        trace = [{"step": r["step"] + 1, "a": r["a_new"], "gamma": r["gamma"], "w_norm2": r["weight_norm_sq"],
-                  "sigma2": r["sigma2_new"], "log_evidence": r.get("log_evidence")} for r in res.em_trace]
+        trace = [
+            {
+                "step": r["step"] + 1,
+                "a": r["a_new"],
+                "gamma": r["gamma"],
+                "w_norm2": r["weight_norm_sq"],
+                "sigma2": r["sigma2_new"],
+                "log_evidence": r.get("log_evidence"),
+            }
+            for r in res.em_trace
+        ]
         figures.plot_em_trace(out / rf.EM_TRACE_FIGURE, trace)

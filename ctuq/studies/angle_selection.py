@@ -53,24 +53,65 @@ from ctuq.utils import atomic_write_json
 
 __all__ = ["STUDY_STRATEGIES", "DEFAULTS", "TINY", "NEUTRAL", "load_images", "run_image"]
 
-STUDY_STRATEGIES = ("equidistant", "equidistant_grid", "random", "isotropic", "matern", "dip_eig", "dip_ese",
-              "dip_eig_retrain", "dip_ese_retrain")
+STUDY_STRATEGIES = (
+    "equidistant",
+    "equidistant_grid",
+    "random",
+    "isotropic",
+    "matern",
+    "dip_eig",
+    "dip_ese",
+    "dip_eig_retrain",
+    "dip_ese_retrain",
+)
 
 DEFAULTS: dict[str, Any] = {
-    "images": 30, "images_file": None, "size": 128, "orientation_mean": None, "orientation_std": 2.86,
-    "noise": 0.05, "candidates": 200, "pilot": 5, "acquire": 35, "every": 5, "samples": 3000,
-    "strategies": list(STUDY_STRATEGIES), "recon": ["tv", "dip"], "jitter": 0.01, "refresh_every": 5,
+    "images": 30,
+    "images_file": None,
+    "size": 128,
+    "orientation_mean": None,
+    "orientation_std": 2.86,
+    "noise": 0.05,
+    "candidates": 200,
+    "pilot": 5,
+    "acquire": 35,
+    "every": 5,
+    "samples": 3000,
+    "strategies": list(STUDY_STRATEGIES),
+    "recon": ["tv", "dip"],
+    "jitter": 0.01,
+    "refresh_every": 5,
     "retrain_every": 5,
-    "retrain_iterations": 300, "preset": "tiny", "iterations": 2000, "lr": 3e-3, "tv_weight": 1e-6,
-    "clip_grad_norm": 1.0, "scale": 1.0, "input_std": 0.1, "warm_iterations": 500, "warm_lr": 1e-3,
-    "tv_lambda": 0.003, "tv_iterations": 300, "seed": 0,
+    "retrain_iterations": 300,
+    "preset": "tiny",
+    "iterations": 2000,
+    "lr": 3e-3,
+    "tv_weight": 1e-6,
+    "clip_grad_norm": 1.0,
+    "scale": 1.0,
+    "input_std": 0.1,
+    "warm_iterations": 500,
+    "warm_lr": 1e-3,
+    "tv_lambda": 0.003,
+    "tv_iterations": 300,
+    "seed": 0,
 }
 # DIP and TV weights tuned on image 0 (equidistant 10/20/40 angles): TV λ 0.003 beat 0.001/0.01/0.03/0.1 at every
 # count (29.5/33.2/34.7 dB); DIP TV weight 1e-6 beat 1e-5 and 1e-7 (pilot 26.1 dB after 1000 iterations, 1e-4 left
 # the DIP at 19.5 dB whatever the angles: the summed TV outweighed the mean squared data term).
 TINY: dict[str, Any] = {
-    "images": 2, "size": 24, "candidates": 20, "pilot": 4, "acquire": 4, "every": 2, "samples": 64,
-    "retrain_iterations": 10, "iterations": 40, "warm_iterations": 10, "tv_iterations": 20, "refresh_every": 2,
+    "images": 2,
+    "size": 24,
+    "candidates": 20,
+    "pilot": 4,
+    "acquire": 4,
+    "every": 2,
+    "samples": 64,
+    "retrain_iterations": 10,
+    "iterations": 40,
+    "warm_iterations": 10,
+    "tv_iterations": 20,
+    "refresh_every": 2,
     "retrain_every": 2,
 }
 # More images or strategies may be added to a study folder; everything else changes the numbers.
@@ -99,8 +140,13 @@ def load_images(opts: dict, with_angles: bool = False):
         if stack.ndim != 3 or stack.shape[1] != stack.shape[2] or not np.isfinite(stack).all():
             raise StudyError(f"--images-file {path}: need a finite stack (N, H, W) with H = W, got {stack.shape}")
         return (stack[: opts["images"]], None) if with_angles else stack[: opts["images"]]
-    stack, phis = rectangles_stack(opts["images"], opts["size"], seed=opts["seed"],
-                                   orientation_mean=opts["orientation_mean"], orientation_std=opts["orientation_std"])
+    stack, phis = rectangles_stack(
+        opts["images"],
+        opts["size"],
+        seed=opts["seed"],
+        orientation_mean=opts["orientation_mean"],
+        orientation_std=opts["orientation_std"],
+    )
     return (stack, phis) if with_angles else stack
 
 
@@ -125,17 +171,40 @@ def reconstruct(op, y, gt, opts: dict, pilot_dip) -> dict:
     out: dict[str, dict] = {}
     if "tv" in opts["recon"]:
         hist: list[float] = []
-        res = tv_reconstruction(op, y, weight=opts["tv_lambda"], iterations=opts["tv_iterations"], progress=False,
-                                callback=lambda i, x: hist.append(_psnr(x, gt)))
-        out["tv"] = {"psnr": _psnr(res["reconstruction"], gt), "best_psnr": max(hist),
-                     "best_iteration": int(np.argmax(hist))}
+        res = tv_reconstruction(
+            op,
+            y,
+            weight=opts["tv_lambda"],
+            iterations=opts["tv_iterations"],
+            progress=False,
+            callback=lambda i, x: hist.append(_psnr(x, gt)),
+        )
+        out["tv"] = {
+            "psnr": _psnr(res["reconstruction"], gt),
+            "best_psnr": max(hist),
+            "best_iteration": int(np.argmax(hist)),
+        }
     if "dip" in opts["recon"]:
         model, net_input = copy.deepcopy(pilot_dip[0]), pilot_dip[1]
-        res = fit_dip(op, y, model=model, net_input=net_input, iterations=opts["warm_iterations"],
-                      lr=opts["warm_lr"], tv_weight=opts["tv_weight"], clip_grad_norm=opts["clip_grad_norm"] or None,
-                      scale=opts["scale"], ground_truth=gt, seed=opts["seed"], progress=False)
-        out["dip"] = {"psnr": _psnr(res.reconstruction, gt), "best_psnr": max(res.psnr_history),
-                      "best_iteration": int(np.argmax(res.psnr_history))}
+        res = fit_dip(
+            op,
+            y,
+            model=model,
+            net_input=net_input,
+            iterations=opts["warm_iterations"],
+            lr=opts["warm_lr"],
+            tv_weight=opts["tv_weight"],
+            clip_grad_norm=opts["clip_grad_norm"] or None,
+            scale=opts["scale"],
+            ground_truth=gt,
+            seed=opts["seed"],
+            progress=False,
+        )
+        out["dip"] = {
+            "psnr": _psnr(res.reconstruction, gt),
+            "best_psnr": max(res.psnr_history),
+            "best_iteration": int(np.argmax(res.psnr_history)),
+        }
     return out
 
 
@@ -152,12 +221,27 @@ def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> 
     else:
         retrain = strategy.endswith("_retrain")
         criterion = strategy.split("_")[1]
-        ds = DesignConfig(refresh_every=o["refresh_every"], retrain_every=o["retrain_every"] if retrain else 0,
-                          retrain_iterations=o["retrain_iterations"], dense="auto", samples=o["samples"])
+        ds = DesignConfig(
+            refresh_every=o["refresh_every"],
+            retrain_every=o["retrain_every"] if retrain else 0,
+            retrain_iterations=o["retrain_iterations"],
+            dense="auto",
+            samples=o["samples"],
+        )
         dipc = DIPConfig(lr=o["warm_lr"], tv_weight=o["tv_weight"], clip_grad_norm=o["clip_grad_norm"] or None)
-        prior = DIPPrior(ctx.dip[0], ctx.dip[1], ctx.op, ctx.y_cand, o["scale"], settings=ds,
-                         sigma2=(ctx.sigma * o["scale"]) ** 2, dip_settings=dipc, work_dir=sdir, seed=o["seed"],
-                         log=log)
+        prior = DIPPrior(
+            ctx.dip[0],
+            ctx.dip[1],
+            ctx.op,
+            ctx.y_cand,
+            o["scale"],
+            settings=ds,
+            sigma2=(ctx.sigma * o["scale"]) ** 2,
+            dip_settings=dipc,
+            work_dir=sdir,
+            seed=o["seed"],
+            log=log,
+        )
         if ctx.linearized is not None:  # the pilot DIP's Jacobian, assembled once per image
             prior.factor, prior.g0, prior.delta = ctx.linearized
         model = prior.build(pilot, n_steps=o["acquire"])
@@ -166,13 +250,29 @@ def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> 
     route = auto_route(model, updater is not None and bool(o["refresh_every"] or strategy.endswith("_retrain")))
     engine = DesignEngine(model, route=route, n_samples=o["samples"], seed=o["seed"])
     prior_s = time.perf_counter() - t0
-    res = greedy_design(engine, pilot, o["acquire"], criterion=criterion, angles_deg=ctx.angles_deg,
-                        jitter=o["jitter"], updater=updater, checkpoint=sdir / "design_state.pt",
-                        fingerprint={"strategy": strategy, "samples": o["samples"]}, progress=o["progress"], log=log)
+    res = greedy_design(
+        engine,
+        pilot,
+        o["acquire"],
+        criterion=criterion,
+        angles_deg=ctx.angles_deg,
+        jitter=o["jitter"],
+        updater=updater,
+        checkpoint=sdir / "design_state.pt",
+        fingerprint={"strategy": strategy, "samples": o["samples"]},
+        progress=o["progress"],
+        log=log,
+    )
     times = [s["time_s"] for s in res.steps]
-    return res.chosen, {"prior_s": prior_s, **res.timings, "step_s_mean": float(np.mean(times)),
-                        "step_s_first5": float(np.mean(times[:5])), "step_s_last5": float(np.mean(times[-5:])),
-                        "route": route, "prior": engine.model.summary()}
+    return res.chosen, {
+        "prior_s": prior_s,
+        **res.timings,
+        "step_s_mean": float(np.mean(times)),
+        "step_s_first5": float(np.mean(times[:5])),
+        "step_s_last5": float(np.mean(times[-5:])),
+        "route": route,
+        "prior": engine.model.summary(),
+    }
 
 
 def _equidistant_set(n: int, gt: torch.Tensor, o: dict, i: int, device):
@@ -184,8 +284,9 @@ def _equidistant_set(n: int, gt: torch.Tensor, o: dict, i: int, device):
     return ang, op_n, y_n
 
 
-def _recorded_sets(strategy: str, record: dict, ctx: types.SimpleNamespace, gt: torch.Tensor, i: int,
-                   sdir: Path) -> dict:
+def _recorded_sets(
+    strategy: str, record: dict, ctx: types.SimpleNamespace, gt: torch.Tensor, i: int, sdir: Path
+) -> dict:
     """``{count: (operator, data)}`` of a finished result's recorded angle sets (``record["angles_deg"]``): the
     equidistant sets with their own noise draws, the others as rows of the candidates' data — the data the
     result's reconstructions were made from. Raises :class:`StudyError` when a recorded angle is not what the
@@ -199,11 +300,14 @@ def _recorded_sets(strategy: str, record: dict, ctx: types.SimpleNamespace, gt: 
         else:
             idx = np.rint(deg * o["candidates"] / 180.0).astype(int)
             ok = bool((idx >= 0).all() and (idx < o["candidates"]).all()) and np.allclose(
-                ctx.angles_deg[np.clip(idx, 0, o["candidates"] - 1)], deg, atol=1e-6)
+                ctx.angles_deg[np.clip(idx, 0, o["candidates"] - 1)], deg, atol=1e-6
+            )
             op_n, y_n = ctx.op.subset(idx.tolist()), ctx.y_cand[idx.tolist()]
         if not ok:
-            raise StudyError(f"{sdir / 'result.json'}: the recorded angles of {key} are not those of this study's "
-                             f"options ({o['candidates']} candidates); use the options the study was run with")
+            raise StudyError(
+                f"{sdir / 'result.json'}: the recorded angles of {key} are not those of this study's "
+                f"options ({o['candidates']} candidates); use the options the study was run with"
+            )
         out[key] = (op_n, y_n)
     return out
 
@@ -220,8 +324,16 @@ def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log
     y_cand, sigma = _noisy(op, gt, o["noise"], [o["seed"], i, 0])
     pilot = equidistant_indices(o["candidates"], o["pilot"]).tolist()
     counts = list(range(o["pilot"], o["pilot"] + o["acquire"] + 1, o["every"]))
-    ctx = types.SimpleNamespace(opts=o, op=op, y_cand=y_cand, sigma=sigma, pilot=pilot, linearized=None,
-                                angles_deg=np.degrees(cand_rad), dip=None)
+    ctx = types.SimpleNamespace(
+        opts=o,
+        op=op,
+        y_cand=y_cand,
+        sigma=sigma,
+        pilot=pilot,
+        linearized=None,
+        angles_deg=np.degrees(cand_rad),
+        dip=None,
+    )
     results: dict[str, dict] = {}
 
     def pilot_dip():
@@ -242,7 +354,8 @@ def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log
                 log(f"image {i}: {strategy}: adding {', '.join(missing)} reconstructions at the recorded angles")
                 for key, (op_n, y_n) in _recorded_sets(strategy, record, ctx, gt, i, sdir).items():
                     record["recon"].setdefault(key, {}).update(
-                        reconstruct(op_n, y_n, gt, dict(o, recon=missing), ctx.dip))
+                        reconstruct(op_n, y_n, gt, dict(o, recon=missing), ctx.dip)
+                    )
                 atomic_write_json(sdir / "result.json", record)
             results[strategy] = record
             continue
@@ -263,20 +376,35 @@ def run_image(i: int, gt_np: np.ndarray, opts: dict, out: Path, device, log: Log
         else:
             if strategy == "equidistant_grid":  # the counts that divide the grid (200: 5, 8, 10, 20, 25, 40)
                 top = o["pilot"] + o["acquire"]
-                sets = {n: equidistant_indices(o["candidates"], n).tolist() for n in range(o["pilot"], top + 1)
-                        if o["candidates"] % n == 0}
+                sets = {
+                    n: equidistant_indices(o["candidates"], n).tolist()
+                    for n in range(o["pilot"], top + 1)
+                    if o["candidates"] % n == 0
+                }
             else:
                 if strategy == "random":
-                    chosen = pilot + random_indices(o["candidates"], o["acquire"], exclude=pilot,
-                                                    seed=o["seed"] * 1000 + i).tolist()
+                    chosen = (
+                        pilot
+                        + random_indices(
+                            o["candidates"], o["acquire"], exclude=pilot, seed=o["seed"] * 1000 + i
+                        ).tolist()
+                    )
                 else:
                     chosen, timings = _design(strategy, ctx, sdir, log)
                 sets = {n: chosen[:n] for n in counts}
             for n, idx in sets.items():
                 recon[str(n)] = reconstruct(op.subset(idx), y_cand[idx], gt, o, ctx.dip)
             record = {"angles_deg": {str(n): np.degrees(cand_rad[idx]).tolist() for n, idx in sets.items()}}
-        record.update({"strategy": strategy, "image": i, "recon": recon, "timings": timings,
-                       "time_s": time.perf_counter() - t0, "sigma": sigma})
+        record.update(
+            {
+                "strategy": strategy,
+                "image": i,
+                "recon": recon,
+                "timings": timings,
+                "time_s": time.perf_counter() - t0,
+                "sigma": sigma,
+            }
+        )
         atomic_write_json(sdir / "result.json", record)
         results[strategy] = record
     return results

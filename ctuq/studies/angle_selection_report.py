@@ -29,12 +29,27 @@ from ctuq.studies.angle_selection import NEUTRAL, STUDY_STRATEGIES, load_images,
 from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
 from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
-__all__ = ["run_study", "aggregate", "paired_differences", "orientation_distances", "collect_results",
-           "markdown_tables", "LABELS"]
+__all__ = [
+    "run_study",
+    "aggregate",
+    "paired_differences",
+    "orientation_distances",
+    "collect_results",
+    "markdown_tables",
+    "LABELS",
+]
 
-LABELS = {"equidistant": "equidistant", "equidistant_grid": "equidistant (grid)", "random": "random",
-          "isotropic": "isotropic EIG", "matern": "Matérn-½ EIG", "dip_eig": "lin. DIP EIG", "dip_ese": "lin. DIP ESE",
-          "dip_eig_retrain": "lin. DIP EIG + retrain", "dip_ese_retrain": "lin. DIP ESE + retrain"}
+LABELS = {
+    "equidistant": "equidistant",
+    "equidistant_grid": "equidistant (grid)",
+    "random": "random",
+    "isotropic": "isotropic EIG",
+    "matern": "Matérn-½ EIG",
+    "dip_eig": "lin. DIP EIG",
+    "dip_ese": "lin. DIP ESE",
+    "dip_eig_retrain": "lin. DIP EIG + retrain",
+    "dip_ese_retrain": "lin. DIP ESE + retrain",
+}
 
 
 def _mean_se(values: list[float]) -> tuple[float, float | None, int]:
@@ -46,8 +61,16 @@ def _mean_se(values: list[float]) -> tuple[float, float | None, int]:
 
 def _summarise(table: dict) -> dict:
     """``{method: {kind: {strategy: {count: [values]}}}}`` → the same with ``{"mean", "se", "n"}`` per cell."""
-    return {m: {k: {s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
-                    for s, cs in ks.items()} for k, ks in kinds.items()} for m, kinds in table.items()}
+    return {
+        m: {
+            k: {
+                s: {c: dict(zip(("mean", "se", "n"), _mean_se(v))) for c, v in sorted(cs.items())}
+                for s, cs in ks.items()
+            }
+            for k, ks in kinds.items()
+        }
+        for m, kinds in table.items()
+    }
 
 
 def aggregate(per_image: list[dict]) -> dict:
@@ -60,15 +83,30 @@ def aggregate(per_image: list[dict]) -> dict:
             for count, methods in rec["recon"].items():
                 for method, m in methods.items():
                     for kind in ("psnr", "best_psnr"):
-                        (table.setdefault(method, {}).setdefault(kind, {}).setdefault(strategy, {})
-                         .setdefault(int(count), []).append(m[kind]))
+                        (
+                            table.setdefault(method, {})
+                            .setdefault(kind, {})
+                            .setdefault(strategy, {})
+                            .setdefault(int(count), [])
+                            .append(m[kind])
+                        )
             t = rec.get("timings") or {}
-            for key in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s", "step_s_mean", "step_s_first5",
-                        "step_s_last5"):
+            for key in (
+                "prior_s",
+                "setup_s",
+                "steps_s",
+                "updates_s",
+                "total_s",
+                "step_s_mean",
+                "step_s_first5",
+                "step_s_last5",
+            ):
                 if key in t:
                     timings.setdefault(strategy, {}).setdefault(key, []).append(t[key])
-    return {"psnr": _summarise(table),
-            "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()}}
+    return {
+        "psnr": _summarise(table),
+        "timings": {s: {k: float(np.mean(v)) for k, v in t.items()} for s, t in timings.items()},
+    }
 
 
 def collect_results(out: Path, n_images: int) -> list[dict]:
@@ -78,8 +116,9 @@ def collect_results(out: Path, n_images: int) -> list[dict]:
     per_image = []
     for i in range(n_images):
         idir = out / f"img_{i:03d}"
-        per_image.append({s: read_json(idir / s / "result.json") for s in STUDY_STRATEGIES
-                          if (idir / s / "result.json").is_file()})
+        per_image.append(
+            {s: read_json(idir / s / "result.json") for s in STUDY_STRATEGIES if (idir / s / "result.json").is_file()}
+        )
     return per_image
 
 
@@ -102,8 +141,13 @@ def paired_differences(per_image: list[dict], reference: str = "equidistant") ->
                         continue
                     for kind in ("psnr", "best_psnr"):
                         if m[kind] is not None and r[kind] is not None:
-                            (diffs.setdefault(method, {}).setdefault(kind, {}).setdefault(strategy, {})
-                             .setdefault(int(count), []).append(m[kind] - r[kind]))
+                            (
+                                diffs.setdefault(method, {})
+                                .setdefault(kind, {})
+                                .setdefault(strategy, {})
+                                .setdefault(int(count), [])
+                                .append(m[kind] - r[kind])
+                            )
     return _summarise(diffs)
 
 
@@ -129,22 +173,33 @@ def orientation_distances(per_image: list[dict], phis, pilot: int) -> dict:
             for k in ORIENTATION_PREFIXES:
                 if d.size and (k is None or d.size >= k):
                     table.setdefault(strategy, {}).setdefault("all" if k is None else f"first {k}", []).append(
-                        float(d[:k].mean()))
-    return {s: {lab: dict(zip(("mean", "se", "n"), _mean_se(v))) for lab, v in labs.items()}
-            for s, labs in table.items()}
+                        float(d[:k].mean())
+                    )
+    return {
+        s: {lab: dict(zip(("mean", "se", "n"), _mean_se(v))) for lab, v in labs.items()} for s, labs in table.items()
+    }
 
 
 def _orientation_table(dist: dict, strategies: list[str]) -> list[str]:
     labels = [f"first {k}" for k in ORIENTATION_PREFIXES if k is not None] + ["all"]
-    lines = ["\n**acquired angles against the phantoms' orientation** (mean angular distance, modulo 90°, of the "
-             "acquired angles to each phantom's preferential angle φ, degrees, mean ± s.e. over images; 22.5 for "
-             "angles spread evenly)\n", "| strategy | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    lines = [
+        "\n**acquired angles against the phantoms' orientation** (mean angular distance, modulo 90°, of the "
+        "acquired angles to each phantom's preferential angle φ, degrees, mean ± s.e. over images; 22.5 for "
+        "angles spread evenly)\n",
+        "| strategy | " + " | ".join(labels) + " |",
+        "|---" * (len(labels) + 1) + "|",
+    ]
     for s in strategies:
         if s in dist:
-            cells = [f"{dist[s][lab]['mean']:.1f}" + (f" ± {dist[s][lab]['se']:.1f}" if dist[s][lab]["se"] else "")
-                     if lab in dist[s] else "" for lab in labels]
-            lines.append(f"| {LABELS.get(s, s)} (n={max(e['n'] for e in dist[s].values())}) | " + " | ".join(cells)
-                         + " |")
+            cells = [
+                f"{dist[s][lab]['mean']:.1f}" + (f" ± {dist[s][lab]['se']:.1f}" if dist[s][lab]["se"] else "")
+                if lab in dist[s]
+                else ""
+                for lab in labels
+            ]
+            lines.append(
+                f"| {LABELS.get(s, s)} (n={max(e['n'] for e in dist[s].values())}) | " + " | ".join(cells) + " |"
+            )
     return lines
 
 
@@ -174,17 +229,31 @@ def markdown_tables(agg: dict, strategies: list[str]) -> str:
             paired = agg.get("paired", {}).get(method, {}).get(kind, {})
             rows = {s: paired[s] for s in strategies if s in paired}
             if rows:
-                parts.append(f"\n**{method.upper()} — {names[kind]}: minus equidistant on the same image** (dB, "
-                             f"mean ± s.e. of the paired differences)\n")
+                parts.append(
+                    f"\n**{method.upper()} — {names[kind]}: minus equidistant on the same image** (dB, "
+                    f"mean ± s.e. of the paired differences)\n"
+                )
                 parts += _table(rows, signed=True)
     if agg["timings"]:
         parts.append("\n**design time** (s, mean over images; per step: mean / first 5 / last 5)\n")
-        parts.append("| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 "
-                     "| last 5 |")
+        parts.append(
+            "| strategy | prior | pilot set-up | steps | prior updates | total | per step | first 5 | last 5 |"
+        )
         parts.append("|---|---|---|---|---|---|---|---|---|")
         for s, t in agg["timings"].items():
-            cells = [f"{t.get(k, float('nan')):.2f}" for k in ("prior_s", "setup_s", "steps_s", "updates_s", "total_s",
-                                                              "step_s_mean", "step_s_first5", "step_s_last5")]
+            cells = [
+                f"{t.get(k, float('nan')):.2f}"
+                for k in (
+                    "prior_s",
+                    "setup_s",
+                    "steps_s",
+                    "updates_s",
+                    "total_s",
+                    "step_s_mean",
+                    "step_s_first5",
+                    "step_s_last5",
+                )
+            ]
             parts.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + " |")
     if agg.get("orientation"):
         parts += _orientation_table(agg["orientation"], strategies)
@@ -214,8 +283,9 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
         raise StudyError(f"--report: {out} holds no study (no study.json)")
     out.mkdir(parents=True, exist_ok=True)
     # reconstruction methods may be added to a study: finished results get them at their recorded angles
-    check_study_folder(out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log,
-                       growable=("recon",))
+    check_study_folder(
+        out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=("recon",)
+    )
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
     images, phis = load_images(opts, with_angles=True)  # phis: None for an images file
@@ -229,10 +299,12 @@ def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", 
     agg = {**aggregate(per_image), "paired": paired_differences(per_image)}
     if phis is not None:
         agg["orientation"] = orientation_distances(per_image, phis, opts["pilot"])
-    text = (f"# angle-selection study\n\n`{command}`\n\n{n_images} images of {images.shape[1]}², "
-            f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
-            f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|; every finished result in the folder "
-            f"(n: images in a row)\n" + markdown_tables(agg, present))
+    text = (
+        f"# angle-selection study\n\n`{command}`\n\n{n_images} images of {images.shape[1]}², "
+        f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
+        f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|; every finished result in the folder "
+        f"(n: images in a row)\n" + markdown_tables(agg, present)
+    )
     with atomic_path(out / "results.md") as tmp:
         tmp.write_text(text)
     atomic_write_json(out / "results.json", {"options": opts, "command": command, "strategies": present, **agg})

@@ -22,13 +22,14 @@ from torch import nn
 
 from ctuq.metrics import classification_summary
 
-__all__ = ["load_dataset", "DATASETS", "shifted_inputs", "SHIFTS", "make_model", "MODELS", "train_map",
-           "metric_row"]
+__all__ = ["load_dataset", "DATASETS", "shifted_inputs", "SHIFTS", "make_model", "MODELS", "train_map", "metric_row"]
 
 DATASETS = ("digits", "mnist1d")
 MODELS = ("mlp", "cnn")
-SHIFTS = {"digits": {"rotation": [0, 15, 30, 45, 60, 90], "noise": [0.0, 0.1, 0.2, 0.4, 0.7, 1.0]},
-          "mnist1d": {"noise": [0.0, 0.25, 0.5, 1.0, 1.5, 2.0]}}
+SHIFTS = {
+    "digits": {"rotation": [0, 15, 30, 45, 60, 90], "noise": [0.0, 0.1, 0.2, 0.4, 0.7, 1.0]},
+    "mnist1d": {"noise": [0.0, 0.25, 0.5, 1.0, 1.5, 2.0]},
+}
 """Shift kinds and severities per data set (degrees, noise standard deviations)."""
 
 
@@ -47,8 +48,9 @@ def load_dataset(name: str, seed: int = 0) -> dict:
         try:
             from mnist1d.data import get_dataset_args, make_dataset
         except ImportError as exc:  # pragma: no cover
-            raise ImportError("the MNIST-1D benchmark needs the mnist1d package (its offline generator): "
-                              "pip install 'ctuq[bench]'") from exc
+            raise ImportError(
+                "the MNIST-1D benchmark needs the mnist1d package (its offline generator): pip install 'ctuq[bench]'"
+            ) from exc
         args = get_dataset_args()
         args.seed = 42 + seed
         d = make_dataset(args)  # procedural; never downloads
@@ -86,8 +88,11 @@ class MLP(nn.Sequential):
 
 
 def _cnn(dim: int, channels: tuple[int, ...], k: int, pool_out: int, n_out: int = 10) -> nn.Sequential:
-    Conv, BN, Pool, APool = ((nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AdaptiveAvgPool2d) if dim == 2
-                             else (nn.Conv1d, nn.BatchNorm1d, nn.MaxPool1d, nn.AdaptiveAvgPool1d))
+    Conv, BN, Pool, APool = (
+        (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AdaptiveAvgPool2d)
+        if dim == 2
+        else (nn.Conv1d, nn.BatchNorm1d, nn.MaxPool1d, nn.AdaptiveAvgPool1d)
+    )
     layers: list[nn.Module] = []
     c_in = 1
     for i, c in enumerate(channels):
@@ -110,8 +115,17 @@ def make_model(kind: str, dataset: str, seed: int = 0) -> nn.Module:
     raise ValueError(f"unknown model {kind!r}; valid: {list(MODELS)}")
 
 
-def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int = 200, lr: float = 1e-3,
-              batch_size: int = 64, weight_decay: float | torch.Tensor = 0.0, seed: int = 0) -> tuple[nn.Module, float]:
+def train_map(
+    model: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int = 200,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    weight_decay: float | torch.Tensor = 0.0,
+    seed: int = 0,
+) -> tuple[nn.Module, float]:
     """Adam on the mean cross-entropy plus ``½ Σ_j λ_j v_j² / n``, mini-batches of ``batch_size``; returns the model
     in eval mode and the seconds taken.
 
@@ -122,8 +136,10 @@ def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int
     d = sum(p.numel() for p in params)
     if isinstance(weight_decay, torch.Tensor):
         if tuple(weight_decay.shape) != (d,):
-            raise ValueError(f"train_map: weight_decay must be a number or a tensor of shape ({d},) (one precision "
-                             f"per weight), got shape {tuple(weight_decay.shape)}")
+            raise ValueError(
+                f"train_map: weight_decay must be a number or a tensor of shape ({d},) (one precision "
+                f"per weight), got shape {tuple(weight_decay.shape)}"
+            )
         lam = weight_decay.detach().to(params[0].dtype)
     else:
         lam = float(weight_decay)
@@ -135,7 +151,7 @@ def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int
     for _ in range(epochs):
         perm = torch.randperm(n, generator=g)
         for i in range(0, n, batch_size):
-            idx = perm[i:i + batch_size]
+            idx = perm[i : i + batch_size]
             if idx.numel() < 2:
                 continue  # batch norm needs two examples
             opt.zero_grad()
@@ -150,10 +166,18 @@ def train_map(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epochs: int
     return model.eval(), time.perf_counter() - t0
 
 
-def metric_row(probs: torch.Tensor, labels: torch.Tensor, logit_samples: torch.Tensor | None = None,
-               kappas=range(1, 11), seed: int = 0) -> dict:
+def metric_row(
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    logit_samples: torch.Tensor | None = None,
+    kappas=range(1, 11),
+    seed: int = 0,
+) -> dict:
     """NLL, accuracy, ECE (15 bins), Brier and the κ-tuple joint log-likelihoods (from per-sample logits, or from
     ``probs`` alone for a point estimate)."""
-    lp = torch.log(probs.double().clamp_min(1e-300))[None] if logit_samples is None \
+    lp = (
+        torch.log(probs.double().clamp_min(1e-300))[None]
+        if logit_samples is None
         else torch.log_softmax(logit_samples.double(), -1)
+    )
     return classification_summary(probs, labels, lp, kappas=kappas, seed=seed)

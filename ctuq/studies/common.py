@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -32,9 +32,21 @@ from ctuq.outputs import write_metrics, write_tiff
 from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
 from ctuq.utils import atomic_torch_save, atomic_write_json
 
-__all__ = ["NEUTRAL_OPTIONS", "StudyError", "Log", "read_json", "study_fingerprint", "check_study_folder",
-           "prepare_scan", "angular_subsampling", "exact_decision", "setting_dir", "fit_or_load_dip",
-           "method_done", "finish_method"]
+__all__ = [
+    "NEUTRAL_OPTIONS",
+    "StudyError",
+    "Log",
+    "read_json",
+    "study_fingerprint",
+    "check_study_folder",
+    "prepare_scan",
+    "angular_subsampling",
+    "exact_decision",
+    "setting_dir",
+    "fit_or_load_dip",
+    "method_done",
+    "finish_method",
+]
 
 # Options that do not change the numbers of any study: a rerun may change them freely.
 NEUTRAL_OPTIONS = frozenset({"device", "progress", "tiny", "threads"})
@@ -119,15 +131,20 @@ def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterabl
     path = out / "study.json"
     if path.is_file():
         saved = read_json(path).get("options", {})
-        diff = sorted(k for k in set(saved) | set(fingerprint)
-                      if k not in growable and saved.get(k) != fingerprint.get(k))
+        diff = sorted(
+            k for k in set(saved) | set(fingerprint) if k not in growable and saved.get(k) != fingerprint.get(k)
+        )
         if diff:
             details = ", ".join(f"{k}: {saved.get(k)!r} there, {fingerprint.get(k)!r} now" for k in diff)
-            raise StudyError(f"{out} holds a study with other options ({details}); use another --out, or the same "
-                             f"options to resume it")
+            raise StudyError(
+                f"{out} holds a study with other options ({details}); use another --out, or the same "
+                f"options to resume it"
+            )
         log(f"resuming the study in {out} (finished parts are skipped)")
-        fingerprint = dict(fingerprint, **{k: sorted(set(saved.get(k, [])) | set(fingerprint[k]))
-                                           for k in growable if k in fingerprint})
+        fingerprint = dict(
+            fingerprint,
+            **{k: sorted(set(saved.get(k, [])) | set(fingerprint[k])) for k in growable if k in fingerprint},
+        )
     atomic_write_json(path, {"options": fingerprint})
 
 
@@ -159,8 +176,10 @@ def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
     if data is not None:
         path = Path(data).expanduser()
         if not path.is_dir():
-            raise StudyError(f"--data {data!r} is not a folder (a Walnut{{id}} folder with Projections/ and "
-                             f"Reconstructions/ is needed)")
+            raise StudyError(
+                f"--data {data!r} is not a folder (a Walnut{{id}} folder with Projections/ and "
+                f"Reconstructions/ is needed)"
+            )
         return path
     path = out / "scan"
     sidecar = path / SIDECAR_NAME
@@ -201,8 +220,10 @@ def angular_subsampling(n_files: int, n_angles: int, path: Path) -> int:
     distinct = n_files - 1
     if n_angles > distinct or distinct % n_angles:
         valid = [k for k in range(1, distinct + 1) if distinct % k == 0]
-        raise StudyError(f"--settings: {n_angles} angles cannot be taken evenly from the {distinct} distinct angles of "
-                         f"{path} ({n_files} projection files); valid angle counts: {valid}")
+        raise StudyError(
+            f"--settings: {n_angles} angles cannot be taken evenly from the {distinct} distinct angles of "
+            f"{path} ({n_files} projection files); valid angle counts: {valid}"
+        )
     return distinct // n_angles
 
 
@@ -233,8 +254,12 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
         return True, "--exact always"
 
     budget = memory_budget(Budget.STUDY_EXACT, device)
-    wl = Workload(em_steps=opts["exact_em_steps"], em_samples=opts["em_samples"],
-                  prediction_samples=opts["exact_samples"], rank=opts["rank"])
+    wl = Workload(
+        em_steps=opts["exact_em_steps"],
+        em_samples=opts["em_samples"],
+        prediction_samples=opts["exact_samples"],
+        rank=opts["rank"],
+    )
     est = estimate_solver_costs(c, d, wl, memory_budget=budget, itemsize=4)["exact"]
     route = "dense TΦ (d < c)" if d < c else "c × c eigendecomposition"
     verdict = f"{route} needs ≈{est.memory_bytes / GIB:.2f} GiB of a {budget / GIB:.1f} GiB budget"
@@ -313,28 +338,49 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
         return model.to(device), mf.net_input, mf.meta["reconstruction"], mf.meta["summary"]
     ckpt = folder / "dip_checkpoint.pt"
     net_input = make_net_input(data.op.image_shape, channels=1, seed=opts["seed"], std=opts["input_std"])
-    common = dict(iterations=opts["iterations"], lr=opts["lr"], tv_weight=opts["tv_weight"],
-                  clip_grad_norm=opts["clip_grad_norm"] or None, scale=opts["scale"], seed=opts["seed"],
-                  ground_truth=data.ground_truth.to(device), checkpoint_path=ckpt,
-                  checkpoint_every=max(50, opts["iterations"] // 10), resume=True, device=device,
-                  progress=opts["progress"])
-    log(f"fitting the {label}: {opts['iterations']} iterations" + (" (resuming from its checkpoint)"
-                                                                    if ckpt.is_file() else ""))
+    common = dict(
+        iterations=opts["iterations"],
+        lr=opts["lr"],
+        tv_weight=opts["tv_weight"],
+        clip_grad_norm=opts["clip_grad_norm"] or None,
+        scale=opts["scale"],
+        seed=opts["seed"],
+        ground_truth=data.ground_truth.to(device),
+        checkpoint_path=ckpt,
+        checkpoint_every=max(50, opts["iterations"] // 10),
+        resume=True,
+        device=device,
+        progress=opts["progress"],
+    )
+    log(
+        f"fitting the {label}: {opts['iterations']} iterations"
+        + (" (resuming from its checkpoint)" if ckpt.is_file() else "")
+    )
     if kind == "dip":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(opts["seed"])  # same initial weights as `ctuq reconstruct` with this seed
             model = build_unet(opts["preset"], ndim=data.op.ndim)
         result = fit_dip(data.op, data.y, model=model, net_input=net_input, **common)
     else:
-        model, result = fit_mc_dropout_dip(data.op, data.y, preset=opts["preset"], dropout=opts["dropout"],
-                                           net_input=net_input, **common)
+        model, result = fit_mc_dropout_dip(
+            data.op, data.y, preset=opts["preset"], dropout=opts["dropout"], net_input=net_input, **common
+        )
     summary = dict(result.summary(), n_conv_weights=count_parameters(model, conv_weights_only=True))
-    write_model_file(model_path, model, scale=result.scale, state_dict=result.best_state_dict,
-                     net_input=result.net_input, input="noise", best_iteration=result.best_iteration,
-                     meta={"summary": summary, "reconstruction": result.reconstruction.detach().cpu()})
+    write_model_file(
+        model_path,
+        model,
+        scale=result.scale,
+        state_dict=result.best_state_dict,
+        net_input=result.net_input,
+        input="noise",
+        best_iteration=result.best_iteration,
+        meta={"summary": summary, "reconstruction": result.reconstruction.detach().cpu()},
+    )
     ckpt.unlink(missing_ok=True)
-    log(f"{label}: {result.time_s:.1f} s, best iteration {result.best_iteration}, "
-        f"PSNR {summary['best_psnr_history'] or float('nan'):.2f} dB")
+    log(
+        f"{label}: {result.time_s:.1f} s, best iteration {result.best_iteration}, "
+        f"PSNR {summary['best_psnr_history'] or float('nan'):.2f} dB"
+    )
     mf, model_out = _read_dip(model_path)
     return model_out.to(device), result.net_input, result.reconstruction.detach().cpu(), mf.meta["summary"]
 

@@ -51,9 +51,22 @@ from ctuq.studies.common import (
 )
 from ctuq.utils import atomic_path, resolve_device
 
-__all__ = ["METHODS", "DEFAULTS", "TINY", "NEUTRAL", "PUBLISHED_COLUMNS", "LOG_NAME", "run_linearised",
-           "run_mc_dropout", "figure_paths", "make_figures", "table_rows", "markdown_table", "write_results",
-           "run_study"]
+__all__ = [
+    "METHODS",
+    "DEFAULTS",
+    "TINY",
+    "NEUTRAL",
+    "PUBLISHED_COLUMNS",
+    "LOG_NAME",
+    "run_linearised",
+    "run_mc_dropout",
+    "figure_paths",
+    "make_figures",
+    "table_rows",
+    "markdown_table",
+    "write_results",
+    "run_study",
+]
 
 METHODS = {
     "linearised_sampled": "linearised (sampled)",
@@ -153,19 +166,44 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
     mdir = sdir / method
     mdir.mkdir(parents=True, exist_ok=True)
     if method == "linearised_sampled":
-        settings = UQSettings(solver="cg", gprior_method=opts["gprior"], em_steps=opts["em_steps"],
-                              em_samples=opts["em_samples"], samples=opts["samples"], rank=opts["rank"],
-                              prior_precision=opts["prior_precision"], sample_chunk=min(64, opts["samples"]))
+        settings = UQSettings(
+            solver="cg",
+            gprior_method=opts["gprior"],
+            em_steps=opts["em_steps"],
+            em_samples=opts["em_samples"],
+            samples=opts["samples"],
+            rank=opts["rank"],
+            prior_precision=opts["prior_precision"],
+            sample_chunk=min(64, opts["samples"]),
+        )
     else:
-        settings = UQSettings(solver="exact", gprior_method="exact", em_steps=opts["exact_em_steps"], em_tol=1e-3,
-                              em_samples=opts["em_samples"], samples=opts["exact_samples"], rank=opts["rank"],
-                              prior_precision=opts["prior_precision"], sample_chunk=min(256, opts["exact_samples"]))
+        settings = UQSettings(
+            solver="exact",
+            gprior_method="exact",
+            em_steps=opts["exact_em_steps"],
+            em_tol=1e-3,
+            em_samples=opts["em_samples"],
+            samples=opts["exact_samples"],
+            rank=opts["rank"],
+            prior_precision=opts["prior_precision"],
+            sample_chunk=min(256, opts["exact_samples"]),
+        )
     resumed = (mdir / UQ_STATE_NAME).is_file()
     if resumed:
         log(f"{METHODS[method]}: resuming from {mdir / UQ_STATE_NAME} (its timings then cover this run only)")
-    res = run_linearized_uq(model, net_input, data.op, data.y, scale=opts["scale"], settings=settings,
-                            seed=opts["seed"], work_dir=mdir, resume=True, progress=opts["progress"],
-                            log=lambda m: log(f"  {METHODS[method]}: {m}"))
+    res = run_linearized_uq(
+        model,
+        net_input,
+        data.op,
+        data.y,
+        scale=opts["scale"],
+        settings=settings,
+        seed=opts["seed"],
+        work_dir=mdir,
+        resume=True,
+        progress=opts["progress"],
+        log=lambda m: log(f"  {METHODS[method]}: {m}"),
+    )
     gt = data.ground_truth.detach().cpu()
     summary = uq_summary_from_moments(gt, res.mean, res.moments)  # settings.roi: the inner square
     t = res.timings
@@ -187,8 +225,19 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         "sigma2": res.sigma2,
         "em_steps": len(res.em_trace),
         "stats": res.stats,
-        "settings": {k: getattr(settings, k) for k in ("solver", "gprior_method", "em_steps", "em_samples", "samples",
-                                                       "rank", "prior_precision", "learn_noise")},
+        "settings": {
+            k: getattr(settings, k)
+            for k in (
+                "solver",
+                "gprior_method",
+                "em_steps",
+                "em_samples",
+                "samples",
+                "rank",
+                "prior_precision",
+                "learn_noise",
+            )
+        },
     }
     out = finish_method(mdir, res.mean, res.std, record)
     # The running sums and the solver state only serve a resume; they are large (the exact Q is c × r float64).
@@ -224,8 +273,15 @@ def run_mc_dropout(sdir: Path, data, opts: dict, device: torch.device, log: Log)
     mdir = sdir / "mc_dropout"
     model, net_input, recon_det, fit = fit_or_load_dip("mc_dropout", sdir, data, opts, device, log)
     log(f"MC dropout: {opts['mc_passes']} stochastic passes")
-    pred = mc_dropout_predict(model, net_input, opts["mc_passes"], scale=opts["scale"], seed=opts["seed"],
-                              batch=opts["mc_batch"], progress=opts["progress"])
+    pred = mc_dropout_predict(
+        model,
+        net_input,
+        opts["mc_passes"],
+        scale=opts["scale"],
+        seed=opts["seed"],
+        batch=opts["mc_batch"],
+        progress=opts["progress"],
+    )
     gt = data.ground_truth.detach().cpu()
     summary = uq_summary(gt, pred.mean, pred.passes, inner_square_roi(tuple(gt.shape)), centering="empirical")
     record = {
@@ -273,19 +329,28 @@ def make_figures(out: Path, n_angles: int, sdir: Path, gt: torch.Tensor, records
     """
     roi = inner_square_roi(tuple(gt.shape))
     maps = {}
-    for method, rec in records.items():
+    for method, _rec in records.items():
         saved = torch.load(sdir / method / "result.pt", map_location="cpu", weights_only=True)
         maps[METHODS[method]] = (saved["mean"], (saved["mean"] - gt).abs(), saved["std"])
     names = {METHODS[m]: r for m, r in records.items()}
     paths = [
         figures.plot_uq_comparison(out / f"uq_{n_angles}.png", maps, ground_truth=gt, roi=roi),
-        figures.plot_joint_ll(out / f"joint_ll_{n_angles}.png", {n: r["summary"]["joint_ll"] for n, r in names.items()},
-                              title=f"{n_angles} angles"),
-        figures.plot_calibration(out / f"calibration_{n_angles}.png",
-                                 {n: (r["summary"]["calibration"]["levels"], r["summary"]["calibration"]["coverage"])
-                                  for n, r in names.items()}, title=f"{n_angles} angles"),
-        figures.plot_error_vs_std(out / f"error_vs_std_{n_angles}.png",
-                                  {n: (m[1], m[2]) for n, m in maps.items()}, roi=roi),
+        figures.plot_joint_ll(
+            out / f"joint_ll_{n_angles}.png",
+            {n: r["summary"]["joint_ll"] for n, r in names.items()},
+            title=f"{n_angles} angles",
+        ),
+        figures.plot_calibration(
+            out / f"calibration_{n_angles}.png",
+            {
+                n: (r["summary"]["calibration"]["levels"], r["summary"]["calibration"]["coverage"])
+                for n, r in names.items()
+            },
+            title=f"{n_angles} angles",
+        ),
+        figures.plot_error_vs_std(
+            out / f"error_vs_std_{n_angles}.png", {n: (m[1], m[2]) for n, m in maps.items()}, roi=roi
+        ),
     ]
     log(f"figures for {n_angles} angles: {', '.join(p.name for p in paths)}")
     return paths
@@ -317,17 +382,19 @@ def table_rows(results: dict) -> list[dict]:
                 row["reason"] = (rec or {}).get("reason", "not run")
             else:
                 s = rec["summary"]
-                row.update({
-                    "status": "done",
-                    "psnr": rec["image"]["psnr"],
-                    "marginal_ll": s["marginal_ll"],
-                    "joint_ll_10": s["joint_ll"].get("10"),
-                    "coverage_90": s["coverage"]["0.9"],
-                    "time_hyperparameters_s": rec.get("time_hyperparameters_s"),
-                    "time_prediction_s": rec.get("time_prediction_s"),
-                    "time_fit_s": rec.get("time_fit_s", setting["dip"].get("time_s")),
-                    "n_samples": rec["n_samples"],
-                })
+                row.update(
+                    {
+                        "status": "done",
+                        "psnr": rec["image"]["psnr"],
+                        "marginal_ll": s["marginal_ll"],
+                        "joint_ll_10": s["joint_ll"].get("10"),
+                        "coverage_90": s["coverage"]["0.9"],
+                        "time_hyperparameters_s": rec.get("time_hyperparameters_s"),
+                        "time_prediction_s": rec.get("time_prediction_s"),
+                        "time_fit_s": rec.get("time_fit_s", setting["dip"].get("time_s")),
+                        "n_samples": rec["n_samples"],
+                    }
+                )
             rows.append(row)
     return rows
 
@@ -340,8 +407,10 @@ def _fmt(v, spec: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The Markdown table (with its header) of the rows of :func:`table_rows`; missing numbers show as "—"."""
-    head = ("| angles | method | PSNR (dB) | marginal LL | 10×10 joint LL | coverage@0.9 | hyperparameters (s) "
-            "| prediction (s) | samples | fit (s) |")
+    head = (
+        "| angles | method | PSNR (dB) | marginal LL | 10×10 joint LL | coverage@0.9 | hyperparameters (s) "
+        "| prediction (s) | samples | fit (s) |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r["status"] != "done":
@@ -351,7 +420,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['setting']} | {r['label']} | {_fmt(r['psnr'], '.2f')} | {_fmt(r['marginal_ll'], '.3f')} "
             f"| {_fmt(r['joint_ll_10'], '.3f')} | {_fmt(r['coverage_90'], '.3f')} "
             f"| {_fmt(r['time_hyperparameters_s'], '.1f')} | {_fmt(r['time_prediction_s'], '.1f')} "
-            f"| {r['n_samples']} | {_fmt(r['time_fit_s'], '.1f')} |")
+            f"| {r['n_samples']} | {_fmt(r['time_fit_s'], '.1f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -372,10 +442,12 @@ def write_results(out: Path, results: dict) -> None:
     write_metrics(out / "results.json", results)
     info = []
     for key, s in results["settings"].items():
-        info.append(f"- {key} angles: c = {s['c']}, d = {s['d']} conv weights (dropout net: same d), "
-                    f"image {s['image_shape'][0]}×{s['image_shape'][1]}, "
-                    f"DIP PSNR {_fmt(s['dip'].get('psnr'), '.2f')} dB, "
-                    f"exact reference: {s['exact_reason']}")
+        info.append(
+            f"- {key} angles: c = {s['c']}, d = {s['d']} conv weights (dropout net: same d), "
+            f"image {s['image_shape'][0]}×{s['image_shape'][1]}, "
+            f"DIP PSNR {_fmt(s['dip'].get('psnr'), '.2f')} dB, "
+            f"exact reference: {s['exact_reason']}"
+        )
     text = (
         f"# Walnut uncertainty study\n\n"
         f"Scan: `{results['data']['path']}` ({results['data']['kind']}); device {results['device']}; "
@@ -383,11 +455,10 @@ def write_results(out: Path, results: dict) -> None:
         f"Command: `{results['command']}`\n\n"
         + markdown_table(rows)
         + "\nLog-likelihoods are in nats per pixel over the inner-square ROI (higher is better); coverage@0.9 is the "
-          "fraction of ROI pixels inside their central 90% interval (0.9 is calibrated). Hyperparameters: g-prior, "
-          "solver set-up and EM of the linearised methods (MC dropout learns none: its rate is fixed). Prediction: "
-          "the prediction samples / stochastic passes. Fit: the DIP fit behind each method's mean (the linearised "
-          "methods share one DIP; MC dropout fits its own dropout network).\n\n"
-        + "\n".join(info) + "\n"
+        "fraction of ROI pixels inside their central 90% interval (0.9 is calibrated). Hyperparameters: g-prior, "
+        "solver set-up and EM of the linearised methods (MC dropout learns none: its rate is fixed). Prediction: "
+        "the prediction samples / stochastic passes. Fit: the DIP fit behind each method's mean (the linearised "
+        "methods share one DIP; MC dropout fits its own dropout network).\n\n" + "\n".join(info) + "\n"
     )
     with atomic_path(out / "results.md") as tmp:
         tmp.write_text(text)
@@ -434,8 +505,9 @@ def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = Non
 def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: str) -> dict:
     device = resolve_device(opts["device"])
     out.mkdir(parents=True, exist_ok=True)
-    fingerprint = study_fingerprint(opts, str(Path(data_arg).expanduser().resolve()) if data_arg else "simulated",
-                                    NEUTRAL)
+    fingerprint = study_fingerprint(
+        opts, str(Path(data_arg).expanduser().resolve()) if data_arg else "simulated", NEUTRAL
+    )
     check_study_folder(out, fingerprint, log)
     path = prepare_scan(opts, data_arg, out, log)
     try:
@@ -449,8 +521,13 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
         "device": str(device),
-        "data": {"path": str(path), "kind": "given with --data" if data_arg else f"simulated ({opts['scan_preset']})",
-                 "projection_files": scan.n_files, "detector_columns": det_cols, "detector_subsampling": dsub},
+        "data": {
+            "path": str(path),
+            "kind": "given with --data" if data_arg else f"simulated ({opts['scan_preset']})",
+            "projection_files": scan.n_files,
+            "detector_columns": det_cols,
+            "detector_subsampling": dsub,
+        },
         "options": fingerprint,
         "settings": {},
         "versions": package_versions(),
@@ -466,29 +543,47 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
     for i, (n_angles, ass) in enumerate(plans):
         sdir = setting_dir(out, n_angles)
         sdir.mkdir(parents=True, exist_ok=True)
-        stage(f"setting {i + 1}/{len(plans)}: {n_angles} angles (angular subsampling {ass} of "
-              f"{scan.n_files - 1}), loading")
-        data = load_walnut_slice(path, slice_index=opts["slice_index"], orbit=opts["orbit"], angular_subsampling=ass,
-                                 detector_subsampling=dsub,
-                                 image_shape=None if opts["image_shape"] is None else tuple(opts["image_shape"]),
-                                 backend=opts["backend"], device=device, progress=opts["progress"])
+        stage(
+            f"setting {i + 1}/{len(plans)}: {n_angles} angles (angular subsampling {ass} of "
+            f"{scan.n_files - 1}), loading"
+        )
+        data = load_walnut_slice(
+            path,
+            slice_index=opts["slice_index"],
+            orbit=opts["orbit"],
+            angular_subsampling=ass,
+            detector_subsampling=dsub,
+            image_shape=None if opts["image_shape"] is None else tuple(opts["image_shape"]),
+            backend=opts["backend"],
+            device=device,
+            progress=opts["progress"],
+        )
         if data.ground_truth is None:
-            raise StudyError(f"{path} has no ground truth (Reconstructions/full_AGD_50_*.tiff): the study's metrics "
-                             f"need one")
+            raise StudyError(
+                f"{path} has no ground truth (Reconstructions/full_AGD_50_*.tiff): the study's metrics need one"
+            )
         gt = data.ground_truth.detach().cpu().float()
         write_tiff(sdir / "ground_truth.tif", gt)
         c = int(data.op.c)
         d = count_parameters(build_unet(opts["preset"], ndim=data.op.ndim), conv_weights_only=True)
-        log(f"{n_angles} angles: sinogram {tuple(data.op.measurement_shape)} (c = {c}), image "
-            f"{tuple(data.op.image_shape)}, U-Net '{opts['preset']}' with d = {d} conv weights, device {device}")
+        log(
+            f"{n_angles} angles: sinogram {tuple(data.op.measurement_shape)} (c = {c}), image "
+            f"{tuple(data.op.image_shape)}, U-Net '{opts['preset']}' with d = {d} conv weights, device {device}"
+        )
 
         stage(f"{n_angles} angles: DIP")
         model, net_input, recon, dip_summary = fit_or_load_dip("dip", sdir, data, opts, device, log)
         write_tiff(sdir / "reconstruction.tif", recon)
         dip_img = image_metrics(recon, gt)
-        setting: dict[str, Any] = {"angles": n_angles, "angular_subsampling": ass, "c": c, "d": d,
-                                   "image_shape": list(data.op.image_shape),
-                                   "dip": dict(dip_summary, **dip_img), "methods": {}}
+        setting: dict[str, Any] = {
+            "angles": n_angles,
+            "angular_subsampling": ass,
+            "c": c,
+            "d": d,
+            "image_shape": list(data.op.image_shape),
+            "dip": dict(dip_summary, **dip_img),
+            "methods": {},
+        }
         run_exact, reason = exact_decision(opts["exact"], c, d, opts, device)
         setting["exact_reason"] = ("run: " if run_exact else "skipped: ") + reason
         log(f"{n_angles} angles: exact reference {'will run' if run_exact else 'skipped'} ({reason})")
@@ -501,8 +596,10 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
                 setting["methods"][method] = {"status": "skipped", "reason": reason}
                 continue
             if done is not None:
-                log(f"skipping {METHODS[method]} for {n_angles} angles: finished in an earlier run "
-                    f"({mdir / 'metrics.json'})")
+                log(
+                    f"skipping {METHODS[method]} for {n_angles} angles: finished in an earlier run "
+                    f"({mdir / 'metrics.json'})"
+                )
                 setting["methods"][method] = done
                 continue
             t0 = time.perf_counter()
@@ -513,9 +610,11 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
                 rec = run_linearised(method, sdir, model, net_input, data, opts, log)
                 rec["time_fit_s"] = dip_summary.get("time_s")
             s = rec["summary"]
-            log(f"{METHODS[method]} ({n_angles} angles) done in {time.perf_counter() - t0:.1f} s: PSNR "
+            log(
+                f"{METHODS[method]} ({n_angles} angles) done in {time.perf_counter() - t0:.1f} s: PSNR "
                 f"{_fmt(rec['image']['psnr'], '.2f')} dB, marginal LL {_fmt(s['marginal_ll'], '.3f')}, 10×10 joint LL "
-                f"{_fmt(s['joint_ll'].get('10'), '.3f')}, coverage@0.9 {s['coverage']['0.9']:.3f}")
+                f"{_fmt(s['joint_ll'].get('10'), '.3f')}, coverage@0.9 {s['coverage']['0.9']:.3f}"
+            )
             setting["methods"][method] = rec
         stage(f"{n_angles} angles: figures and table")
         finished = {m: r for m, r in setting["methods"].items() if r.get("status") != "skipped"}
@@ -527,5 +626,3 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
         write_results(out, results)  # after every setting: partial results are readable while the next one runs
     log(f"wrote {out / 'results.md'} and {out / 'results.json'}")
     return results
-
-

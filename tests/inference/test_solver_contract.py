@@ -44,13 +44,35 @@ def test_every_registered_solver_has_a_name_summary_and_options():
     assert list(SOLVERS)[:5] == ["exact_primal", "exact_dual", "cg", "sdd", "sgd"]
     for name, cls in SOLVERS.items():
         assert cls.name == name and cls.summary
-    assert SOLVERS["cg"].option_names() >= {"preconditioner", "rank", "oversampling", "rtol", "max_iter", "backend",
-                                            "seed", "pivoted_diagonal", "adaptive_rank", "rank_threshold",
-                                            "initial_rank"}
-    assert SOLVERS["exact_primal"].option_names() == SOLVERS["exact_dual"].option_names() == {
-        "chunk_size", "memory_budget", "progress"}
-    assert SOLVERS["sdd"].option_names() >= {"step_size", "batch_size", "averaging", "momentum", "max_iter", "rtol",
-                                             "seed", "lanczos_steps", "lambda_max"}
+    assert SOLVERS["cg"].option_names() >= {
+        "preconditioner",
+        "rank",
+        "oversampling",
+        "rtol",
+        "max_iter",
+        "backend",
+        "seed",
+        "pivoted_diagonal",
+        "adaptive_rank",
+        "rank_threshold",
+        "initial_rank",
+    }
+    assert (
+        SOLVERS["exact_primal"].option_names()
+        == SOLVERS["exact_dual"].option_names()
+        == {"chunk_size", "memory_budget", "progress"}
+    )
+    assert SOLVERS["sdd"].option_names() >= {
+        "step_size",
+        "batch_size",
+        "averaging",
+        "momentum",
+        "max_iter",
+        "rtol",
+        "seed",
+        "lanczos_steps",
+        "lambda_max",
+    }
     assert SOLVERS["sgd"].option_names() >= {"lr", "lr_decay", "clip", "check_every", "momentum", "max_iter", "rtol"}
     assert SOLVERS["exact_primal"].assembles_features and not SOLVERS["exact_dual"].assembles_features
     assert [n for n, c in SOLVERS.items() if c.exact][:2] == ["exact_primal", "exact_dual"]

@@ -73,8 +73,15 @@ class TestToyCholeskyContract(SolverContract):
 
 def test_the_posterior_builds_it_by_name():
     feats, Psi, y = contract_problem()
-    post = LinearizedPosterior(feats, y, prior="isotropic", likelihood=GaussianLikelihood(0.5), a=2.0,
-                               solver="toy_cholesky", solver_options={"toy_cholesky": {"jitter": 0.0}}).setup()
+    post = LinearizedPosterior(
+        feats,
+        y,
+        prior="isotropic",
+        likelihood=GaussianLikelihood(0.5),
+        a=2.0,
+        solver="toy_cholesky",
+        solver_options={"toy_cholesky": {"jitter": 0.0}},
+    ).setup()
     assert isinstance(post.solver, ToyCholesky) and post.solver_name == "toy_cholesky"
     P, yy = Psi.numpy(), y.numpy()
     w_ref = np.linalg.solve(P.T @ P / 0.5 + 2.0 * np.eye(P.shape[1]), P.T @ yy / 0.5)
@@ -94,9 +101,21 @@ def test_the_config_reads_the_registry_when_it_validates():
 
 
 # ------------------------------------------------------------------------------------------------ the command
-TINY = ["--set", "data.image_shape=[16, 16]", "--set", "data.angular_subsampling=4",
-        "--set", "data.detector_subsampling=4", "--set", "dip.iterations=10", "--set", "dip.checkpoint_every=0",
-        "--set", "output.figure=false", "--no-progress"]
+TINY = [
+    "--set",
+    "data.image_shape=[16, 16]",
+    "--set",
+    "data.angular_subsampling=4",
+    "--set",
+    "data.detector_subsampling=4",
+    "--set",
+    "dip.iterations=10",
+    "--set",
+    "dip.checkpoint_every=0",
+    "--set",
+    "output.figure=false",
+    "--no-progress",
+]
 
 
 def test_the_uq_command_runs_it(tmp_path):
@@ -106,9 +125,30 @@ def test_the_uq_command_runs_it(tmp_path):
     simulate_scan(scan, preset="tiny", progress=False)
     run = tmp_path / "run"
     assert main(["reconstruct", "--data", str(scan), "--out", str(run), "--no-uq", *TINY]) == 0
-    assert main(["uq", str(run), "--set", "uq.solver=toy_cholesky", "--set", "uq.samples=8",
-                 "--set", "uq.sample_chunk=8", "--set", "uq.em_steps=1", "--set", "uq.em_samples=2",
-                 "--set", "uq.gprior_method=stochastic", "--set", "uq.gprior_probes=8", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "uq",
+                str(run),
+                "--set",
+                "uq.solver=toy_cholesky",
+                "--set",
+                "uq.samples=8",
+                "--set",
+                "uq.sample_chunk=8",
+                "--set",
+                "uq.em_steps=1",
+                "--set",
+                "uq.em_samples=2",
+                "--set",
+                "uq.gprior_method=stochastic",
+                "--set",
+                "uq.gprior_probes=8",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["uq"]["solver"] == metrics["uq"]["stats"]["route"] == "toy_cholesky"
     assert metrics["uq"]["n_samples"] == 8

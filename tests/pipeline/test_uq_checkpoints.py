@@ -25,8 +25,10 @@ def test_moments_file_names_come_from_the_run_folder_contract(tmp_path):
     for r in range(2):
         (tmp_path / checkpoints.moments_file_name(_Ranks(r, 2))).write_bytes(b"")
     (tmp_path / rf.UQ_MOMENTS_NAME).write_bytes(b"")
-    assert [p.name for p in checkpoints.shard_moments_files(tmp_path)] == ["uq_moments.rank0of2.pt",
-                                                                            "uq_moments.rank1of2.pt"]
+    assert [p.name for p in checkpoints.shard_moments_files(tmp_path)] == [
+        "uq_moments.rank0of2.pt",
+        "uq_moments.rank1of2.pt",
+    ]
     assert checkpoints.shard_world_sizes(tmp_path) == {2}
 
 

@@ -158,8 +158,18 @@ class Solver(abc.ABC):
         return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
     @classmethod
-    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
-                      memory_budget: float, itemsize: int) -> SolverCostEstimate | None:
+    def estimate_cost(
+        cls,
+        c: int,
+        d: int,
+        workload: Workload,
+        *,
+        t_jvp: float,
+        t_vjp: float,
+        flop_rate: float,
+        memory_budget: float,
+        itemsize: int,
+    ) -> SolverCostEstimate | None:
         """Estimated cost of this solver for ``c`` outputs, ``d`` features and ``workload``
         (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs` documents the units); ``None`` keeps the solver
         out of ``solver="auto"`` (the default)."""
@@ -170,10 +180,12 @@ class Solver(abc.ABC):
         """Build what every later solve reuses (decomposition, preconditioner, step sizes) at the ``(a, σ²)`` of
         the first solves; idempotent, and a no-op after :meth:`load_state_dict` restored it. Solves call it
         themselves when needed; the posterior calls it once so that the set-up is timed and checkpointed."""
+        return None  # solvers with nothing to build (e.g. a direct dense one) keep this default
 
     @abc.abstractmethod
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
-              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+    def solve(
+        self, rhs: torch.Tensor, a: float, sigma2: float, *, x0: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, SolveStats]:
         """``C⁻¹ rhs`` for rows ``rhs`` ``(k, c)`` at prior precision ``a`` and noise variance ``σ²``; ``x0``
         ``(k, c)`` is an initial guess for iterative solvers (ignored by direct ones)."""
 
@@ -185,8 +197,9 @@ class Solver(abc.ABC):
     def load_state_dict(self, state: dict | None) -> None:
         """Reuse :meth:`state_dict` output instead of building it in :meth:`setup`; call before :meth:`setup`."""
         if state is not None:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: this solver stores no state, got "
-                             f"{type(state).__name__}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: this solver stores no state, got {type(state).__name__}"
+            )
 
     # ------------------------------------------------------------------------------------------ reporting
     def report(self) -> dict:

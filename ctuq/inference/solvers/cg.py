@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from linear_operator.utils.linear_cg import linear_cg
@@ -186,8 +186,9 @@ class CGSolver(Solver):
     """
 
     name = "cg"
-    summary = ("preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner (fixed or "
-               "adaptive rank)")
+    summary = (
+        "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner (fixed or adaptive rank)"
+    )
 
     def __init__(
         self,
@@ -211,8 +212,10 @@ class CGSolver(Solver):
                 f"got {preconditioner!r}"
             )
         if adaptive_rank and isinstance(preconditioner, str) and preconditioner != Preconditioner.NYSTROM:
-            raise ValueError(f"CGSolver: adaptive_rank grows a single-pass Nyström preconditioner; it does not "
-                             f"apply to preconditioner {preconditioner!r} (use 'nystrom')")
+            raise ValueError(
+                f"CGSolver: adaptive_rank grows a single-pass Nyström preconditioner; it does not "
+                f"apply to preconditioner {preconditioner!r} (use 'nystrom')"
+            )
         if not (rank_threshold > 0 and math.isfinite(rank_threshold)):
             raise ValueError(f"CGSolver: rank_threshold must be positive, got {rank_threshold!r}")
         if not isinstance(initial_rank, int) or initial_rank < 1:
@@ -249,13 +252,14 @@ class CGSolver(Solver):
         features = self.features
         if eig.U.shape[0] != features.n_outputs:
             raise ValueError(
-                f"CGSolver: the given LowRankEig has {eig.U.shape[0]} rows, the features have "
-                f"c = {features.n_outputs}"
+                f"CGSolver: the given LowRankEig has {eig.U.shape[0]} rows, the features have c = {features.n_outputs}"
             )
         self._eig = LowRankEig(
             eig.U.to(features.device, features.dtype),
             eig.eigenvalues.to(features.device, features.dtype),
-            eig.n_products, eig.method, eig.n_diag_products,
+            eig.n_products,
+            eig.method,
+            eig.n_diag_products,
         )
         self.preconditioner_kind = eig.method
 
@@ -275,14 +279,26 @@ class CGSolver(Solver):
         t0 = time.perf_counter()
         if self.adaptive_rank:
             if a is None or sigma2 is None:
-                raise ValueError("CGSolver.build_preconditioner: adaptive_rank needs the (a, σ²) at which to stop "
-                                 "growing the rank: pass build_preconditioner(a, sigma2)")
-            self._eig = adaptive_nystrom_eig(self.kernel, self.rank, a=a, sigma2=sigma2,
-                                             threshold=self.rank_threshold, initial_rank=self.initial_rank,
-                                             oversampling=self.oversampling, seed=self.seed)
+                raise ValueError(
+                    "CGSolver.build_preconditioner: adaptive_rank needs the (a, σ²) at which to stop "
+                    "growing the rank: pass build_preconditioner(a, sigma2)"
+                )
+            self._eig = adaptive_nystrom_eig(
+                self.kernel,
+                self.rank,
+                a=a,
+                sigma2=sigma2,
+                threshold=self.rank_threshold,
+                initial_rank=self.initial_rank,
+                oversampling=self.oversampling,
+                seed=self.seed,
+            )
         elif self.preconditioner_kind in ("nystrom", "halko"):
             self._eig = randomized_eig(
-                self.kernel, self.rank, oversampling=self.oversampling, method=self.preconditioner_kind,
+                self.kernel,
+                self.rank,
+                oversampling=self.oversampling,
+                method=self.preconditioner_kind,
                 seed=self.seed,
             )
         else:
@@ -321,8 +337,14 @@ class CGSolver(Solver):
         pre = None if precond is None else (lambda Rc: precond(Rc.mT).mT)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NumericalWarning)  # we warn ourselves, with per-column numbers
-            Xc = linear_cg(closure, rhs.mT.contiguous(), tolerance=self.rtol, max_iter=self.max_iter,
-                           preconditioner=pre, initial_guess=None if x0 is None else x0.mT.contiguous())
+            Xc = linear_cg(
+                closure,
+                rhs.mT.contiguous(),
+                tolerance=self.rtol,
+                max_iter=self.max_iter,
+                preconditioner=pre,
+                initial_guess=None if x0 is None else x0.mT.contiguous(),
+            )
         X = Xc.mT.contiguous()
         n_loop = calls[0]
         resid = rhs - matmul(X)
@@ -330,8 +352,9 @@ class CGSolver(Solver):
         k = rhs.shape[0]
         # linear_cg multiplies every column every iteration (after one initial residual product).
         iters = max(0, n_loop // max(k, 1) - 1)
-        stats = SolveStats(torch.full((k,), iters, dtype=torch.long), rel.cpu(), (rel <= self.rtol).cpu(),
-                           n_loop + k, "linear_cg")
+        stats = SolveStats(
+            torch.full((k,), iters, dtype=torch.long), rel.cpu(), (rel <= self.rtol).cpu(), n_loop + k, "linear_cg"
+        )
         if not stats.all_converged:
             warn_not_converged(stats, self.rtol, self.max_iter)
         return X, stats
@@ -377,14 +400,26 @@ class CGSolver(Solver):
         if eig is None or not self.adaptive_rank or self._setup_at is None:
             return None
         a, sigma2 = self._setup_at
-        return (f"adaptive preconditioner: rank {eig.rank} ({eig.n_products} kernel products; cap "
-                f"{self.rank}, smallest eigenvalue/a {float(eig.eigenvalues[-1]) / a:.3g} vs "
-                f"{self.rank_threshold:g}·σ² = {self.rank_threshold * sigma2:.3g})")
+        return (
+            f"adaptive preconditioner: rank {eig.rank} ({eig.n_products} kernel products; cap "
+            f"{self.rank}, smallest eigenvalue/a {float(eig.eigenvalues[-1]) / a:.3g} vs "
+            f"{self.rank_threshold:g}·σ² = {self.rank_threshold * sigma2:.3g})"
+        )
 
     # ------------------------------------------------------------------------------------------ cost
     @classmethod
-    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
-                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+    def estimate_cost(
+        cls,
+        c: int,
+        d: int,
+        workload: Workload,
+        *,
+        t_jvp: float,
+        t_vjp: float,
+        flop_rate: float,
+        memory_budget: float,
+        itemsize: int,
+    ) -> SolverCostEstimate:
         """Preconditioner ``r + p`` kernel products; per solve ``i`` (``workload.cg_iterations``) kernel products
         per column; dense ``4c(r+p)`` per iteration and column; memory ``2c(r+p)`` float64
         (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs`)."""
@@ -395,5 +430,6 @@ class CGSolver(Solver):
         vjp = prods + (n + 1)
         flops = (S * (k + 1) + (n + 1)) * it * 4.0 * c * rp + 2.0 * c * rp * rp
         mem = 2.0 * c * rp * 8
-        return cost_estimate("cg", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-                             memory_budget=memory_budget)
+        return cost_estimate(
+            "cg", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
+        )

@@ -21,11 +21,19 @@ from ctuq.memory import Budget
 from ctuq.memory import memory_budget as budget_for
 from ctuq.options import ExactSide, SolverAlias
 
-__all__ = ["Workload", "SolverCostEstimate", "cost_estimate", "estimate_solver_costs", "choose_solver",
-           "resolve_solver", "dense_features_fit", "make_solver"]
+__all__ = [
+    "Workload",
+    "SolverCostEstimate",
+    "cost_estimate",
+    "estimate_solver_costs",
+    "choose_solver",
+    "resolve_solver",
+    "dense_features_fit",
+    "make_solver",
+]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """What the inference will do, to estimate solver costs.
 
@@ -68,6 +76,10 @@ class Workload:
         return self.em_steps * (self.em_samples + 1) + (self.prediction_samples + 1)
 
 
+DEFAULT_WORKLOAD = Workload()
+"""The published run (5 EM steps of 16 samples, 1024 prediction samples): the default of every cost query."""
+
+
 @dataclasses.dataclass
 class SolverCostEstimate:
     """Estimated cost of one solver for a :class:`Workload`.
@@ -86,18 +98,35 @@ class SolverCostEstimate:
     feasible: bool
 
 
-def cost_estimate(name: str, jvp: float, vjp: float, dense_flops: float, memory_bytes: float, *, t_jvp: float,
-                  t_vjp: float, flop_rate: float, memory_budget: float) -> SolverCostEstimate:
+def cost_estimate(
+    name: str,
+    jvp: float,
+    vjp: float,
+    dense_flops: float,
+    memory_bytes: float,
+    *,
+    t_jvp: float,
+    t_vjp: float,
+    flop_rate: float,
+    memory_budget: float,
+) -> SolverCostEstimate:
     """A :class:`SolverCostEstimate` from counts: seconds ``jvp·t_jvp + vjp·t_vjp + dense_flops/flop_rate``,
     feasible when ``memory_bytes ≤ memory_budget`` (bytes)."""
-    return SolverCostEstimate(name, float(jvp), float(vjp), float(dense_flops), float(memory_bytes),
-                              jvp * t_jvp + vjp * t_vjp + dense_flops / flop_rate, memory_bytes <= memory_budget)
+    return SolverCostEstimate(
+        name,
+        float(jvp),
+        float(vjp),
+        float(dense_flops),
+        float(memory_bytes),
+        jvp * t_jvp + vjp * t_vjp + dense_flops / flop_rate,
+        memory_bytes <= memory_budget,
+    )
 
 
 def estimate_solver_costs(
     c: int,
     d: int,
-    workload: Workload = Workload(),
+    workload: Workload = DEFAULT_WORKLOAD,
     *,
     t_jvp: float = 1.0,
     t_vjp: float = 1.0,
@@ -131,8 +160,16 @@ def estimate_solver_costs(
     """
     out: dict[str, SolverCostEstimate] = {}
     for cls in SOLVERS.values():
-        est = cls.estimate_cost(c, d, workload, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-                                memory_budget=memory_budget, itemsize=itemsize)
+        est = cls.estimate_cost(
+            c,
+            d,
+            workload,
+            t_jvp=t_jvp,
+            t_vjp=t_vjp,
+            flop_rate=flop_rate,
+            memory_budget=memory_budget,
+            itemsize=itemsize,
+        )
         if est is not None and est.solver not in out:
             out[est.solver] = est
     return out
@@ -170,7 +207,7 @@ def _measure_rates(features: FeatureOperator) -> tuple[float, float, float]:
 
 def choose_solver(
     features: FeatureOperator,
-    workload: Workload = Workload(),
+    workload: Workload = DEFAULT_WORKLOAD,
     *,
     t_jvp: float | None = None,
     t_vjp: float | None = None,
@@ -193,8 +230,14 @@ def choose_solver(
     if memory_budget is None:
         memory_budget = budget_for(Budget.SOLVER_CHOICE, features.device)
     est = estimate_solver_costs(
-        features.n_outputs, features.n_features, workload, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-        memory_budget=memory_budget, itemsize=torch.empty((), dtype=features.dtype).element_size(),
+        features.n_outputs,
+        features.n_features,
+        workload,
+        t_jvp=t_jvp,
+        t_vjp=t_vjp,
+        flop_rate=flop_rate,
+        memory_budget=memory_budget,
+        itemsize=torch.empty((), dtype=features.dtype).element_size(),
     )
     if not est:
         raise ValueError(f"choose_solver: no registered solver estimates its cost ({list(SOLVERS)}); name one")
@@ -206,7 +249,7 @@ def choose_solver(
 def resolve_solver(
     kind: str,
     features: FeatureOperator,
-    workload: Workload = Workload(),
+    workload: Workload = DEFAULT_WORKLOAD,
     *,
     memory_budget: float | None = None,
 ) -> tuple[str, dict[str, SolverCostEstimate] | None]:
@@ -225,8 +268,7 @@ def resolve_solver(
         kind, estimates = choose_solver(features, workload)
     if kind == SolverAlias.EXACT:
         c, d = features.n_outputs, features.n_features
-        kind = ("exact_primal" if d < c and dense_features_fit(c, d, features.device, memory_budget)
-                else "exact_dual")
+        kind = "exact_primal" if d < c and dense_features_fit(c, d, features.device, memory_budget) else "exact_dual"
     return str(kind), estimates
 
 
@@ -238,7 +280,9 @@ def dense_features_fit(c: int, d: int, device: torch.device | str, memory_budget
     return 2 * c * d * 8 <= memory_budget
 
 
-def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workload = Workload(), **options) -> Solver:
+def make_solver(
+    features: FeatureOperator, kind: str = "auto", workload: Workload = DEFAULT_WORKLOAD, **options
+) -> Solver:
     """A solver for ``features``, constructed (not yet set up): ``kind`` one of
     :func:`~ctuq.inference.solvers.registry.solver_choices` (resolved by :func:`resolve_solver`).
 
@@ -254,7 +298,10 @@ def make_solver(features: FeatureOperator, kind: str = "auto", workload: Workloa
         raise ValueError(f"make_solver: kind must be one of {list(choices)}, got {kind!r}")
     if kind == SolverAlias.EXACT and side in (ExactSide.PRIMAL, ExactSide.DUAL):
         kind = f"exact_{side}"
-    wl = dataclasses.replace(workload, rank=int(options.get("rank", workload.rank)),
-                             oversampling=int(options.get("oversampling", workload.oversampling)))
+    wl = dataclasses.replace(
+        workload,
+        rank=int(options.get("rank", workload.rank)),
+        oversampling=int(options.get("oversampling", workload.oversampling)),
+    )
     name, _ = resolve_solver(kind, features, wl)
     return SOLVERS[name](features, **solver_kwargs(options, name))

@@ -60,8 +60,15 @@ class ExactEigSolver(ExactSolver):
         Which Gram matrix to decompose (above).
     """
 
-    def __init__(self, features: FeatureOperator, *, chunk_size: int = 64, memory_budget: int | None = None,
-                 progress: bool = False, side: str = "auto"):
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        chunk_size: int = 64,
+        memory_budget: int | None = None,
+        progress: bool = False,
+        side: str = "auto",
+    ):
         if side not in values(ExactSide):
             raise ValueError(f"ExactEigSolver: side must be 'auto', 'dual' or 'primal', got {side!r}")
         super().__init__(features)
@@ -87,8 +94,9 @@ class ExactEigSolver(ExactSolver):
             t0 = time.perf_counter()
             before = self.features.n_rmatvec + self.features.n_matvec
             if self.resolved_side == "dual":
-                K = assemble_kernel(self.features, chunk_size=self.chunk_size, memory_budget=self.memory_budget,
-                                    progress=self.progress)
+                K = assemble_kernel(
+                    self.features, chunk_size=self.chunk_size, memory_budget=self.memory_budget, progress=self.progress
+                )
                 lam, Q = torch.linalg.eigh(K)
                 del K
             else:
@@ -128,8 +136,9 @@ class ExactEigSolver(ExactSolver):
         _, Q = self.decompose()
         return b / sigma2 + ((b @ Q) * (self._coef(a, sigma2) - 1.0 / sigma2)) @ Q.T
 
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
-              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+    def solve(
+        self, rhs: torch.Tensor, a: float, sigma2: float, *, x0: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, SolveStats]:
         """``C⁻¹ rhs`` for rows ``(k, c)`` (dense, no Jacobian products; ``x0`` is ignored); residual from the
         decomposition."""
         rhs = self._check_rhs(rhs)
@@ -195,8 +204,10 @@ class ExactEigSolver(ExactSolver):
             return
         if not isinstance(state, dict) or not {"eigenvalues", "eigenvectors"} <= set(state):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with 'eigenvalues' and "
-                             f"'eigenvectors', got {got}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: expected a dict with 'eigenvalues' and "
+                f"'eigenvectors', got {got}"
+            )
         self.load_decomposition(state["eigenvalues"], state["eigenvectors"])
 
     # ------------------------------------------------------------------------------------------ reporting
@@ -206,8 +217,18 @@ class ExactEigSolver(ExactSolver):
 
     # ------------------------------------------------------------------------------------------ cost
     @classmethod
-    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
-                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+    def estimate_cost(
+        cls,
+        c: int,
+        d: int,
+        workload: Workload,
+        *,
+        t_jvp: float,
+        t_vjp: float,
+        flop_rate: float,
+        memory_budget: float,
+        itemsize: int,
+    ) -> SolverCostEstimate:
         """The one ``"exact"`` estimate of both sides: the primal route when ``d < c``, else the dual one with
         Gram assembly when ``Ψᵀ`` (``c·d·itemsize`` bytes) fits ``memory_budget``
         (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs`)."""
@@ -223,8 +244,9 @@ class ExactEigSolver(ExactSolver):
             jvp = (0 if gram else c) + n
             flops = 9.0 * c**3 + (2.0 * c * c * d if gram else 0.0) + 4.0 * c * c * (n + 1)
             mem = 3.0 * c * c * 8 + (c * d * itemsize if gram else 0.0)
-        return cost_estimate("exact", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-                             memory_budget=memory_budget)
+        return cost_estimate(
+            "exact", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
+        )
 
 
 @register_solver
@@ -237,10 +259,17 @@ class ExactPrimalSolver(ExactEigSolver):
     summary = "assemble Ψ (d JVPs) and eigendecompose the d × d Gram ΨᵀΨ; small networks (d < c)"
     assembles_features = True
 
-    def __init__(self, features: FeatureOperator, *, chunk_size: int = 64, memory_budget: int | None = None,
-                 progress: bool = False):
-        super().__init__(features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress,
-                         side=ExactSide.PRIMAL)
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        chunk_size: int = 64,
+        memory_budget: int | None = None,
+        progress: bool = False,
+    ):
+        super().__init__(
+            features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress, side=ExactSide.PRIMAL
+        )
 
     def state_dict(self) -> dict | None:
         """``None``: the decomposition is recomputed from the assembled ``Ψ`` (dense flops, no products)."""
@@ -255,7 +284,14 @@ class ExactDualSolver(ExactEigSolver):
     name = "exact_dual"
     summary = "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c"
 
-    def __init__(self, features: FeatureOperator, *, chunk_size: int = 64, memory_budget: int | None = None,
-                 progress: bool = False):
-        super().__init__(features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress,
-                         side=ExactSide.DUAL)
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        chunk_size: int = 64,
+        memory_budget: int | None = None,
+        progress: bool = False,
+    ):
+        super().__init__(
+            features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress, side=ExactSide.DUAL
+        )

@@ -100,8 +100,17 @@ class FirstOrderSolver(Solver):
 
     warm_starts = True
 
-    def __init__(self, features: FeatureOperator, *, max_iter: int, rtol: float, momentum: float, seed: int = 0,
-                 lanczos_steps: int = 20, lambda_max: float | None = None):
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        max_iter: int,
+        rtol: float,
+        momentum: float,
+        seed: int = 0,
+        lanczos_steps: int = 20,
+        lambda_max: float | None = None,
+    ):
         cls = type(self).__name__
         if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
             raise ValueError(f"{cls}: momentum must lie in [0, 1), got {momentum!r}")
@@ -138,8 +147,9 @@ class FirstOrderSolver(Solver):
             t0 = time.perf_counter()
             lam, n = lanczos_top_eigenvalue(self.kernel, self.lanczos_steps, seed=self.seed)
             if not lam > 0:
-                raise FloatingPointError(f"{type(self).__name__}: K̄ = ΨΨᵀ is zero (λ_max estimate {lam}); the "
-                                         f"features carry no information")
+                raise FloatingPointError(
+                    f"{type(self).__name__}: K̄ = ΨΨᵀ is zero (λ_max estimate {lam}); the features carry no information"
+                )
             self._lambda_max, self.n_setup_products = lam, n
             self.setup_time_s = time.perf_counter() - t0
         return self._lambda_max
@@ -157,8 +167,9 @@ class FirstOrderSolver(Solver):
         if state is None:
             return
         if not isinstance(state, dict) or "lambda_max" not in state:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with 'lambda_max', got "
-                             f"{type(state).__name__}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: expected a dict with 'lambda_max', got {type(state).__name__}"
+            )
         lam = float(state["lambda_max"])
         if not (lam > 0 and math.isfinite(lam)):
             raise ValueError(f"{type(self).__name__}.load_state_dict: lambda_max must be positive, got {lam}")

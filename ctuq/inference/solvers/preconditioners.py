@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -97,11 +97,16 @@ class LowRankEig:
 
     def state_dict(self) -> dict:
         """Plain tensors/ints/strs (loadable with ``torch.load(weights_only=True)``)."""
-        return {"U": self.U.cpu(), "eigenvalues": self.eigenvalues.cpu(), "n_products": self.n_products,
-                "method": self.method, "n_diag_products": self.n_diag_products}
+        return {
+            "U": self.U.cpu(),
+            "eigenvalues": self.eigenvalues.cpu(),
+            "n_products": self.n_products,
+            "method": self.method,
+            "n_diag_products": self.n_diag_products,
+        }
 
     @classmethod
-    def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> "LowRankEig":
+    def from_state_dict(cls, state: dict, device: torch.device | str = "cpu") -> LowRankEig:
         """Inverse of :meth:`state_dict`."""
         missing = {"U", "eigenvalues", "n_products", "method"} - set(state)
         if missing:
@@ -111,8 +116,13 @@ class LowRankEig:
             raise ValueError(
                 f"LowRankEig.from_state_dict: U {tuple(U.shape)} and eigenvalues {tuple(lam.shape)} do not fit"
             )
-        return cls(U.to(device), lam.to(device), int(state["n_products"]), str(state["method"]),
-                   int(state.get("n_diag_products", 0)))
+        return cls(
+            U.to(device),
+            lam.to(device),
+            int(state["n_products"]),
+            str(state["method"]),
+            int(state.get("n_diag_products", 0)),
+        )
 
 
 class LowRankPreconditioner:

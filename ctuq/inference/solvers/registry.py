@@ -12,13 +12,12 @@ Solver options (:func:`solver_kwargs`): one mapping serves every solver. Flat ke
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ctuq.inference.solvers.base import Solver
 from ctuq.options import SolverAlias, values
 
-__all__ = ["SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options",
-           "solver_kwargs"]
+__all__ = ["SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options", "solver_kwargs"]
 
 SOLVERS: dict[str, type[Solver]] = {}
 """Every registered solver, by name, in registration order."""
@@ -31,8 +30,10 @@ def register_solver(cls: type[Solver]) -> type[Solver]:
         raise TypeError(f"register_solver: {cls!r} is not a Solver subclass")
     name = cls.name
     if not isinstance(name, str) or not name or name in values(SolverAlias):
-        raise ValueError(f"register_solver: {cls.__name__}.name must be a non-empty string other than "
-                         f"{list(values(SolverAlias))}, got {name!r}")
+        raise ValueError(
+            f"register_solver: {cls.__name__}.name must be a non-empty string other than "
+            f"{list(values(SolverAlias))}, got {name!r}"
+        )
     if name in SOLVERS and SOLVERS[name] is not cls:
         raise ValueError(f"register_solver: the name {name!r} is taken by {SOLVERS[name].__name__}")
     SOLVERS[name] = cls
@@ -57,15 +58,16 @@ def check_solver_options(options: Mapping, where: str = "LinearizedPosterior") -
     for key, value in options.items():
         if key in SOLVERS:
             if not isinstance(value, Mapping):
-                raise ValueError(f"{where}: solver options under {key!r} must be a mapping, got "
-                                 f"{type(value).__name__}")
+                raise ValueError(f"{where}: solver options under {key!r} must be a mapping, got {type(value).__name__}")
             valid = SOLVERS[key].option_names()
             bad = sorted(set(value) - valid)
             if bad:
                 raise ValueError(f"{where}: unknown {key} option(s) {bad}; valid: {sorted(valid)}")
         elif key not in flat:
-            raise ValueError(f"{where}: unknown solver option {key!r}; valid: {sorted(flat)} and per-solver "
-                             f"mappings under {list(SOLVERS)}")
+            raise ValueError(
+                f"{where}: unknown solver option {key!r}; valid: {sorted(flat)} and per-solver "
+                f"mappings under {list(SOLVERS)}"
+            )
 
 
 def solver_kwargs(options: Mapping, name: str) -> dict:

@@ -53,8 +53,14 @@ from ctuq.utils import derived_seed_words
 
 __all__ = ["SDDSolver", "SDD_DEFAULTS"]
 
-SDD_DEFAULTS = {"step_size": 1.0, "momentum": 0.99, "batch_size": None, "max_iter": 1000, "rtol": 1e-2,
-                "averaging": None}
+SDD_DEFAULTS = {
+    "step_size": 1.0,
+    "momentum": 0.99,
+    "batch_size": None,
+    "max_iter": 1000,
+    "rtol": 1e-2,
+    "averaging": None,
+}
 """Defaults of :class:`SDDSolver` (``averaging=None``: the published ``χ = 100/max_iter``). The step size and
 budget are from the CPU tuning table in docs/NOTES.md (full batch)."""
 
@@ -82,20 +88,38 @@ class SDDSolver(FirstOrderSolver):
     """
 
     name = "sdd"
-    summary = ("stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or coordinate "
-               "blocks); large c")
+    summary = (
+        "stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or coordinate blocks); large c"
+    )
 
-    def __init__(self, features: FeatureOperator, *, step_size: float = SDD_DEFAULTS["step_size"],
-                 momentum: float = SDD_DEFAULTS["momentum"], batch_size: int | None = SDD_DEFAULTS["batch_size"],
-                 averaging: float | None = SDD_DEFAULTS["averaging"], max_iter: int = SDD_DEFAULTS["max_iter"],
-                 rtol: float = SDD_DEFAULTS["rtol"], seed: int = 0, lanczos_steps: int = 20,
-                 lambda_max: float | None = None):
-        super().__init__(features, max_iter=max_iter, rtol=rtol, momentum=momentum, seed=seed,
-                         lanczos_steps=lanczos_steps, lambda_max=lambda_max)
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        step_size: float = SDD_DEFAULTS["step_size"],
+        momentum: float = SDD_DEFAULTS["momentum"],
+        batch_size: int | None = SDD_DEFAULTS["batch_size"],
+        averaging: float | None = SDD_DEFAULTS["averaging"],
+        max_iter: int = SDD_DEFAULTS["max_iter"],
+        rtol: float = SDD_DEFAULTS["rtol"],
+        seed: int = 0,
+        lanczos_steps: int = 20,
+        lambda_max: float | None = None,
+    ):
+        super().__init__(
+            features,
+            max_iter=max_iter,
+            rtol=rtol,
+            momentum=momentum,
+            seed=seed,
+            lanczos_steps=lanczos_steps,
+            lambda_max=lambda_max,
+        )
         if not (isinstance(step_size, (int, float)) and step_size > 0 and math.isfinite(step_size)):
             raise ValueError(f"SDDSolver: step_size must be positive and finite, got {step_size!r}")
-        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                       or batch_size < 1):
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+        ):
             raise ValueError(f"SDDSolver: batch_size must be a positive int or None (full batch), got {batch_size!r}")
         if averaging is not None and not (isinstance(averaging, (int, float)) and 0 < averaging <= 1):
             raise ValueError(f"SDDSolver: averaging (χ) must lie in (0, 1], got {averaging!r}")
@@ -111,8 +135,9 @@ class SDDSolver(FirstOrderSolver):
         hi, lo = derived_seed_words(self.seed, int.from_bytes(digest, "little"))
         return torch.Generator(device="cpu").manual_seed((hi << 32 | lo) & 0x7FFF_FFFF_FFFF_FFFF)
 
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
-              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+    def solve(
+        self, rhs: torch.Tensor, a: float, sigma2: float, *, x0: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, SolveStats]:
         """``C⁻¹ rhs`` for rows ``rhs`` ``(k, c)``; ``x0`` ``(k, c)`` warm start (default zeros)."""
         rhs = self._check_rhs(rhs)
         x0 = self._check_x0(x0, rhs)
@@ -150,8 +175,16 @@ class SDDSolver(FirstOrderSolver):
                 out[idx] = L[done]
                 rel[idx] = rel_L[done]
                 keep = ~done
-                active, U, V, Ubar, B, L, G, rel_L = (active[keep], U[keep], V[keep], Ubar[keep], B[keep],
-                                                      L[keep], G[keep], rel_L[keep])
+                active, U, V, Ubar, B, L, G, rel_L = (
+                    active[keep],
+                    U[keep],
+                    V[keep],
+                    Ubar[keep],
+                    B[keep],
+                    L[keep],
+                    G[keep],
+                    rel_L[keep],
+                )
                 if active.numel() == 0:
                     break
             if gen is not None:
@@ -178,8 +211,18 @@ class SDDSolver(FirstOrderSolver):
         return out, self._finish(rel, iterations, n_products, "sdd")
 
     @classmethod
-    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
-                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+    def estimate_cost(
+        cls,
+        c: int,
+        d: int,
+        workload: Workload,
+        *,
+        t_jvp: float,
+        t_vjp: float,
+        flop_rate: float,
+        memory_budget: float,
+        itemsize: int,
+    ) -> SolverCostEstimate:
         """``λ_max`` by ``lanczos_steps`` kernel products; every solve ``T + 1`` kernel products per column
         (``T = workload.sdd_iterations``, plus the exact final residual); memory five ``chunk × c`` buffers and the
         Lanczos basis (:func:`~ctuq.inference.solvers.cost.estimate_solver_costs`)."""
@@ -190,5 +233,6 @@ class SDDSolver(FirstOrderSolver):
         m = max(k + 1, workload.chunk)
         flops = n_solves * 10.0 * c * T
         mem = 5.0 * m * c * itemsize + L * c * 8.0
-        return cost_estimate("sdd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-                             memory_budget=memory_budget)
+        return cost_estimate(
+            "sdd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
+        )

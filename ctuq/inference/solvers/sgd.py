@@ -59,8 +59,15 @@ from ctuq.options import LRDecay, values
 
 __all__ = ["SGDSolver", "SGD_DEFAULTS"]
 
-SGD_DEFAULTS = {"lr": 1.0, "momentum": 0.99, "max_iter": 1000, "rtol": 1e-2, "lr_decay": "none", "clip": None,
-                "check_every": 10}
+SGD_DEFAULTS = {
+    "lr": 1.0,
+    "momentum": 0.99,
+    "max_iter": 1000,
+    "rtol": 1e-2,
+    "lr_decay": "none",
+    "clip": None,
+    "check_every": 10,
+}
 """Defaults of :class:`SGDSolver`, from the CPU tuning table in docs/NOTES.md."""
 
 
@@ -89,13 +96,30 @@ class SGDSolver(FirstOrderSolver):
     name = "sgd"
     summary = "primal sample-then-optimise: Nesterov gradient descent over the weights, C⁻¹r = (r − Ψz*)/σ²; large c"
 
-    def __init__(self, features: FeatureOperator, *, lr: float = SGD_DEFAULTS["lr"],
-                 momentum: float = SGD_DEFAULTS["momentum"], lr_decay: str = SGD_DEFAULTS["lr_decay"],
-                 clip: float | None = SGD_DEFAULTS["clip"], check_every: int = SGD_DEFAULTS["check_every"],
-                 max_iter: int = SGD_DEFAULTS["max_iter"], rtol: float = SGD_DEFAULTS["rtol"], seed: int = 0,
-                 lanczos_steps: int = 20, lambda_max: float | None = None):
-        super().__init__(features, max_iter=max_iter, rtol=rtol, momentum=momentum, seed=seed,
-                         lanczos_steps=lanczos_steps, lambda_max=lambda_max)
+    def __init__(
+        self,
+        features: FeatureOperator,
+        *,
+        lr: float = SGD_DEFAULTS["lr"],
+        momentum: float = SGD_DEFAULTS["momentum"],
+        lr_decay: str = SGD_DEFAULTS["lr_decay"],
+        clip: float | None = SGD_DEFAULTS["clip"],
+        check_every: int = SGD_DEFAULTS["check_every"],
+        max_iter: int = SGD_DEFAULTS["max_iter"],
+        rtol: float = SGD_DEFAULTS["rtol"],
+        seed: int = 0,
+        lanczos_steps: int = 20,
+        lambda_max: float | None = None,
+    ):
+        super().__init__(
+            features,
+            max_iter=max_iter,
+            rtol=rtol,
+            momentum=momentum,
+            seed=seed,
+            lanczos_steps=lanczos_steps,
+            lambda_max=lambda_max,
+        )
         if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
             raise ValueError(f"SGDSolver: lr must be positive and finite, got {lr!r}")
         if lr_decay not in values(LRDecay):
@@ -109,8 +133,9 @@ class SGDSolver(FirstOrderSolver):
         self.clip = None if clip is None else float(clip)
         self.check_every = int(check_every)
 
-    def solve(self, rhs: torch.Tensor, a: float, sigma2: float, *,
-              x0: torch.Tensor | None = None) -> tuple[torch.Tensor, SolveStats]:
+    def solve(
+        self, rhs: torch.Tensor, a: float, sigma2: float, *, x0: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, SolveStats]:
         """``C⁻¹ rhs = (rhs − Ψz*)/σ²`` for rows ``rhs`` ``(k, c)``; ``x0`` ``(k, c)``: dual warm start."""
         rhs = self._check_rhs(rhs)
         x0 = self._check_x0(x0, rhs)
@@ -171,8 +196,18 @@ class SGDSolver(FirstOrderSolver):
         return out, self._finish(rel, iterations, n_products, "sgd")
 
     @classmethod
-    def estimate_cost(cls, c: int, d: int, workload: Workload, *, t_jvp: float, t_vjp: float, flop_rate: float,
-                      memory_budget: float, itemsize: int) -> SolverCostEstimate:
+    def estimate_cost(
+        cls,
+        c: int,
+        d: int,
+        workload: Workload,
+        *,
+        t_jvp: float,
+        t_vjp: float,
+        flop_rate: float,
+        memory_budget: float,
+        itemsize: int,
+    ) -> SolverCostEstimate:
         """``λ_max`` by ``lanczos_steps`` kernel products; every solve ``T`` kernel products per column
         (``T = workload.sgd_iterations``), ``T/10 + 1`` JVPs for the residual checks and one VJP for a warm start;
         memory four ``chunk × d`` buffers and the Lanczos basis
@@ -185,5 +220,6 @@ class SGDSolver(FirstOrderSolver):
         m = max(k + 1, workload.chunk)
         flops = n_solves * 10.0 * c * T * d / max(c, 1)
         mem = 4.0 * m * d * itemsize + L * c * 8.0
-        return cost_estimate("sgd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate,
-                             memory_budget=memory_budget)
+        return cost_estimate(
+            "sgd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
+        )
