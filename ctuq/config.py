@@ -200,7 +200,7 @@ class TVConfig:
 
 @dataclasses.dataclass
 class UQConfig:
-    """Linearised inference (DESIGN.md §1; ``ctuq.uq.run_linearized_uq``). ``--no-uq`` skips it.
+    """Linearised inference (DESIGN.md §1; ``ctuq.pipeline.uq.run_linearized_uq``). ``--no-uq`` skips it.
 
     The one settings class of the inference: the ``uq`` config section, and what the CT front end takes;
     :func:`posterior_arguments` maps it onto :class:`ctuq.inference.LinearizedPosterior`'s arguments. Built in

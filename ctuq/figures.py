@@ -68,10 +68,6 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     return path
 
 
-# Transitional: design/plots.py imports the old private names; remove once it imports new_figure/save_figure.
-_figure, _save = new_figure, save_figure
-
-
 def _image(x, name: str, where: str) -> np.ndarray:
     if not isinstance(x, (torch.Tensor, np.ndarray)):
         raise TypeError(f"{where}: {name} must be a torch.Tensor or numpy array, got {type(x).__name__}")

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from ctuq.metrics.image import image_metrics  # noqa: F401 - transitional: import it from ctuq.metrics.image
 from ctuq.utils import atomic_path, atomic_write_json, atomic_write_tiff, to_numpy
 
 __all__ = [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import json
 import math
 import os
@@ -26,7 +25,6 @@ from tqdm.auto import tqdm
 from ctuq.errors import DeviceError
 
 __all__ = [
-    "lazy_exports",
     "atomic_path",
     "atomic_write_json",
     "atomic_torch_save",
@@ -240,24 +238,3 @@ def derived_seed_words(seed: int, index: int) -> tuple[int, int]:
         raise ValueError(f"derived_seed_words: seed and index must be >= 0, got {seed}, {index}")
     w = np.random.SeedSequence([int(seed), int(index)]).generate_state(2, dtype=np.uint32)
     return int(w[0]), int(w[1])
-
-
-def lazy_exports(package: str, table: dict[str, str]):
-    """``(__getattr__, __dir__)`` for a package whose names are imported on first use.
-
-    ``table`` maps each exported name to the submodule of ``package`` that defines it; the first access imports
-    that submodule and caches the value in the package's namespace. Packages use it where an eager import would
-    make a cycle (``ctuq.pipeline``) or pull heavy modules into ``ctuq.config`` (``ctuq.design``).
-    """
-
-    def __getattr__(name: str):
-        if name in table:
-            value = getattr(importlib.import_module(f"{package}.{table[name]}"), name)
-            setattr(sys.modules[package], name, value)
-            return value
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:
-        return sorted(set(vars(sys.modules[package])) | set(table))
-
-    return __getattr__, __dir__

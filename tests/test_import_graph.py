@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("linearize", "priors"),
     ("inference",),
     ("reconstruct",),
-    ("uq", "design", "classify"),
+    ("design", "classify"),
     ("config",),
     ("pipeline",),
     ("studies",),

@@ -293,7 +293,7 @@ class BlockRowStore:
 
 def sparse_rows(op) -> torch.Tensor:
     """``T`` of a :class:`~ctuq.operators.SparseRayTransform` as a torch CSR tensor ``(c, d_x)`` on its device."""
-    return op._T
+    return op.csr
 
 
 def kernel_apply(factor, scales: torch.Tensor, a: float, X: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ctuq.figures import _figure, _save
+from ctuq.figures import new_figure, save_figure
 from ctuq.outputs import to_numpy
 
 __all__ = ["plot_design_polar", "plot_std_maps", "plot_psnr_curves"]
@@ -31,7 +31,7 @@ def plot_design_polar(
     """
     from matplotlib import cm  # matplotlib is imported only to draw, as in ctuq.figures
 
-    fig = _figure(None, (5.2, 5.2), dpi)
+    fig = new_figure(None, (5.2, 5.2), dpi)
     ax = fig.add_subplot(projection="polar")
     mirror = period_deg < 359.0
     for a in pilot_deg:
@@ -48,14 +48,14 @@ def plot_design_polar(
         title or f"pilot (grey, {len(pilot_deg)}) and {len(acquired_deg)} acquired angles (order: colour, number)",
         fontsize=9,
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_std_maps(path, maps: Mapping[str, object], *, dpi: int = 120):
     """Posterior std maps side by side on one colour scale (e.g. ``{"after the pilot": …, "after the design": …}``)."""
     arrays = {k: to_numpy(v) for k, v in maps.items()}
     vmax = max(float(np.quantile(a, 0.999)) for a in arrays.values()) or 1.0
-    fig = _figure(None, (3.4 * len(arrays) + 0.6, 3.4), dpi)
+    fig = new_figure(None, (3.4 * len(arrays) + 0.6, 3.4), dpi)
     axes = fig.subplots(1, len(arrays), squeeze=False)[0]
     im = None
     for ax, (name, a) in zip(axes, arrays.items()):
@@ -63,12 +63,12 @@ def plot_std_maps(path, maps: Mapping[str, object], *, dpi: int = 120):
         ax.set_title(f"std {name}\nmean {a.mean():.3g}", fontsize=9)
         ax.axis("off")
     fig.colorbar(im, ax=list(axes), shrink=0.8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylabel: str = "PSNR (dB)", dpi: int = 120):
     """PSNR against number of angles: ``curves[name] = (counts, mean, stderr)`` (stderr may be ``None``)."""
-    fig = _figure(None, (6.4, 4.4), dpi)
+    fig = new_figure(None, (6.4, 4.4), dpi)
     ax = fig.add_subplot()
     for name, (x, mean, err) in curves.items():
         x, mean = np.asarray(x, float), np.asarray(mean, float)
@@ -82,4 +82,4 @@ def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylab
     ax.legend(fontsize=7)
     if title:
         ax.set_title(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -13,7 +13,7 @@ be computed anywhere as long as every draw comes from a generator that does not 
   rank 0 at the end.
 
 The union of the shards is therefore the single-process run for the same seed; only the order of float64
-summation differs (results agree to ~1e-12 relative, ``tests/test_scale_distributed.py``).
+summation differs (results agree to ~1e-12 relative, ``tests/inference/test_distributed.py``).
 
 :class:`LocalShard` (one process) makes every operation a no-op; :class:`TorchShard` wraps an initialised default
 process group (``gloo`` on CPU tensors, ``nccl`` on CUDA tensors: collectives run on :attr:`TorchShard.device`).

@@ -26,7 +26,7 @@ Units: line integrals in mm of an image in mm⁻¹, as the sparse backend. Since
 projection returns world-unit line integrals and the CUDA back-projection is scaled as its approximate transpose
 (ODL's ``astra_cuda_bp_scaling_factor`` for ASTRA ≥ 1.9.9 only adds its own space weightings), so no rescaling
 is applied. ASTRA's BP is voxel-driven and not the exact transpose of its ray-driven FP: ⟨Tx, y⟩ and ⟨x, Tᵀy⟩
-agree to about 1–2 % for smooth x, y (``tests/test_astra_cuda.py`` measures it). ASTRA's *cone* BP weights
+agree to about 1–2 % for smooth x, y (``tests/operators/test_astra_cuda.py`` measures it). ASTRA's *cone* BP weights
 voxels by the 3D ray density (∝ 1/depth²), which is wrong for a one-row detector (a single sheet of rays
 through a slab), so the fan/cone-slice modes use a pixel-driven torch back-projection with the in-plane density
 weights (:func:`ctuq.operators.fbp.slab_adjoint_backprojection`) as ``Tᵀ``; on the CPU it matches the exact

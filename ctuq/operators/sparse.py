@@ -290,6 +290,12 @@ class SparseRayTransform(RayTransform):
         return new
 
     @property
+    def csr(self) -> torch.Tensor:
+        """``T`` as a torch sparse CSR tensor ``(c, d_x)`` on :attr:`device` (the matrix every forward product
+        uses; callers must not modify it)."""
+        return self._T
+
+    @property
     def nnz(self) -> int:
         """Number of stored non-zeros of ``T``."""
         return int(self.matrix.nnz)

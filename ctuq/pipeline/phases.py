@@ -28,9 +28,10 @@ import torch
 from ctuq import __version__
 from ctuq.config import Config, ConfigError
 from ctuq.errors import CTUQError, NonFiniteLossError
+from ctuq.metrics.image import image_metrics
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
-from ctuq.outputs import image_metrics, package_versions, write_figure, write_metrics, write_tiff
+from ctuq.outputs import package_versions, write_figure, write_metrics, write_tiff
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.scan import load_scan
 from ctuq.reconstruct.classical import tv_reconstruction

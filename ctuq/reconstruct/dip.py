@@ -35,7 +35,6 @@ from torch import nn
 
 from ctuq.errors import CheckpointMismatch
 from ctuq.metrics.image import (
-    psnr,  # noqa: F401 - transitional: studies/angle_selection.py imports it from here
     psnr_from_mse,
 )
 from ctuq.operators.base import RayTransform

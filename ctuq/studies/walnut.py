@@ -30,8 +30,9 @@ import torch
 from ctuq import figures
 from ctuq.data import WalnutScan, load_walnut_slice
 from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
+from ctuq.metrics.image import image_metrics
 from ctuq.models import build_unet, count_parameters
-from ctuq.outputs import image_metrics, package_versions, write_metrics, write_tiff
+from ctuq.outputs import package_versions, write_metrics, write_tiff
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
 from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 from ctuq.reconstruct import mc_dropout_predict

@@ -7,7 +7,7 @@ right-hand side. The preconditioner (low-rank Nyström/Halko eigendecomposition,
 for every ``(a, σ²)``.
 
 Why not linear_operator's ``linear_cg`` (measured:
-``tests/test_inference.py::test_pcg_uses_fewer_products_than_linear_cg`` and
+``tests/inference/test_inference_core.py::test_pcg_uses_fewer_products_than_linear_cg`` and
 ``scripts/benchmark_inference.py --compare-cg``): ``linear_cg``
 
 1. always runs at least 11 iterations (it only tests convergence from iteration 10 on), while with a rank-400

@@ -27,8 +27,8 @@ Start: ``x0`` when given (warm start), else ``u₀ = b/σ²``, the dual image of
 (``u = (b − Ψz)/σ²``). From there, the full-batch iteration with step ``η/λ_max(C)`` produces *exactly* the
 iterates of the primal :class:`~ctuq.inference.solvers.sgd.SGDSolver` with ``lr = η`` mapped to the dual (both are
 gradient descent with momentum on the same quadratic in coordinates related by ``u = (b − Ψz)/σ²``; checked in
-``tests/test_scale_solvers.py``): full-batch SDD and primal SGD differ only in averaging, clipping, the learning-rate
-schedule and what a residual costs.
+``tests/inference/test_first_order_solvers.py``): full-batch SDD and primal SGD differ only in averaging, clipping,
+the learning-rate schedule and what a residual costs.
 
 What a solve returns per row: the look-ahead iterate at which its residual first fell below ``rtol``; or, at the
 iteration budget, whichever of the averaged iterate ``ū`` (residual computed: one more product) and the last

@@ -28,7 +28,7 @@ from ctuq.errors import CTUQError, is_user_error
 from ctuq.geometry import VolumeGeometry
 from ctuq.operators import SparseRayTransform
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

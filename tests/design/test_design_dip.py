@@ -258,7 +258,7 @@ def test_study_script_options_and_images_file(tmp_path, capsys):
 
     from ctuq.studies.angle_selection import DEFAULTS, load_images
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "angle_selection.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "angle_selection.py"
     spec = importlib.util.spec_from_file_location("angle_selection_script", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -17,7 +17,7 @@ from ctuq.models.model_file import MODEL_FILE_VERSION, read_model_file
 from ctuq.studies import exact_decision
 from ctuq.studies.walnut import DEFAULTS, METHODS, TINY
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "walnut_study.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walnut_study.py"
 SETTINGS = (4, 8)  # the --tiny angle counts
 
 
