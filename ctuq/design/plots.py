@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from matplotlib import cm
 
 from ctuq.figures import new_figure, save_figure
 from ctuq.outputs import to_numpy
@@ -29,8 +30,6 @@ def plot_design_polar(
 
     Parallel-beam angles (``period_deg = 180``) are drawn at ``θ`` and ``θ + 180°`` (the same rays).
     """
-    from matplotlib import cm  # matplotlib is imported only to draw, as in ctuq.figures
-
     fig = new_figure(None, (5.2, 5.2), dpi)
     ax = fig.add_subplot(projection="polar")
     mirror = period_deg < 359.0
