@@ -499,9 +499,8 @@ class LinearizedNetwork:
         return (
             f"memory budget: one {kind.upper()} of this network (output {tuple(self.output_shape)}, "
             f"{self.d:,} weights) needs {fixed / gib:.2f} GiB fixed{need} on {self.device}, but the budget is "
-            f"{budget / gib:.2f} GiB; raise it (uq.memory_budget_gb), compute on a device with more memory, use "
-            f"mode='recompute' (keeps no traced intermediates), or reconstruct a smaller volume "
-            f"(data.image_shape)"
+            f"{budget / gib:.2f} GiB; raise it (memory_budget=), compute on a device with more memory, use "
+            f"mode='recompute' (keeps no traced intermediates), or use a smaller output"
         )
 
     def estimate_memory(self, kind: str) -> tuple[int, int]:

@@ -50,7 +50,7 @@ from ctuq.config import UQConfig, check_section, posterior_arguments
 from ctuq.errors import CTUQError
 from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
 from ctuq.inference.solvers import SOLVERS
-from ctuq.linearize import LinearizedNetwork
+from ctuq.linearize import LinearizedNetwork, MemoryBudgetError
 from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
 from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.options import Prior
@@ -599,4 +599,8 @@ def run_linearized_uq(
         moments_checkpoint_seconds=moments_checkpoint_seconds,
         shard=shard,
     )
-    return run.set_up().fit().stream_moments().report()
+    try:
+        return run.set_up().fit().stream_moments().report()
+    except MemoryBudgetError as exc:
+        # The core names its own arguments; the run's config keys that set them are named here.
+        raise MemoryBudgetError(f"{exc} (in a ctuq run: uq.memory_budget_gb, data.image_shape)") from exc

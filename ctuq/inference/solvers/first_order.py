@@ -202,7 +202,7 @@ class FirstOrderSolver(Solver):
             warnings.warn(
                 f"{method.upper()} stopped short for {n_bad} of {stats.converged.numel()} right-hand side(s) after "
                 f"{self.max_iter} iterations: largest relative residual {float(stats.relative_residual.max()):.3e} "
-                f"> rtol {self.rtol:.1e}. Raise max_iter (uq.{method}_iterations), tune the step size, or loosen "
+                f"> rtol {self.rtol:.1e}. Raise max_iter, tune the step size, or loosen "
                 f"the tolerance; samples then carry a solver bias (mostly in low-variance directions).",
                 ConvergenceWarning,
                 stacklevel=3,
