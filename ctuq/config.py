@@ -39,6 +39,7 @@ from ctuq.models.unet import PRESETS
 from ctuq.options import (
     Backend,
     Baseline,
+    Calibration,
     Criterion,
     DenseFeatures,
     DesignPriorKind,
@@ -49,6 +50,7 @@ from ctuq.options import (
     FilterType,
     GPriorMethod,
     LRDecay,
+    NoiseModel,
     Preconditioner,
     Prior,
     values,
@@ -284,6 +286,11 @@ class UQConfig:
         None, gt=0.0, help="σ² (scaled data units); null: the DIP's mean squared residual"
     )
     learn_noise: bool = option(True, help="update σ² in the EM too")
+    noise: str = option(
+        "homoscedastic",
+        choices=values(NoiseModel),
+        help="homoscedastic: ε ~ N(0, σ² I); per_ray: ε ~ N(0, σ² D) with D the scan's photon-statistics variances",
+    )
     samples: int = option(1024, ge=2, help="prediction samples")
     sample_chunk: int = option(64, ge=1, help="prediction samples solved (and checkpointed) together")
     chunk_size: int | None = option(None, ge=1, help="vectors per vmapped Jacobian product; null: automatic")
@@ -293,6 +300,13 @@ class UQConfig:
         help="evaluation region: the published inner square (72:424 of 501², scaled) or all pixels",
     )
     patch_sizes: list[int] = option(factory=lambda: list(range(1, 11)), ge=1, help="joint-LL patch sizes")
+    calibration: str = option(
+        "none",
+        choices=values(Calibration),
+        help="none: std.tif is the posterior std; heldout: std.tif is the std × k fitted by maximum likelihood to the "
+        "scan's unused angles (std_uncalibrated.tif keeps the posterior's); the check runs either way when the scan "
+        "has unused angles",
+    )
     save_samples: bool = option(
         False, help="also write every image sample to the run folder (samples/, large); statistics never need them"
     )

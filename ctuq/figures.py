@@ -33,6 +33,7 @@ __all__ = [
     "plot_uq_panels",
     "plot_uq_comparison",
     "plot_calibration",
+    "plot_heldout_calibration",
     "plot_joint_ll",
     "plot_error_vs_std",
     "plot_em_trace",
@@ -371,6 +372,60 @@ def plot_calibration(
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    return save_figure(fig, path)
+
+
+def plot_heldout_calibration(
+    path: str | os.PathLike,
+    levels,
+    coverage,
+    z_edges,
+    z_density,
+    *,
+    recalibrated: tuple | None = None,
+    title: str | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = (9.0, 4.2),
+) -> Path:
+    """The held-out check in measurement space (:func:`ctuq.metrics.heldout.heldout_check`): coverage of the
+    central predictive intervals of the held-out rows against their nominal mass (left), and the histogram of the
+    rows' z-scores against the N(0, 1) density (right).
+
+    ``levels``, ``coverage``: equal-length 1D sequences in [0, 1]; ``z_edges`` ``(n + 1,)`` bin edges and
+    ``z_density`` ``(n,)`` (a density: counts / (rows × bin width)); ``recalibrated``: optional
+    ``(levels, coverage, k)`` drawn as a second curve for the std × k. Returns ``path``.
+    """
+    where = "plot_heldout_calibration"
+    lv, cov = _curve(levels, "levels", where), _curve(coverage, "coverage", where)
+    edges, dens = _curve(z_edges, "z_edges", where), _curve(z_density, "z_density", where)
+    if lv.shape != cov.shape:
+        raise ValueError(f"{where}: {lv.size} levels but {cov.size} coverage values")
+    if edges.size != dens.size + 1:
+        raise ValueError(f"{where}: z_edges needs one more entry than z_density, got {edges.size} and {dens.size}")
+    fig = new_figure(figsize, (9.0, 4.2), dpi)
+    ax_c, ax_z = fig.subplots(1, 2)
+    ax_c.plot([0, 1], [0, 1], color="0.5", ls="--", lw=1, label="perfect calibration")
+    ax_c.plot(lv, cov, marker="o", ms=3, label="posterior predictive")
+    if recalibrated is not None:
+        rl, rc, k = recalibrated
+        ax_c.plot(
+            _curve(rl, "recalibrated levels", where),
+            _curve(rc, "recalibrated coverage", where),
+            marker="s",
+            ms=3,
+            label=f"image std × {k:.3g}",
+        )
+    ax_c.set(xlim=(0, 1), ylim=(0, 1), xlabel="nominal level", ylabel="held-out coverage", aspect="equal")
+    ax_c.grid(alpha=0.3)
+    ax_c.legend(fontsize=8, loc="upper left")
+    centres = 0.5 * (edges[1:] + edges[:-1])
+    ax_z.bar(centres, dens, width=np.diff(edges), color="C0", alpha=0.6, label="held-out z")
+    grid = np.linspace(edges[0], edges[-1], 301)
+    ax_z.plot(grid, np.exp(-0.5 * grid**2) / math.sqrt(2 * math.pi), color="k", lw=1.2, label="N(0, 1)")
+    ax_z.set(xlabel="z = (y − T x̂) / predictive std", ylabel="density")
+    ax_z.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
     return save_figure(fig, path)
 
 

@@ -260,3 +260,39 @@ class Centering(Vocabulary):
     NONE = "none"
     EMPIRICAL = "empirical"
     MEAN = "mean"
+
+
+# ---------------------------------------------------------------------------------------------- noise model (issue 26)
+class NoiseModel(Vocabulary):
+    """Noise of the log-transformed CT measurements: one variance ``σ²`` for every ray, or ``σ² d_i`` with relative
+    per-ray variances ``d_i`` from the scan's photon statistics (``uq.noise``)."""
+
+    HOMOSCEDASTIC = "homoscedastic"
+    PER_RAY = "per_ray"
+
+
+__all__ += ["NoiseModel"]
+
+
+# ---------------------------------------------------------------------------------------------- calibration (issue 26)
+class Calibration(Vocabulary):
+    """Recalibration of the std map (``uq.calibration``): none, or the global scale ``k`` fitted by maximum likelihood
+    to the scan's held-out angles (:mod:`ctuq.pipeline.calibration`)."""
+
+    NONE = "none"
+    HELDOUT = "heldout"
+
+
+__all__ += ["Calibration"]
+
+
+# ---------------------------------------------------------------------------------------------- phantoms (issue 26)
+class PhantomKind(Vocabulary):
+    """The object ``ctuq simulate --phantom`` scans: the ellipsoid walnut (exact analytic line integrals) or the
+    textured z-invariant phantom (multi-scale random texture, voxelised and supersampled line integrals)."""
+
+    WALNUT = "walnut"
+    TEXTURED = "textured"
+
+
+__all__ += ["PhantomKind"]

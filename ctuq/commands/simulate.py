@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from ctuq.data.simulate import SCAN_PRESETS
+from ctuq.options import PhantomKind, values
 from ctuq.pipeline.simulate import simulate
 
 __all__ = ["add_parser", "run"]
@@ -32,12 +33,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq simulate --preset tiny --no-noise --out /tmp/exact          # noise-free, for checks\n"
             "  ctuq simulate --preset bundled --seed 3 --projections 481 --out scans/w3  # other nut, 480 angles\n"
             "  ctuq simulate --preset walnut --out scans/full    # the real sizes: ~12 CPU hours, ~5 GB\n"
+            "  ctuq simulate --phantom textured --seed 2 --out scans/t2   # textured object instead of a walnut\n"
             "\n"
             "Load the result with ctuq.data.load_walnut_slice(DIR, ...) or `ctuq reconstruct --data DIR`.\n"
         ),
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
     p.add_argument("--preset", choices=sorted(SCAN_PRESETS), default="bundled", help="size preset (default: bundled)")
+    # No argparse choices: a bad value is then the one-line `ctuq simulate: --phantom ...` error of the pipeline.
+    p.add_argument(
+        "--phantom",
+        default=PhantomKind.WALNUT.value,
+        metavar="|".join(values(PhantomKind)),
+        help="object to scan: the ellipsoid walnut (exact line integrals; default) or a textured z-invariant "
+        "phantom (multi-scale texture, organs, trabecular bone; line integrals through a fine voxel image with "
+        "sub-rays)",
+    )
     g = p.add_argument_group("scan (override the preset)")
     g.add_argument(
         "--projections",
@@ -119,10 +130,18 @@ def run(args: argparse.Namespace) -> int:
         overrides["noise"] = False
     if args.no_compress:
         overrides["compress"] = False
-    res = simulate(args.out, args.preset, overrides=overrides, overwrite=args.overwrite, progress=not args.no_progress)
+    res = simulate(
+        args.out,
+        args.preset,
+        overrides=overrides,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        phantom=args.phantom,
+    )
     params = res["params"]
     print(
-        f"ctuq simulate: wrote {res['out']} ({params.n_projections} projections × orbits {list(params.orbits)}, "
+        f"ctuq simulate: wrote {res['out']} ({args.phantom} phantom, {params.n_projections} projections × "
+        f"orbits {list(params.orbits)}, "
         f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
         f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s",
         file=sys.stderr,

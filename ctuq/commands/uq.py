@@ -11,6 +11,10 @@ Sharded over processes (one per GPU, or CPU processes with gloo): ``torchrun --n
 probes and the prediction chunks are split round robin over the ranks with the single-process seeds, so the result
 equals the one-process run up to float64 summation order; rank 0 writes the results, each rank checkpoints its own
 running sums (resume with the same N). GPUs: NCCL, rank r on ``cuda:LOCAL_RANK``.
+
+``--check`` runs only the held-out calibration check (:func:`ctuq.pipeline.runner.check_run`): the run's posterior
+against the scan's angles the run did not use; it prints a table and a verdict and writes ``heldout.json`` and
+``heldout_calibration.png``, leaving every other file untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch.distributed as dist
 
 from ctuq.config import load_config
 from ctuq.inference import init_from_env
-from ctuq.pipeline import rerun_uq, run_folder
+from ctuq.pipeline import calibration, rerun_uq, run_folder
+from ctuq.pipeline.runner import check_run
 from ctuq.utils import resolve_device
 
 __all__ = ["add_parser", "run"]
@@ -41,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq uq runs/demo                                   # same settings as the run\n"
             "  ctuq uq runs/demo --set uq.samples=256 --set uq.em_steps=10\n"
             "  ctuq uq runs/demo --resume                          # continue an interrupted inference\n"
+            "  ctuq uq runs/demo --check                           # held-out calibration check only\n"
             "  torchrun --nproc_per_node=4 -m ctuq uq runs/walnut --device cuda   # 4 GPUs (NCCL)\n"
         ),
     )
@@ -59,6 +65,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--save-samples",
         action="store_true",
         help="also write every posterior image sample to RUN_DIR/samples/ (large)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only the held-out calibration check on the scan's unused angles: prints a verdict, writes "
+        f"{run_folder.HELDOUT_NAME} and {run_folder.HELDOUT_FIGURE}, changes nothing else",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -79,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         args.overrides,
         **{"device": args.device, "uq.save_samples": args.save_samples or None},
     )
+    if args.check:
+        state, result = check_run(cfg, out_dir, progress=not args.no_progress)
+        print(calibration.table(result.report))
+        print(calibration.verdict(result.report))
+        state.log(f"wrote {out_dir / run_folder.HELDOUT_NAME} in {sum(state.timings.values()):.1f} s")
+        return 0
     distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not distributed:
         state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)

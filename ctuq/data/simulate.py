@@ -52,7 +52,7 @@ import numpy as np
 import tifffile
 
 from ctuq import __version__
-from ctuq.data.phantom import EllipsoidPhantom, walnut_phantom
+from ctuq.data.phantom import EllipsoidPhantom, TexturedPhantom, make_phantom, walnut_phantom
 from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, GEOMETRY_NAME, GT_PATTERN, PROJECTION_PATTERN, SIDECAR_NAME
 from ctuq.geometry import VolumeGeometry
 from ctuq.utils import atomic_path, atomic_write_json
@@ -124,6 +124,10 @@ class SimulationParameters:
         zlib-compressed TIFFs (lossless; tifffile needs no extra package for them).
     seed : int
         Seeds the phantom (:func:`walnut_phantom`), the detector patterns and the noise.
+    noise_seed : int or None
+        Seeds only the noise (Poisson counts, read noise of flats, dark and projections) when given: the same
+        object, geometry and detector patterns under another noise realisation (to check the per-measurement
+        variances of :mod:`ctuq.data.walnut` against repeated scans). ``None``: ``seed``.
     """
 
     n_projections: int = 1201
@@ -147,6 +151,7 @@ class SimulationParameters:
     noise: bool = True
     compress: bool = True
     seed: int = 0
+    noise_seed: int | None = None
 
     def __post_init__(self):
         self.orbits = tuple(int(o) for o in self.orbits)
@@ -195,6 +200,8 @@ class SimulationParameters:
     def to_dict(self) -> dict:
         """JSON-serialisable dict of every field."""
         d = dataclasses.asdict(self)
+        if self.noise_seed is None:  # the sidecars of scans written before the field existed stay byte-identical
+            del d["noise_seed"]
         d["orbits"] = list(self.orbits)
         d["gt_shape"] = list(self.gt_shape)
         return d
@@ -390,7 +397,7 @@ def simulate_scan(
     out_dir: str | Path,
     params: SimulationParameters | None = None,
     *,
-    phantom: EllipsoidPhantom | None = None,
+    phantom: EllipsoidPhantom | TexturedPhantom | str | None = None,
     preset: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -403,8 +410,10 @@ def simulate_scan(
         Target ``Walnut{id}``-like folder; must be empty or new unless ``overwrite``.
     params : SimulationParameters, optional
         Sizes, noise and seed; default: those of ``preset``.
-    phantom : EllipsoidPhantom, optional
-        Object to scan (mm, mm⁻¹); default ``walnut_phantom(params.seed)``.
+    phantom : EllipsoidPhantom, TexturedPhantom or str, optional
+        Object to scan (mm, mm⁻¹); default ``walnut_phantom(params.seed)``. A name of
+        :class:`ctuq.options.PhantomKind` (``"walnut"``, ``"textured"``) makes that phantom of ``params.seed``
+        (:func:`ctuq.data.phantom.make_phantom`; ``ValueError`` naming the valid kinds for another string).
     preset : str, optional
         Name recorded in the sidecar; gives ``params`` when those are not given (default then ``"bundled"``).
     overwrite : bool
@@ -422,6 +431,8 @@ def simulate_scan(
         params = SimulationParameters.preset(preset)
     params.validate()
     out_dir = Path(out_dir)
+    if isinstance(phantom, str):  # checked before the folder is touched
+        phantom = make_phantom(phantom, params.seed, voxel_size=params.gt_voxel_size)
     prepare_output_dir(out_dir, overwrite)
     if phantom is None:
         phantom = walnut_phantom(params.seed)
@@ -456,7 +467,8 @@ def simulate_scan(
         flat_true, dark_true = _detector_patterns(params, orbit)
         with atomic_path(folder / GEOMETRY_NAME) as tmp:
             np.savetxt(tmp, vec, fmt="%.17g")
-        rng = np.random.default_rng([int(params.seed), int(orbit), 0xDA4C])
+        noise_seed = int(params.seed if params.noise_seed is None else params.noise_seed)
+        rng = np.random.default_rng([noise_seed, int(orbit), 0xDA4C])
         frames = {DARK_NAME: dark_true.copy()}
         for name in FLAT_NAMES:
             frames[name] = (rng.poisson(flat_true).astype(np.float64) if params.noise else flat_true) + dark_true
@@ -477,7 +489,7 @@ def simulate_scan(
             mean = flat_true * trans
             if params.noise:
                 # One generator per file: the noise of a file does not depend on which files were written before.
-                prng = np.random.default_rng([int(params.seed), int(orbit), k, 0x9E37])
+                prng = np.random.default_rng([noise_seed, int(orbit), k, 0x9E37])
                 counts = prng.poisson(mean) + dark_true + prng.normal(0.0, params.read_noise, size=mean.shape)
             else:
                 counts = mean + dark_true

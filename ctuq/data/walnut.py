@@ -34,6 +34,23 @@ operator is the exact cone-beam slice model instead (``AstraCudaRayTransform.con
 ASTRA CUDA operator, the ground-truth volume stacked from all slices and area-averaged to ``image_shape``.
 :func:`read_walnut_volume` / :func:`read_walnut_slice` do everything but build the operator (CPU-testable).
 
+Per-measurement noise variances (``CTData.variances``, same shape and axis order as ``y``): with ``P = p − dark``
+and ``F = mean(flats) − dark`` in counts of one pixel, and ``q = σ_r² + 1/12`` (read noise and the rounding of
+integer counts, per frame), the delta method gives for ``ℓ = −log(P/F)`` (Poisson ``p`` and flats; the flat is the
+mean of two frames, so its terms halve; the dark frame enters both and its noise counts through ``1/P − 1/F``)::
+
+    Var ℓ ≈ 1/P + 1/(2F) + q · (1/P² + 1/(2F²) + (1/P − 1/F)²)            (:func:`log_count_variance`)
+
+in photons, i.e. for a detector gain of one count per photon (a simulated scan's; on real data the gain is
+unknown and the likelihood's learned scale ``σ²`` absorbs it: only the *relative* variances are used). ``σ_r``
+is the sidecar's ``read_noise`` for a simulated scan and 0 otherwise (:attr:`WalnutScan.read_noise`). Binning ``k``
+columns (and rows) averages transmissions ``t_j`` (independent pixels): ``Var(−log mean t) ≈ Σ_j t_j² Var ℓ_j /
+(k t̄)²``; the 2D slice's interpolation between detector rows ``r0`` and ``r0 + 1`` with weight ``w`` gives
+``(1 − w)² Var ℓ_r0 + w² Var ℓ_(r0+1)``. Subsampling keeps each pixel's own variance. The CT front end multiplies
+by ``dip.scale²`` (the data scale) only implicitly: the likelihood takes them normalised to mean 1. Errors that
+the diagonal model leaves out: the flat and dark noise is shared by every angle of a detector pixel (a correlation
+of the rays of one column across angles, of relative size ``1/(2F)`` against ``1/P``).
+
 Malformed input raises :class:`WalnutFormatError` naming the file and the problem.
 """
 
@@ -76,6 +93,7 @@ __all__ = [
     "FLAT_NAMES",
     "GEOMETRY_NAME",
     "GT_PATTERN",
+    "log_count_variance",
 ]
 
 DEFAULT_VOXEL_SIZE = 0.1  # mm, the data set's ground-truth voxel
@@ -122,6 +140,10 @@ class CTData:
         used, subsampling, cone angle, backend, …
     slice_cone_geometry : ProjectionGeometry or None
         2D: the exact one-row ``cone_vec`` geometry of the slice (detector centre at the interpolated row).
+    variances : torch.Tensor or None
+        Predicted variance of each measurement from the photon statistics (module docstring), same shape, axis
+        order, dtype and device as ``y``, in data units² for a gain of one count per photon (on real data only the
+        ratios are meaningful); ``None`` where a source has no counts.
     """
 
     op: Any
@@ -131,6 +153,30 @@ class CTData:
     geometry: ProjectionGeometry
     meta: dict
     slice_cone_geometry: ProjectionGeometry | None = None
+    variances: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.variances is not None:
+            v = self.variances
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(self.y.shape):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"CTData: variances must have the sinogram's shape {tuple(self.y.shape)}, got {got}")
+            bad = ~(torch.isfinite(v) & (v > 0))
+            if bad.any():
+                first = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"CTData: variances must be finite and positive; {int(bad.sum())} are not (first at index "
+                    f"{first}: {float(v[first])})"
+                )
+
+
+def log_count_variance(P: np.ndarray, F: np.ndarray, read_noise: float = 0.0) -> np.ndarray:
+    """``Var(−log(P/F))`` per pixel (module docstring): ``P = p − dark``, ``F = mean(flats) − dark`` in counts
+    (arrays of one shape, > 0), ``read_noise`` the per-frame read-noise sd in counts; in photons² / photons, i.e.
+    for one count per photon. The ``1/12`` is the rounding of integer counts."""
+    q = float(read_noise) ** 2 + 1.0 / 12.0
+    iP, iF = 1.0 / P, 1.0 / F
+    return iP + 0.5 * iF + q * (iP * iP + 0.5 * iF * iF + (iP - iF) ** 2)
 
 
 def default_data_dir() -> Path:
@@ -245,6 +291,9 @@ class WalnutScan:
         Ground-truth voxel edge (mm); ``voxel_size_source`` says where it came from.
     sidecar : dict or None
         ``ctuq_simulation.json`` of a simulated scan.
+    read_noise : float
+        Per-frame read-noise sd (counts) used for :attr:`CTData.variances`: the sidecar's for a simulated scan
+        with noise, else 0.
     """
 
     def __init__(self, path: str | os.PathLike, orbit: int = 2, voxel_size: float | None = None):
@@ -317,6 +366,9 @@ class WalnutScan:
             self.voxel_size, self.voxel_size_source = DEFAULT_VOXEL_SIZE, "default (data set)"
         self._dark: np.ndarray | None = None
         self._flat: np.ndarray | None = None
+        params = (self.sidecar or {}).get("parameters") or {}
+        # a simulated scan states its read noise; for real data it is unknown and taken as 0 (Poisson terms only)
+        self.read_noise = float(params.get("read_noise", 0.0)) if params.get("noise", True) else 0.0
 
     # ------------------------------------------------------------------ files
     def _need(self, name: str) -> Path:
@@ -408,6 +460,13 @@ class WalnutScan:
     def transmission(self, file_index: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """``(P − dark)/(flat − dark)`` on the pixels ``rows × cols`` of projection file ``file_index``:
         ``(len(rows), len(cols))``. Raises naming the file when ``flat ≤ dark`` or ``P ≤ dark`` there."""
+        P, F = self.corrected_counts(file_index, rows, cols)
+        return P / F
+
+    def corrected_counts(self, file_index: int, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(P − dark, flat − dark)`` in counts on the pixels ``rows × cols`` of projection file ``file_index``,
+        each ``(len(rows), len(cols))``, > 0 (their ratio is :meth:`transmission`; with :func:`log_count_variance`
+        they give the measurement's variance). Raises naming the file when ``flat ≤ dark`` or ``P ≤ dark``."""
         rows, cols = np.asarray(rows), np.asarray(cols)
         d = self.dark()[np.ix_(rows, cols)]
         f = self.flat()[np.ix_(rows, cols)]
@@ -429,7 +488,7 @@ class WalnutScan:
                 f"transmission (first at detector row {rows[r]}, column {cols[c]}: {p[r, c]:g} ≤ {d[r, c]:g}); "
                 f"−log is undefined there"
             )
-        return (p - d) / (f - d)
+        return p - d, f - d
 
     # ------------------------------------------------------------------ geometry
     def angle_plan(self, angular_subsampling: int) -> tuple[np.ndarray, np.ndarray]:
@@ -581,22 +640,35 @@ def _progress(iterable, total: int, desc: str, progress: bool | None):
     return _progress_bar(iterable, total=total, desc=desc, disable=None if progress is None else not progress)
 
 
-def _read_slice(scan: WalnutScan, plan: _SlicePlan, progress: bool | None) -> np.ndarray:
+def _binned_variance(t: np.ndarray, var: np.ndarray, steps: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Transmissions ``t`` binned by ``steps`` (rows, columns) and ``Var(−log t̄)`` from the pixels' ``Var(−log t)``:
+    ``Σ t_j² Var_j / (k t̄)²`` over each block of ``k`` pixels (module docstring)."""
+    tb = _bin(_bin(t, steps[0], 0), steps[1], 1)
+    k = steps[0] * steps[1]
+    return tb, _bin(_bin(t * t * var, steps[0], 0), steps[1], 1) / (k * tb * tb)
+
+
+def _read_slice(scan: WalnutScan, plan: _SlicePlan, progress: bool | None) -> tuple[np.ndarray, np.ndarray]:
+    """The slice's sinogram ``(n_angles, n_out)`` and its per-measurement variances (module docstring)."""
     n_a = len(plan.rows)
     n_rows = scan.det_shape[0]
     r0 = np.clip(np.floor(plan.frac_rows).astype(np.int64), 0, n_rows - 2)
     w = plan.frac_rows - r0  # weight of row r0 + 1
     out = np.empty(plan.frac_rows.shape)
+    var = np.empty(plan.frac_rows.shape)
     for a in _progress(range(n_a), n_a, "read projections", progress):
         need = np.unique(np.concatenate([r0[a], r0[a] + 1]))
-        t = scan.transmission(int(plan.files[a]), need, plan.cols)
+        P, F = scan.corrected_counts(int(plan.files[a]), need, plan.cols)
+        t = P / F
+        v = log_count_variance(P, F, scan.read_noise)
         if plan.binning:
-            t = _bin(t, plan.col_step, axis=1)
+            t, v = _binned_variance(t, v, (1, plan.col_step))
         log_t = -np.log(t)  # (len(need), n_out)
         pos = np.searchsorted(need, r0[a])
         j = np.arange(log_t.shape[1])
         out[a] = (1.0 - w[a]) * log_t[pos, j] + w[a] * log_t[pos + 1, j]
-    return out
+        var[a] = (1.0 - w[a]) ** 2 * v[pos, j] + w[a] ** 2 * v[pos + 1, j]
+    return out, var
 
 
 def _meta_common(scan: WalnutScan, rows, files, angular_subsampling, detector_subsampling, binning, cols) -> dict:
@@ -618,6 +690,9 @@ def _meta_common(scan: WalnutScan, rows, files, angular_subsampling, detector_su
             "mode": "bin" if binning else "subsample",
         },
         "preprocessing": "-log((P - dark)/(mean(flats) - dark)), P = transpose(flipud(raw))",
+        "variances": "1/P + 1/(2F) + q (1/P^2 + 1/(2F^2) + (1/P - 1/F)^2), P = p - dark, F = mean(flats) - dark, "
+        "q = read_noise^2 + 1/12 (counts; one count per photon), then binning and row interpolation",
+        "read_noise_counts": scan.read_noise,
         "gt_shape": list(scan.gt_shape),
         "gt_voxel_size_mm": scan.voxel_size,
         "gt_voxel_size_source": scan.voxel_size_source,
@@ -671,7 +746,7 @@ def _slice_setup(scan: WalnutScan, slice_index, angular_subsampling, detector_su
 
 
 def _finish_slice(scan, plan, volume, k, op, backend, ass, dss, binning, progress) -> CTData:
-    y = _read_slice(scan, plan, progress)
+    y, var = _read_slice(scan, plan, progress)
     gt = None
     gt_files: list[str] = []
     if scan.has_ground_truth:
@@ -697,10 +772,18 @@ def _finish_slice(scan, plan, volume, k, op, backend, ass, dss, binning, progres
         }
     )
     y_t = torch.from_numpy(y.astype(np.float32))
+    var_t = torch.from_numpy(var.astype(np.float32))
     if op is not None:
-        y_t = y_t.to(op.device)
+        y_t, var_t = y_t.to(op.device), var_t.to(op.device)
     return CTData(
-        op=op, y=y_t, ground_truth=gt, volume=volume, geometry=plan.fan, meta=meta, slice_cone_geometry=plan.cone
+        op=op,
+        y=y_t,
+        ground_truth=gt,
+        volume=volume,
+        geometry=plan.fan,
+        meta=meta,
+        slice_cone_geometry=plan.cone,
+        variances=var_t,
     )
 
 
@@ -806,11 +889,15 @@ def _volume_setup(
 def _finish_volume(scan, setup, op, backend, ass, dss, binning, progress) -> CTData:
     rows, files, drows, cols, row_step, col_step, geometry, volume = setup
     y = np.empty((len(rows), *geometry.det_shape), dtype=np.float32)
+    var = np.empty_like(y)
     for a in _progress(range(len(rows)), len(rows), "read projections", progress):
-        t = scan.transmission(int(files[a]), drows, cols)
+        P, F = scan.corrected_counts(int(files[a]), drows, cols)
+        t = P / F
+        v = log_count_variance(P, F, scan.read_noise)
         if binning:
-            t = _bin(_bin(t, row_step, 0), col_step, 1)
+            t, v = _binned_variance(t, v, (row_step, col_step))
         y[a] = -np.log(t)
+        var[a] = v
     gt = None
     if scan.has_ground_truth:
         # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
@@ -835,10 +922,10 @@ def _finish_volume(scan, setup, op, backend, ass, dss, binning, progress) -> CTD
             "backend": backend,
         }
     )
-    y_t = torch.from_numpy(y)
+    y_t, var_t = torch.from_numpy(y), torch.from_numpy(var)
     if op is not None:
-        y_t = y_t.to(op.device)
-    return CTData(op=op, y=y_t, ground_truth=gt, volume=volume, geometry=geometry, meta=meta)
+        y_t, var_t = y_t.to(op.device), var_t.to(op.device)
+    return CTData(op=op, y=y_t, ground_truth=gt, volume=volume, geometry=geometry, meta=meta, variances=var_t)
 
 
 def read_walnut_volume(

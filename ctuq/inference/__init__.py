@@ -59,6 +59,7 @@ from ctuq.inference.features import (
     DenseFeatures,
     FeatureOperator,
     LinearizedFeatures,
+    RowScaledFeatures,
     RowSubsetFeatures,
     ScaledFeatures,
     StackedFeatures,
@@ -71,7 +72,13 @@ from ctuq.inference.kernel import (
     kernel_diagonal,
     measurement_covariance,
 )
-from ctuq.inference.likelihoods import LIKELIHOODS, CategoricalLikelihood, GaussianLikelihood, Likelihood
+from ctuq.inference.likelihoods import (
+    LIKELIHOODS,
+    CategoricalLikelihood,
+    DiagonalGaussianLikelihood,
+    GaussianLikelihood,
+    Likelihood,
+)
 from ctuq.inference.posterior import LinearizedPosterior
 from ctuq.inference.reference import DenseLinearGaussian
 from ctuq.inference.sampler import (
@@ -123,6 +130,7 @@ __all__ = [
     "LinearizedPosterior",
     "Likelihood",
     "GaussianLikelihood",
+    "DiagonalGaussianLikelihood",
     "CategoricalLikelihood",
     "LIKELIHOODS",
     "FeatureOperator",
@@ -130,6 +138,7 @@ __all__ = [
     "LinearizedFeatures",
     "ScaledFeatures",
     "RowSubsetFeatures",
+    "RowScaledFeatures",
     "StackedFeatures",
     "stack_features",
     "check_hyper",

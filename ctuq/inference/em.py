@@ -215,8 +215,9 @@ class SampledEM:
 
         Record keys: ``step``, ``a``, ``sigma2`` (values used in this step), ``gamma``, ``weight_norm_sq``,
         ``residual_norm_sq``, ``a_new``, ``sigma2_new``, ``rel_change_a``, ``log_evidence`` (exact solver only,
-        at the step's ``a, σ²``; else None), ``gamma_method``, ``solver`` (:meth:`SolveStats.summary` or None),
-        ``jvp``, ``vjp`` (feature products spent in the step), ``time_s``.
+        at the step's ``a, σ²``, of the measurements: with a whitening likelihood the features and targets given
+        are the whitened ones and its ``−½ log det D`` is added; else None), ``gamma_method``, ``solver``
+        (:meth:`SolveStats.summary` or None), ``jvp``, ``vjp`` (feature products spent in the step), ``time_s``.
         """
         t0 = time.perf_counter()
         jvp0, vjp0 = self.features.n_matvec, self.features.n_rmatvec
@@ -229,7 +230,12 @@ class SampledEM:
             rnorm = self.solver.residual_norm_sq(y, a, s2)
         else:
             gamma, wnorm, rnorm, solver_summary = self._sampled_step(a, s2, y)
-        log_ev = self.solver.log_evidence(y, a, s2) if self.solver.exact else None
+        # the evidence of the measurements: a whitened likelihood adds its −½ log det D (0 for a white one)
+        log_ev = (
+            self.solver.log_evidence(y, a, s2) + float(self.likelihood.log_evidence_correction())
+            if self.solver.exact
+            else None
+        )
         if not wnorm > 0:
             raise FloatingPointError(
                 f"SampledEM step {self.step_count}: ‖w*‖² = {wnorm:.3e} (ỹ is zero or explained by noise alone); "

@@ -13,6 +13,7 @@ Both run in the operator's dtype and device (inputs are converted) and count row
   measurements); classification passes ``B^(1/2)``; ``L = None`` is the identity.
 * :class:`DenseFeatures`: an explicit ``(c, d)`` matrix, for tests and small problems.
 * Compositions: :class:`ScaledFeatures` (``Ψ = Ψ₀ diag(s)``: the prior scales ``s``, whose one owner it is),
+  :class:`RowScaledFeatures` (``Ψ = diag(r) Ψ₀``: the whitening of a diagonal noise covariance),
   :meth:`FeatureOperator.restrict` (rows subset, :class:`RowSubsetFeatures`) and :func:`stack_features` (rows
   appended, :class:`StackedFeatures`) — experimental design conditions on subsets of angles and adds new ones.
 
@@ -34,6 +35,7 @@ __all__ = [
     "DenseFeatures",
     "LinearizedFeatures",
     "ScaledFeatures",
+    "RowScaledFeatures",
     "RowSubsetFeatures",
     "StackedFeatures",
     "stack_features",
@@ -335,6 +337,47 @@ class ScaledFeatures(FeatureOperator):
         out = self.base.columns(start, stop, s if values is None else s * values.to(s))
         self.n_matvec += stop - start
         return out
+
+
+class RowScaledFeatures(FeatureOperator):
+    """``Ψ = diag(r) Ψ₀``: every row ``i`` of a base operator times ``r_i`` (``r`` ``(c,)``, finite, > 0).
+
+    The whitening of a diagonal noise covariance ``σ² D``
+    (:class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`): with ``r = D^(−1/2)`` the model
+    ``D^(−1/2) ỹ = D^(−1/2) Ψ₀ w + ε'`` has ``ε' ~ N(0, σ² I)``, so every solver, the sampler and the EM work
+    unchanged on these rows. Products cost what ``Ψ₀``'s cost; both operators count them.
+    A factor ``r_i = 1`` leaves its row bitwise unchanged (multiplication by 1 is exact).
+    """
+
+    def __init__(self, base: FeatureOperator, row_scales: torch.Tensor):
+        super().__init__()
+        if not isinstance(row_scales, torch.Tensor) or tuple(row_scales.shape) != (base.n_outputs,):
+            got = tuple(row_scales.shape) if isinstance(row_scales, torch.Tensor) else type(row_scales).__name__
+            raise ValueError(f"RowScaledFeatures: row_scales must have shape ({base.n_outputs},), got {got}")
+        if not (torch.isfinite(row_scales).all() and (row_scales > 0).all()):
+            raise ValueError("RowScaledFeatures: row_scales must be finite and positive")
+        self.base = base
+        self.n_features, self.n_outputs = base.n_features, base.n_outputs
+        self.dtype, self.device = base.dtype, base.device
+        self.row_scales = row_scales.detach().to(device=self.device, dtype=self.dtype)
+
+    def _matvec(self, W: torch.Tensor) -> torch.Tensor:
+        return self.base.matvec(W) * self.row_scales
+
+    def _rmatvec(self, R: torch.Tensor) -> torch.Tensor:
+        return self.base.rmatvec(R * self.row_scales)
+
+    def columns(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The base's columns ``start … stop − 1`` (times ``values``) with their rows scaled: the base's cheaper
+        column route serves this operator too. Counts ``stop − start`` matvecs."""
+        out = self.base.columns(start, stop, values) * self.row_scales
+        self.n_matvec += stop - start
+        return out
+
+    def restrict(self, rows) -> RowScaledFeatures:
+        """``(diag(r) Ψ₀)[rows] = diag(r[rows]) Ψ₀[rows]``."""
+        idx = _check_rows(rows, self.n_outputs, "RowScaledFeatures.restrict").to(self.device)
+        return RowScaledFeatures(self.base.restrict(idx), self.row_scales[idx])
 
 
 class RowSubsetFeatures(FeatureOperator):

@@ -5,7 +5,11 @@ It holds everything the inference of DESIGN.md §1 needs and nothing CT-specific
 * the unscaled features ``Ψ₀`` (``c × d``; CT: ``T Φ``, classification: ``B^(1/2) Φ``) and the targets ``ỹ``
   (``c``; any offset ``δ`` already added);
 * the prior scales ``s`` (g-prior, exact or stochastic; isotropic; or given) and hence ``Ψ = Ψ₀ diag(s)``;
-* the likelihood (:mod:`ctuq.inference.likelihoods`) with its ``σ²``, and the prior precision ``a``;
+* the likelihood (:mod:`ctuq.inference.likelihoods`) with its ``σ²``, and the prior precision ``a``; a likelihood
+  with per-row noise variances ``σ² D`` (:class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`) is
+  handled by whitening: the solvers, the g-prior, the sampler and the EM see ``D^(−1/2) Ψ₀`` and ``D^(−1/2) ỹ``
+  (noise ``σ² I``), while :attr:`base` and :attr:`targets` stay in measurement space and
+  :meth:`log_evidence` is that of the measurements;
 * a solver from the registry :data:`~ctuq.inference.solvers.SOLVERS` chosen by name or by cost, with its
   preconditioner or eigendecomposition (built once, reused for every ``a``, ``σ²``); every solver goes through
   the same lifecycle (:mod:`ctuq.inference.solvers.base`), so nothing here depends on which one it is;
@@ -37,7 +41,6 @@ arguments is :func:`ctuq.config.posterior_arguments`.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -48,7 +51,13 @@ from ctuq.errors import CheckpointMismatch
 from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.em import EMResult, SampledEM
-from ctuq.inference.features import DenseFeatures, FeatureOperator, ScaledFeatures, stack_features
+from ctuq.inference.features import (
+    DenseFeatures,
+    FeatureOperator,
+    RowScaledFeatures,
+    ScaledFeatures,
+    stack_features,
+)
 from ctuq.inference.kernel import assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
 from ctuq.inference.sampler import PosteriorSamples, posterior_mean, sample_chunks
@@ -86,7 +95,8 @@ class LinearizedPosterior:
     gprior_probes : int
         Probes of the stochastic g-prior.
     likelihood : Likelihood, optional
-        Default ``GaussianLikelihood(1.0)``.
+        Default ``GaussianLikelihood(1.0)``. A ``DiagonalGaussianLikelihood`` (noise ``σ² D``) must have one
+        variance per target; the posterior then whitens by ``D^(−1/2)`` (module docstring).
     a : float
         Initial prior precision (> 0).
     solver : str
@@ -155,6 +165,7 @@ class LinearizedPosterior:
         self.gprior_method = str(gprior_method)
         self.gprior_probes = int(gprior_probes)
         self.likelihood = likelihood if likelihood is not None else GaussianLikelihood(1.0)
+        self._row_scales = self._check_row_scales()
         self.a, _ = check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
         self.solver_option = str(solver)
         self.solver_options = dict(solver_options or {})
@@ -183,6 +194,28 @@ class LinearizedPosterior:
     def sigma2(self) -> float:
         """Noise variance ``σ²`` (the likelihood's)."""
         return self.likelihood.sigma2
+
+    # ------------------------------------------------------------------------------------------ whitening
+    def _check_row_scales(self) -> torch.Tensor | None:
+        """The likelihood's whitening ``D^(−1/2)`` ``(c,)`` on the features' device and dtype (``None``: white)."""
+        r = self.likelihood.row_scales()
+        if r is None:
+            return None
+        if tuple(r.shape) != (self.base.n_outputs,):
+            raise ValueError(
+                f"LinearizedPosterior: the likelihood's variances have shape {tuple(r.shape)} but there are "
+                f"{self.base.n_outputs} targets; give variances of shape ({self.base.n_outputs},)"
+            )
+        return r.to(device=self.base.device, dtype=self.base.dtype)
+
+    def _whitened(self, base: FeatureOperator) -> FeatureOperator:
+        """``D^(−1/2) Ψ₀`` (``Ψ₀`` itself for a white likelihood): what the g-prior and the solvers see."""
+        return base if self._row_scales is None else RowScaledFeatures(base, self._row_scales)
+
+    @property
+    def whitened_targets(self) -> torch.Tensor:
+        """``D^(−1/2) ỹ`` ``(c,)`` (``ỹ`` itself for a white likelihood): the targets of the solves and the EM."""
+        return self.targets if self._row_scales is None else self.targets * self._row_scales.to(self.targets)
 
     @property
     def n_outputs(self) -> int:
@@ -242,15 +275,16 @@ class LinearizedPosterior:
                 self.scales = (
                     torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
                     if self.prior == Prior.ISOTROPIC
-                    else scales_from_sq_norms(self._assembled.pow(2).sum(0)).to(self.base.dtype)
+                    else scales_from_sq_norms(self._assembled_sq_norms()).to(self.base.dtype)
                 )
-            self.features = DenseFeatures(self._assembled * self.scales.double()[None, :])
+            white = self._assembled if self._row_scales is None else self._assembled * self._row_scales[:, None]
+            self.features = DenseFeatures(white * self.scales.double()[None, :])
         else:
             if self.scales is None and "scales" in self._pending:
                 self.scales = self._pending["scales"].to(device=self.base.device, dtype=self.base.dtype)
             if self.scales is None:
                 self.scales = self._prior_scales()
-            self.features = ScaledFeatures(self.base, self.scales)
+            self.features = ScaledFeatures(self._whitened(self.base), self.scales)
         self.timings["gprior"] = time.perf_counter() - t0
         hook("scales")
 
@@ -263,8 +297,15 @@ class LinearizedPosterior:
         hook("solver")
         return self
 
+    def _assembled_sq_norms(self) -> torch.Tensor:
+        """Squared column norms ``(d,)`` of the whitened assembled ``Ψ₀`` (the exact g-prior's)."""
+        if self._row_scales is None:
+            return self._assembled.pow(2).sum(0)
+        return (self._assembled * self._row_scales.to(self._assembled)[:, None]).pow(2).sum(0)
+
     def _prior_scales(self) -> torch.Tensor:
-        b = self.base
+        # the g-prior of the whitened features: the diagonal of Ψ₀ᵀ D⁻¹ Ψ₀, the Fisher information of the weights
+        b = self._whitened(self.base)
         if self.prior == Prior.ISOTROPIC:
             return gprior_scales(None, method="isotropic", n_features=b.n_features, dtype=b.dtype, device=b.device)
         n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.gprior_probes
@@ -339,7 +380,7 @@ class LinearizedPosterior:
             self.em = SampledEM(
                 self.features,
                 self.solver,
-                self.targets,
+                self.whitened_targets,
                 a=self.a,
                 likelihood=self.likelihood,
                 n_samples=n_samples,
@@ -388,24 +429,27 @@ class LinearizedPosterior:
         """
         self.targets = check_targets(targets, self.base, "LinearizedPosterior.set_targets")
         if self.em is not None:
-            self.em.y_tilde = self.targets
+            self.em.y_tilde = self.whitened_targets
 
     # ------------------------------------------------------------------------------------------ prediction
     def mean(self) -> torch.Tensor:
         """Posterior mean weights ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ`` ``(d,)`` (one solve, one VJP)."""
         self._require_setup("mean")
-        w, _, _ = posterior_mean(self.features, self.solver, self.targets, self.a, self.sigma2)
+        w, _, _ = posterior_mean(self.features, self.solver, self.whitened_targets, self.a, self.sigma2)
         return w
 
     def log_evidence(self) -> float:
-        """``log N(ỹ; 0, C)`` at the current ``a``, ``σ²`` (nats); exact solvers only."""
+        """``log N(ỹ; 0, C)`` at the current ``a``, ``σ²`` (nats), ``C = Ψ₀ diag(s)² Ψ₀ᵀ/a + σ² D`` in measurement
+        space (the whitened evidence plus the likelihood's ``−½ log det D``); exact solvers only."""
         self._require_setup("log_evidence")
         if not self.solver.exact:
             exact = [n for n, cls in SOLVERS.items() if cls.exact]
             raise ValueError(
                 f"log_evidence needs an exact solver ({' / '.join(exact)}); this posterior uses {self.solver_name!r}"
             )
-        return self.solver.log_evidence(self.targets, self.a, self.sigma2)
+        return self.solver.log_evidence(self.whitened_targets, self.a, self.sigma2) + float(
+            self.likelihood.log_evidence_correction()
+        )
 
     def sample(
         self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0, chunks: Iterable[int] | None = None
@@ -449,14 +493,16 @@ class LinearizedPosterior:
                 yield i, self.output_samples(ps.weights), ps
 
     # ------------------------------------------------------------------------------------------ rows
-    def _derived(self, base: FeatureOperator, targets: torch.Tensor, assembled: torch.Tensor | None):
+    def _derived(
+        self, base: FeatureOperator, targets: torch.Tensor, assembled: torch.Tensor | None, likelihood: Likelihood
+    ):
         other = LinearizedPosterior(
             base,
             targets,
             prior=self.scales if self.scales is not None else self.prior,
             gprior_method=self.gprior_method,
             gprior_probes=self.gprior_probes,
-            likelihood=copy.deepcopy(self.likelihood),
+            likelihood=likelihood,
             a=self.a,
             solver=self.solver_option,
             solver_options=self.solver_options,
@@ -477,22 +523,28 @@ class LinearizedPosterior:
         """The posterior given only measurements ``rows`` (index or boolean mask over ``c``).
 
         Keeps the prior scales ``s`` (once :meth:`setup` computed them; before that the new posterior computes its
-        own on its rows), ``a`` and ``σ²``; the solver is set up anew on :meth:`setup`. An assembled ``Ψ₀`` is
-        sliced, not recomputed.
+        own on its rows), ``a``, ``σ²`` and the rows' noise variances; the solver is set up anew on :meth:`setup`.
+        An assembled ``Ψ₀`` is sliced, not recomputed.
         """
         base = self.base.restrict(rows)
         idx = base.rows if hasattr(base, "rows") else torch.as_tensor(rows)
         if idx.dtype == torch.bool:
             idx = idx.nonzero().reshape(-1)
         assembled = None if self._assembled is None else self._assembled[idx.to(self._assembled.device)]
-        return self._derived(base, self.targets[idx.to(self.targets.device)], assembled)
+        return self._derived(
+            base, self.targets[idx.to(self.targets.device)], assembled, self.likelihood.restrict(idx.cpu())
+        )
 
-    def extend(self, features: FeatureOperator, targets: torch.Tensor) -> LinearizedPosterior:
+    def extend(
+        self, features: FeatureOperator, targets: torch.Tensor, variances: torch.Tensor | None = None
+    ) -> LinearizedPosterior:
         """The posterior given these measurements and new rows ``features`` (unscaled ``Ψ₀`` rows, ``c' × d``)
-        with targets ``(c',)``; same scales, ``a``, ``σ²``."""
+        with targets ``(c',)``; same scales, ``a``, ``σ²``. ``variances`` ``(c',)``: the new rows' relative noise
+        variances, needed by (and only by) a likelihood with per-row variances."""
         base = stack_features([self.base, features])
         new_t = check_targets(targets, features, "LinearizedPosterior.extend")
-        return self._derived(base, torch.cat([self.targets, new_t.to(self.targets)]), None)
+        likelihood = self.likelihood.extend(variances, features.n_outputs)
+        return self._derived(base, torch.cat([self.targets, new_t.to(self.targets)]), None, likelihood)
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -16,6 +16,9 @@ Map of the package
                     covariance Σ̂ = (1/2k)[diag(Σ_j x_j²) + Σ_j x_j x_jᵀ] + ηI)
 ``calibration``     :func:`coverage`, :func:`headline_coverage`, :func:`error_std_histogram`,
                     :func:`rank_correlation`
+``heldout``         :func:`heldout_check` — the check without ground truth: held-out measurements against the
+                    posterior predictive (coverage, z-scores, LL, the recalibration scale ``k``,
+                    :func:`fit_variance_scale`)
 ``summary``         :func:`uq_summary` (samples in memory) and :func:`uq_summary_from_moments` (from a
                     :class:`SampleMoments`), the one JSON-ready dict a run reports
 ``image``           image quality against a ground truth: :func:`psnr` (torch), :func:`psnr_from_mse`,
@@ -77,6 +80,7 @@ from .classification import (
     nll,
     reliability_diagram,
 )
+from .heldout import HELDOUT_LEVELS, fit_variance_scale, heldout_check, projected_variance
 from .image import image_metrics, psnr, psnr_from_mse
 from .likelihoods import marginal_log_likelihood, patch_joint_log_likelihood
 from .moments import SampleMoments, pixelwise_std, pixelwise_std_about, pixelwise_variance
@@ -103,6 +107,10 @@ __all__ = [
     "rank_correlation",
     "uq_summary",
     "uq_summary_from_moments",
+    "heldout_check",
+    "fit_variance_scale",
+    "projected_variance",
+    "HELDOUT_LEVELS",
     "nll",
     "accuracy",
     "expected_calibration_error",

@@ -78,6 +78,7 @@ _LATER_KEYS = (
     "em_stop_on",
     "em_fixed_probes",
     "em_update",
+    "noise",
 )
 
 

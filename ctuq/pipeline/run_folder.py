@@ -61,6 +61,9 @@ __all__ = [
     "EM_TRACE_FIGURE",
     "UNCERTAINTY_SLICES_FIGURE",
     "FIGURE_NAMES",
+    "STD_UNCALIBRATED_NAME",
+    "HELDOUT_NAME",
+    "HELDOUT_FIGURE",
     "prepare_out_dir",
     "check_writable_folder",
     "require_run_folder",
@@ -75,6 +78,8 @@ FBP_NAME = "fbp.tif"
 TV_NAME = "tv.tif"
 GROUND_TRUTH_NAME = "ground_truth.tif"
 STD_NAME = "std.tif"
+STD_UNCALIBRATED_NAME = "std_uncalibrated.tif"  # the posterior's std when std.tif holds std × k (uq.calibration)
+HELDOUT_NAME = "heldout.json"  # `ctuq uq RUN --check`'s report
 CHECKPOINT_NAME = "dip_checkpoint.pt"
 MODEL_NAME = "dip_model.pt"
 # The linearised inference (ctuq.pipeline.uq) writes these into any work folder (run folders, study folders).
@@ -91,6 +96,7 @@ JOINT_LL_FIGURE = "joint_ll.png"
 ERROR_VS_STD_FIGURE = "error_vs_std.png"
 EM_TRACE_FIGURE = "em_trace.png"
 UNCERTAINTY_SLICES_FIGURE = "uncertainty_slices.png"  # volumes: axial / coronal / sagittal planes
+HELDOUT_FIGURE = "heldout_calibration.png"  # held-out coverage curve and z histogram
 FIGURE_NAMES = (
     RECONSTRUCTION_FIGURE,
     UNCERTAINTY_FIGURE,

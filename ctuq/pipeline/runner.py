@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from ctuq.config import Config, ConfigError
+from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.phases import (
     Phase,
@@ -25,7 +26,16 @@ from ctuq.pipeline.scan import check_device
 from ctuq.pipeline.uq_phase import phase_uq
 from ctuq.utils import atomic_path, resolve_device
 
-__all__ = ["uq_phases", "build_phases", "run_phases", "write_config", "reconstruct", "rerun_uq", "reconstruct_problem"]
+__all__ = [
+    "uq_phases",
+    "build_phases",
+    "run_phases",
+    "write_config",
+    "reconstruct",
+    "rerun_uq",
+    "check_run",
+    "reconstruct_problem",
+]
 
 
 def uq_phases(state: RunState) -> list[Phase]:
@@ -164,6 +174,62 @@ def rerun_uq(
     if state.is_root:
         write_config(cfg, out_dir)
     return state
+
+
+def check_run(
+    cfg: Config,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    device: torch.device | None = None,
+) -> tuple[RunState, calib.HeldoutResult]:
+    """Programmatic ``ctuq uq RUN --check``: the held-out check (:mod:`ctuq.pipeline.calibration`) of the finished
+    run in ``out_dir``, writing only ``heldout.json`` and ``heldout_calibration.png``.
+
+    Reloads the scan, restores the fitted DIP and the fitted posterior (resumed from a temporary copy of
+    ``uq_state.pt``, else set up and fitted afresh with ``cfg.uq``; :func:`ctuq.pipeline.calibration.
+    fitted_posterior`), projects ``calibration.HELDOUT_SAMPLES`` posterior samples onto the scan's unused angles
+    and scores them. Every other file of the folder is left untouched. Returns the state (timings in
+    ``state.timings``) and the :class:`~ctuq.pipeline.calibration.HeldoutResult`.
+
+    Raises
+    ------
+    OutDirError
+        ``out_dir`` is not a finished run folder, or its run has no uncertainty phase.
+    CTUQError
+        The scan has no unused angles (or the run is a volume, or uses per-ray noise), with the reason.
+    """
+    out_dir = Path(out_dir)
+    rf.require_run_folder(out_dir)
+    calib.require_finished_uq_run(out_dir)
+    device = device if device is not None else resolve_device(cfg.device)
+    check_device(cfg, device)
+    reason = calib.noise_model_reason(cfg)
+    if reason:
+        calib.raise_no_heldout(out_dir, reason)
+    state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
+    t0 = time.perf_counter()
+    held, reason = calib.heldout_data(cfg, device, progress=progress)
+    if held is None:
+        calib.raise_no_heldout(out_dir, reason)
+    state.timings["heldout_load"] = time.perf_counter() - t0
+    run_phases(state, [Phase("load", phase_load), Phase("restore_dip", phase_restore_dip)])
+    t0 = time.perf_counter()
+    run = calib.fitted_posterior(state, log=state.log)
+    state.timings["posterior"] = time.perf_counter() - t0
+    result = calib.run_heldout_check(
+        run.posterior,
+        state.images["dip"].detach().cpu(),
+        cfg.dip.scale,
+        held,
+        chunk_size=cfg.uq.sample_chunk,
+        seed=cfg.seed + 1,
+        command=f"ctuq uq {out_dir} --check",
+    )
+    state.timings["check"] = result.report["seconds"]
+    result.report["timings"] = dict(state.timings)
+    calib.write_heldout(out_dir, result, figure=cfg.output.figure)
+    return state, result
 
 
 def reconstruct_problem(

@@ -8,6 +8,12 @@ What is CT here, and only that (DESIGN.md §1):
   units; images handed back (std map, samples, mean) are divided by ``scale`` again, i.e. in mm⁻¹;
 * the offset ``ỹ = y + T(Φṽ − g(ṽ))`` (the U-Net has no dense last layer, so it does not cancel; one JVP);
 * ``σ²`` initialised from the DIP residual ``‖T g(ṽ) − y‖²/c`` unless given, and by default learned;
+* the noise model (``uq.noise``): ``homoscedastic`` (``ε ~ N(0, σ² I)``) or ``per_ray`` (``ε ~ N(0, σ² D)``,
+  :class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`), ``D`` the scan's per-measurement variances
+  from the photon statistics (:attr:`ctuq.data.CTData.variances`, data units²) normalised to mean 1 — so ``σ²``
+  stays the mean noise variance in scaled units, and ``σ² / (scale² · mean(Var y))`` is the detector gain the fit
+  implies (counts per photon; 1 for a simulated scan whose residual is noise only); ``σ²₀`` is then the whitened
+  DIP residual ``mean((T g(ṽ) − y)²/d)``;
 * the run-folder checkpoints of ``work_dir`` and the streaming image statistics
   (:class:`ctuq.metrics.SampleMoments`): pixelwise and p×p patch second moments are running sums over sample
   chunks, so no image sample is kept in memory unless asked (``keep_samples``) or written
@@ -49,11 +55,12 @@ import torch
 from ctuq.config import UQConfig, check_section, posterior_arguments
 from ctuq.errors import CTUQError
 from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
+from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
 from ctuq.inference.solvers import SOLVERS
 from ctuq.linearize import LinearizedNetwork, MemoryBudgetError
 from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
 from ctuq.metrics import SampleMoments, inner_square_roi
-from ctuq.options import Prior
+from ctuq.options import NoiseModel, Prior
 from ctuq.pipeline import checkpoints
 from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
 from ctuq.utils import atomic_torch_save
@@ -70,6 +77,7 @@ __all__ = [
     "moments_bytes",
     "check_moments_memory",
     "statistics_roi",
+    "relative_variances",
 ]
 
 MOMENTS_CHECKPOINT_SECONDS = 60.0
@@ -152,6 +160,33 @@ def ct_features(
     return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
 
 
+def relative_variances(variances, settings: UQConfig, measurement_shape) -> torch.Tensor | None:
+    """The relative noise variances ``d`` ``(c,)`` float64, mean 1, of ``uq.noise = per_ray`` from the scan's
+    per-measurement variances ``variances`` (``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`);
+    ``None`` for ``homoscedastic`` (the variances are then not used). :class:`~ctuq.errors.CTUQError` naming
+    ``uq.noise`` and the shape or value when they are missing or unusable."""
+    if settings.noise != NoiseModel.PER_RAY:
+        return None
+    shape = tuple(int(n) for n in measurement_shape)
+    if variances is None:
+        raise CTUQError(
+            "uq.noise = 'per_ray' needs the scan's per-measurement variances (photon statistics: raw counts, flats "
+            "and darks, CTData.variances), but none were given; use uq.noise=homoscedastic for data without counts"
+        )
+    if not isinstance(variances, torch.Tensor) or tuple(variances.shape) != shape:
+        got = tuple(variances.shape) if isinstance(variances, torch.Tensor) else type(variances).__name__
+        raise CTUQError(f"uq.noise = 'per_ray': the variances have shape {got}, the sinogram {shape}")
+    v = variances.detach().to("cpu", torch.float64).reshape(-1)
+    bad = ~(torch.isfinite(v) & (v > 0))
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise CTUQError(
+            f"uq.noise = 'per_ray': {int(bad.sum())} measurement variances are not finite and positive (first at "
+            f"flat index {i} of the {shape} sinogram: {float(v[i])})"
+        )
+    return v / v.mean()
+
+
 def ct_posterior(
     model: torch.nn.Module,
     net_input: torch.Tensor,
@@ -164,14 +199,18 @@ def ct_posterior(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     shard=None,
+    variances: torch.Tensor | None = None,
 ):
     """The (not yet set-up) posterior of a fitted DIP: ``(posterior, network, info)``.
 
     ``info`` holds ``g0`` (the DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2``
-    (``‖T g(ṽ) − y‖²/c``, scaled units) and ``initial_sigma2``. ``y`` (``op.measurement_shape``) is in data units
-    (mm, not scaled).
+    (``‖T g(ṽ) − y‖²/c``, scaled units), ``initial_sigma2`` and ``noise`` (``uq.noise``; for ``per_ray`` also
+    ``variance_mean``, the mean of ``variances`` in data units², and the range of the relative variances ``d``).
+    ``y`` (``op.measurement_shape``) is in data units (mm, not scaled); ``variances`` (same shape, data units²) are
+    the scan's per-measurement variances, used with ``uq.noise = per_ray`` (:func:`relative_variances`).
     """
     settings = settings or UQConfig()
+    rel = relative_variances(variances, settings, op.measurement_shape)
     budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
     net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
     y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
@@ -181,22 +220,41 @@ def ct_posterior(
         delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
         residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
     dip_noise = float(residual.double().pow(2).mean())
-    sigma2_0 = settings.noise_variance if settings.noise_variance is not None else dip_noise
+    info: dict = {"noise": str(settings.noise)}
+    if rel is None:
+        white_noise = dip_noise
+    else:
+        white_noise = float((residual.double().cpu().pow(2) / rel).mean())
+        info.update(
+            {
+                "variance_mean": float(variances.double().mean()),
+                "relative_variance_min": float(rel.min()),
+                "relative_variance_max": float(rel.max()),
+                "whitened_residual_sigma2": white_noise,
+            }
+        )
+    sigma2_0 = settings.noise_variance if settings.noise_variance is not None else white_noise
     if not sigma2_0 > 0:
         raise FloatingPointError(
             "the DIP fits the data exactly (zero residual); set uq.noise_variance to a positive value"
         )
+    likelihood = (
+        GaussianLikelihood(sigma2_0, settings.learn_noise)
+        if rel is None
+        else DiagonalGaussianLikelihood(sigma2_0, settings.learn_noise, variances=rel)
+    )
     posterior = LinearizedPosterior(
         base,
         y_s + delta,
-        likelihood=GaussianLikelihood(sigma2_0, settings.learn_noise),
+        likelihood=likelihood,
         seed=seed,
         progress=progress,
         log=log,
         shard=shard,
         **posterior_arguments(settings),
     )
-    return posterior, net, {"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)}
+    info.update({"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)})
+    return posterior, net, info
 
 
 def statistics_roi(settings: UQConfig, image_shape):
@@ -254,9 +312,11 @@ class UQRun:
         keep_samples: bool = False,
         moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
         shard=None,
+        variances: torch.Tensor | None = None,
     ):
         settings = settings or UQConfig()
         check_section(settings, "uq")
+        relative_variances(variances, settings, op.measurement_shape)  # fail before the DIP is linearised
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
@@ -272,6 +332,7 @@ class UQRun:
                 "different ranks); use uq.save_samples"
             )
         self.model, self.net_input, self.op, self.y = model, net_input, op, y
+        self.variances = variances
         self.scale, self.settings, self.seed, self.shard = scale, settings, seed, shard
         self.resume, self.keep_samples = resume, keep_samples
         self.moments_checkpoint_seconds = moments_checkpoint_seconds
@@ -333,6 +394,7 @@ class UQRun:
             progress=self.progress,
             log=self.say,
             shard=self.shard,
+            variances=self.variances,
         )
         self.timings["offset"] = time.perf_counter() - t0  # linearisation and the offset's one JVP
         self.products["offset"] = {"jvp": self.net.n_jvp, "vjp": self.net.n_vjp}
@@ -501,6 +563,14 @@ class UQRun:
             },
             **posterior.solver.report(),
         }
+        if "variance_mean" in self.info:
+            # σ² d_i is ray i's variance in scaled units; Var y_i = g · v_i for a gain of g counts per photon
+            stats["per_ray"] = {
+                "relative_variance_min": self.info["relative_variance_min"],
+                "relative_variance_max": self.info["relative_variance_max"],
+                "whitened_residual_sigma2": self.info["whitened_residual_sigma2"],
+                "implied_gain": float(posterior.sigma2) / (self.scale**2 * self.info["variance_mean"]),
+            }
         if shard.distributed:
             stats["world_size"] = int(shard.world_size)
         return UQResult(
@@ -536,6 +606,7 @@ def run_linearized_uq(
     keep_samples: bool = False,
     moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
     shard=None,
+    variances: torch.Tensor | None = None,
 ) -> UQResult:
     """Sampled linearised inference for one DIP reconstruction (module docstring): :class:`UQRun`'s steps.
 
@@ -573,6 +644,9 @@ def run_linearized_uq(
         running sums are summed onto rank 0. Only rank 0 writes ``uq_state.pt`` and gets the statistics
         (``std``, ``moments``; ``None`` on the other ranks); every rank checkpoints its own running sums
         (``uq_moments.rank{r}of{N}.pt``), so a resumed run with the same number of ranks continues each share.
+    variances : torch.Tensor, optional
+        ``op.measurement_shape`` per-measurement variances of ``y`` (data units², :attr:`ctuq.data.CTData.variances`);
+        needed by ``uq.noise = per_ray`` (normalised to mean 1 there), ignored by ``homoscedastic``.
 
     Returns
     -------
@@ -598,6 +672,7 @@ def run_linearized_uq(
         keep_samples=keep_samples,
         moments_checkpoint_seconds=moments_checkpoint_seconds,
         shard=shard,
+        variances=variances,
     )
     try:
         return run.set_up().fit().stream_moments().report()

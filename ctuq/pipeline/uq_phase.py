@@ -1,20 +1,25 @@
 """The uncertainty phase of a run: linearised inference around the fitted DIP
 (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, the uncertainty figures and the UQ sections of
-metrics.json."""
+metrics.json; then the held-out check on the scan's unused angles (:mod:`ctuq.pipeline.calibration`,
+``metrics.json["uq"]["heldout"]``, ``heldout_calibration.png``) and, with ``uq.calibration: heldout``, the std map
+rescaled by its ``k`` (``std.tif``; ``std_uncalibrated.tif`` keeps the posterior's)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ctuq import figures
-from ctuq.metrics import uq_summary_from_moments
+from ctuq.metrics import SampleMoments, uq_summary_from_moments
+from ctuq.options import Calibration
 from ctuq.outputs import write_tiff
+from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.checkpoints import shard_moments_files
 from ctuq.pipeline.phases import RunState
 from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
 
-__all__ = ["phase_uq"]
+__all__ = ["phase_uq", "scaled_moments"]
 
 
 def phase_uq(state: RunState) -> None:
@@ -40,10 +45,21 @@ def phase_uq(state: RunState) -> None:
         progress=state.progress,
         log=state.log,
         shard=state.shard,
+        variances=state.data.variances if state.data is not None else None,
     )
     state.uq_result = res
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
+    heldout, skipped = _heldout_check(state, res)
+    k = heldout.k if heldout is not None and cfg.uq.calibration == Calibration.HELDOUT else None
+    if cfg.uq.calibration == Calibration.HELDOUT and k is None:
+        state.warn("uq.calibration = heldout: no held-out check, so std.tif is the uncalibrated posterior std")
+    if k is not None:
+        write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std)
+        res.std = res.std * k
+        state.log(f"uq.calibration = heldout: std.tif = posterior std × {k:.3f}")
+    else:
+        (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
     write_tiff(state.out_dir / rf.STD_NAME, res.std)
     uq_metrics: dict[str, Any] = {
         "method": "linearised DIP, sampled (dual Matheron sampler, sampled EM)",
@@ -56,9 +72,19 @@ def phase_uq(state: RunState) -> None:
         "n_samples": res.n_samples,
         "mean_std": float(res.std.mean()),
     }
+    if heldout is not None:
+        uq_metrics["heldout"] = heldout.report
+    else:
+        uq_metrics["heldout_skipped"] = skipped
+    uq_metrics["calibration"] = {"mode": str(cfg.uq.calibration), "k": k}
     state.metrics["em_trace"] = res.em_trace
     if state.ground_truth is not None:
-        summary = uq_summary_from_moments(state.ground_truth.detach().cpu(), res.mean, res.moments)
+        gt = state.ground_truth.detach().cpu()
+        if k is not None:
+            # the posterior's own numbers, for the evidence that the rescaling helps (or not)
+            uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
+            res.moments = scaled_moments(res.moments, k)
+        summary = uq_summary_from_moments(gt, res.mean, res.moments)
         state.metrics["marginal_ll"] = summary["marginal_ll"]
         state.metrics["joint_ll"] = summary["joint_ll"]
         state.metrics["coverage"] = summary["coverage"]
@@ -73,6 +99,8 @@ def phase_uq(state: RunState) -> None:
     state.uq_result = res
     if cfg.output.figure:
         _uq_figures(state, res)
+        if heldout is not None:
+            calib.write_heldout(state.out_dir, heldout, json_file=False)
     # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
     # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
@@ -80,6 +108,48 @@ def phase_uq(state: RunState) -> None:
         p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
+
+
+def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
+    """A copy of ``moments`` whose samples are ``k ×`` those fed to it (covariances × ``k²``): the statistics of the
+    recalibrated posterior."""
+    out = copy.deepcopy(moments)
+    sd = moments.state_dict()
+    sd = {
+        **sd,
+        "sum_sq": sd["sum_sq"] * (k * k),
+        "patch_sums": {p: t * (k * k) for p, t in sd["patch_sums"].items()},
+    }
+    return out.load_state_dict(sd)
+
+
+def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, str]:
+    """``(result, "")``: the held-out check of the run's posterior; ``(None, reason)`` with the one-line reason also
+    on stderr when it cannot run (it goes into ``metrics.json["uq"]["heldout_skipped"]``)."""
+    reason = ""
+    if state.metrics.get("data", {}).get("source") == "given in code":
+        reason = "the problem was given in code, not as a scan with unused angles"
+    elif state.shard is not None and state.shard.distributed:
+        reason = "a sharded run; run `ctuq uq RUN --check` on the finished folder"
+    else:
+        reason = calib.noise_model_reason(state.cfg)
+    held = None
+    if not reason:
+        held, reason = calib.heldout_data(state.cfg, state.device, progress=False)
+    if held is None:
+        state.log(f"held-out check skipped: {reason}")
+        return None, reason
+    result = calib.run_heldout_check(
+        res.posterior,
+        res.mean,
+        state.cfg.dip.scale,
+        held,
+        chunk_size=state.cfg.uq.sample_chunk,
+        seed=state.cfg.seed + 1,
+        command=f"ctuq uq {state.out_dir} --check",
+    )
+    state.log(calib.verdict(result.report) + f" [{result.report['seconds']:.1f} s]")
+    return result, ""
 
 
 def _uq_figures(state: RunState, res) -> None:
@@ -109,7 +179,15 @@ def _uq_figures(state: RunState, res) -> None:
         )
         summary = state.uq_summary
         cal = summary["calibration"]
-        figures.plot_calibration(out / rf.CALIBRATION_FIGURE, {"linearised DIP": (cal["levels"], cal["coverage"])})
+        curves = {"linearised DIP": (cal["levels"], cal["coverage"])}
+        before = state.metrics["uq"].get("summary_uncalibrated")
+        if before is not None:  # uq.calibration = heldout: the rescaled std and the posterior's own
+            k = state.metrics["uq"]["calibration"]["k"]
+            curves = {
+                f"linearised DIP, std × {k:.3g} (held-out)": curves["linearised DIP"],
+                "linearised DIP (uncalibrated)": (before["calibration"]["levels"], before["calibration"]["coverage"]),
+            }
+        figures.plot_calibration(out / rf.CALIBRATION_FIGURE, curves)
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})
         figures.plot_error_vs_std(out / rf.ERROR_VS_STD_FIGURE, abs_err, res.std, roi)
     else:

@@ -13,6 +13,7 @@ from ctuq.inference import (
     StackedFeatures,
     stack_features,
 )
+from ctuq.inference.features import RowScaledFeatures
 from ctuq.linearize import LinearizedNetwork
 from ctuq.testing import FeatureContract
 
@@ -72,6 +73,21 @@ class TestLinearizedFeaturesWithoutMap(FeatureContract):
         net, _, _ = _tiny_network()
         Phi = LinearizedFeatures(net).to_dense()  # L = I: Φ itself, checked against jacrev through L Φ above
         return LinearizedFeatures(net), Phi.double()
+
+
+class TestRowScaledDenseFeatures(FeatureContract):
+    def make_features(self):
+        M, r = _matrix(), _scales(9, seed=2)
+        return RowScaledFeatures(DenseFeatures(M), r), r[:, None] * M
+
+
+class TestRowScaledLinearizedFeatures(FeatureContract):
+    """The whitening of a network's features keeps its cheaper column route (``columns``)."""
+
+    def make_features(self):
+        net, L, M = _tiny_network()
+        r = _scales(6, seed=3)
+        return RowScaledFeatures(LinearizedFeatures(net, lambda X: X @ L.T, lambda R: R @ L), r), r[:, None] * M
 
 
 class TestScaledDenseFeatures(FeatureContract):

@@ -308,3 +308,70 @@ def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
             progress=False,
             settings=UQSettings(solver="exact", em_steps=0, samples=2),
         )
+
+
+# ------------------------------------------------------------------------------------------ per-ray noise
+def _ray_variances(shape, seed=4):
+    """Per-measurement variances (data units²) spread over a factor ≈ 12, like counts through thin and thick paths."""
+    g = torch.Generator().manual_seed(seed)
+    return 1e-4 * torch.exp(2.5 * torch.rand(shape, generator=g, dtype=torch.float64)).float()
+
+
+def test_per_ray_noise_reaches_the_diagonal_reference_fixed_point(problem):
+    """uq.noise = per_ray: exact EM to convergence is MacKay's fixed point of the dense model with noise σ² D, D the
+    variances normalised to mean 1 and the g-prior of the whitened features D^(−1/2) T Φ."""
+    op, model, net_input, y = problem
+    Phi, _, _, y_t = _reference(op, model, net_input, y)
+    var = _ray_variances(tuple(op.measurement_shape))
+    d = var.double().reshape(-1) / var.double().mean()
+    A = torch.as_tensor(op.matrix.toarray()) @ Phi
+    s_w = 1.0 / (A / d.sqrt()[:, None]).norm(dim=0)
+    settings = UQSettings(
+        solver="exact", em_steps=200, em_tol=1e-9, prior_precision=1.0, noise_variance=0.1, samples=2, noise="per_ray"
+    )
+    res = run_linearized_uq(
+        model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False, variances=var
+    )
+    ref = DenseLinearGaussian(A * s_w, y_t, noise_variances=d)
+    a_ref, s2_ref, _ = ref.em_fixed_point(1.0, 0.1, learn_noise=True, rtol=1e-11)
+    assert res.a == pytest.approx(a_ref, rel=1e-4) and res.sigma2 == pytest.approx(s2_ref, rel=1e-4)
+    assert res.em_trace[-1]["log_evidence"] == pytest.approx(
+        ref.log_evidence(res.em_trace[-1]["a"], res.em_trace[-1]["sigma2"]), rel=2e-5
+    )  # the run's Jacobians are float32: ~3e-6 relative of 178 nats (a, σ² above: 1e-4 as in the white case)
+    torch.testing.assert_close(res.posterior.likelihood.variances, d, rtol=1e-12, atol=0)
+    per_ray = res.stats["per_ray"]
+    assert per_ray["implied_gain"] == pytest.approx(res.sigma2 / (SCALE**2 * float(var.double().mean())), rel=1e-12)
+    assert per_ray["relative_variance_max"] / per_ray["relative_variance_min"] == pytest.approx(
+        float(var.max() / var.min()), rel=1e-5
+    )
+
+
+def test_homoscedastic_ignores_given_variances(problem):
+    op, model, net_input, y = problem
+    settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4)
+    plain = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, progress=False)
+    given = run_linearized_uq(
+        model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=_ray_variances(y.shape)
+    )
+    assert plain.a == given.a and plain.sigma2 == given.sigma2 and torch.equal(plain.std, given.std)
+    assert "per_ray" not in given.stats  # metrics.json of a default run: the same keys as before uq.noise existed
+
+
+def test_bad_per_ray_settings_are_clear(problem):
+    op, model, net_input, y = problem
+    per_ray = UQSettings(noise="per_ray", samples=2)
+    with pytest.raises(ValueError, match=r"uq.noise must be one of \['homoscedastic', 'per_ray'\]"):
+        run_linearized_uq(model, net_input, op, y, settings=UQSettings(noise="poisson"))
+    with pytest.raises(ValueError, match=r"uq.noise = 'per_ray' needs the scan's per-measurement variances"):
+        run_linearized_uq(model, net_input, op, y, settings=per_ray)
+    with pytest.raises(ValueError, match=r"the variances have shape \(30, 31\), the sinogram \(30, 32\)"):
+        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=torch.ones(30, 31))
+    bad = torch.ones(30, 32)
+    bad[2, 5] = 0.0
+    with pytest.raises(
+        ValueError, match=r"1 measurement variances are not finite and positive \(first at flat index 69"
+    ):
+        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=bad)
+    bad[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"first at flat index 69 of the \(30, 32\) sinogram: nan\)"):
+        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=bad)

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Calibration study (issue 26): coverage, right-scale factor, log-likelihood against the best constant std and
+Spearman(std, |error|) over simulated walnut and textured scans, per angle count and per combination of
+uq.prior × uq.noise × uq.calibration (mean ± s.e. over scans), with the issue's acceptance gates.
+
+The study is :mod:`ctuq.studies.calibration`; this script is its command line. Every scan is simulated with 1200
+angles (``ctuq simulate --phantom walnut|textured --projections 1201``), so each angle count is a subset and the
+remaining angles are held out. The DIP is fitted once per scan × angle count; each combination reruns only the
+inference on a copy of that run (``ctuq uq RUN --set uq.noise=...``). A combination the config does not know yet
+is reported as unavailable before any work starts.
+
+Outputs in ``--out``::
+
+    results.md, results.json          the table, the gates (pass/fail with the margin), every per-scan score
+    calibration.png                    coverage against nominal level (0.05…0.99), one curve per combination
+    scans/<kind>_<seed>/               the simulated scans
+    runs/<scan>/angles_<N>/dip/        the DIP run (``ctuq reconstruct --no-uq``)
+    runs/<scan>/angles_<N>/<combo>/    the inference run of one combination, and its score.json
+    study.json                         the options (a rerun must use the same ones)
+
+Rerunning the same command (or with ``--resume``, which says so) skips every finished part.
+
+Examples::
+
+    python scripts/calibration_study.py --out runs/calibration                     # 5 + 5 scans, 60 and 300 angles
+    python scripts/calibration_study.py --tiny --out /tmp/cal                      # seconds: the test's size
+    python scripts/calibration_study.py --walnut-seeds 0 1 --textured-seeds 0 1 --settings 60 \\
+        --noises homoscedastic --calibrations none heldout --out runs/cal_small
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import sys
+from pathlib import Path
+
+from ctuq.studies import StudyError
+from ctuq.studies.calibration import AXES, DEFAULTS, TINY, run_study
+from ctuq.studies.common import Log
+from ctuq.utils import tune_malloc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; study options default to ``None`` (then :data:`DEFAULTS`, or :data:`TINY`)."""
+    p = argparse.ArgumentParser(
+        prog="calibration_study.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Outputs in") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = DEFAULTS
+    p.add_argument("--out", metavar="DIR", required=True, help="study folder (created; reruns resume in it)")
+    p.add_argument(
+        "--walnut-seeds", type=int, nargs="*", metavar="S", help=f"walnut scans (default {d['walnut_seeds']})"
+    )
+    p.add_argument(
+        "--textured-seeds", type=int, nargs="*", metavar="S", help=f"textured scans (default {d['textured_seeds']})"
+    )
+    p.add_argument("--settings", type=int, nargs="+", metavar="ANGLES", help=f"angle counts (default {d['settings']})")
+    p.add_argument(
+        "--priors", nargs="+", metavar="P", help=f"uq.prior values {AXES['uq.prior']} (default {d['priors']})"
+    )
+    p.add_argument(
+        "--noises", nargs="+", metavar="N", help=f"uq.noise values {AXES['uq.noise']} (default {d['noises']})"
+    )
+    p.add_argument(
+        "--calibrations",
+        nargs="+",
+        metavar="C",
+        help=f"uq.calibration values {AXES['uq.calibration']} (default {d['calibrations']})",
+    )
+    p.add_argument("--config", help=f"base config of every run (default {d['config']})")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="config override for every run, as `ctuq reconstruct --set` (repeatable)",
+    )
+    p.add_argument("--tiny", action="store_true", help="test size: 1 + 1 tiny scans, 8 angles, a short DIP")
+    p.add_argument("--resume", action="store_true", help="continue the study in --out (what a rerun does anyway)")
+    p.add_argument("--progress", action="store_true", help="progress bars of the runs")
+    p.add_argument("--debug", action="store_true", help="show the traceback behind an error")
+    return p
+
+
+def resolve_options(args: argparse.Namespace) -> dict:
+    """Defaults (:data:`DEFAULTS`, with :data:`TINY` on top for ``--tiny``) overridden by the given flags."""
+    opts = copy.deepcopy(DEFAULTS)
+    if args.tiny:
+        opts.update(copy.deepcopy(TINY))
+    for key in ("walnut_seeds", "textured_seeds", "settings", "priors", "noises", "calibrations", "config"):
+        value = getattr(args, key)
+        if value is not None:
+            opts[key] = value
+    if args.set:
+        opts["set"] = [*opts["set"], *args.set]
+    opts["progress"] = bool(args.progress)
+    opts["tiny"] = bool(args.tiny)
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study; user errors are one line ``calibration_study.py: ...`` with exit status 2."""
+    args = build_parser().parse_args(argv)
+    tune_malloc()
+    log = Log("calibration_study")
+    opts = resolve_options(args)
+    out = Path(args.out)
+    if args.resume and not (out / "study.json").is_file():
+        print(f"calibration_study.py: --resume: {out} holds no study (no study.json)", file=sys.stderr)
+        return 2
+    command = "python scripts/calibration_study.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    try:
+        results = run_study(opts, out, command, log)
+    except (StudyError, ValueError) as exc:  # CTUQError is a ValueError: every user error of the pipeline
+        if args.debug:
+            raise
+        print(f"calibration_study.py: {exc}", file=sys.stderr)
+        return 2
+    print((out / "results.md").read_text())
+    for g in results["gates"]:
+        marks = ", ".join(f"{k} {'pass' if v['pass'] else 'FAIL'} ({v['margin']:+.3f})" for k, v in g["gates"].items())
+        print(f"{g['combination']}: {'PASS' if g['pass'] else 'FAIL'} — {marks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The held-out calibration check of a CT run (:mod:`ctuq.pipeline.calibration`), ``uq.calibration: heldout`` and
+``ctuq uq RUN --check``, end to end on a tiny simulated scan."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+from ctuq.cli import main
+from ctuq.config import load_config
+from ctuq.metrics import heldout_check
+from ctuq.pipeline import calibration as calib
+from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.phases import RunState, phase_load, phase_restore_dip
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# 32² image, every 2nd angle used (the other half held out), 60 DIP iterations, 64 posterior samples.
+TINY = [
+    "--set",
+    "data.image_shape=[32, 32]",
+    "--set",
+    "data.angular_subsampling=2",
+    "--set",
+    "data.detector_subsampling=3",
+    "--set",
+    "dip.iterations=60",
+    "--set",
+    "tv.enabled=false",
+    "--set",
+    "uq.samples=64",
+    "--set",
+    "uq.em_steps=3",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_scan(tmp_path_factory):
+    from ctuq.data.simulate import simulate_scan
+
+    path = tmp_path_factory.mktemp("scan") / "Walnut1"
+    simulate_scan(path, preset="tiny", progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tiny_scan, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *TINY]) == 0
+    return out
+
+
+def _digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_every_run_with_uq_records_the_check(run):
+    m = json.loads((run / "metrics.json").read_text())
+    h = m["uq"]["heldout"]
+    assert h["n_angles"] == h["n_used_angles"] == m["data"]["measurement_shape"][0]  # every 2nd angle held out
+    assert h["n_rows"] == h["n_angles"] * m["data"]["measurement_shape"][1]
+    assert set(h["coverage_headline"]) == {"0.5", "0.9", "0.95"} and len(h["coverage"]) == len(h["levels"]) == 20
+    assert h["scale"]["k"] > 0 and h["scale"]["se_bootstrap"] > 0 and 0 < h["image_variance_fraction"] < 1
+    assert h["command"] == f"ctuq uq {run} --check"
+    assert m["uq"]["calibration"] == {"mode": "none", "k": None}
+    assert (run / rf.HELDOUT_FIGURE).is_file() and not (run / rf.STD_UNCALIBRATED_NAME).exists()
+
+
+def test_check_writes_heldout_json_and_touches_nothing_else(run, capsys):
+    before = _digests(run)
+    assert main(["uq", str(run), "--check", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out check: " in out and "coverage" in out
+    after = _digests(run)
+    changed = {n for n in after if before.get(n) != after[n]}
+    assert changed <= {rf.HELDOUT_NAME, rf.HELDOUT_FIGURE} and rf.HELDOUT_NAME in changed
+    rep = json.loads((run / rf.HELDOUT_NAME).read_text())
+    m = json.loads((run / "metrics.json").read_text())
+    # the posterior resumed from uq_state.pt and the same seeded samples: the run's own check, reproduced
+    assert rep["scale"]["k"] == pytest.approx(m["uq"]["heldout"]["scale"]["k"], rel=1e-6)
+
+
+class _Scaled:
+    """A posterior whose image samples are ``factor ×`` another's: its std map is ``factor ×`` the original."""
+
+    def __init__(self, posterior, factor):
+        self.posterior, self.factor, self.sigma2 = posterior, factor, posterior.sigma2
+
+    def sample_outputs(self, n, **kwargs):
+        for i, images, ps in self.posterior.sample_outputs(n, **kwargs):
+            yield i, images * self.factor, ps
+
+
+def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
+    cfg = load_config(run / "config.yaml")
+    state = RunState(cfg=cfg, out_dir=run, device=torch.device("cpu"), progress=False, command="uq")
+    phase_load(state)
+    phase_restore_dip(state)
+    posterior = calib.fitted_posterior(state).posterior
+    held, reason = calib.heldout_data(cfg, state.device)
+    assert reason == ""
+    recon = state.images["dip"].detach().cpu()
+    base = calib.run_heldout_check(posterior, recon, cfg.dip.scale, held, n_samples=128, seed=cfg.seed + 1)
+    assert not base.report["scale"]["at_bound"]
+    for factor in (0.5, 2.0):
+        res = calib.run_heldout_check(
+            _Scaled(posterior, factor), recon, cfg.dip.scale, held, n_samples=128, seed=cfg.seed + 1
+        )
+        # the check reports the scaled std as too narrow (×0.5) or too wide (×2) by the factor ...
+        assert res.k == pytest.approx(base.k / factor, rel=0.10)
+        # ... and the recalibrated std (factor × k × std) is the unscaled run's k × std to within 10 %
+        assert factor * res.k == pytest.approx(base.k, rel=0.10)
+        again = heldout_check(
+            res.residual,
+            np.zeros_like(res.residual),
+            variance=res.k**2 * res.variance,
+            noise_variance=res.noise_variance,
+            groups=res.groups,
+            n_bootstrap=0,
+        )
+        assert again["scale"]["k"] == pytest.approx(1.0, rel=0.10)
+
+
+def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "recal"
+    shutil.copytree(run, copy)
+    assert main(["uq", str(copy), "--set", "uq.calibration=heldout", "--no-progress"]) == 0
+    m = json.loads((copy / "metrics.json").read_text())
+    k = m["uq"]["calibration"]["k"]
+    assert m["uq"]["calibration"]["mode"] == "heldout" and k == pytest.approx(m["uq"]["heldout"]["scale"]["k"])
+    std, raw = tifffile.imread(copy / "std.tif"), tifffile.imread(copy / rf.STD_UNCALIBRATED_NAME)
+    np.testing.assert_allclose(std, raw * k, rtol=1e-6)
+    before, after = m["uq"]["summary_uncalibrated"], m["uq"]["summary"]
+    assert after["mean_std"] == pytest.approx(k * before["mean_std"], rel=1e-3)  # η is relative: scales with k²
+    assert m["coverage"] == after["coverage"] and m["marginal_ll"] == after["marginal_ll"]  # top level: std.tif's
+    assert set(before) == set(after)
+
+
+def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, capsys):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text((run / "config.yaml").read_text())
+    assert main(["uq", str(unfinished), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a finished run (no metrics.json)" in err and str(unfinished) in err and "\n" not in err
+    no_uq = tmp_path / "no_uq"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(no_uq), "--no-uq", *TINY]) == 0
+    capsys.readouterr()
+    assert main(["uq", str(no_uq), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no uncertainty phase (no std.tif)" in err and "\n" not in err
+
+
+def test_no_unused_angles_is_said_in_one_line(run):
+    cfg = load_config(run / "config.yaml", ["data.angular_subsampling=1"])
+    held, reason = calib.heldout_data(cfg, torch.device("cpu"))
+    assert held is None and "no unused angles" in reason and "K-fold" in reason and "\n" not in reason
+
+
+def test_bad_calibration_value_names_the_key(capsys):
+    assert main(["reconstruct", "--no-uq", "--set", "uq.calibration=sometimes"]) == 2
+    err = capsys.readouterr().err
+    assert "uq.calibration" in err and "heldout" in err

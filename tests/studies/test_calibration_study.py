@@ -1,0 +1,139 @@
+"""The calibration study (``scripts/calibration_study.py``, :mod:`ctuq.studies.calibration`): ``--tiny`` end to end
+(the combinations the config knows), resume skips finished work, bad options are one-line errors, and the scoring
+against an oracle on synthetic numbers (seed 0; tolerances stated per check)."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+
+from ctuq.config import ConfigError, load_config
+from ctuq.pipeline import run_folder as rf
+from ctuq.studies.calibration import (
+    DEFAULTS,
+    Combination,
+    aggregate,
+    check_combinations,
+    gate_report,
+    score_run,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("calibration_study", ROOT / "scripts" / "calibration_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _known(key: str, value: str) -> bool:
+    try:
+        load_config("demo", [f"{key}={value}"])
+        return True
+    except ConfigError:
+        return False
+
+
+def test_score_run_against_known_numbers(tmp_path):
+    """err ~ N(0, 0.01²) and std = 0.005 everywhere: coverage@0.9 = P(|z| ≤ 0.822) = 0.589 and right scale 2
+    (± 0.02 over 8100 inner-square pixels, seed 0); the constant-std oracle is the best constant, so it beats a
+    std that is too small."""
+    rng = np.random.default_rng(0)
+    gt = rng.uniform(0, 0.05, (128, 128))
+    rec = gt + rng.normal(0, 0.01, gt.shape)
+    for name, a in ((rf.GROUND_TRUTH_NAME, gt), (rf.RECONSTRUCTION_NAME, rec), (rf.STD_NAME, np.full(gt.shape, 0.005))):
+        tifffile.imwrite(tmp_path / name, a.astype(np.float32))
+    (tmp_path / rf.METRICS_NAME).write_text(json.dumps({"joint_ll": {"10": 1.0}}))
+    s = score_run(tmp_path)
+    assert abs(s["right_scale"] - 2.0) < 0.04
+    assert abs(s["coverage_0.9"] - 0.589) < 0.02 and abs(s["coverage_0.5"] - 0.261) < 0.02
+    assert s["oracle_ll"] > s["marginal_ll"] and s["joint_ll_10"] == 1.0 and len(s["calibration"]) == 20
+    assert abs(s["rmse"] - 0.01) < 2e-4 and s["spearman"] is None  # a constant std ranks nothing
+
+
+def test_gates_report_margins():
+    def rec(scan, cov9, scale, ll):
+        sc = {"coverage_0.5": 0.5, "coverage_0.9": cov9, "coverage_0.95": cov9 + 0.04, "right_scale": scale,
+              "marginal_ll": ll, "oracle_ll": 5.0, "joint_ll_10": 5.0, "oracle_joint_ll_10": 5.0, "spearman": 0.5,
+              "rmse": 0.01, "mean_std": 0.01, "calibration": [0.5] * 20}  # fmt: skip
+        return {"scan": scan, "kind": "walnut", "angles": 60, "combination": "c", "scores": sc}
+
+    rows = aggregate([rec("a", 0.90, 1.0, 5.5), rec("b", 0.90, 1.2, 4.9)])
+    assert rows[0]["content"] == "all" and rows[0]["n_scans"] == 2
+    assert math.isclose(rows[0]["right_scale"][0], 1.1) and math.isclose(rows[0]["right_scale"][1], 0.1)
+    g = gate_report(rows)[0]["gates"]
+    assert g["right_scale"]["pass"] and math.isclose(g["right_scale"]["margin"], 0.05)
+    assert not g["ll_above_oracle"]["pass"] and math.isclose(g["ll_above_oracle"]["margin"], -0.1)
+
+
+def test_unknown_keys_make_a_combination_unavailable_up_front():
+    combos = check_combinations(
+        dict(DEFAULTS),
+        [
+            Combination({"uq.prior": "gprior", "uq.noise": "homoscedastic", "uq.calibration": "none"}),
+            Combination({"uq.prior": "no_such_prior", "uq.noise": "homoscedastic", "uq.calibration": "none"}),
+        ],
+    )
+    assert combos[0].error is None  # the baseline always runs (keys the config lacks are left out)
+    assert "uq.prior" in combos[1].error and "\n" not in combos[1].error
+    for key, value in (("uq.noise", "per_ray"), ("uq.calibration", "heldout")):
+        c = check_combinations(dict(DEFAULTS), [Combination({"uq.prior": "gprior", key: value})])[0]
+        assert (c.error is None) == _known(key, value)
+        if c.error is not None:
+            assert "not available yet" in c.error
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--noises", "loud"], "--noises loud: each must be one of homoscedastic, per_ray"),
+        (["--settings", "7"], "--settings 7: each angle count must divide the scans' 32 angles"),
+        (["--walnut-seeds", "--textured-seeds"], "the study needs at least one scan"),
+        (["--set", "dip.nope=1"], "unknown config key 'dip.nope'"),
+    ],
+)
+def test_bad_options_are_one_line_errors(tmp_path, capsys, argv, message):
+    assert _script().main(["--tiny", "--out", str(tmp_path / "s"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("calibration_study.py: ") and message in err[0]
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
+    out = tmp_path / "study"
+    script = _script()
+    assert script.main(["--tiny", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    combos = {r["combination"] for r in res["records"]}
+    assert "gprior-homoscedastic-none" in combos
+    assert {r["scan"] for r in res["records"]} == {"walnut_0", "textured_0"}
+    for r in res["records"]:
+        s = r["scores"]
+        assert 0 <= s["coverage_0.9"] <= 1 and s["right_scale"] > 0 and math.isfinite(s["marginal_ll"])
+    assert any(r["content"] == "textured" for r in res["table"]) and res["gates"]
+    md = (out / "results.md").read_text()
+    assert "| 8 | gprior-homoscedastic-none | all | 2 |" in md and "Acceptance gates" in md
+    assert (out / "calibration.png").stat().st_size > 10_000
+    for name in res["unavailable"]:
+        assert f"`{name}`" in md
+
+    # resume: nothing is recomputed (no DIP, no inference), the results are the same
+    def finished_files():  # DIP runs and finished combinations (a failed one is retried and may rewrite its own)
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*.tif") if p.parent.name not in res["unavailable"]}
+
+    stamps = finished_files()
+    capsys.readouterr()
+    assert script.main(["--tiny", "--resume", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "fitting the DIP" not in err and "simulating" not in err
+    # only combinations that failed (e.g. an option whose data the scan lacks) are tried again
+    retried = {line.split("inference ")[1].split(":")[0] for line in err.splitlines() if "] inference " in line}
+    assert retried <= set(res["unavailable"])
+    assert stamps == finished_files()
+    assert json.loads((out / "results.json").read_text())["records"] == res["records"]
