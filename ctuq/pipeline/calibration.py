@@ -38,7 +38,7 @@ from ctuq.geometry import ProjectionGeometry
 from ctuq.metrics.heldout import heldout_check
 from ctuq.operators import make_ray_transform
 from ctuq.operators.astra_cuda import AstraCudaRayTransform
-from ctuq.options import Backend, NoiseModel
+from ctuq.options import Backend
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.scan import data_path
 from ctuq.pipeline.uq import UQRun
@@ -53,7 +53,6 @@ __all__ = [
     "write_heldout",
     "verdict",
     "table",
-    "noise_model_reason",
     "require_finished_uq_run",
     "fitted_posterior",
     "raise_no_heldout",
@@ -78,12 +77,17 @@ class HeldoutData:
         ``(n_angles,)`` the scan's geometry rows held out (the block labels of the bootstrap).
     n_used : int
         Angles the run used.
+    relative_variances : np.ndarray or None
+        ``(n_angles · n_cols,)`` float64 per-ray noise variances of the held-out rows relative to the mean variance
+        of the rows the run used (the normalisation of ``uq.noise = per_ray``, so ``σ² d_h`` is their noise
+        variance in the posterior's units); ``None`` when the scan holds no photon counts.
     """
 
     op: object
     y: torch.Tensor
     geometry_rows: np.ndarray
     n_used: int
+    relative_variances: np.ndarray | None = None
 
     @property
     def n_angles(self) -> int:
@@ -95,12 +99,13 @@ class HeldoutData:
 class HeldoutResult:
     """:func:`run_heldout_check`'s output: ``report`` (JSON-ready, :func:`ctuq.metrics.heldout.heldout_check`'s
     dict plus sizes, seconds and the command) and the flat per-row arrays it came from (sinogram units):
-    ``residual`` ``y_h − T_h x̂``, ``variance`` ``v_i``, ``noise_variance`` ``σ²``, ``groups`` (geometry row)."""
+    ``residual`` ``y_h − T_h x̂``, ``variance`` ``v_i``, ``noise_variance`` ``σ²`` (per row with per-ray noise),
+    ``groups`` (geometry row)."""
 
     report: dict
     residual: np.ndarray
     variance: np.ndarray
-    noise_variance: float
+    noise_variance: float | np.ndarray
     groups: np.ndarray
 
     @property
@@ -149,7 +154,13 @@ def heldout_data(cfg: Config, device: torch.device, *, progress: bool = False) -
         geom = ProjectionGeometry(fan.kind, fan.det_shape, vectors=fan.vectors[held])
         op = make_ray_transform(every.volume, geom, backend=dc.backend, device=device)
     y = every.y[torch.from_numpy(held)].to(device)
-    return HeldoutData(op=op, y=y, geometry_rows=rows[held], n_used=len(used)), ""
+    rel = None
+    if every.variances is not None:
+        # per_ray normalises the used rows' variances to mean 1 (pipeline.uq.relative_variances): the held-out rows
+        # take the same normaliser, so σ² d_h is their noise variance in the fitted posterior's units
+        var = every.variances.detach().to("cpu", torch.float64)
+        rel = (var[torch.from_numpy(held)] / var[torch.from_numpy(~held)].mean()).reshape(-1).numpy()
+    return HeldoutData(op=op, y=y, geometry_rows=rows[held], n_used=len(used), relative_variances=rel), ""
 
 
 def run_heldout_check(
@@ -163,6 +174,7 @@ def run_heldout_check(
     seed: int = 0,
     n_bootstrap: int = 200,
     command: str | None = None,
+    per_ray: bool = False,
 ) -> HeldoutResult:
     """The held-out check of a fitted CT posterior (module docstring).
 
@@ -183,6 +195,9 @@ def run_heldout_check(
         Block-bootstrap replicates of ``k`` (angles resampled).
     command : str, optional
         The command that reproduces the check, recorded in the report.
+    per_ray : bool
+        The posterior was fitted with ``uq.noise = per_ray``: the held-out rows' noise variance is ``σ² d_h``
+        (``held.relative_variances``) instead of one ``σ²``.
     """
     t0 = time.perf_counter()
     op = held.op
@@ -197,6 +212,10 @@ def run_heldout_check(
             k += proj.shape[0]
     variance = (sum_sq / k).numpy()
     sigma2 = float(posterior.sigma2) / scale**2
+    if per_ray:
+        if held.relative_variances is None:
+            raise ValueError("run_heldout_check: per_ray needs the held-out rows' variances (the scan has no counts)")
+        sigma2 = sigma2 * held.relative_variances
     groups = np.repeat(held.geometry_rows, op.c // held.n_angles)
     y = held.y.reshape(-1).double().cpu().numpy()
     report = heldout_check(
@@ -208,6 +227,7 @@ def run_heldout_check(
     report["seconds"] = time.perf_counter() - t0
     if command is not None:
         report["command"] = command
+    report["noise_model"] = "per_ray" if per_ray else "homoscedastic"
     return HeldoutResult(report, y - mean.numpy(), variance, sigma2, groups)
 
 
@@ -286,14 +306,6 @@ def write_heldout(out_dir: Path, result: HeldoutResult, *, json_file: bool = Tru
             recalibrated=(rep["levels"], rec, k),
             title=f"held-out check: {rep['n_angles']} unused angles",
         )
-
-
-def noise_model_reason(cfg: Config) -> str:
-    """Why the check cannot run with ``cfg``'s noise model (empty when it can): per-ray noise needs the held-out
-    rows' own variances, which this check does not read yet."""
-    if getattr(cfg.uq, "noise", NoiseModel.HOMOSCEDASTIC) != NoiseModel.HOMOSCEDASTIC:
-        return "uq.noise = per_ray: the held-out rows' per-ray variances are not wired into the check yet"
-    return ""
 
 
 def require_finished_uq_run(run_dir: Path) -> None:

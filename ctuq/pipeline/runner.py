@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from ctuq.config import Config, ConfigError
+from ctuq.options import NoiseModel
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.phases import (
@@ -197,16 +198,13 @@ def check_run(
     OutDirError
         ``out_dir`` is not a finished run folder, or its run has no uncertainty phase.
     CTUQError
-        The scan has no unused angles (or the run is a volume, or uses per-ray noise), with the reason.
+        The scan has no unused angles (or the run is a volume), with the reason.
     """
     out_dir = Path(out_dir)
     rf.require_run_folder(out_dir)
     calib.require_finished_uq_run(out_dir)
     device = device if device is not None else resolve_device(cfg.device)
     check_device(cfg, device)
-    reason = calib.noise_model_reason(cfg)
-    if reason:
-        calib.raise_no_heldout(out_dir, reason)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
     t0 = time.perf_counter()
     held, reason = calib.heldout_data(cfg, device, progress=progress)
@@ -225,6 +223,7 @@ def check_run(
         chunk_size=cfg.uq.sample_chunk,
         seed=cfg.seed + 1,
         command=f"ctuq uq {out_dir} --check",
+        per_ray=cfg.uq.noise == NoiseModel.PER_RAY,
     )
     state.timings["check"] = result.report["seconds"]
     result.report["timings"] = dict(state.timings)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ctuq import figures
 from ctuq.metrics import SampleMoments, uq_summary_from_moments
-from ctuq.options import Calibration
+from ctuq.options import Calibration, NoiseModel
 from ctuq.outputs import write_tiff
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
@@ -131,8 +131,6 @@ def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, st
         reason = "the problem was given in code, not as a scan with unused angles"
     elif state.shard is not None and state.shard.distributed:
         reason = "a sharded run; run `ctuq uq RUN --check` on the finished folder"
-    else:
-        reason = calib.noise_model_reason(state.cfg)
     held = None
     if not reason:
         held, reason = calib.heldout_data(state.cfg, state.device, progress=False)
@@ -147,6 +145,7 @@ def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, st
         chunk_size=state.cfg.uq.sample_chunk,
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
+        per_ray=state.cfg.uq.noise == NoiseModel.PER_RAY,
     )
     state.log(calib.verdict(result.report) + f" [{result.report['seconds']:.1f} s]")
     return result, ""

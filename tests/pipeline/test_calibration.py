@@ -142,6 +142,25 @@ def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
     assert set(before) == set(after)
 
 
+def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_path):
+    """uq.noise=per_ray: the held-out rows' noise is σ² d_h with d normalised like the fitted rows' (mean 1 over the
+    used rows), so rows of more photons get less noise; a per-ray run's check says which noise model it used."""
+    import shutil
+
+    copy = tmp_path / "per_ray"
+    shutil.copytree(run, copy)
+    assert main(["uq", str(copy), "--set", "uq.noise=per_ray", "--no-progress"]) == 0
+    m = json.loads((copy / "metrics.json").read_text())
+    rep = m["uq"]["heldout"]
+    assert rep["noise_model"] == "per_ray" and np.isfinite(rep["scale"]["k"])
+    cfg = load_config(copy / "config.yaml")
+    held, reason = calib.heldout_data(cfg, torch.device("cpu"))
+    assert reason == "" and held.relative_variances.shape == (held.op.c,)
+    d = held.relative_variances
+    assert d.min() > 0 and d.max() / d.min() > 1.05  # the rows differ: a per-row noise, not one σ²
+    assert 0.5 < d.mean() < 2.0  # held-out and used rows come from the same scan: comparable variances
+
+
 def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
