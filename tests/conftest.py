@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from ctuq.data.simulate import simulate_scan
+
 os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
 # Two cores on CI: keep torch from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -17,6 +19,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_scan(tmp_path_factory):
+    """A simulated walnut-layout scan at the ``tiny`` preset, written once per test session; tests read it and copy
+    it before they damage anything."""
+    path = tmp_path_factory.mktemp("scan") / "Walnut1"
+    simulate_scan(path, preset="tiny", progress=False)
+    return path
 
 
 def pytest_collection_modifyitems(config, items):

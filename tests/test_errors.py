@@ -36,15 +36,6 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_scan(tmp_path_factory):
-    from ctuq.data.simulate import simulate_scan
-
-    path = tmp_path_factory.mktemp("scan") / "Walnut1"
-    simulate_scan(path, preset="tiny", progress=False)
-    return path
-
-
 @pytest.fixture
 def broken(tiny_scan, tmp_path):
     """A fresh copy of the tiny scan to damage."""

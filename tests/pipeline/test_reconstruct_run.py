@@ -71,15 +71,6 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def tiny_scan(tmp_path_factory):
-    from ctuq.data.simulate import simulate_scan
-
-    path = tmp_path_factory.mktemp("scan") / "Walnut1"
-    simulate_scan(path, preset="tiny", progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
 def finished_run(tiny_scan, tmp_path_factory):
     import shutil
 
