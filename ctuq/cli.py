@@ -1,23 +1,45 @@
-"""The ``ctuq`` console script: ``ctuq simulate``, ``reconstruct``, ``uq``, ``pretrain``, ``design``.
+"""The ``ctuq`` console script: ``simulate``, ``reconstruct``, ``uq``, ``pretrain``, ``design``, ``view``, ``fetch``.
 
 Error contract (one place for every command): a user error (:mod:`ctuq.errors`: bad config or option, damaged
 scan, unusable ``--out``, missing CUDA, diverged fit, ...) prints one line ``ctuq <command>: <file or option>:
 <problem>`` on stderr and exits with status 2. ``ctuq --debug ...`` (also accepted after the command) or
-``CTUQ_DEBUG=1`` re-raises it so the traceback shows. Programming errors always keep their traceback.
+``CTUQ_DEBUG=1`` re-raises it so the traceback shows. Programming errors always keep their traceback. Ctrl-C
+(SIGINT) and SIGTERM stop a run at its next checkpoint (:mod:`ctuq.interrupt`) with one line naming the command that
+resumes it, and exit with status 130 / 143.
+
+Terminal output goes through :mod:`ctuq.log`: ``--quiet`` (``-q``) leaves warnings and errors only (and no
+progress bars), ``--verbose`` (``-v``) adds debug lines; a command with an output folder also writes every
+message, timestamped, to its ``ctuq.log``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import shlex
 import sys
 
-from ctuq import __version__
+from ctuq import __version__, interrupt
 from ctuq.commands import COMMANDS
 from ctuq.errors import debug_requested, format_user_error, is_user_error
+from ctuq.log import configure_logging
 from ctuq.utils import tune_malloc
 
 _DEBUG_HELP = "show the Python traceback of errors (also: environment variable CTUQ_DEBUG=1)"
+_QUIET_HELP = "only warnings and errors on the terminal, no progress bars (the run's ctuq.log still gets everything)"
+_VERBOSE_HELP = "also debug messages on the terminal"
+_log = logging.getLogger(__name__)
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, default) -> None:
+    # --quiet/--verbose set one verbosity (-1/+1); the last one given wins, before or after the command.
+    parser.add_argument(
+        "-q", "--quiet", dest="verbosity", action="store_const", const=-1, default=default, help=_QUIET_HELP
+    )
+    parser.add_argument(
+        "-v", "--verbose", dest="verbosity", action="store_const", const=1, default=default, help=_VERBOSE_HELP
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ctuq {__version__}")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    _add_verbosity(parser, 0)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, module in COMMANDS.items():
         try:
@@ -39,27 +62,35 @@ def build_parser() -> argparse.ArgumentParser:
         p = mod.add_parser(sub)
         # SUPPRESS: without the flag the sub-parser must not reset a --debug given before the command.
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+        _add_verbosity(p, argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ctuq`` command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (0, 2 for a
-    user error, 130 when interrupted)."""
+    user error, 130/143 when stopped by SIGINT/SIGTERM: :mod:`ctuq.interrupt`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    command_line = "ctuq " + shlex.join(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.verbosity, args.command, command_line)
+    _log.debug(f"ctuq {__version__}, Python {sys.version.split()[0]}: {command_line}")
+    if args.verbosity < 0 and hasattr(args, "no_progress"):
+        args.no_progress = True
     tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("ctuq: interrupted", file=sys.stderr)
-        return 130
+        with interrupt.handling():  # SIGINT/SIGTERM: checkpoint at the next safe point, then Interrupted
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as exc:
+        # one line: the signal, the checkpoint written and the exact command that resumes the run
+        _log.error(interrupt.message(exc, args.command, sys.argv[1:] if argv is None else argv))
+        return exc.exit_status if isinstance(exc, interrupt.Interrupted) else 130
     except Exception as exc:
         if debug_requested(args.debug) or not is_user_error(exc):
             raise
-        print(f"ctuq {args.command}: {format_user_error(exc)}", file=sys.stderr, flush=True)
+        _log.error(format_user_error(exc))
         return 2
 
 

@@ -74,6 +74,7 @@ __all__ = [
     "parse_override",
     "check_section",
     "posterior_arguments",
+    "TVPredCPConfig",
 ]
 
 
@@ -111,7 +112,10 @@ def option(
 class DataConfig:
     """Which scan to load and how to subsample it (see ``ctuq.data.load_walnut_slice``)."""
 
-    path: str | None = option(None, help="walnut folder or simulated scan; null: the bundled demo scan")
+    path: str | None = option(
+        None,
+        help="scan: walnut folder, scan.yaml or NXtomo file (docs/data_formats.md); null: the bundled demo scan",
+    )
     ndim: int = option(2, choices=(2, 3), help="2: one slice (sparse operator), 3: a volume (GPU, ASTRA CUDA)")
     orbit: int = option(2, choices=(1, 2, 3), help="source orbit (tubeV1..3)")
     angular_subsampling: int = option(20, ge=1, help="use every k-th of the 1200 angles (20 → 60 angles)")
@@ -201,6 +205,32 @@ class TVConfig:
 
 
 @dataclasses.dataclass
+class TVPredCPConfig:
+    """The TV-PredCP block prior (``uq.prior = tv_predcp``; :mod:`ctuq.priors.tv_predcp`, ``docs/tv_predcp.md``): its
+    hyperprior rate, initial hyperparameters and the type-II MAP that fits them."""
+
+    scale: float = option(
+        1.0,
+        gt=0.0,
+        help="rate λ of the exponential hyperprior on a block's expected sample TV, in units of 1/TV(reconstruction)",
+    )
+    steps: int = option(60, ge=0, help="Adam steps of the type-II MAP (0: keep the initial hyperparameters)")
+    lr: float = option(0.1, gt=0.0, help="Adam step size on the log-hyperparameters")
+    probes: int = option(8, ge=1, help="Hutchinson probes of the log-determinant gradient per step")
+    tv_samples: int = option(
+        32, ge=1, help="samples per block (9 JVPs each, once) of the tap Gram matrices behind the expected TV"
+    )
+    lengthscale: float = option(1.0, gt=0.0, help="initial Matérn-½ lengthscale of every 3×3 block (tap spacings)")
+    variance: float = option(1.0, gt=0.0, help="initial variance σ²_b of every block (× 1/a)")
+    precond_rank: int = option(400, ge=1, help="Nyström preconditioner rank of the fit's CG solves")
+
+    def validate(self) -> None:
+        # check_section checks the bounds of one level only: a section built in code gets them here
+        for f in dataclasses.fields(self):
+            _check_bounds(getattr(self, f.name), dict(f.metadata), f.name, "uq.tv_predcp")
+
+
+@dataclasses.dataclass
 class UQConfig:
     """Linearised inference (DESIGN.md §1; ``ctuq.pipeline.uq.run_linearized_uq``). ``--no-uq`` skips it.
 
@@ -212,7 +242,12 @@ class UQConfig:
     ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
     """
 
-    prior: str = option("gprior", choices=values(Prior), help="weight prior scaling s")
+    prior: str = option(
+        "gprior",
+        choices=values(Prior),
+        help="weight prior: g-prior or isotropic scaling s, or the tv_predcp block prior",
+    )
+    tv_predcp: TVPredCPConfig = dataclasses.field(default_factory=TVPredCPConfig)
     gprior_method: str = option(
         "exact",
         choices=values(GPriorMethod),
@@ -315,8 +350,9 @@ class UQConfig:
 def posterior_arguments(uq: UQConfig) -> dict:
     """The keyword arguments of :class:`ctuq.inference.LinearizedPosterior` that the ``uq`` section sets:
     ``prior``, ``gprior_method``, ``gprior_probes``, ``a`` (``prior_precision``), ``solver``, ``solver_options``
-    and ``workload`` (for ``solver="auto"``'s cost model). The front end adds what is not configuration
-    (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``, ``shard``).
+    and ``workload`` (for ``solver="auto"``'s cost model); with ``prior = tv_predcp`` also ``prior_options`` from
+    ``uq.tv_predcp`` (the front end adds the image shape and the rate, ``scale / TV(reconstruction)``). The front end
+    adds what is not configuration (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``, ``shard``).
 
     ``solver_options`` holds one mapping per solver that has configuration keys (``cg``: ``preconditioner``,
     ``rank``, ``oversampling``, ``rtol`` = ``cg_tol``, ``max_iter`` = ``cg_max_iter``, ``adaptive_rank``,
@@ -359,7 +395,7 @@ def posterior_arguments(uq: UQConfig) -> dict:
         sgd_iterations=float(uq.sgd_iterations),
         chunk=int(uq.sample_chunk),
     )
-    return {
+    out = {
         "prior": uq.prior,
         "gprior_method": uq.gprior_method,
         "gprior_probes": uq.gprior_probes,
@@ -368,6 +404,19 @@ def posterior_arguments(uq: UQConfig) -> dict:
         "solver_options": options,
         "workload": workload,
     }
+    if uq.prior == Prior.TV_PREDCP:
+        # the front end adds image_shape and turns scale into the rate λ (it knows the reconstruction's TV)
+        tv = uq.tv_predcp
+        out["prior_options"] = {
+            "steps": tv.steps,
+            "lr": tv.lr,
+            "probes": tv.probes,
+            "tv_samples": tv.tv_samples,
+            "lengthscale": tv.lengthscale,
+            "variance": tv.variance,
+            "precond_rank": tv.precond_rank,
+        }
+    return out
 
 
 @dataclasses.dataclass
@@ -440,6 +489,12 @@ class OutputConfig:
     figure: bool = option(True, help="write the PNG comparison figure")
     keep_checkpoint: bool = option(True, help="keep dip_checkpoint.pt after a finished run")
     save_model: bool = option(True, help="write dip_model.pt (best weights, input, architecture)")
+    stack: bool = option(
+        False, help="also write stack.tif: reconstruction, std, |error|, ground truth as one ImageJ multi-channel stack"
+    )
+    hdf5: bool = option(
+        False, help="also write results.h5: every image of the run and its geometry (voxel grid, projection vectors)"
+    )
 
 
 @dataclasses.dataclass

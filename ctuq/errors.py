@@ -31,6 +31,8 @@ __all__ = [
     "CTUQError",
     "DataError",
     "OutDirError",
+    "RunFolderLocked",
+    "DiskFullError",
     "DeviceError",
     "NonFiniteLossError",
     "CheckpointMismatch",
@@ -51,6 +53,16 @@ class DataError(CTUQError):
 
 class OutDirError(CTUQError):
     """The output folder (``--out``, ``RUN_DIR``) is a file, lies under a file, is not writable or is taken."""
+
+
+class RunFolderLocked(OutDirError):
+    """Another ctuq process is writing the output folder (``ctuq.pipeline.lock``); the message names the folder and
+    that process's PID."""
+
+
+class DiskFullError(OutDirError):
+    """A write failed because the file system is full (or the quota is used up): the message names the file; that
+    file was not written and every earlier output is intact (all writers write a temporary file and rename it)."""
 
 
 class DeviceError(CTUQError, RuntimeError):

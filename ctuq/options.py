@@ -75,11 +75,12 @@ def values(vocabulary: type[Vocabulary]) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- inference core
 class Prior(Vocabulary):
-    """Weight-prior scaling of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` or
-    ``s = 1``."""
+    """Weight prior of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹``, ``s = 1``, or the
+    TV-PredCP block prior (:mod:`ctuq.priors.tv_predcp`)."""
 
     GPRIOR = "gprior"
     ISOTROPIC = "isotropic"
+    TV_PREDCP = "tv_predcp"
 
 
 class GPriorMethod(Vocabulary):
@@ -222,6 +223,7 @@ class PriorMethod(Vocabulary):
 
     SAMPLED_EM = "sampled_em"
     EXACT = "exact"
+    GRIDSEARCH = "gridsearch"  # validation NLL over a log grid (post-hoc calibration, not Bayesian; issue 27)
 
 
 class HessianRoot(Vocabulary):
@@ -296,3 +298,72 @@ class PhantomKind(Vocabulary):
 
 
 __all__ += ["PhantomKind"]
+
+
+# ------------------------------------------------------------------------------------------ classification (issue 27)
+class HessianAt(Vocabulary):
+    """Where ``LinearizedLaplace`` evaluates the softmax Hessians ``B_i``: at the linearised model's mode at the
+    current prior precision (self-consistent Laplace-GLM evidence, the default) or at the trained network (the
+    published shortcut, exact only when the network is that mode)."""
+
+    LINEAR_MODE = "linear_mode"
+    NETWORK = "network"
+
+
+__all__ += ["HessianAt"]
+
+
+# ---------------------------------------------------------------------------------------------- data formats (issue 28)
+class DataFormat(Vocabulary):
+    """The scan formats :mod:`ctuq.data.formats` reads (``--data``): the walnut data set's folder, a ``scan.yaml``
+    description with its measurement files, a NeXus NXtomo HDF5 file."""
+
+    WALNUT = "walnut"
+    SCAN_YAML = "scan_yaml"
+    NXTOMO = "nxtomo"
+
+
+class ScanGeometry(Vocabulary):
+    """Beam geometry of a scan description: parallel beam (any number of detector rows), fan beam (one detector row),
+    cone beam (several rows); all circular about ``z``."""
+
+    PARALLEL = "parallel"
+    FAN = "fan"
+    CONE = "cone"
+
+
+class AngleUnit(Vocabulary):
+    """Unit of projection angles in a scan description (``angles.unit``)."""
+
+    DEGREE = "degree"
+    RADIAN = "radian"
+
+
+class LengthUnit(Vocabulary):
+    """Unit of lengths in a scan description (``units``); ctuq converts them to mm."""
+
+    MM = "mm"
+    CM = "cm"
+    M = "m"
+    UM = "um"
+
+
+class MeasurementKind(Vocabulary):
+    """What a scan description's projections hold: raw detector counts (with flats and darks; per-ray variances
+    follow from the photon statistics) or line integrals ``−log(I/I₀)`` (dimensionless)."""
+
+    COUNTS = "counts"
+    LINE_INTEGRALS = "line_integrals"
+
+
+class ScanLayout(Vocabulary):
+    """File layouts ``ctuq simulate --layout`` writes: the walnut data set's folder, ``scan.yaml`` with ``.npy``
+    arrays, ``scan.yaml`` with TIFF stacks, NXtomo HDF5."""
+
+    WALNUT = "walnut"
+    YAML_NPY = "yaml-npy"
+    YAML_TIFF = "yaml-tiff"
+    NXTOMO = "nxtomo"
+
+
+__all__ += ["DataFormat", "ScanGeometry", "AngleUnit", "LengthUnit", "MeasurementKind", "ScanLayout"]

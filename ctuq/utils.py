@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import hashlib
 import json
 import math
 import os
@@ -22,13 +24,14 @@ import tifffile
 import torch
 from tqdm.auto import tqdm
 
-from ctuq.errors import DeviceError
+from ctuq.errors import DeviceError, DiskFullError
 
 __all__ = [
     "atomic_path",
     "atomic_write_json",
     "atomic_torch_save",
     "atomic_write_tiff",
+    "json_digest",
     "seed_everything",
     "resolve_device",
     "progress",
@@ -40,15 +43,33 @@ __all__ = [
 ]
 
 
+# A write that fails for want of space: the file system is full, or the user's quota is.
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _disk_full(exc: OSError, path: Path) -> DiskFullError:
+    return DiskFullError(
+        f"{path}: no space left on device ({exc.strerror or exc}); this file was not written, the earlier outputs "
+        f"in {path.parent} are intact; free some space and run again (with --resume where the command has it)"
+    )
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
 
-    A crash inside the block leaves any previous ``path`` untouched and no half-written file.
+    A crash inside the block leaves any previous ``path`` untouched and no half-written file (the temporary file
+    is removed). A full disk (``ENOSPC``, ``EDQUOT``) while creating, writing or renaming it raises
+    :class:`~ctuq.errors.DiskFullError` naming ``path`` (a user error: one line).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL_ERRNOS:
+            raise _disk_full(exc, path) from exc
+        raise
     os.close(fd)
     tmp = Path(tmp)
     try:
@@ -58,6 +79,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.chmod(tmp, 0o666 & ~umask)
         yield tmp
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL_ERRNOS:
+            raise _disk_full(exc, path) from exc
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -81,16 +106,52 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+class _RecordingWriter:
+    """A binary file for ``torch.save`` that remembers the ``OSError`` of a failed write: torch's zip writer reports
+    it as an unspecific ``RuntimeError`` (a full disk reads ``unexpected pos ...``)."""
+
+    def __init__(self, fh) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
-    """``torch.save`` atomically (checkpoints survive a kill mid-write)."""
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+    """``torch.save`` atomically (checkpoints survive a kill mid-write); a full disk raises
+    :class:`~ctuq.errors.DiskFullError` naming ``path``."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        writer = _RecordingWriter(fh)
+        try:
+            torch.save(obj, writer)
+            fh.flush()
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
 
 
-def atomic_write_tiff(path: str | os.PathLike, array: np.ndarray) -> None:
-    """Write a float32 (or given dtype) TIFF atomically with tifffile."""
+def atomic_write_tiff(path: str | os.PathLike, array: np.ndarray, **imwrite_kwargs: Any) -> None:
+    """Write ``array`` as a TIFF (its own dtype) atomically with tifffile; ``imwrite_kwargs`` go to
+    ``tifffile.imwrite`` (e.g. ``imagej=True``, ``resolution``, ``metadata``: :func:`ctuq.outputs.write_tiff`)."""
     with atomic_path(path) as tmp:
-        tifffile.imwrite(tmp, np.ascontiguousarray(array))
+        tifffile.imwrite(tmp, np.ascontiguousarray(array), **imwrite_kwargs)
+
+
+def json_digest(obj: Any) -> str:
+    """The SHA-256 (hex) of ``obj`` (JSON values: dicts, lists, strings, numbers, ``None``) written as canonical JSON
+    (sorted keys, no spaces): what a state file records of its own content, so that a file edited by hand is
+    refused (:func:`check_fingerprint` catches only a file of another run)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def seed_everything(seed: int) -> torch.Generator:

@@ -1,24 +1,32 @@
 """Benchmark: all-weights linearised Laplace with ctuq against MAP and laplace-torch 0.3, on offline data.
 
 For each data set (scikit-learn digits; MNIST-1D from its offline generator) and model (MLP ~9k weights; CNN with
-batch norm ~31-34k weights) it trains the MAP network (Adam, 200 epochs, seed 0; cached in ``--out``), then
-evaluates side by side
+batch norm ~31-34k weights) it trains the MAP network (``--recipe bench``: Adam lr 1e-3, no weight decay;
+``--recipe issue``: Adam lr 1e-2, weight decay 1e-4; 200 epochs, seed 0; cached in ``--out``), then evaluates side
+by side
 
 * MAP;
-* ctuq, sampled EM: CG solver, ``--em-steps`` MacKay steps with ``--em-samples`` posterior samples each, then
-  ``--samples`` posterior samples for prediction (MC and probit links);
-* ctuq, exact EM: dense exact solver, EM to ``|Δa|/a < 1e-4``, where ``Ψ₀`` fits memory (``--exact``);
+* ctuq, all weights, g-prior, sampled EM (CG solver, ``--em-steps`` damped EM steps with ``--em-samples`` posterior
+  samples each), with the softmax Hessians at the network (``hessian_at="network"``, the published shortcut) and
+  at the linearised model's mode (``"linear_mode"``, the default), then ``--samples`` posterior samples for
+  prediction (MC — also with the first 64 samples, ``mc64`` — and probit links);
+* ctuq linear mode, exact EM: dense exact solver, EM to ``|Δa|/a < 1e-4``, where ``Ψ₀`` fits memory (``--exact``);
+* ctuq linear mode, last layer only (exact EM);
+* ctuq linear mode with ``a`` by grid search on validation data (post-hoc calibration: a third of the test split,
+  stratified; these rows, and MAP and the linear-mode sampled EM beside them, are scored on the other two thirds);
 * laplace-torch 0.3 if importable: last-layer KFAC, all-weights diag, all-weights KFAC, all-weights full GGN, each
   with ``optimize_prior_precision(method="marglik")`` and probit / MC predictives, each in a subprocess limited to
   ``--lt-timeout`` seconds;
 
 on the test set (NLL, accuracy, ECE with 15 bins, Brier, κ-tuple joint log-likelihood κ = 1…10 with dyadic
-sampling, wall time) and along distribution shifts (rotated / noised digits, noised MNIST-1D; NLL and ECE). For
-the exact-tractable cases it also reports the fidelity of the sampled method to the exact one (ratio of the prior
-precisions, symmetrised KL between the two MC predictives). Prints markdown tables; writes ``results.json``.
+sampling, wall time of fit + prior optimisation + test predictive) and along input corruptions (digits: rotation,
+noise, blur; MNIST-1D: noise, blur, translation; NLL and ECE). For the exact-tractable cases it also reports the
+fidelity of the sampled method to the exact one (ratio of the prior precisions, symmetrised KL between the two MC
+predictives), and for the digits MLP the acceptance gates of issue 27. Prints markdown tables; writes
+``results.json`` and one reliability-diagram figure per data set and model (``--figures``).
 
     python scripts/benchmark_classification.py                       # everything (long on 2 CPU cores)
-    python scripts/benchmark_classification.py --datasets digits --models mlp
+    python scripts/benchmark_classification.py --datasets digits --models mlp [--recipe issue]
     python scripts/benchmark_classification.py --datasets mnist1d --models cnn --exact none --no-laplace-torch \
         --dtype float32 --dense-features always           # the CNN through an assembled Ψ₀ (5.4 GB)
     python scripts/benchmark_classification.py --datasets digits --models mlp --exact none --no-laplace-torch \
@@ -45,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctuq.classify import LinearizedLaplace  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
+from ctuq.metrics import reliability_diagram  # noqa: E402
 from ctuq.metrics.classification import accuracy, expected_calibration_error, nll  # noqa: E402
 from ctuq.models import count_parameters  # noqa: E402
 from ctuq.options import DenseFeatures as DenseChoice  # noqa: E402
@@ -58,8 +67,9 @@ from ctuq.studies.classification import (  # noqa: E402
     metric_row,
     shifted_inputs,
     train_map,
+    validation_split,
 )
-from ctuq.utils import atomic_torch_save, tune_malloc  # noqa: E402
+from ctuq.utils import atomic_path, atomic_torch_save, tune_malloc  # noqa: E402
 
 KAPPAS = list(range(1, 11))
 LT_VARIANTS = [("last_layer", "kron"), ("all", "diag"), ("all", "kron"), ("all", "full")]
@@ -84,22 +94,29 @@ def sym_kl(p, q):
 
 
 # ------------------------------------------------------------------------------------------ methods
-def run_map(model, d, shifts):
+def run_map(model, d, shifts, idx=None, name="MAP"):
+    """MAP rows on the test set (or its rows ``idx``) and the shifted sets."""
+    sel = slice(None) if idx is None else idx
     with torch.no_grad():
-        probs = torch.softmax(model(d["Xt"]).double(), -1)
-        rows = {"test": metric_row(probs, d["yt"])}
+        probs = torch.softmax(model(d["Xt"][sel]).double(), -1)
+        rows = {"test": metric_row(probs, d["yt"][sel])}
         for kind, sev, X in shifts:
-            p = torch.softmax(model(X).double(), -1)
-            rows[f"{kind}={sev}"] = metric_row(p, d["yt"], kappas=[1])
-    return {"method": "MAP", "link": "-", "rows": rows, "time_s": 0.0, "a": None}
+            p = torch.softmax(model(X[sel]).double(), -1)
+            rows[f"{kind}={sev}"] = metric_row(p, d["yt"][sel], kappas=[1])
+    return {"method": name, "link": "-", "rows": rows, "time_s": 0.0, "a": None, "probs": probs}
 
 
-def make_laplace(model, args, exact: bool, log=None) -> LinearizedLaplace:
-    """ctuq's all-weights g-prior Laplace as benchmarked: the dense exact solver, or CG with the rank-``--rank``
-    Nyström preconditioner."""
+def make_laplace(
+    model, args, exact: bool, log=None, hessian_at="linear_mode", weights="all", a0=1.0
+) -> LinearizedLaplace:
+    """ctuq's g-prior Laplace as benchmarked: the dense exact solver, or CG with the rank-``--rank`` Nyström
+    preconditioner; softmax Hessians ``hessian_at``."""
     return LinearizedLaplace(
         model,
         prior="gprior",
+        weights=weights,
+        hessian_at=hessian_at,
+        prior_precision=a0,
         solver="exact" if exact else "cg",
         seed=args.seed,
         solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
@@ -119,46 +136,84 @@ def cached_model(path: Path, model, train):
     return model, seconds
 
 
-def run_ctuq(model, d, shifts, args, exact: bool):
-    t0 = time.perf_counter()
-    la = make_laplace(model, args, exact, log=lambda m: print(f"    {m}", flush=True))
+def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
+    """Rows (MC, optionally MC with the first 64 samples, probit) of a fitted ``la`` on the test set (or its rows
+    ``idx``) and the shifted sets; ``times``: ``(total, fit, prior optimisation)`` seconds."""
+    sel = slice(None) if idx is None else idx
+    f, Z = la.logit_deviations(d["Xt"][sel], args.samples, seed=args.seed)
+    shifted = [(f"{kind}={sev}", *la.logit_deviations(X[sel], args.samples, seed=args.seed)) for kind, sev, X in shifts]
+    links = [("mc", args.samples), ("probit", args.samples)] + ([("mc", 64)] if mc64 and args.samples > 64 else [])
+    out = []
+    for link, k in links:
+        rows = {"test": metric_row(link_probabilities(f, Z[:k], link), d["yt"][sel], f[None] + Z[:k])}
+        for sname, fs, Zs in shifted:
+            rows[sname] = metric_row(link_probabilities(fs, Zs[:k], link), d["yt"][sel], kappas=[1])
+        trace = la.em_trace
+        out.append(
+            {
+                "method": name,
+                "link": link if k == args.samples else f"{link}{k}",
+                "rows": rows,
+                "time_s": times[0],
+                "fit_s": times[1],
+                "em_s": times[2],
+                "a": la.prior_precision,
+                "em_steps": len(trace),
+                "gamma": trace[-1]["gamma"] if trace else None,
+                "hessian_ratio": la.hessian_ratio,
+                "a_trace": [r["a_new"] for r in trace],
+                "solver": la.posterior.solver_name,
+                "probs": link_probabilities(f, Z[:k], link),
+            }
+        )
+    return out
+
+
+def run_ctuq(model, d, shifts, args, exact: bool, hessian_at="linear_mode", weights="all", name=None, a0=1.0):
+    """Fit, EM (sampled or exact) from ``a = a0`` and the rows of one ctuq variant; returns ``(rows, la)``."""
+    name = name or f"ctuq {hessian_at.replace('_', '-')} {'exact' if exact else 'sampled'} EM"
+    t0, c0 = time.perf_counter(), time.process_time()
+    la = make_laplace(
+        model, args, exact, log=lambda m: print(f"    {m}", flush=True), hessian_at=hessian_at, weights=weights, a0=a0
+    )
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
-    print(
-        f"  ctuq {'exact' if exact else 'sampled'}: fit (linearisation, g-prior, solver set-up) {t_fit:.1f} s",
-        flush=True,
-    )  # long runs (the CNNs) otherwise print nothing for many minutes
+    print(f"  {name}: fit (linearisation, g-prior, mode, solver set-up) {t_fit:.1f} s", flush=True)
     if exact:
-        la.optimize_prior("exact", max_steps=100, tol=1e-4)
+        la.optimize_prior("exact", max_steps=args.exact_steps, tol=1e-4)
     else:
         la.optimize_prior("sampled_em", max_steps=args.em_steps, n_samples=args.em_samples, tol=0.0)
     t_em = time.perf_counter() - t0 - t_fit
+    cpu = time.process_time() - c0
+    print(f"  {name}: CPU time of fit + prior optimisation {cpu:.1f} s ({torch.get_num_threads()} threads)", flush=True)
     print(
-        f"  ctuq {'exact' if exact else 'sampled'}: prior optimisation {t_em:.1f} s, a = {la.prior_precision:.4g}",
+        f"  {name}: prior optimisation {t_em:.1f} s, a = {la.prior_precision:.4g}, "
+        f"a trace {[round(r['a_new'], 4) for r in la.em_trace]}, γ = {la.em_trace[-1]['gamma']:.4g}, "
+        f"tr B ratio {la.hessian_ratio:.3g}",
         flush=True,
     )
-    f, Z = la.logit_deviations(d["Xt"], args.samples, seed=args.seed)  # draws the posterior samples
+    la.posterior_samples(args.samples, args.seed)  # the prediction samples belong to the timed part
     t_total = time.perf_counter() - t0
-    shifted = [(f"{kind}={sev}", *la.logit_deviations(X, args.samples, seed=args.seed)) for kind, sev, X in shifts]
-    out = []
-    for link in ("mc", "probit"):
-        rows = {"test": metric_row(link_probabilities(f, Z, link), d["yt"], f[None] + Z)}
-        for name, fs, Zs in shifted:
-            rows[name] = metric_row(link_probabilities(fs, Zs, link), d["yt"], kappas=[1])
-        out.append(
-            {
-                "method": f"ctuq {'exact EM' if exact else 'sampled EM'}",
-                "link": link,
-                "rows": rows,
-                "time_s": t_total,
-                "fit_s": t_fit,
-                "em_s": t_em,
-                "a": la.prior_precision,
-                "em_steps": len(la.em_trace),
-                "solver": la.posterior.solver_name,
-            }
-        )
-    return out, la, link_probabilities(f, Z, "mc")
+    return ctuq_rows(la, name, d, shifts, args, (t_total, t_fit, t_em), mc64=not exact and weights == "all"), la
+
+
+def run_gridsearch(la, d, shifts, args, val_idx, eval_idx):
+    """Grid search of ``a`` (post-hoc calibration) on the validation rows ``val_idx`` of the test split, starting
+    from a fitted ``la``; rows on ``eval_idx``."""
+    t0 = time.perf_counter()
+    out = la.optimize_prior(
+        "gridsearch",
+        val_loader=loader(d["Xt"][val_idx], d["yt"][val_idx]),
+        link="probit",
+        samples=args.grid_samples,
+        grid=args.grid,
+    )
+    t = time.perf_counter() - t0
+    print(f"  gridsearch: a = {out['a']:.4g} (validation NLL {out['nll']:.4f}), {t:.1f} s", flush=True)
+    rows = ctuq_rows(la, "ctuq linear-mode gridsearch", d, shifts, args, (t, 0.0, t), idx=eval_idx)
+    for r in rows:
+        r["grid"] = out["trace"]
+    return rows
 
 
 def _lt_worker(queue, state, d, shifts, subset, structure, args):
@@ -220,14 +275,15 @@ def run_laplace_torch(state, d, shifts, subset, structure, args):
 
 
 def a_sweep(la, d, args):
-    """Test metrics of the sampled posterior with ``a`` fixed at multiples of the EM's value (same posterior object;
-    the samples are redrawn at each ``a``). Restores ``a`` afterwards."""
+    """Test metrics of the sampled posterior with ``a`` fixed at multiples of the EM's value (same object; with
+    ``hessian_at="linear_mode"`` the mode and ``B`` follow ``a``; the samples are redrawn at each ``a``). Restores
+    ``a`` afterwards."""
     a0 = la.posterior.a
     gamma = la.em_trace[-1].get("gamma") if la.em_trace else None
     print(f"  a sweep (EM: a = {a0:.4g}, γ = {gamma if gamma is None else f'{gamma:.4g}'} of d = {la.n_params}):")
     try:
         for mult in args.a_multiples:
-            la.posterior.a = a0 * mult
+            la.set_prior_precision(a0 * mult)
             f, Z = la.logit_deviations(d["Xt"], args.samples, seed=args.seed)
             cells = []
             for link in ("mc", "probit"):
@@ -243,7 +299,7 @@ def a_sweep(la, d, args):
                 flush=True,
             )
     finally:
-        la.posterior.a = a0
+        la.set_prior_precision(a0)
 
 
 def marglik_training(model, d, args):
@@ -254,7 +310,7 @@ def marglik_training(model, d, args):
     posterior whose evidence picked ``a``, instead of an unregularised fit. Returns the model and the seconds taken."""
     t0 = time.perf_counter()
     for k in range(args.marglik_rounds):
-        la = make_laplace(model, args, exact=False)
+        la = make_laplace(model, args, exact=False, hessian_at="network")  # as measured on 2026-11-24
         la.fit(loader(d["X"], d["y"]))
         la.optimize_prior("sampled_em", max_steps=args.em_steps, n_samples=args.em_samples, tol=0.0)
         a, s = la.prior_precision, la.scales
@@ -294,13 +350,103 @@ def print_tables(title, entries, shifts):
             f"{fmt(j[10])} | {fmt(e['time_s'], 1)} |"
         )
     keys = [f"{k}={s}" for k, s, _ in shifts]
-    for metric in ("nll", "ece"):
+    for metric in ("nll", "ece") if keys else ():
         print(f"\n{metric.upper()} under shift ({title})\n")
         print("| method | link | " + " | ".join(keys) + " |")
         print("|---|---|" + "---|" * len(keys))
         for e in entries:
-            if "error" not in e:
+            if "error" not in e and all(k in e["rows"] for k in keys):
                 print(f"| {e['method']} | {e['link']} | " + " | ".join(fmt(e["rows"][k][metric]) for k in keys) + " |")
+
+
+def plot_reliability(path: Path, title: str, curves: dict, labels) -> Path:
+    """One reliability diagram (15 bins, top-class confidence) per method in ``curves`` ``{name: probs}``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3.0 * len(curves), 3.1), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(curves), squeeze=False)[0]
+    for ax, (name, probs) in zip(axes, curves.items()):
+        r = reliability_diagram(probs, labels)
+        centres = 0.5 * (r["edges"][1:] + r["edges"][:-1])
+        ok = r["count"] > 0
+        ax.bar(centres[ok], r["accuracy"][ok], width=1 / 15, edgecolor="k", alpha=0.7)
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
+        ax.plot(r["confidence"][ok], r["accuracy"][ok], "o", ms=3, color="C3")
+        ax.set(
+            title=f"{name}\nECE {expected_calibration_error(probs, labels):.3f}, NLL {nll(probs, labels):.3f}",
+            xlabel="confidence",
+            ylabel="accuracy",
+            xlim=(0, 1),
+            ylim=(0, 1),
+        )
+        ax.title.set_fontsize(8)
+    fig.suptitle(title, fontsize=9)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=80)
+    return path
+
+
+def gates(entries, fidelity, recipe) -> list[str]:
+    """Issue 27's acceptance gates for the digits MLP (all weights, g-prior, EM-chosen ``a``, network mean), each
+    ``met`` / ``MISSED`` with its numbers."""
+    by = {(e["method"], e["link"]): e for e in entries if "error" not in e}
+    m = by[("MAP", "-")]["rows"]
+    lin = {
+        k: by[("ctuq linear-mode sampled EM", k)]
+        for k in ("probit", "mc", "mc64")
+        if ("ctuq linear-mode sampled EM", k) in by
+    }
+    out = []
+
+    def gate(name, ok, detail):
+        out.append(f"{'met   ' if ok else 'MISSED'} {name}: {detail}")
+
+    mp, mj = m["test"]["nll"], m["test"]["joint_ll"]
+    pr, mc = lin["probit"]["rows"], lin["mc"]["rows"]
+    if recipe == "bench":
+        gate("probit NLL <= MAP", pr["test"]["nll"] <= mp, f"{pr['test']['nll']:.4f} vs {mp:.4f}")
+        gate("MC (256) NLL <= 1.05 MAP", mc["test"]["nll"] <= 1.05 * mp, f"{mc['test']['nll']:.4f} vs {1.05 * mp:.4f}")
+        if "mc64" in lin:
+            v = lin["mc64"]["rows"]["test"]["nll"]
+            gate("MC (64) NLL <= 1.10 MAP", v <= 1.10 * mp, f"{v:.4f} vs {1.10 * mp:.4f}")
+        for link in ("probit", "mc"):
+            v = lin[link]["rows"]["test"]["ece"]
+            gate(f"ECE ({link}) <= 0.03", v <= 0.03, f"{v:.4f}")
+        j = mc["test"]["joint_ll"]
+        for k in (2, 5, 10):
+            gate(f"joint LL κ={k} ahead of MAP", j[k] > mj[k], f"{j[k]:.4f} vs {mj[k]:.4f}")
+        gate("joint LL κ=1 within 0.01 of MAP", j[1] >= mj[1] - 0.01, f"{j[1]:.4f} vs {mj[1]:.4f}")
+    else:
+        me = m["test"]["ece"]
+        gate("probit NLL <= 1.05 MAP", pr["test"]["nll"] <= 1.05 * mp, f"{pr['test']['nll']:.4f} vs {1.05 * mp:.4f}")
+        gate("MC (256) NLL <= 1.10 MAP", mc["test"]["nll"] <= 1.10 * mp, f"{mc['test']['nll']:.4f} vs {1.10 * mp:.4f}")
+        for link in ("probit", "mc"):
+            v = lin[link]["rows"]["test"]["ece"]
+            gate(f"ECE ({link}) <= MAP + 0.01", v <= me + 0.01, f"{v:.4f} vs {me + 0.01:.4f}")
+        for link in ("probit", "mc"):
+            rows = lin[link]["rows"]
+            shifts = [k for k in rows if k != "test"]
+            bad = [
+                f"{k} {metric} {rows[k][metric]:.3f} > {m[k][metric]:.3f}"
+                for k in shifts
+                for metric in ("nll", "ece")
+                if rows[k][metric] > m[k][metric]
+            ]
+            gate(f"corruptions ({link}): NLL and ECE <= MAP at every severity", not bad, "; ".join(bad) or "all")
+    if fidelity:
+        r = fidelity["a_ratio"]
+        gate("sampled EM's a within 5 % of exact EM's", abs(r - 1) <= 0.05, f"ratio {r:.4f}")
+    t = lin["mc"]["fit_s"] + lin["mc"]["em_s"]
+    gate("fit + prior optimisation < 60 s", t < 60, f"{t:.1f} s (load average {os.getloadavg()[0]:.1f})")
+    for (name, link), e in by.items():
+        if name.startswith("laplace-torch") and ("all" in name or "last_layer kron" in name):
+            v, w = e["rows"]["test"], lin["mc"]["rows"]["test"]
+            best = min(pr["test"]["nll"], mc["test"]["nll"])
+            ahead = best < v["nll"] and all(w["joint_ll"][k] > v["joint_ll"][k] for k in (1, 2, 5, 10))
+            gate(f"ahead of {name} ({link}) on NLL and joint LL", ahead, f"NLL {best:.4f} vs {v['nll']:.4f}")
+    return out
 
 
 def main(argv=None):
@@ -310,11 +456,33 @@ def main(argv=None):
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--out", default="runs/classification", help="folder for cached MAP networks and results.json")
+    ap.add_argument("--figures", default=None, help="folder for the reliability diagrams (default: --out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=200)
-    ap.add_argument("--samples", type=int, default=64, help="prediction samples")
+    ap.add_argument(
+        "--recipe",
+        choices=["bench", "issue"],
+        default="bench",
+        help="MAP training: bench = Adam lr 1e-3, no weight decay; issue = Adam lr 1e-2, weight decay 1e-4",
+    )
+    ap.add_argument("--samples", type=int, default=256, help="prediction samples")
+    ap.add_argument("--grid-samples", type=int, default=64, help="posterior samples per grid point (gridsearch)")
+    ap.add_argument(
+        "--grid",
+        type=float,
+        nargs="+",
+        default=None,
+        help="prior precisions of the grid search (default: ctuq.classify.DEFAULT_GRID, 1e-2 … 1e6, 25 values)",
+    )
     ap.add_argument("--em-steps", type=int, default=5)
     ap.add_argument("--em-samples", type=int, default=16)
+    ap.add_argument("--exact-steps", type=int, default=30, help="step limit of the exact EM (tol 1e-4)")
+    ap.add_argument(
+        "--exact-start",
+        choices=["sampled", "one"],
+        default="sampled",
+        help="initial a of the exact EM: the sampled EM's a (default; fewer d×d eigendecompositions) or 1",
+    )
     ap.add_argument("--rank", type=int, default=400, help="CG preconditioner rank (the cap with --adaptive-rank)")
     ap.add_argument(
         "--adaptive-rank",
@@ -326,6 +494,17 @@ def main(argv=None):
         choices=["auto", "all", "none"],
         default="auto",
         help="exact EM: auto = MLPs only (d < c), all = also the CNNs, none",
+    )
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["network", "linear", "last_layer", "gridsearch"],
+        choices=["network", "linear", "last_layer", "gridsearch"],
+        help="ctuq rows besides the exact EM: network-Hessian sampled EM, linear-mode sampled EM, last layer, "
+        "grid search",
+    )
+    ap.add_argument(
+        "--shifts", action=argparse.BooleanOptionalAction, default=True, help="evaluate the corrupted test sets"
     )
     ap.add_argument("--laplace-torch", dest="lt", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--lt-timeout", type=float, default=600.0)
@@ -357,7 +536,7 @@ def main(argv=None):
         type=float,
         nargs="*",
         default=[],
-        help="also evaluate the sampled posterior with a fixed at these multiples of the EM's a "
+        help="also evaluate the linear-mode sampled posterior with a fixed at these multiples of the EM's a "
         "(test NLL, accuracy, ECE, mean logit std): is the evidence optimum the predictive optimum?",
     )
     args = ap.parse_args(argv)
@@ -370,6 +549,8 @@ def main(argv=None):
     os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    figures = Path(args.figures) if args.figures else out
+    figures.mkdir(parents=True, exist_ok=True)
     try:
         import laplace  # noqa: F401
 
@@ -381,20 +562,31 @@ def main(argv=None):
             "CPU torch)"
         )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
-    results = {}
+    results_path = out / f"results_{args.recipe}.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for ds in args.datasets:
         d = load_dataset(ds, seed=args.seed)
-        shifts = shift_sets(ds, d["Xt"])
+        shifts = shift_sets(ds, d["Xt"]) if args.shifts else []
+        val_idx, eval_idx = validation_split(d["yt"], seed=args.seed)
         for kind in args.models:
             key = f"{ds}/{kind}"
             model = make_model(kind, ds, seed=args.seed)
             wd = f"_wd{args.weight_decay:g}" if args.weight_decay else ""
-            cache = out / f"{ds}_{kind}_seed{args.seed}_ep{args.epochs}{wd}.pt"
+            tag = "_issue" if args.recipe == "issue" else ""
+            cache = out / f"{ds}_{kind}_seed{args.seed}_ep{args.epochs}{wd}{tag}.pt"
+            lr, adam_wd = (1e-2, 1e-4) if args.recipe == "issue" else (1e-3, 0.0)
             model, t_train = cached_model(
                 cache,
                 model,
                 lambda m: train_map(
-                    m, d["X"], d["y"], epochs=args.epochs, seed=args.seed, weight_decay=args.weight_decay
+                    m,
+                    d["X"],
+                    d["y"],
+                    epochs=args.epochs,
+                    lr=lr,
+                    seed=args.seed,
+                    weight_decay=args.weight_decay,
+                    adam_weight_decay=adam_wd,
                 ),
             )
             if args.marglik_rounds:
@@ -402,38 +594,42 @@ def main(argv=None):
                 model, _ = cached_model(ml, model, lambda m: marglik_training(m, d, args))
             n, C = d["X"].shape[0], 10
             print(
-                f"\n{key}: d = {count_parameters(model)}, n = {n}, n·C = {n * C}, MAP training "
-                f"{'cached' if t_train is None else f'{t_train:.0f} s'}",
+                f"\n{key} (recipe {args.recipe}): d = {count_parameters(model)}, n = {n}, n·C = {n * C}, MAP training "
+                f"{'cached' if t_train is None else f'{t_train:.0f} s'}; load average {os.getloadavg()}",
                 flush=True,
             )
             entries = [run_map(model, d, shifts)]
-            sampled, la_s, mc_s = run_ctuq(model, d, shifts, args, exact=False)
-            entries += sampled
-            print(
-                f"  ctuq sampled EM: {sampled[0]['time_s']:.1f} s (fit {sampled[0]['fit_s']:.1f}, EM "
-                f"{sampled[0]['em_s']:.1f}), a = {sampled[0]['a']:.4g}",
-                flush=True,
-            )
-            if args.a_multiples:
-                a_sweep(la_s, d, args)
+            lin_rows = la_s = None
+            if "network" in args.methods:
+                entries += run_ctuq(model, d, shifts, args, exact=False, hessian_at="network")[0]
+                print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
+            if "linear" in args.methods:
+                lin_rows, la_s = run_ctuq(model, d, shifts, args, exact=False)
+                entries += lin_rows
+                print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
+                if key == "digits/mlp":
+                    print("\nacceptance gates (so far):\n  " + "\n  ".join(gates(entries, None, args.recipe)))
+                if args.a_multiples:
+                    a_sweep(la_s, d, args)
             fidelity = None
-            if args.exact == "all" or (args.exact == "auto" and kind == "mlp"):
-                exact, la_e, mc_e = run_ctuq(model, d, shifts, args, exact=True)
-                entries += exact
-                ref = la_e.predict(d["Xt"], link="mc", samples=1024, seed=args.seed + 1)
-                fidelity = {
-                    "a_sampled": sampled[0]["a"],
-                    "a_exact": exact[0]["a"],
-                    "a_ratio": sampled[0]["a"] / exact[0]["a"],
-                    "symkl_sampled_vs_exact1024": sym_kl(mc_s, ref),
-                    "symkl_exact64_vs_exact1024": sym_kl(mc_e, ref),
-                    "em_steps_exact": exact[0]["em_steps"],
-                }
-                print(
-                    f"  ctuq exact EM: {exact[0]['time_s']:.1f} s, a = {exact[0]['a']:.4g}; fidelity {fidelity}",
-                    flush=True,
-                )
-            la_s = la_e = mc_s = mc_e = None  # free ctuq's posterior (an assembled Ψ₀ takes GBs) before laplace-torch
+            if "last_layer" in args.methods:
+                gc.collect()
+                name = "ctuq last-layer linear-mode exact EM"
+                entries += run_ctuq(model, d, shifts, args, exact=True, weights="last_layer", name=name)[0]
+                print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
+            if "gridsearch" in args.methods:
+                gc.collect()
+                if la_s is None:
+                    _, la_s = run_ctuq(model, d, shifts, args, exact=False)
+                sub = [run_map(model, d, shifts, idx=eval_idx, name="MAP (gridsearch test subset)")]
+                sub += [
+                    dict(e, method="ctuq linear-mode sampled EM (gridsearch test subset)")
+                    for e in ctuq_rows(la_s, "", d, shifts, args, (0.0, 0.0, 0.0), idx=eval_idx)
+                ]
+                sub += run_gridsearch(la_s, d, shifts, args, val_idx, eval_idx)
+                entries += sub
+                print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
+            la_s = None
             gc.collect()
             if have_lt:
                 state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -444,12 +640,54 @@ def main(argv=None):
                     e = got[0] if isinstance(got, list) else got
                     msg = e["error"] if "error" in e else f"{e['time_s']:.1f} s, a = {e['a']:.4g}"
                     print(f"  laplace-torch {subset} {structure}: {msg}", flush=True)
-            results[key] = {"entries": entries, "fidelity": fidelity, "d": count_parameters(model), "n": n}
-            print_tables(key, entries, shifts)
+            if args.exact == "all" or (args.exact == "auto" and kind == "mlp"):
+                gc.collect()
+                # started at the sampled EM's a (the same fixed point; each exact step is a d×d eigendecomposition)
+                print_tables(f"{key} (recipe {args.recipe}, before the exact EM)", entries, shifts)
+                if key == "digits/mlp" and lin_rows is not None:
+                    print(
+                        "\nacceptance gates (before the exact EM):\n  " + "\n  ".join(gates(entries, None, args.recipe))
+                    )
+                a0 = lin_rows[0]["a"] if lin_rows is not None and args.exact_start == "sampled" else 1.0
+                exact, la_e = run_ctuq(model, d, shifts, args, exact=True, a0=a0)
+                entries += exact
+                if lin_rows is not None:
+                    ref = la_e.predict(d["Xt"], link="mc", samples=1024, seed=args.seed + 1)
+                    fidelity = {
+                        "a_sampled": lin_rows[0]["a"],
+                        "a_exact": exact[0]["a"],
+                        "a_ratio": lin_rows[0]["a"] / exact[0]["a"],
+                        "symkl_sampled_vs_exact1024": sym_kl(lin_rows[0]["probs"], ref),
+                        "symkl_exact_vs_exact1024": sym_kl(exact[0]["probs"], ref),
+                        "em_steps_exact": exact[0]["em_steps"],
+                    }
+                    print(f"  fidelity {fidelity}", flush=True)
+                la_e = None
+            print_tables(f"{key} (recipe {args.recipe})", entries, shifts)
+            curves = {
+                f"{e['method'].replace('ctuq ', '')} ({e['link']})": e["probs"]
+                for e in entries
+                if "probs" in e
+                and "subset" not in e["method"]
+                and e["link"] in ("-", "probit", "mc")
+                and ("linear-mode sampled" in e["method"] or "network" in e["method"] or e["method"] == "MAP")
+            }
+            fig = plot_reliability(
+                figures / f"reliability_{ds}_{kind}_{args.recipe}.png", f"{key}, recipe {args.recipe}", curves, d["yt"]
+            )
+            print(f"\nreliability diagrams: {fig}")
             if fidelity:
                 print(f"\nfidelity ({key}): " + ", ".join(f"{k} = {v:.4g}" for k, v in fidelity.items()))
-            (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-    print(f"\nload average at the end {os.getloadavg()}; results in {out / 'results.json'}")
+            if key == "digits/mlp" and lin_rows is not None:
+                print(f"\nacceptance gates of issue 27 ({key}, recipe {args.recipe}):")
+                for line in gates(entries, fidelity, args.recipe):
+                    print(f"  {line}")
+            for e in entries:
+                e.pop("probs", None)
+            results[key] = {"entries": entries, "fidelity": fidelity, "d": count_parameters(model), "n": n}
+            with atomic_path(results_path) as tmp:
+                Path(tmp).write_text(json.dumps(results, indent=1, default=float))
+    print(f"\nload average at the end {os.getloadavg()}; results in {results_path}")
 
 
 if __name__ == "__main__":

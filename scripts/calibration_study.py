@@ -5,9 +5,10 @@ uq.prior × uq.noise × uq.calibration (mean ± s.e. over scans), with the issue
 
 The study is :mod:`ctuq.studies.calibration`; this script is its command line. Every scan is simulated with 1200
 angles (``ctuq simulate --phantom walnut|textured --projections 1201``), so each angle count is a subset and the
-remaining angles are held out. The DIP is fitted once per scan × angle count; each combination reruns only the
-inference on a copy of that run (``ctuq uq RUN --set uq.noise=...``). A combination the config does not know yet
-is reported as unavailable before any work starts.
+remaining angles are held out. The DIP is fitted once per scan × angle count; each prior × noise setting reruns
+only the inference on a copy of that run (``ctuq uq RUN --set uq.noise=...``), once: ``uq.calibration`` values are
+scored from that same posterior (the held-out ``k`` applied to its std map). A setting the config does not know
+yet is reported as unavailable before any work starts.
 
 Outputs in ``--out``::
 
@@ -15,7 +16,8 @@ Outputs in ``--out``::
     calibration.png                    coverage against nominal level (0.05…0.99), one curve per combination
     scans/<kind>_<seed>/               the simulated scans
     runs/<scan>/angles_<N>/dip/        the DIP run (``ctuq reconstruct --no-uq``)
-    runs/<scan>/angles_<N>/<combo>/    the inference run of one combination, and its score.json
+    runs/<scan>/angles_<N>/<prior>-<noise>/   the inference run of one setting, and its score.json (every
+                                       calibration's scores)
     study.json                         the options (a rerun must use the same ones)
 
 Rerunning the same command (or with ``--resume``, which says so) skips every finished part.
@@ -80,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tiny", action="store_true", help="test size: 1 + 1 tiny scans, 8 angles, a short DIP")
     p.add_argument("--resume", action="store_true", help="continue the study in --out (what a rerun does anyway)")
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute every score from the finished runs (e.g. after a change of the held-out statistic); no "
+        "inference is repeated",
+    )
     p.add_argument("--progress", action="store_true", help="progress bars of the runs")
     p.add_argument("--debug", action="store_true", help="show the traceback behind an error")
     return p
@@ -97,6 +105,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
     if args.set:
         opts["set"] = [*opts["set"], *args.set]
     opts["progress"] = bool(args.progress)
+    opts["rescore"] = bool(args.rescore)
     opts["tiny"] = bool(args.tiny)
     return opts
 

@@ -72,7 +72,7 @@ def plot_shift(path, table: dict, shifts: dict) -> Path:
             ax = axes[2 * i + j]
             for name, rows in table.items():
                 ax.plot(shifts[kind], [rows[(kind, s)][metric] for s in shifts[kind]], "o-", ms=3, label=name)
-            unit = "degrees" if kind == "rotation" else "noise std"
+            unit = {"rotation": "degrees", "noise": "noise std", "blur": "Gaussian σ, pixels"}.get(kind, "severity")
             ax.set(title=f"{metric.upper()} vs {kind}", xlabel=f"{kind} ({unit})", ylabel=metric.upper())
             ax.legend(fontsize=7)
     return _save(fig, path)

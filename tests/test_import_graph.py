@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ctuq"
 
 # Bottom → top (README "Layout"): a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("ctuq", "errors", "options", "memory", "utils", "geometry"),
+    ("ctuq", "errors", "options", "memory", "utils", "geometry", "interrupt", "log"),
     ("data", "operators", "metrics", "outputs", "figures"),
     ("models",),
     ("linearize", "priors"),
@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("pipeline",),
     ("studies",),
-    ("commands", "cli", "__main__", "testing"),
+    ("commands", "cli", "__main__", "testing", "viewer"),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

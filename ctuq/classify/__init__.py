@@ -15,18 +15,25 @@ mode for the M-step), :mod:`~ctuq.classify.jacobians` (per-example Jacobians: ex
 :mod:`~ctuq.classify.predictive` (MC / probit predictives), :mod:`~ctuq.classify.data` (input checks),
 :mod:`~ctuq.classify.state` (save / load). Metrics: :mod:`ctuq.metrics.classification`. Docs:
 docs/classification.md. Option vocabularies: :class:`ctuq.options.LinearModel`, :class:`~ctuq.options.PriorMethod`,
+:class:`~ctuq.options.HessianAt`,
 :class:`~ctuq.options.HessianRoot`, :class:`~ctuq.options.Link`, :class:`~ctuq.options.WeightSubset`.
 """
 
 from ctuq.classify.data import resolve_weights
-from ctuq.classify.hessian import SoftmaxHessianRoot, softmax_hessian
-from ctuq.classify.laplace import LinearizedLaplace, exact_solver
+from ctuq.classify.hessian import HessianMismatchWarning, SoftmaxHessianRoot, mean_hessian_trace, softmax_hessian
+from ctuq.classify.laplace import DEFAULT_GRID, HESSIAN_RATIO_WARNING, LinearizedLaplace, exact_solver
 from ctuq.classify.mode import LinearMode, ModeResult
 from ctuq.classify.predictive import link_probabilities, logit_samples
+from ctuq.classify.state import ClassifierStateError
 
 __all__ = [
     "LinearizedLaplace",
     "exact_solver",
+    "DEFAULT_GRID",
+    "HESSIAN_RATIO_WARNING",
+    "HessianMismatchWarning",
+    "ClassifierStateError",
+    "mean_hessian_trace",
     "SoftmaxHessianRoot",
     "softmax_hessian",
     "LinearMode",

@@ -35,7 +35,20 @@ import torch
 
 from ctuq.options import HessianRoot, values
 
-__all__ = ["SoftmaxHessianRoot", "softmax_hessian"]
+__all__ = ["SoftmaxHessianRoot", "softmax_hessian", "mean_hessian_trace", "HessianMismatchWarning"]
+
+
+class HessianMismatchWarning(UserWarning):
+    """The softmax Hessians at the trained network are far smaller than at the linearised model's mode
+    (:attr:`LinearizedLaplace.hessian_ratio <ctuq.classify.LinearizedLaplace.hessian_ratio>` above 3 with
+    ``hessian_at="network"``): the evidence then sees too little curvature and chooses too wide a prior."""
+
+
+def mean_hessian_trace(probs: torch.Tensor) -> float:
+    """``(1/n) Σ_i tr B_i = (1/n) Σ_i (1 − ‖p_i‖²)`` for probabilities ``probs`` ``(n, C)`` (float64 sum): the mean
+    curvature of the categorical log-likelihood in logit space (0 for one-hot rows, ``1 − 1/C`` for uniform)."""
+    p = probs.detach().double()
+    return float((1.0 - p.pow(2).sum(1)).clamp_min(0.0).mean())
 
 
 def softmax_hessian(probs: torch.Tensor) -> torch.Tensor:

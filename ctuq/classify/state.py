@@ -3,20 +3,82 @@
 Holds the settings, a fingerprint of the model's weights and buffers (a state never silently attaches to another
 network), the prior scales, ``a``, the linearised model's mode, the posterior's own state (EM trace and generator,
 CG preconditioner; exact decompositions are left out: they are recomputed from the data on :meth:`fit`) and the
-cached posterior samples, with which a loaded object predicts without the training data.
+cached posterior samples, with which a loaded object predicts without the training data. Version 2 adds where the
+softmax Hessians were evaluated (``hessian_at``), the curvature diagnostic (mean ``tr B`` at the network and at
+the linearised model's mode, the ``a`` of that mode), the grid search's trace, and a SHA-256 checksum of everything
+else (:func:`state_checksum`): a state edited after it was written is refused with one line
+(:class:`ClassifierStateError`), as a damaged model file is. Version-1 states (``hessian_at="network"``, no
+checksum) still load.
+
+Files: :func:`save_state` writes a state atomically; :func:`load_state` reads one with ``weights_only=True`` and
+names the file in every error.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
+from pathlib import Path
 
 import torch
 
-__all__ = ["STATE_VERSION", "state_dict", "load_state_dict", "settings", "model_fingerprint"]
+from ctuq.errors import CheckpointMismatch
+from ctuq.utils import atomic_torch_save
 
-STATE_VERSION = 1
+__all__ = [
+    "STATE_VERSION",
+    "ClassifierStateError",
+    "state_dict",
+    "load_state_dict",
+    "settings",
+    "model_fingerprint",
+    "state_checksum",
+    "save_state",
+    "load_state",
+]
+
+STATE_VERSION = 2
+_READS = (1, 2)
 _KIND = "ctuq.classify.LinearizedLaplace"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class ClassifierStateError(CheckpointMismatch):
+    """A ``LinearizedLaplace`` state (or its file) is not one, of an unknown version, modified after it was written
+    (checksum), or saved for another network or settings; one line naming the file or the setting."""
+
+
+def _digest(obj, h) -> None:
+    """Feed a canonical byte form of ``obj`` (dicts by sorted key; tensors by dtype, shape and bytes; floats
+    exactly) to the hash ``h``."""
+    if isinstance(obj, dict):
+        h.update(b"{")
+        for key in sorted(obj, key=repr):
+            h.update(repr(key).encode() + b":")
+            _digest(obj[key], h)
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[" if isinstance(obj, list) else b"(")
+        for item in obj:
+            _digest(item, h)
+            h.update(b",")
+        h.update(b"]")
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, float):
+        h.update(b"f" + obj.hex().encode())
+    else:
+        h.update(f"{type(obj).__name__}:{obj!r}".encode())
+
+
+def state_checksum(state: dict) -> str:
+    """SHA-256 (hex) of ``state`` without its ``"checksum"`` entry."""
+    h = hashlib.sha256()
+    _digest({k: v for k, v in state.items() if k != "checksum"}, h)
+    return h.hexdigest()
 
 
 def model_fingerprint(model, names) -> dict:
@@ -43,7 +105,7 @@ def state_dict(la) -> dict:
     elif la._pending_posterior is not None:
         post_state = la._pending_posterior
     mode = la._mode.w if la._mode is not None else la._mode_w
-    return {
+    state = {
         "version": STATE_VERSION,
         "kind": _KIND,
         "settings": {
@@ -53,6 +115,7 @@ def state_dict(la) -> dict:
             "gprior_method": la.gprior_method,
             "gprior_probes": la.gprior_probes,
             "hessian_root": la.hessian_root,
+            "hessian_at": la.hessian_at,
             "solver": la.solver,
             "dtype": str(la.dtype).replace("torch.", ""),
             "seed": la.seed,
@@ -69,17 +132,30 @@ def state_dict(la) -> dict:
         "samples": None
         if la._samples is None
         else {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in la._samples.items()},
+        "hessian": {
+            "trace_network": la._trace_net,
+            "trace_mode": la._trace_mode,
+            "a": la._hessian_a,
+            "preconditioner_trace": la._precond_trace,
+        },
+        "gridsearch": [dict(r) for r in la.gridsearch_trace],
     }
+    state["checksum"] = state_checksum(state)
+    return state
 
 
-def _check(state) -> dict:
+def _check(state, where: str = "LinearizedLaplace.load_state_dict") -> dict:
     if not isinstance(state, dict) or state.get("kind") != _KIND:
-        got = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"LinearizedLaplace.load_state_dict: not a LinearizedLaplace state (got {got})")
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(
-            f"LinearizedLaplace.load_state_dict: state version {state.get('version')!r}; this ctuq "
-            f"reads version {STATE_VERSION}"
+        got = sorted(state, key=str)[:8] if isinstance(state, dict) else type(state).__name__
+        raise ClassifierStateError(f"{where}: not a LinearizedLaplace state (got {got})")
+    if state.get("version") not in _READS:
+        raise ClassifierStateError(
+            f"{where}: state version {state.get('version')!r}; this ctuq reads versions {list(_READS)}"
+        )
+    if state["version"] >= 2 and state.get("checksum") != state_checksum(state):
+        raise ClassifierStateError(
+            f"{where}: the state was modified after it was written (checksum mismatch); refit, or restore the "
+            f"file ctuq wrote"
         )
     return state
 
@@ -87,6 +163,7 @@ def _check(state) -> dict:
 def settings(state: dict) -> dict:
     """Constructor keyword arguments stored in ``state``."""
     s = dict(_check(state)["settings"])
+    s.setdefault("hessian_at", "network")  # version 1 had only the network's Hessians
     if s["prior"] == "given":
         s["prior"] = state["scales"]
     s["dtype"] = _DTYPES[s["dtype"]]
@@ -94,28 +171,30 @@ def settings(state: dict) -> dict:
 
 
 def load_state_dict(la, state: dict) -> None:
-    """Restore ``state`` into the unfitted ``la`` (raises ``ValueError`` for another model or settings)."""
+    """Restore ``state`` into the unfitted ``la`` (raises :class:`ClassifierStateError`, a ``ValueError``, for
+    another model or settings, or a modified state)."""
     _check(state)
     where = "LinearizedLaplace.load_state_dict"
     if la.posterior is not None:
         raise RuntimeError(f"{where}: call it on an object that was not fitted yet")
     saved, now = state["model"], model_fingerprint(la.model, la.param_names)
     if saved["names"] != now["names"] or saved["numels"] != now["numels"]:
-        raise ValueError(
+        raise ClassifierStateError(
             f"{where}: the state was saved for parameters {saved['names'][:6]}… "
             f"(d={sum(saved['numels'])}); this model linearises {now['names'][:6]}… "
             f"(d={sum(now['numels'])})"
         )
     for key in ("sum", "sq"):
         if abs(saved[key] - now[key]) > 1e-6 * max(1.0, abs(saved[key])):
-            raise ValueError(
+            raise ClassifierStateError(
                 f"{where}: the model's weights differ from those the state was computed for "
                 f"(weight {key} {now[key]:.8g} vs {saved[key]:.8g})"
             )
-    for key in ("linear_model", "hessian_root", "dtype"):
+    stored = {"hessian_at": "network", **state["settings"]}
+    for key in ("linear_model", "hessian_root", "hessian_at", "dtype"):
         mine = str(la.dtype).replace("torch.", "") if key == "dtype" else getattr(la, key)
-        if state["settings"][key] != mine:
-            raise ValueError(f"{where}: the state has {key}={state['settings'][key]!r}, this object {mine!r}")
+        if stored[key] != mine:
+            raise ClassifierStateError(f"{where}: the state has {key}={stored[key]!r}, this object {mine!r}")
     la.n_classes, la.n_train = state["n_classes"], state["n_train"]
     la._pending_a = float(state["a"])
     la.scales = None if state["scales"] is None else state["scales"].double()
@@ -123,4 +202,31 @@ def load_state_dict(la, state: dict) -> None:
     la._pending_posterior = state["posterior"]
     la._old_trace = [dict(r) for r in state.get("em_trace_before", [])]
     la._samples = None if state["samples"] is None else dict(state["samples"])
+    hess = state.get("hessian") or {}
+    la._trace_net, la._trace_mode, la._hessian_a = hess.get("trace_network"), hess.get("trace_mode"), hess.get("a")
+    la._precond_trace = hess.get("preconditioner_trace")
+    la.gridsearch_trace = [dict(r) for r in state.get("gridsearch", [])]
     la._model = copy.deepcopy(la.model).to(la.dtype)
+
+
+def save_state(path: str | os.PathLike, state: dict) -> Path:
+    """Write ``state`` (:func:`state_dict` output) to ``path`` atomically (a crash leaves no half-written file)."""
+    _check(state, "save_state")
+    path = Path(path)
+    atomic_torch_save(path, state)
+    return path
+
+
+def load_state(path: str | os.PathLike) -> dict:
+    """Read a state file written by :func:`save_state` (or ``torch.save(la.state_dict())``) with
+    ``weights_only=True``; every error (:class:`ClassifierStateError`, one line) names the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such LinearizedLaplace state file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise ClassifierStateError(
+            f"{path}: not a readable torch file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+    return _check(state, str(path))

@@ -11,4 +11,6 @@ COMMANDS = {
     "uq": "ctuq.commands.uq",
     "pretrain": "ctuq.commands.pretrain",
     "design": "ctuq.commands.design",
+    "view": "ctuq.commands.view",
+    "fetch": "ctuq.commands.fetch",
 }

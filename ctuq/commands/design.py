@@ -9,10 +9,12 @@ thins them to N evenly spaced ones. See ``docs/design.md``.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ctuq.config import load_config
 from ctuq.design.candidates import DesignError
 from ctuq.design.greedy import STRATEGIES
+from ctuq.log import run_log
 from ctuq.options import DesignPriorKind, values
 from ctuq.pipeline import run_folder
 from ctuq.pipeline.design import read_angles_file, run_design
@@ -36,7 +38,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq design --resume --out runs/design               # continue a killed design\n"
         ),
     )
-    p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="scan: walnut-layout folder, scan.yaml or NXtomo .nxs/.h5 file (default: the bundled simulated scan)",
+    )
     p.add_argument(
         "--config", metavar="FILE", help="YAML config or bundled name for scan, DIP, FBP, TV (default: demo)"
     )
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     pilot_angles = read_angles_file(args.pilot_angles) if args.pilot_angles else None
-    out = args.out or run_folder.new_run_folder("runs")
-    run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
+    out = Path(args.out or run_folder.new_run_folder("runs"))
+    with run_log(out / run_folder.LOG_NAME):
+        run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
     return 0

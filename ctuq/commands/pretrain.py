@@ -11,12 +11,16 @@ model.input=fbp`` (the network then sees the scan's own FBP as its fixed input).
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+from pathlib import Path
 
 from ctuq.config import load_config
+from ctuq.log import run_log
 from ctuq.pipeline.pretrain import pretrain
 
 __all__ = ["add_parser", "run"]
+
+_log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the weights (.pt)")
     p.add_argument("--config", metavar="FILE", help="config whose data/model/dip sections to match (default demo)")
-    p.add_argument("--data", metavar="DIR", help="scan whose geometry to train for (default: the bundled scan)")
+    p.add_argument("--data", metavar="PATH", help="scan (folder, scan.yaml or NXtomo file) whose geometry to train for")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -66,21 +70,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(
         args.config, ["model.pretrained=null", *args.overrides], **{"data.path": args.data, "device": args.device}
     )
-    pretrain(
-        cfg,
-        args.out,
-        phantoms=args.phantoms,
-        slices_per_phantom=args.slices_per_phantom,
-        iterations=args.iterations,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        noise=args.noise,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
-    print(
-        f"[ctuq pretrain] wrote {args.out}; use it with --set model.pretrained={args.out} --set model.input=fbp",
-        file=sys.stderr,
-        flush=True,
-    )
+    # no run folder: the log goes beside the weights, OUT.log
+    with run_log(Path(f"{args.out}.log")):
+        pretrain(
+            cfg,
+            args.out,
+            phantoms=args.phantoms,
+            slices_per_phantom=args.slices_per_phantom,
+            iterations=args.iterations,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            noise=args.noise,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        _log.info(f"wrote {args.out}; use it with --set model.pretrained={args.out} --set model.input=fbp")
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ctuq.config import load_config
 from ctuq.errors import CTUQError
+from ctuq.log import run_log
 from ctuq.pipeline import reconstruct, run_folder
 
 __all__ = ["add_parser", "run"]
@@ -34,7 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq reconstruct --resume --out runs/quick     # continue an interrupted run\n"
         ),
     )
-    p.add_argument("--data", metavar="DIR", help="scan folder (default: the bundled simulated scan)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="scan: walnut-layout folder, scan.yaml or NXtomo .nxs/.h5 file (default: the bundled simulated scan)",
+    )
     p.add_argument(
         "--config",
         metavar="FILE",
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     out_dir = Path(args.out) if args.out else run_folder.new_run_folder("runs")
-    state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
-    state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")
+    with run_log(out_dir / run_folder.LOG_NAME):
+        state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
+        state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")
     return 0

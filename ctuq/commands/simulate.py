@@ -1,4 +1,5 @@
-"""``ctuq simulate``: write a simulated cone-beam scan of a synthetic walnut in the walnut data set's layout.
+"""``ctuq simulate``: write a simulated cone-beam scan of a synthetic walnut in the walnut data set's layout (or, with
+``--layout``, as a scan.yaml with .npy / TIFF arrays or as NXtomo, the same scan in each: docs/data_formats.md).
 
 The output folder looks like a ``Walnut{id}`` folder of Der Sarkissian et al. (2019) — ``Projections/tubeV{o}/``
 with raw uint16 projections, dark, flats and the corrected ``cone_vec`` geometry, and ``Reconstructions/`` with
@@ -9,13 +10,18 @@ the ground-truth slices — plus ``ctuq_simulation.json`` recording every parame
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+from pathlib import Path
 
 from ctuq.data.simulate import SCAN_PRESETS
-from ctuq.options import PhantomKind, values
+from ctuq.log import run_log
+from ctuq.options import PhantomKind, ScanLayout, values
+from ctuq.pipeline.run_folder import LOG_NAME
 from ctuq.pipeline.simulate import simulate
 
 __all__ = ["add_parser", "run"]
+
+_log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,11 +40,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq simulate --preset bundled --seed 3 --projections 481 --out scans/w3  # other nut, 480 angles\n"
             "  ctuq simulate --preset walnut --out scans/full    # the real sizes: ~12 CPU hours, ~5 GB\n"
             "  ctuq simulate --phantom textured --seed 2 --out scans/t2   # textured object instead of a walnut\n"
+            "  ctuq simulate --layout yaml-npy --out scans/y      # scans/y/scan.yaml + .npy counts, flats, darks\n"
+            "  ctuq simulate --preset tiny --no-corrections --layout walnut yaml-npy yaml-tiff nxtomo --out scans/all\n"
             "\n"
-            "Load the result with ctuq.data.load_walnut_slice(DIR, ...) or `ctuq reconstruct --data DIR`.\n"
+            "Load the result with ctuq.data.load_data(PATH, ...) or `ctuq reconstruct --data PATH` (PATH: the walnut\n"
+            "folder, the scan.yaml, or the .nxs file).\n"
         ),
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
+    # No argparse choices: a bad value is the one-line error of the pipeline, naming the valid layouts.
+    p.add_argument(
+        "--layout",
+        nargs="+",
+        default=[ScanLayout.WALNUT.value],
+        metavar="LAYOUT",
+        help=f"file layout(s) of the scan, among {', '.join(values(ScanLayout))} (default walnut): the walnut data "
+        "set's folder; scan.yaml with .npy arrays "
+        "or TIFF stacks; NXtomo (scan.nxs; needs --no-corrections). Several layouts write the same counts and "
+        "geometry into DIR/<layout>/ each (docs/data_formats.md)",
+    )
     p.add_argument("--preset", choices=sorted(SCAN_PRESETS), default="bundled", help="size preset (default: bundled)")
     # No argparse choices: a bad value is then the one-line `ctuq simulate: --phantom ...` error of the pipeline.
     p.add_argument(
@@ -130,20 +150,23 @@ def run(args: argparse.Namespace) -> int:
         overrides["noise"] = False
     if args.no_compress:
         overrides["compress"] = False
-    res = simulate(
-        args.out,
-        args.preset,
-        overrides=overrides,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        phantom=args.phantom,
-    )
-    params = res["params"]
-    print(
-        f"ctuq simulate: wrote {res['out']} ({args.phantom} phantom, {params.n_projections} projections × "
-        f"orbits {list(params.orbits)}, "
-        f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
-        f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s",
-        file=sys.stderr,
-    )
+    # deferred: the simulator refuses a non-empty folder, so the log is written once the scan is
+    with run_log(Path(args.out) / LOG_NAME, deferred=True):
+        res = simulate(
+            args.out,
+            args.preset,
+            overrides=overrides,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            phantom=args.phantom,
+            layouts=tuple(args.layout),
+        )
+        params = res["params"]
+        _log.info(
+            f"wrote {res['out']} ({' + '.join(res['layouts'])} layout, {args.phantom} phantom, "
+            f"{params.n_projections} projections × "
+            f"orbits {list(params.orbits)}, "
+            f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
+            f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s"
+        )
     return 0

@@ -52,9 +52,13 @@ import numpy as np
 import tifffile
 
 from ctuq import __version__
+from ctuq.data.astra_geometry import angle_range, angle_range_values, circular_vectors
+from ctuq.data.nxtomo import write_nxtomo
 from ctuq.data.phantom import EllipsoidPhantom, TexturedPhantom, make_phantom, walnut_phantom
+from ctuq.data.scan_file import FORMAT_TAG, write_scan_file
 from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, GEOMETRY_NAME, GT_PATTERN, PROJECTION_PATTERN, SIDECAR_NAME
 from ctuq.geometry import VolumeGeometry
+from ctuq.options import AngleUnit, MeasurementKind, ScanGeometry, ScanLayout, values
 from ctuq.utils import atomic_path, atomic_write_json
 from ctuq.utils import progress as _progress_bar
 
@@ -67,6 +71,7 @@ __all__ = [
     "projection_file_name",
     "prepare_output_dir",
     "estimate_work",
+    "check_layouts",
 ]
 
 # Deterministic per-orbit "calibration corrections": detector tilt in its own plane (degrees) and detector
@@ -261,33 +266,40 @@ def projection_file_name(index: int) -> str:
     return PROJECTION_PATTERN.format(int(index))
 
 
-def orbit_vectors(params: SimulationParameters, orbit: int) -> np.ndarray:
+def orbit_vectors(params: SimulationParameters, orbit: int, *, degree_angles: bool = False) -> np.ndarray:
     """ASTRA ``cone_vec`` rows ``(N, 12)`` (mm) of one orbit: source, detector centre, u step, v step.
 
-    Row ``k`` is angle ``θ_k = 2πk/(N−1)``; row ``N−1`` equals row 0 exactly.
+    Row ``k`` is angle ``θ_k = 2πk/(N−1)``; row ``N−1`` equals row 0 exactly. With ``degree_angles`` the angles are
+    ``360·k/(N−1)`` degrees converted by :func:`ctuq.data.astra_geometry.angle_range` (equal to ``2πk/(N−1)`` up to
+    rounding): what a layout storing degrees (NXtomo, ``scan.yaml``) gives back bit for bit. The vectors are
+    :func:`ctuq.data.astra_geometry.circular_vectors`' (the formula every format's loader uses).
     """
     n = int(params.n_projections)
-    theta = 2.0 * np.pi * np.arange(n) / (n - 1)
+    if degree_angles:
+        theta = np.append(angle_range(0.0, 360.0, n - 1, AngleUnit.DEGREE), 0.0)
+    else:
+        theta = 2.0 * np.pi * np.arange(n) / (n - 1)
     theta[-1] = theta[0]  # the last projection repeats the first angle: make the rows bit-identical
-    s, c = np.sin(theta), np.cos(theta)
-    zeros, ones = np.zeros(n), np.ones(n)
-    sod, odd = params.source_origin, params.source_detector - params.source_origin
     src_z = {1: params.orbit_height, 2: 0.0, 3: -params.orbit_height}[int(orbit)]
-    corr = (
-        ORBIT_CORRECTIONS[int(orbit)]
-        if params.corrections
-        else {"tilt_deg": 0.0, "offset_u_px": 0.0, "offset_v_px": 0.0}
+    corr = _corrections(params, orbit)
+    return circular_vectors(
+        ScanGeometry.CONE,
+        theta,
+        pixel_size=params.pixel_size,
+        row_pixel_size=params.v_pixel_size,
+        source_object=params.source_origin,
+        object_detector=params.source_detector - params.source_origin,
+        cor_offset_px=-corr["offset_u_px"],
+        row_offset_px=corr["offset_v_px"],
+        tilt_deg=corr["tilt_deg"],
+        source_z=src_z,
     )
-    du, dv = params.pixel_size, params.v_pixel_size
-    e_u = np.stack([c, s, zeros], axis=1)  # along a detector row
-    e_v = np.stack([zeros, zeros, ones], axis=1)  # along a detector column, +z
-    src = np.stack([sod * s, -sod * c, np.full(n, src_z)], axis=1)
-    det = np.stack([-odd * s, odd * c, zeros], axis=1)
-    det = det + corr["offset_u_px"] * du * e_u + corr["offset_v_px"] * dv * e_v
-    phi = math.radians(corr["tilt_deg"])
-    u = du * (math.cos(phi) * e_u + math.sin(phi) * e_v)
-    v = dv * (-math.sin(phi) * e_u + math.cos(phi) * e_v)
-    return np.concatenate([src, det, u, v], axis=1)
+
+
+def _corrections(params: SimulationParameters, orbit: int) -> dict:
+    if params.corrections:
+        return ORBIT_CORRECTIONS[int(orbit)]
+    return {"tilt_deg": 0.0, "offset_u_px": 0.0, "offset_v_px": 0.0}
 
 
 def _detector_patterns(params: SimulationParameters, orbit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -320,6 +332,8 @@ def _to_uint16(counts: np.ndarray, what: str) -> np.ndarray:
 
 def _write_tiff(path: Path, array: np.ndarray, compress: bool) -> None:
     kw: dict[str, Any] = {"metadata": None}
+    if array.ndim == 3:  # a stack of frames, one page each (3 or 4 frames would otherwise be read as RGB(A))
+        kw["photometric"] = "minisblack"
     if compress:
         # zlib is built into tifffile; the horizontal predictor (integer images only; the float predictor
         # needs imagecodecs) roughly halves the size of smooth count images.
@@ -347,8 +361,13 @@ def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: i
     return out
 
 
+# Files of the non-walnut layouts (ctuq.data.scan_file / ctuq.data.nxtomo), by name.
+_OTHER_LAYOUT_RX = re.compile(r"^(scan\.yaml|scan\.nxs|(projections|flats|darks|ground_truth)\.(npy|tif))$")
+
+
 def _layout_files(out_dir: Path) -> list[Path]:
-    """Files of a scan layout under ``out_dir`` that a new simulation would replace."""
+    """Files of a scan layout under ``out_dir`` (and its per-layout sub-folders) that a new simulation would
+    replace."""
     pats = [
         (
             "Projections/tubeV*",
@@ -358,15 +377,17 @@ def _layout_files(out_dir: Path) -> list[Path]:
             ),
         ),
         ("Reconstructions", re.compile(r"^full_AGD_50_\d{6}\.tiff$")),
+        (".", _OTHER_LAYOUT_RX),
     ]
     found = []
-    for sub, rx in pats:
-        for folder in out_dir.glob(sub):
-            if folder.is_dir():
-                found += [p for p in folder.iterdir() if p.is_file() and rx.match(p.name)]
-    sidecar = out_dir / SIDECAR_NAME
-    if sidecar.is_file():
-        found.append(sidecar)
+    for root in [out_dir] + [out_dir / name for name in values(ScanLayout)]:
+        for sub, rx in pats:
+            for folder in [root] if sub == "." else root.glob(sub):
+                if folder.is_dir():
+                    found += [p for p in folder.iterdir() if p.is_file() and rx.match(p.name)]
+        sidecar = root / SIDECAR_NAME
+        if sidecar.is_file():
+            found.append(sidecar)
     return found
 
 
@@ -393,6 +414,81 @@ def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
+def check_layouts(layouts, params: SimulationParameters) -> tuple[str, ...]:
+    """Validate ``layouts`` (:class:`ctuq.options.ScanLayout` values) for ``params``; returns them as a tuple.
+
+    Raises ``ValueError`` naming the option: an unknown or repeated layout, a non-walnut layout with other than one
+    orbit 2 (``scan.yaml`` and NXtomo hold one circular orbit in the detector centre's plane), or NXtomo with the
+    per-orbit detector corrections (NXtomo has no field for a detector tilt or row offset: ``--no-corrections``).
+    """
+    layouts = tuple(str(x) for x in ([layouts] if isinstance(layouts, str) else layouts))
+    bad = [x for x in layouts if x not in values(ScanLayout)]
+    if not layouts or bad or len(set(layouts)) != len(layouts):
+        raise ValueError(
+            f"--layout {' '.join(layouts) or '(none)'}: give distinct layouts among {', '.join(values(ScanLayout))}"
+        )
+    if any(x != ScanLayout.WALNUT for x in layouts) and tuple(params.orbits) != (2,):
+        raise ValueError(
+            f"--layout {' '.join(layouts)}: scan.yaml and NXtomo hold one circular orbit with the source in the "
+            f"detector centre's plane; simulate --orbits 2 (got orbits {list(params.orbits)})"
+        )
+    if ScanLayout.NXTOMO in layouts and params.corrections:
+        raise ValueError(
+            "--layout nxtomo: NXtomo has no field for the simulated detector tilt and row offset; add "
+            "--no-corrections (an ideal circular geometry) to write it"
+        )
+    return layouts
+
+
+def _layout_dirs(out_dir: Path, layouts: tuple[str, ...]) -> dict[str, Path]:
+    if len(layouts) == 1:
+        return {layouts[0]: out_dir}
+    return {x: out_dir / x for x in layouts}
+
+
+def _scan_description(params: SimulationParameters, suffix: str, read_noise: float) -> dict:
+    """The ``scan.yaml`` of the simulated orbit-2 scan (:mod:`ctuq.data.scan_file`; lengths in mm)."""
+    corr = _corrections(params, 2)
+    n = int(params.n_projections) - 1
+    return {
+        "format": FORMAT_TAG,
+        "units": "mm",
+        "geometry": {
+            "type": ScanGeometry.CONE.value,
+            "source_object_distance": float(params.source_origin),
+            "object_detector_distance": float(params.source_detector - params.source_origin),
+            "centre_of_rotation_offset": -corr["offset_u_px"] if corr["offset_u_px"] else 0.0,
+        },
+        "detector": {
+            "rows": int(params.det_rows),
+            "columns": int(params.det_cols),
+            "pixel_size": float(params.pixel_size),
+            "row_pixel_size": params.v_pixel_size,
+            "row_offset": float(corr["offset_v_px"]),
+            "tilt": float(corr["tilt_deg"]),
+        },
+        "angles": {"unit": AngleUnit.DEGREE.value, "start": 0.0, "stop": 360.0, "count": n},
+        "measurements": {
+            "type": MeasurementKind.COUNTS.value,
+            "projections": f"projections.{suffix}",
+            "flats": f"flats.{suffix}",
+            "darks": f"darks.{suffix}",
+            "read_noise": float(read_noise),
+        },
+        "volume": {"shape": list(params.gt_shape), "voxel_size": float(params.gt_voxel_size)},
+        "ground_truth": f"ground_truth.{suffix}",
+    }
+
+
+def _write_array(path: Path, array: np.ndarray, compress: bool) -> None:
+    if path.suffix == ".npy":
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as fh:
+                np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+    else:
+        _write_tiff(path, array, compress)
+
+
 def simulate_scan(
     out_dir: str | Path,
     params: SimulationParameters | None = None,
@@ -401,8 +497,9 @@ def simulate_scan(
     preset: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    layouts: tuple[str, ...] | str = (ScanLayout.WALNUT.value,),
 ) -> dict:
-    """Simulate a scan and write it to ``out_dir`` in the walnut layout (module docstring).
+    """Simulate a scan and write it to ``out_dir`` in the walnut layout (module docstring), or in other layouts.
 
     Parameters
     ----------
@@ -420,6 +517,14 @@ def simulate_scan(
         Replace an earlier simulated scan in ``out_dir`` (see :func:`prepare_output_dir`).
     progress : bool
         Progress bars on stderr.
+    layouts : str or tuple of str
+        :class:`ctuq.options.ScanLayout` values (:func:`check_layouts`): ``walnut`` (default), ``yaml-npy``
+        (``scan.yaml`` + ``.npy`` arrays), ``yaml-tiff`` (``scan.yaml`` + TIFF stacks), ``nxtomo`` (``scan.nxs``).
+        One layout is written into ``out_dir``; several into ``out_dir/<layout>/``, each with the sidecar. Every
+        layout holds the same uint16 counts (yaml/NXtomo: the ``N−1`` distinct angles in geometry-row order,
+        ``(angle, row, column)``; flats ``(2, row, column)`` before and after, one dark) and ground truth; when a
+        layout other than walnut is written the angles are ``360·k/(N−1)`` degrees (:func:`orbit_vectors`), so
+        each layout's geometry is bit-identical.
 
     Returns
     -------
@@ -430,12 +535,17 @@ def simulate_scan(
         preset = preset or "bundled"
         params = SimulationParameters.preset(preset)
     params.validate()
+    layouts = check_layouts(layouts, params)
     out_dir = Path(out_dir)
     if isinstance(phantom, str):  # checked before the folder is touched
         phantom = make_phantom(phantom, params.seed, voxel_size=params.gt_voxel_size)
     prepare_output_dir(out_dir, overwrite)
     if phantom is None:
         phantom = walnut_phantom(params.seed)
+    dirs = _layout_dirs(out_dir, layouts)
+    walnut_dir = dirs.get(ScanLayout.WALNUT.value)
+    others = [x for x in layouts if x != ScanLayout.WALNUT]
+    degree_angles = bool(others)
 
     sidecar: dict[str, Any] = {
         "format": "ctuq simulated walnut scan",
@@ -457,16 +567,35 @@ def simulate_scan(
         },
         "phantom": phantom.to_dict(),
     }
-    atomic_write_json(out_dir / SIDECAR_NAME, sidecar)
+    if others:  # a walnut-only sidecar stays byte-identical to the one written before layouts existed
+        sidecar["layouts"] = {x: str(d.relative_to(out_dir)) if d != out_dir else "." for x, d in dirs.items()}
+        sidecar["conventions"]["geometry_rows"] = (
+            "cone_vec: source xyz, detector centre xyz, u step xyz, v step xyz (mm); row k at angle "
+            "radians(360*k/(N-1) degrees); rows 0 and N-1 identical"
+        )
+        sidecar["conventions"]["other_layouts"] = (
+            "scan.yaml / scan.nxs: the N-1 distinct angles in geometry-row order, (angle, row, column) uint16 counts "
+            "P (not flipped); flats (2, row, column), darks (1, row, column); ground truth (n_z, n_y, n_x)"
+        )
+
+    def write_sidecars() -> None:
+        for d in {out_dir, *dirs.values()}:
+            atomic_write_json(d / SIDECAR_NAME, sidecar)
+
+    write_sidecars()
 
     n = int(params.n_projections)
     rows, cols, s = int(params.det_rows), int(params.det_cols), int(params.supersampling)
+    stack = np.empty((n - 1, rows, cols), dtype=np.uint16) if others else None
+    flats_out: list[np.ndarray] = []
+    darks_out: list[np.ndarray] = []
     for orbit in params.orbits:
-        folder = out_dir / "Projections" / f"tubeV{orbit}"
-        vec = orbit_vectors(params, orbit)
+        folder = (walnut_dir or out_dir) / "Projections" / f"tubeV{orbit}"
+        vec = orbit_vectors(params, orbit, degree_angles=degree_angles)
         flat_true, dark_true = _detector_patterns(params, orbit)
-        with atomic_path(folder / GEOMETRY_NAME) as tmp:
-            np.savetxt(tmp, vec, fmt="%.17g")
+        if walnut_dir is not None:
+            with atomic_path(folder / GEOMETRY_NAME) as tmp:
+                np.savetxt(tmp, vec, fmt="%.17g")
         noise_seed = int(params.seed if params.noise_seed is None else params.noise_seed)
         rng = np.random.default_rng([noise_seed, int(orbit), 0xDA4C])
         frames = {DARK_NAME: dark_true.copy()}
@@ -475,7 +604,10 @@ def simulate_scan(
         for name, frame in frames.items():
             if params.noise:
                 frame = frame + rng.normal(0.0, params.read_noise, size=frame.shape)
-            _write_tiff(folder / name, np.flipud(_to_uint16(frame, f"tubeV{orbit}/{name}").T), params.compress)
+            counts16 = _to_uint16(frame, f"tubeV{orbit}/{name}")
+            (darks_out if name == DARK_NAME else flats_out).append(counts16)
+            if walnut_dir is not None:
+                _write_tiff(folder / name, np.flipud(counts16.T), params.compress)
 
         first = None
         bar = _progress_bar(range(n), total=n, desc=f"simulate tubeV{orbit}", disable=not progress)
@@ -494,7 +626,11 @@ def simulate_scan(
             else:
                 counts = mean + dark_true
             name = projection_file_name(n - 1 - k)
-            _write_tiff(folder / name, np.flipud(_to_uint16(counts, f"tubeV{orbit}/{name}").T), params.compress)
+            counts16 = _to_uint16(counts, f"tubeV{orbit}/{name}")
+            if stack is not None and k < n - 1:
+                stack[k] = counts16
+            if walnut_dir is not None:
+                _write_tiff(folder / name, np.flipud(counts16.T), params.compress)
         sidecar["orbits"][str(orbit)] = {
             "folder": f"Projections/tubeV{orbit}",
             "source_z_mm": float(vec[0, 2]),
@@ -503,19 +639,50 @@ def simulate_scan(
 
     nz, ny, nx = params.gt_shape
     h = float(params.gt_voxel_size)
-    gt_dir = out_dir / "Reconstructions"
+    gt_dir = (walnut_dir or out_dir) / "Reconstructions"
     slice_grid = VolumeGeometry((ny, nx), h)
     gt_max = 0.0
+    gt_volume = np.empty((nz, ny, nx), dtype=np.float32) if others else None
     for k in _progress_bar(range(nz), total=nz, desc="ground truth", disable=not progress):
         z = (k + 0.5 - nz / 2.0) * h
         img = phantom.rasterize(slice_grid, z=z, thickness=h, supersampling=params.gt_supersampling)
         gt_max = max(gt_max, float(img.max()))
-        _write_tiff(gt_dir / GT_PATTERN.format(k), img.astype(np.float32), params.compress)
+        if gt_volume is not None:
+            gt_volume[k] = img.astype(np.float32)
+        if walnut_dir is not None:
+            _write_tiff(gt_dir / GT_PATTERN.format(k), img.astype(np.float32), params.compress)
+
+    read_noise = float(params.read_noise) if params.noise else 0.0  # the walnut loader's reading of the sidecar
+    for layout in others:
+        d = dirs[layout]
+        flats, darks = np.stack(flats_out), np.stack(darks_out)
+        if layout == ScanLayout.NXTOMO:
+            write_nxtomo(
+                d / "scan.nxs",
+                projections=stack,
+                flats=flats,
+                darks=darks,
+                angles_deg=angle_range_values(0.0, 360.0, n - 1),
+                pixel_size=params.pixel_size,
+                row_pixel_size=params.v_pixel_size,
+                source_object=params.source_origin,
+                object_detector=params.source_detector - params.source_origin,
+                read_noise=read_noise,
+                ground_truth=gt_volume,
+                voxel_size=h,
+                title=f"ctuq simulated scan ({preset})",
+            )
+            continue
+        suffix = "npy" if layout == ScanLayout.YAML_NPY else "tif"
+        for name, array in (("projections", stack), ("flats", flats), ("darks", darks), ("ground_truth", gt_volume)):
+            _write_array(d / f"{name}.{suffix}", array, params.compress)
+        # written last: an interrupted simulation leaves no description that would open a partial scan
+        write_scan_file(d / "scan.yaml", _scan_description(params, suffix, read_noise))
 
     sidecar["complete"] = True
     sidecar["ground_truth_max"] = gt_max
     # no timings or dates in the sidecar: re-running the same command reproduces every file byte for byte
-    atomic_write_json(out_dir / SIDECAR_NAME, sidecar)
+    write_sidecars()
     return sidecar
 
 

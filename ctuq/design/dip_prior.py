@@ -34,6 +34,7 @@ import torch
 from ctuq.design.factors import BlockRowStore, DenseFactor
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
+from ctuq.errors import CheckpointMismatch
 from ctuq.inference import LinearizedFeatures, assemble_features
 from ctuq.linearize import LinearizedNetwork, count_linearized_weights
 from ctuq.memory import Budget, memory_budget
@@ -225,7 +226,14 @@ class DIPPrior:
         path = self.work_dir / f"retrain_{n_acquired:03d}.pt" if self.work_dir is not None else None
         model = copy.deepcopy(self.net_model)
         if path is not None and path.is_file():
-            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: refused with the file named
+                reason = " ".join(str(exc).split())[:200]
+                raise CheckpointMismatch(
+                    f"{path}: not the weights of this design's retrained DIP ({type(exc).__name__}: {reason}); "
+                    f"delete it to retrain"
+                ) from exc
             self.say(f"restored the DIP retrained after {n_acquired} angles from {path}")
         else:
             if replay:

@@ -15,6 +15,7 @@ continues with the next step, so a killed design ends with the same angles as an
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -27,10 +28,12 @@ from ctuq.design.candidates import DesignError, equidistant_indices, random_indi
 from ctuq.errors import CheckpointMismatch
 from ctuq.options import Baseline, Criterion
 from ctuq.options import values as option_values
-from ctuq.utils import atomic_torch_save, check_fingerprint
+from ctuq.utils import atomic_torch_save, check_fingerprint, json_digest
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["DesignResult", "greedy_design", "baseline_design", "STRATEGIES", "CHECKPOINT_VERSION"]
+
+_log = logging.getLogger(__name__)
 
 STRATEGIES = (*option_values(Criterion), *option_values(Baseline))
 """Design strategies (``design.criterion``, ``ctuq design --criterion``): a criterion (greedy) or a baseline."""
@@ -70,14 +73,49 @@ class DesignResult:
         return list(self.pilot) + list(self.acquired)
 
 
-def _load(path: Path, fingerprint: dict) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def _digest(fingerprint: dict, steps: list[dict]) -> str:
+    # What the checkpoint records of its own content: a file edited by hand (or damaged) does not match it.
+    return json_digest({"fingerprint": fingerprint, "steps": steps})
+
+
+def _load(path: Path, fingerprint: dict, n_candidates: int) -> dict:
+    """The design checkpoint at ``path``: readable, of this version, its content matching its digest, its steps
+    consecutive acquisitions of distinct candidates below ``n_candidates``, its fingerprint ``fingerprint``
+    (:class:`CheckpointMismatch` naming the file otherwise)."""
+    hint = "delete it to start the design afresh"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file: re-raised with the file named
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointMismatch(
+            f"{path}: not a readable design checkpoint ({type(exc).__name__}: {reason}); {hint}"
+        ) from exc
     version = state.get("version") if isinstance(state, dict) else None
     if version != CHECKPOINT_VERSION:
         raise CheckpointMismatch(
-            f"{path}: a design checkpoint of version {version!r}, this ctuq reads version "
-            f"{CHECKPOINT_VERSION}; delete it to start the design afresh"
+            f"{path}: a design checkpoint of version {version!r}, this ctuq reads version {CHECKPOINT_VERSION}; {hint}"
         )
+    steps = state.get("steps")
+    if not isinstance(steps, list) or not isinstance(state.get("fingerprint", {}), dict):
+        raise CheckpointMismatch(f"{path}: a damaged design checkpoint (no list of steps); {hint}")
+    digest = state.get("digest")  # absent in checkpoints written before it was recorded
+    if digest is not None and digest != _digest(state.get("fingerprint", {}), steps):
+        raise CheckpointMismatch(f"{path}: its content does not match its digest (edited or damaged); {hint}")
+    seen: set[int] = set()
+    for k, rec in enumerate(steps, start=1):
+        cand = rec.get("candidate") if isinstance(rec, dict) else None
+        if (
+            not isinstance(rec, dict)
+            or rec.get("step") != k
+            or not isinstance(cand, int)
+            or not 0 <= cand < n_candidates
+            or cand in seen
+        ):
+            raise CheckpointMismatch(
+                f"{path}: step record {k} is damaged (not acquisition {k} of a distinct candidate in "
+                f"[0, {n_candidates})); {hint}"
+            )
+        seen.add(cand)
     check_fingerprint(
         state.get("fingerprint", {}),
         fingerprint,
@@ -132,13 +170,13 @@ def greedy_design(
     """
     if criterion not in option_values(Criterion):
         raise DesignError(f"design.criterion must be one of {list(option_values(Criterion))}, got {criterion!r}")
-    say = log or (lambda _m: None)
+    say = log or _log.info
     angles_deg = np.asarray(angles_deg, dtype=np.float64)
     pilot = [int(b) for b in pilot]
     # n_acquire is not part of it: a greedy design of N steps begins with the design of fewer steps.
     fingerprint = dict(fingerprint or {}, criterion=criterion, pilot=pilot)
     ckpt = Path(checkpoint) if checkpoint is not None else None
-    saved = _load(ckpt, fingerprint) if ckpt is not None and ckpt.is_file() else {"steps": []}
+    saved = _load(ckpt, fingerprint, len(angles_deg)) if ckpt is not None and ckpt.is_file() else {"steps": []}
     steps: list[dict] = [dict(s) for s in saved["steps"]][:n_acquire]
     t_start = time.perf_counter()
     engine.reset(pilot)
@@ -188,7 +226,15 @@ def greedy_design(
             timings["steps_s"] += dt
             timings["updates_s"] += du
             if ckpt is not None:
-                atomic_torch_save(ckpt, {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "steps": steps})
+                atomic_torch_save(
+                    ckpt,
+                    {
+                        "version": CHECKPOINT_VERSION,
+                        "fingerprint": fingerprint,
+                        "steps": steps,
+                        "digest": _digest(fingerprint, steps),
+                    },
+                )
             bar.update(1)
             bar.set_postfix({"angle": f"{rec['angle_deg']:.1f}°", "s/step": f"{dt:.2f}"}, refresh=False)
     finally:

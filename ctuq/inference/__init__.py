@@ -26,6 +26,8 @@ equation                                              implementation
 ``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :func:`ctuq.priors.gprior_scales`
 ``Ψ₀ = L Φ``; ``Ψ = Ψ₀ diag(s)``; dense ``Ψ``          :class:`LinearizedFeatures`; :class:`ScaledFeatures`;
                                                       :class:`DenseFeatures` (``features.py``)
+block prior ``Ψ = Ψ₀ L`` (TV-PredCP), its type-II MAP  :class:`BlockFeatures` (``block_features.py``);
+                                                      :func:`fit_block_prior` (``prior_fit.py``)
 ``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (``kernel.py``, a LinearOperator)
 ``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
 ``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
@@ -52,6 +54,7 @@ network) and by ``Ψᵀ`` (``n_rmatvec``, = VJPs); :class:`ctuq.linearize.Linear
 VJPs (including image-space ones).
 """
 
+from ctuq.inference.block_features import BlockFeatures
 from ctuq.inference.checks import check_hyper, check_rhs, check_targets
 from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env
 from ctuq.inference.em import EMResult, SampledEM
@@ -80,6 +83,7 @@ from ctuq.inference.likelihoods import (
     Likelihood,
 )
 from ctuq.inference.posterior import LinearizedPosterior
+from ctuq.inference.prior_fit import fit_block_prior, mll_gradient
 from ctuq.inference.reference import DenseLinearGaussian
 from ctuq.inference.sampler import (
     PosteriorSamples,
@@ -137,6 +141,9 @@ __all__ = [
     "DenseFeatures",
     "LinearizedFeatures",
     "ScaledFeatures",
+    "BlockFeatures",
+    "fit_block_prior",
+    "mll_gradient",
     "RowSubsetFeatures",
     "RowScaledFeatures",
     "StackedFeatures",

@@ -4,7 +4,9 @@ It holds everything the inference of DESIGN.md §1 needs and nothing CT-specific
 
 * the unscaled features ``Ψ₀`` (``c × d``; CT: ``T Φ``, classification: ``B^(1/2) Φ``) and the targets ``ỹ``
   (``c``; any offset ``δ`` already added);
-* the prior scales ``s`` (g-prior, exact or stochastic; isotropic; or given) and hence ``Ψ = Ψ₀ diag(s)``;
+* the prior scales ``s`` (g-prior, exact or stochastic; isotropic; or given) and hence ``Ψ = Ψ₀ diag(s)``, or a
+  block prior ``v = L w`` (:data:`ctuq.priors.BLOCK_PRIORS`, e.g. TV-PredCP) and hence ``Ψ = Ψ₀ L``, its
+  hyperparameters fitted in :meth:`LinearizedPosterior.setup` (type-II MAP, :mod:`ctuq.inference.prior_fit`);
 * the likelihood (:mod:`ctuq.inference.likelihoods`) with its ``σ²``, and the prior precision ``a``; a likelihood
   with per-row noise variances ``σ² D`` (:class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`) is
   handled by whitening: the solvers, the g-prior, the sampler and the EM see ``D^(−1/2) Ψ₀`` and ``D^(−1/2) ỹ``
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from ctuq.errors import CheckpointMismatch
+from ctuq.inference.block_features import BlockFeatures
 from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.em import EMResult, SampledEM
@@ -60,6 +63,7 @@ from ctuq.inference.features import (
 )
 from ctuq.inference.kernel import assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
+from ctuq.inference.prior_fit import fit_block_prior
 from ctuq.inference.sampler import PosteriorSamples, posterior_mean, sample_chunks
 from ctuq.inference.solvers import (
     SOLVERS,
@@ -72,7 +76,7 @@ from ctuq.inference.solvers import (
     solver_kwargs,
 )
 from ctuq.options import EMUpdate, GPriorMethod, Prior, values
-from ctuq.priors import gprior_scales, scales_from_sq_norms
+from ctuq.priors import BLOCK_PRIORS, gprior_scales, scales_from_sq_norms
 
 __all__ = ["LinearizedPosterior", "POSTERIOR_STATE_VERSION"]
 
@@ -88,8 +92,17 @@ class LinearizedPosterior:
         Unscaled ``Ψ₀`` (``c × d``).
     targets : torch.Tensor
         ``ỹ`` ``(c,)``.
-    prior : {"gprior", "isotropic"} (:class:`~ctuq.options.Prior`) or torch.Tensor
-        Prior scaling, or the scales ``s`` ``(d,)`` themselves (e.g. kept from an earlier posterior).
+    prior : {"gprior", "isotropic", "tv_predcp"} (:class:`~ctuq.options.Prior`), torch.Tensor or a block prior
+        Prior scaling, the scales ``s`` ``(d,)`` themselves (e.g. kept from an earlier posterior), or a block prior
+        ``v = L w`` (:data:`~ctuq.priors.BLOCK_PRIORS`: by name, built from ``prior_options``, or an instance such
+        as a fitted :class:`~ctuq.priors.TVPredCPPrior`). A block prior not yet fitted is fitted in :meth:`setup`
+        (type-II MAP, :func:`~ctuq.inference.prior_fit.fit_block_prior`; it also sets ``σ²`` when the likelihood
+        learns it); the features are then ``Ψ₀ L`` (:class:`~ctuq.inference.block_features.BlockFeatures`).
+    prior_options : dict, optional
+        Keyword arguments of a block prior given by name (e.g. ``image_shape``, ``rate``, ``steps``, ``lr``,
+        ``probes`` for ``"tv_predcp"``), plus optionally ``param_shapes`` (default: the linearised parameters of
+        ``features.network``) and ``image_map`` (rows of network weights → network outputs, the ``Φ`` of the
+        hyperprior's prior samples; default ``features.network_matvec``).
     gprior_method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
         Exact column norms (``c`` VJPs) or ``gprior_probes`` probes.
     gprior_probes : int
@@ -128,7 +141,8 @@ class LinearizedPosterior:
         features: FeatureOperator,
         targets: torch.Tensor,
         *,
-        prior: str | torch.Tensor = "gprior",
+        prior: str | torch.Tensor | Any = "gprior",
+        prior_options: dict | None = None,
         gprior_method: str = "exact",
         gprior_probes: int = 256,
         likelihood: Likelihood | None = None,
@@ -148,10 +162,16 @@ class LinearizedPosterior:
                     f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
                     f"got {tuple(prior.shape)}"
                 )
+        elif not isinstance(prior, str) and type(prior) in BLOCK_PRIORS.values():
+            if prior.d != features.n_features:
+                raise ValueError(
+                    f"LinearizedPosterior: the block prior is for d = {prior.d}, the features have d = "
+                    f"{features.n_features}"
+                )
         elif prior not in values(Prior):
             raise ValueError(
-                f"LinearizedPosterior: prior must be one of {list(values(Prior))} or the scales "
-                f"themselves, got {prior!r}"
+                f"LinearizedPosterior: prior must be one of {list(values(Prior))}, the scales "
+                f"themselves or a block prior, got {prior!r}"
             )
         if gprior_method not in values(GPriorMethod):
             raise ValueError(
@@ -161,7 +181,11 @@ class LinearizedPosterior:
             raise ValueError(f"LinearizedPosterior: solver must be one of {list(solver_choices())}, got {solver!r}")
         self.base = features
         self.targets = check_targets(targets, features, "LinearizedPosterior")
-        self.prior = prior if isinstance(prior, torch.Tensor) else str(prior)
+        self.block_prior, self._image_map = self._make_block_prior(prior, dict(prior_options or {}), features)
+        if isinstance(prior, torch.Tensor):
+            self.prior = prior
+        else:
+            self.prior = str(prior) if self.block_prior is None else self.block_prior.name
         self.gprior_method = str(gprior_method)
         self.gprior_probes = int(gprior_probes)
         self.likelihood = likelihood if likelihood is not None else GaussianLikelihood(1.0)
@@ -194,6 +218,66 @@ class LinearizedPosterior:
     def sigma2(self) -> float:
         """Noise variance ``σ²`` (the likelihood's)."""
         return self.likelihood.sigma2
+
+    # ------------------------------------------------------------------------------------------ block priors
+    @staticmethod
+    def _make_block_prior(prior, options: dict, features: FeatureOperator):
+        """``(block prior or None, image map or None)`` of the ``prior`` argument (class docstring)."""
+        image_map = options.pop("image_map", None)
+        param_shapes = options.pop("param_shapes", None)
+        if isinstance(prior, str) and prior in BLOCK_PRIORS:
+            if param_shapes is None:
+                net = getattr(features, "network", None)
+                if net is None:
+                    raise ValueError(
+                        f"LinearizedPosterior: prior {prior!r} needs prior_options['param_shapes'] (these features "
+                        f"have no network to read the parameter shapes from)"
+                    )
+                param_shapes = {n: tuple(t.shape) for n, t in net.unflatten(net.params()).items()}
+            block = BLOCK_PRIORS[prior](param_shapes, **options)
+            if block.d != features.n_features:
+                raise ValueError(
+                    f"LinearizedPosterior: prior {prior!r} covers {block.d} weights, the features have "
+                    f"{features.n_features}"
+                )
+        elif not isinstance(prior, (str, torch.Tensor)) and type(prior) in BLOCK_PRIORS.values():
+            block = prior
+        else:
+            if options:
+                raise ValueError(
+                    f"LinearizedPosterior: prior_options {sorted(options)} are for a block prior, not {prior!r}"
+                )
+            return None, None
+        if image_map is None and hasattr(features, "network_matvec"):
+            image_map = features.network_matvec
+        if image_map is None and not block.fitted:
+            raise ValueError(
+                f"LinearizedPosterior: fitting the {block.name} prior needs prior_options['image_map'] (network "
+                f"weights → outputs); these features have no network_matvec"
+            )
+        return block, image_map
+
+    def _fit_block_prior(self, base: FeatureOperator) -> None:
+        """Type-II MAP of the block prior on the whitened ``Ψ₀`` ``base`` (sets ``σ²`` when it is learned)."""
+        block = self.block_prior
+        self.say(f"{block.name} prior: type-II MAP of {block.n_hyper} hyperparameters ({block.steps} steps)")
+        t0 = time.perf_counter()
+        learn = bool(self.likelihood.learn_noise)
+        s2 = fit_block_prior(
+            block,
+            base,
+            self.whitened_targets,
+            a=self.a,
+            sigma2=self.sigma2,
+            image_map=self._image_map,
+            learn_noise=learn,
+            seed=self.seed,
+            progress=self.progress,
+            log=self.say,
+        )
+        if learn:
+            self.likelihood.sigma2 = s2
+        self.timings["prior_fit"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ whitening
     def _check_row_scales(self) -> torch.Tensor | None:
@@ -270,15 +354,23 @@ class LinearizedPosterior:
             self.say(f"assembling Ψ₀ ({self.n_outputs} × {self.n_features}) with {self.n_features} JVPs")
             if self._assembled is None:
                 self._assembled = assemble_features(self.base, by="columns", chunk_size=64, progress=self.progress)
-            if self.scales is None:
+            white = self._assembled if self._row_scales is None else self._assembled * self._row_scales[:, None]
+            if self.block_prior is not None:
+                # the fit's many products with Ψ₀ in float32 (twice as fast; CG stops at rtol 1e-3 anyway)
+                self._set_up_block_prior(DenseFeatures(white.to(self.base.dtype)))
+                self.features = DenseFeatures(self.block_prior.apply_t(white.double()).to(white.dtype))
+            elif self.scales is None:
                 # Exact column norms are free once Ψ₀ is assembled (a stochastic g-prior is not needed here).
                 self.scales = (
                     torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
                     if self.prior == Prior.ISOTROPIC
                     else scales_from_sq_norms(self._assembled_sq_norms()).to(self.base.dtype)
                 )
-            white = self._assembled if self._row_scales is None else self._assembled * self._row_scales[:, None]
-            self.features = DenseFeatures(white * self.scales.double()[None, :])
+            if self.block_prior is None:
+                self.features = DenseFeatures(white * self.scales.double()[None, :])
+        elif self.block_prior is not None:
+            self._set_up_block_prior(self._whitened(self.base))
+            self.features = BlockFeatures(self._whitened(self.base), self.block_prior)
         else:
             if self.scales is None and "scales" in self._pending:
                 self.scales = self._pending["scales"].to(device=self.base.device, dtype=self.base.dtype)
@@ -296,6 +388,19 @@ class LinearizedPosterior:
         )
         hook("solver")
         return self
+
+    def _set_up_block_prior(self, base: FeatureOperator) -> None:
+        """Restore the block prior's stored hyperparameters, or fit them when they are not final yet."""
+        if "prior_state" in self._pending:
+            self.block_prior.load_state_dict(self._pending["prior_state"])
+        if not self.block_prior.fitted:
+            self._fit_block_prior(base)
+
+    def _current_prior(self):
+        """What a derived posterior takes as its ``prior``: the block prior, the computed scales, or the name."""
+        if self.block_prior is not None:
+            return self.block_prior
+        return self.scales if self.scales is not None else self.prior
 
     def _assembled_sq_norms(self) -> torch.Tensor:
         """Squared column norms ``(d,)`` of the whitened assembled ``Ψ₀`` (the exact g-prior's)."""
@@ -482,6 +587,8 @@ class LinearizedPosterior:
             raise ValueError(
                 "LinearizedPosterior: these features have no network to map weights to outputs; pass output_map="
             )
+        if self.block_prior is not None:
+            return self.base.network_matvec(self.block_prior.apply(weights.to(self.base.dtype)).to(self.base.dtype))
         return self.base.network_matvec(weights.to(self.base.dtype) * self.scales)
 
     def sample_outputs(
@@ -499,7 +606,7 @@ class LinearizedPosterior:
         other = LinearizedPosterior(
             base,
             targets,
-            prior=self.scales if self.scales is not None else self.prior,
+            prior=self._current_prior(),
             gprior_method=self.gprior_method,
             gprior_probes=self.gprior_probes,
             likelihood=likelihood,
@@ -515,7 +622,10 @@ class LinearizedPosterior:
         )
         if self._output_map is None and hasattr(self.base, "network_matvec") and not hasattr(base, "network_matvec"):
             net_base = self.base
-            other._output_map = lambda W: net_base.network_matvec(W.to(net_base.dtype) * other.scales)
+            if other.block_prior is not None:
+                other._output_map = lambda W: net_base.network_matvec(other.block_prior.apply(W.to(net_base.dtype)))
+            else:
+                other._output_map = lambda W: net_base.network_matvec(W.to(net_base.dtype) * other.scales)
         other._assembled = assembled
         return other
 
@@ -559,6 +669,8 @@ class LinearizedPosterior:
         }
         if self.scales is not None:
             state["scales"] = self.scales.detach().cpu()
+        if self.block_prior is not None and self.block_prior.fitted:
+            state["prior_state"] = self.block_prior.state_dict()
         if self.solver is not None:
             state["solver_state"] = self.solver.state_dict()
         if self.em is not None:
@@ -584,7 +696,7 @@ class LinearizedPosterior:
             self._pending["solver_name"] = name
             if "solver_state" in state:  # None is meaningful: CG without a preconditioner
                 self._pending["solver_state"] = state["solver_state"]
-        for key in ("scales", "em"):
+        for key in ("scales", "em", "prior_state"):
             if state.get(key) is not None:
                 self._pending[key] = state[key]
         self.a, _ = check_hyper(state["a"], self.sigma2, "LinearizedPosterior.load_state_dict")
@@ -602,6 +714,8 @@ class LinearizedPosterior:
             "likelihood": self.likelihood.name,
             "em_steps": len(self.em_trace),
         }
+        if self.block_prior is not None:
+            out["prior"] = self.block_prior.summary()
         if s is not None:
             pos = s[s > 0]
             out["scales"] = {

@@ -337,10 +337,12 @@ def heldout_check(
     samples=None,
     variance=None,
     noise_variance,
+    photon_variance=None,
     groups=None,
     levels: Sequence[float] = HELDOUT_LEVELS,
     n_bootstrap: int = 200,
     seed: int = 0,
+    image_rows_fraction: float = 0.25,
 ) -> dict:
     """The held-out check of a Gaussian posterior predictive (module docstring); JSON-ready.
 
@@ -356,12 +358,19 @@ def heldout_check(
         The image part ``v_i`` of the predictive variance directly (measurement units²).
     noise_variance : float or ``(m,)``
         ``σ²`` (measurement units²), > 0.
+    photon_variance : ``(m,)``, optional
+        Each row's noise variance from the scan's photon statistics (measurement units², > 0): the noise the rows
+        carry for certain, as opposed to the fitted ``σ²``, which also absorbs the model misfit of the rows the
+        reconstruction fitted. Adds ``scale_photon``.
     groups : ``(m,)`` ints, optional
         Block label per row (projection angle) for the bootstrap of ``k``; ``None``: rows are independent.
     levels : sequence of float in (0, 1)
         Central-interval masses of the calibration curve (default :data:`HELDOUT_LEVELS`).
     n_bootstrap, seed : int
         Bootstrap replicates of ``k`` and their seed.
+    image_rows_fraction : float in (0, 1]
+        The share of rows, those with the largest image-variance fraction ``v_i/(v_i + σ²_i)``, that
+        ``scale_image_rows`` is fitted on (a ranking that does not change when the std map is rescaled).
 
     Returns
     -------
@@ -371,7 +380,11 @@ def heldout_check(
         ``frac_abs_gt_3``, ``histogram`` (``edges``, ``density``, ``below``/``above`` fractions outside them);
         ``log_likelihood`` (mean per row, nats) and ``log_likelihood_noise_only`` (σ² alone, the image part
         dropped); ``image_variance_fraction``; ``mean_image_variance``, ``mean_noise_variance``; ``scale``: the
-        :func:`fit_variance_scale` dict plus ``coverage_headline`` and ``log_likelihood`` with ``k`` applied.
+        :func:`fit_variance_scale` dict plus ``coverage_headline`` and ``log_likelihood`` with ``k`` applied;
+        ``scale_with_noise``: :func:`fit_variance_and_noise_scale`; with ``photon_variance``, ``scale_photon``: the
+        :func:`fit_variance_scale` dict with the photon variances as the noise part, plus its
+        ``image_variance_fraction`` and ``coverage_headline``; ``scale_image_rows``: the :func:`fit_variance_scale`
+        dict on the image-dominated rows only, plus ``n_rows``, ``fraction`` and their ``image_variance_fraction``.
 
     Raises
     ------
@@ -410,7 +423,31 @@ def heldout_check(
     z_k = np.abs(r) / np.sqrt(k2 * v + s2)
     scale["coverage_headline"] = dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z_k, HEADLINE_LEVELS)))
     joint = fit_variance_and_noise_scale(r, v, s2, groups=g, n_bootstrap=min(int(n_bootstrap), 100), seed=seed)
-    return {
+    if not 0.0 < float(image_rows_fraction) <= 1.0:
+        raise ValueError(f"{where}: image_rows_fraction must lie in (0, 1], got {image_rows_fraction!r}")
+    share = v / (v + s2)
+    # the rows where the image part is largest against the noise: k there depends least on the noise model
+    top = np.argsort(-share, kind="stable")[: max(2, int(math.ceil(float(image_rows_fraction) * m)))]
+    image_rows = fit_variance_scale(r[top], v[top], s2[top], groups=g[top], n_bootstrap=n_bootstrap, seed=seed)
+    image_rows.update(
+        {
+            "n_rows": int(top.size),
+            "fraction": float(image_rows_fraction),
+            "image_variance_fraction": float(share[top].mean()),
+        }
+    )
+    photon = None
+    if photon_variance is not None:
+        pv = _as_float64(photon_variance, "photon_variance", where)
+        if pv.shape != (m,) or not np.all(np.isfinite(pv)) or np.any(pv <= 0):
+            raise ValueError(f"{where}: photon_variance must be ({m},) finite values > 0, got shape {tuple(pv.shape)}")
+        photon = fit_variance_scale(r, v, pv, groups=g, n_bootstrap=n_bootstrap, seed=seed)
+        kp2 = photon["k"] ** 2
+        photon["image_variance_fraction"] = float(np.mean(kp2 * v / (kp2 * v + pv)))
+        photon["coverage_headline"] = dict(
+            zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(np.abs(r) / np.sqrt(kp2 * v + pv), HEADLINE_LEVELS))
+        )
+    out = {
         "n_rows": int(m),
         "n_groups": int(len(np.unique(g))),
         "n_samples": n_samples,
@@ -435,4 +472,8 @@ def heldout_check(
         "mean_noise_variance": float(s2.mean()),
         "scale": scale,
         "scale_with_noise": joint,
+        "scale_image_rows": image_rows,
     }
+    if photon is not None:
+        out["scale_photon"] = photon
+    return out

@@ -108,8 +108,15 @@ def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: 
 
 def load_uq_checkpoint(path: Path, fingerprint: dict) -> dict:
     """The checkpoint at ``path`` after checking its version and ``fingerprint`` (:class:`CheckpointMismatch`
-    naming the file, the setting that differs and how to start afresh otherwise)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    naming the file, the setting that differs and how to start afresh otherwise; also for a damaged file)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged or truncated file: re-raised with the file named
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointMismatch(
+            f"{path}: not a readable ctuq UQ checkpoint ({type(exc).__name__}: {reason}); delete "
+            f"{path.parent / 'uq_*'} to start the inference afresh"
+        ) from exc
     version = state.get("version") if isinstance(state, dict) else None
     if version != UQ_STATE_VERSION:
         raise CheckpointMismatch(

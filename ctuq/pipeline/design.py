@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import math
 import sys
 import time
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctuq import __version__
+from ctuq import __version__, interrupt
 from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
 from ctuq.design.dip_prior import DIPPrior
 from ctuq.design.engine import DesignEngine, auto_route
@@ -38,12 +39,13 @@ from ctuq.design.greedy import baseline_design, greedy_design
 from ctuq.design.plots import plot_design_polar, plot_std_maps
 from ctuq.design.priors import isotropic_model, matern_model
 from ctuq.options import Criterion, DesignPriorKind, DesignRoute, values
-from ctuq.outputs import write_metrics, write_tiff
+from ctuq.outputs import voxel_size_of, write_metrics, write_tiff
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
 from ctuq.pipeline.runner import run_phases, write_config
 from ctuq.pipeline.scan import check_device, load_scan
-from ctuq.utils import resolve_device
+from ctuq.utils import atomic_path, resolve_device
 
 __all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "WORK_DIR", "STATE_NAME"]
 
@@ -53,8 +55,11 @@ WORK_DIR = "work"
 STATE_NAME = f"{WORK_DIR}/design_state.pt"
 
 
+_logger = logging.getLogger(__name__)
+
+
 def _log(msg: str) -> None:
-    print(f"[ctuq design] {msg}", file=sys.stderr, flush=True)
+    _logger.info(msg)
 
 
 def read_angles_file(path) -> np.ndarray:
@@ -155,7 +160,22 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         Pilot angles in degrees (``--pilot-angles``); default ``design.pilot`` equidistant candidates.
     resume : bool
         Continue a killed design (finished reconstructions and the design checkpoint are reused).
+
+    Raises
+    ------
+    RunFolderLocked
+        Another process is writing ``out_dir`` (:mod:`ctuq.pipeline.lock`); nothing there was changed.
+    CheckpointMismatch
+        ``resume`` with a design checkpoint of other settings, or a damaged or edited one.
     """
+    out = rf.check_writable_folder(out_dir)
+    with run_lock(out):  # before anything in the folder is removed or written
+        interrupt.note_run_folder(out)
+        return _run_design(cfg, out, pilot_angles=pilot_angles, resume=resume, progress=progress)
+
+
+def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> dict:
+    """:func:`run_design` in its locked output folder ``out_dir``."""
     t_start = time.perf_counter()
     ds = cfg.design
     device = resolve_device(cfg.device)
@@ -175,7 +195,7 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     # ---------------------------------------------------------------- scan, candidates, pilot
     data, scan_path, warnings = load_scan(cfg, device, progress=progress)
     for w in warnings:
-        _log(f"warning: {w}")
+        _logger.warning(w)
     op = data.op
     n_scan = op.n_angles
     period = math.pi if op.geometry is not None and op.geometry.is_parallel else 2 * math.pi
@@ -252,15 +272,16 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
         std["after the pilot"] = std_map(pilot)
     std["after the design"] = std_map(result.chosen)
-    write_tiff(out / "std_pilot.tif", std["after the pilot"])
-    write_tiff(out / "std_design.tif", std["after the design"])
+    write_tiff(out / "std_pilot.tif", std["after the pilot"], voxel_size=voxel_size_of(cand_op))
+    write_tiff(out / "std_design.tif", std["after the design"], voxel_size=voxel_size_of(cand_op))
     plot_std_maps(out / "std.png", std)
     pilot_deg, acq_deg = cand_deg[pilot].tolist(), cand_deg[result.acquired].tolist()
     plot_design_polar(out / "design_polar.png", pilot_deg, acq_deg, period_deg=math.degrees(period))
     lines = [f"# ctuq design: {ds.criterion}, prior {ds.prior}; angle_deg role order"]
     lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(pilot_deg)]
     lines += [f"{a:.6f} acquired {i + 1}" for i, a in enumerate(acq_deg)]
-    (out / ANGLES_NAME).write_text("\n".join(lines) + "\n")
+    with atomic_path(out / ANGLES_NAME) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
 
     # ---------------------------------------------------------------- reconstructions
     comparison = {}

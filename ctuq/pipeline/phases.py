@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +32,20 @@ from ctuq.errors import CTUQError, NonFiniteLossError
 from ctuq.metrics.image import image_metrics
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
-from ctuq.outputs import package_versions, write_figure, write_metrics, write_tiff
+from ctuq.outputs import (
+    package_versions,
+    result_channels,
+    voxel_size_of,
+    write_figure,
+    write_metrics,
+    write_results_h5,
+    write_stack,
+    write_tiff,
+)
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.scan import load_scan
 from ctuq.reconstruct.classical import tv_reconstruction
-from ctuq.reconstruct.dip import fit_dip, load_checkpoint
+from ctuq.reconstruct.dip import RESTORE_KEYS, fit_dip, load_checkpoint
 from ctuq.reconstruct.pretrain import load_pretrained
 
 __all__ = [
@@ -51,6 +61,8 @@ __all__ = [
     "make_input",
 ]
 
+_log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class RunState:
@@ -58,8 +70,8 @@ class RunState:
 
     ``images`` maps method names (``'fbp'``, ``'tv'``, ``'dip'``) to ``image_shape`` tensors in original units
     (mm⁻¹). ``metrics`` is merged into metrics.json (phases add their own sections); ``warnings`` (one line
-    each) go to stderr as they arise and into metrics.json's ``"warnings"``. ``command`` names the ``ctuq``
-    sub-command in log and warning lines.
+    each) are logged as they arise and go into metrics.json's ``"warnings"``. ``command`` names the ``ctuq``
+    sub-command (the terminal lines name the command :func:`ctuq.log.configure_logging` was given).
     """
 
     cfg: Config
@@ -85,19 +97,26 @@ class RunState:
     shard: Any = None  # ctuq.inference.Shard of a sharded `ctuq uq` (torchrun); None: one process
 
     @property
+    def voxel_size(self) -> float | None:
+        """The reconstruction grid's voxel edge length (mm; ``None`` for an operator without geometry): the
+        physical scale written into the TIFFs."""
+        return voxel_size_of(self.op) or voxel_size_of(self.data)
+
+    @property
     def is_root(self) -> bool:
         """Whether this process writes results and logs (always, unless it is a rank > 0 of a sharded run)."""
         return self.shard is None or self.shard.is_root
 
     def log(self, msg: str) -> None:
-        """A progress line ``[ctuq <command>] msg`` on stderr (rank 0 only in a sharded run)."""
+        """Log the progress line ``msg`` (INFO; ``[ctuq <command>] msg`` on the terminal, :mod:`ctuq.log`; rank 0
+        only in a sharded run)."""
         if self.is_root:
-            print(f"[ctuq {self.command}] {msg}", file=sys.stderr, flush=True)
+            _log.info(msg)
 
     def warn(self, msg: str) -> None:
-        """Record ``msg`` for metrics.json and print ``ctuq <command>: warning: msg`` on stderr."""
+        """Record ``msg`` for metrics.json and log it as a warning (``ctuq <command>: warning: msg``)."""
         self.warnings.append(msg)
-        print(f"ctuq {self.command}: warning: {msg}", file=sys.stderr, flush=True)
+        _log.warning(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +131,8 @@ class Phase:
 def phase_load(state: RunState) -> None:
     """Load the scan named by ``cfg.data`` (default: the bundled simulated scan) onto the device, after checking
     the setting against it (:func:`ctuq.pipeline.scan.load_scan`)."""
+    # the first record of a run: from here on its log file exists, so a scan that fails to load is recorded there
+    _log.debug(f"run folder {state.out_dir}, {state.device}; loading {state.cfg.data.path or 'the bundled scan'}")
     d, path, warnings = load_scan(state.cfg, state.device, progress=state.progress)
     state.data = d
     state.op = d.op
@@ -123,6 +144,7 @@ def phase_load(state: RunState) -> None:
         "measurement_shape": list(d.op.measurement_shape),
         "operator": type(d.op).__name__,
         "has_ground_truth": state.ground_truth is not None,
+        "voxel_size_mm": state.voxel_size,
     }
     state.log(
         f"loaded {path}: image {tuple(d.op.image_shape)}, sinogram {tuple(d.op.measurement_shape)}, "
@@ -138,7 +160,7 @@ def phase_fbp(state: RunState) -> None:
     analytic = fbp if state.op.ndim == 2 else fdk
     x = analytic(state.op, state.y, filter_type=fc.filter, frequency_scaling=fc.frequency_scaling)
     state.images["fbp"] = x.to(state.device, torch.float32)
-    write_tiff(state.out_dir / rf.FBP_NAME, x)
+    write_tiff(state.out_dir / rf.FBP_NAME, x, voxel_size=state.voxel_size)
 
 
 def phase_tv(state: RunState) -> None:
@@ -156,7 +178,7 @@ def phase_tv(state: RunState) -> None:
     )
     state.images["tv"] = res["reconstruction"]
     state.metrics["tv"] = {k: res[k] for k in ("iterations", "time_s", "objective", "op_norm")}
-    write_tiff(state.out_dir / rf.TV_NAME, res["reconstruction"])
+    write_tiff(state.out_dir / rf.TV_NAME, res["reconstruction"], voxel_size=state.voxel_size)
 
 
 def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
@@ -235,7 +257,7 @@ def phase_dip(state: RunState) -> None:
         "n_parameters": count_parameters(model),
         "n_conv_weights": count_parameters(model, conv_weights_only=True),
     }
-    write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction)
+    write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction, voxel_size=state.voxel_size)
     if cfg.output.save_model:
         write_model_file(
             state.out_dir / rf.MODEL_NAME,
@@ -272,7 +294,7 @@ def phase_restore_dip(state: RunState) -> None:
         model, net_input, scale = mf.build(state.device), mf.net_input, mf.scale
     elif ckpt_path.is_file():
         source = ckpt_path
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = load_checkpoint(ckpt_path, RESTORE_KEYS)
         if ckpt.get("model_config") is None:
             raise CTUQError(f"{ckpt_path}: has no model_config; cannot rebuild the network")
         model = UNet.from_config(ckpt["model_config"])
@@ -305,6 +327,22 @@ def phase_restore_dip(state: RunState) -> None:
         state.metrics["reconstruct_timings"] = old.get("timings")
 
 
+def _write_results_h5(state: RunState) -> None:
+    """``results.h5`` (output.hdf5): the run's images under the names of its TIFFs, and its geometry."""
+    std = state.uq_result.std if state.uq_result is not None else None
+    names = {"fbp": "fbp", "tv": "tv", "dip": "reconstruction"}
+    images = {names[k]: v for k, v in state.images.items() if k in names}
+    if "dip" in state.images:
+        images.update(result_channels(state.images["dip"], std, state.ground_truth))
+    elif state.ground_truth is not None:
+        images["ground truth"] = state.ground_truth
+    op = state.op
+    volume = getattr(op, "volume", None) or getattr(state.data, "volume", None)
+    geometry = getattr(op, "geometry", None) or getattr(state.data, "geometry", None)
+    attrs = {"ctuq_version": __version__, "command": state.command, "voxel_size_mm": state.voxel_size or float("nan")}
+    write_results_h5(state.out_dir / rf.RESULTS_H5_NAME, images, volume=volume, geometry=geometry, attrs=attrs)
+
+
 def phase_write(state: RunState) -> None:
     """Metrics against the ground truth, the PNG figure, ground_truth.tif and metrics.json (with the run's
     ``"warnings"``, an empty list when there were none). Rank 0 only in a sharded run."""
@@ -314,7 +352,7 @@ def phase_write(state: RunState) -> None:
     psnr: dict[str, float | None] = {}
     ssim: dict[str, float | None] = {}
     if state.ground_truth is not None:
-        write_tiff(state.out_dir / rf.GROUND_TRUTH_NAME, state.ground_truth)
+        write_tiff(state.out_dir / rf.GROUND_TRUTH_NAME, state.ground_truth, voxel_size=state.voxel_size)
         for key, img in state.images.items():
             m = image_metrics(img, state.ground_truth)
             psnr[key], ssim[key] = m["psnr"], m["ssim"]
@@ -327,6 +365,12 @@ def phase_write(state: RunState) -> None:
             psnrs={names[k]: psnr.get(k) for k in order},
             error_of="DIP",
         )
+    if state.cfg.output.stack and "dip" in state.images:
+        std = state.uq_result.std if state.uq_result is not None else None
+        channels = result_channels(state.images["dip"], std, state.ground_truth)
+        write_stack(state.out_dir / rf.STACK_NAME, channels, voxel_size=state.voxel_size)
+    if state.cfg.output.hdf5:
+        _write_results_h5(state)
     total = sum(state.timings.values())
     metrics = {
         "ctuq_version": __version__,

@@ -10,7 +10,7 @@ and reconstructed by FBP.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +30,8 @@ from ctuq.utils import progress as _progress_bar
 from ctuq.utils import resolve_device, seed_everything
 
 __all__ = ["simulated_slices", "pretrain", "PretrainRun"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -102,7 +104,7 @@ def pretrain(
     progress : bool
         Progress bars on stderr.
     log : callable, optional
-        Receives progress lines (default: ``[ctuq pretrain] ...`` on stderr).
+        Receives progress lines (default: logged, ``[ctuq pretrain] ...`` on the terminal).
 
     Raises
     ------
@@ -111,10 +113,7 @@ def pretrain(
         :func:`ctuq.pipeline.scan.load_scan`.
     """
     if log is None:
-
-        def log(msg: str) -> None:
-            print(f"[ctuq pretrain] {msg}", file=sys.stderr, flush=True)
-
+        log = _log.info
     if seed < 1:
         raise CTUQError(f"--seed {seed}: must be >= 1 (seed 0 is the bundled scan's walnut)")
     if cfg.data.ndim != 2:
@@ -124,7 +123,7 @@ def pretrain(
     device = resolve_device(cfg.device)
     d, path, warnings = load_scan(cfg, device, progress=progress)
     for msg in warnings:
-        print(f"ctuq pretrain: warning: {msg}", file=sys.stderr, flush=True)
+        _log.warning(msg)
     t0 = time.perf_counter()
     seed_everything(seed)
     images = simulated_slices(d.op.volume, phantoms, slices_per_phantom, seed=seed, progress=progress)

@@ -10,6 +10,10 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     tv.tif               TV reconstruction (only when the TV baseline ran)
     ground_truth.tif     the ground truth on the reconstruction grid (only when the scan has one)
     std.tif              pixelwise posterior standard deviation (mm⁻¹; only with the uncertainty phase)
+    stack.tif            reconstruction, std, |error|, ground truth (those present) as channels (output.stack)
+    results.h5           every image above and the geometry: voxel grid, projection vectors (output.hdf5)
+    ctuq.log             every message of the run, timestamped; appended by --resume and ``ctuq uq`` (module ctuq.log)
+    heldout_rows.npz     the held-out check's rows (only when the scan has unused angles; ctuq.pipeline.calibration)
     dip_checkpoint.pt    DIP checkpoint: weights, optimizer, RNG, history (``--resume`` continues from it)
     dip_model.pt         the fitted DIP: best weights, fixed input, architecture (``ctuq.models.model_file``)
     uq_state.pt          inference checkpoint: the posterior after the g-prior, the solver set-up, each EM step
@@ -23,8 +27,10 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     error_vs_std.png     |error| against posterior std, binned
     em_trace.png         prior precision, noise variance and evidence per EM step
 
-The ``uq_*`` files and ``samples/`` are the linearised inference's checkpoints and outputs, written into any work
-folder (run folders, study folders; their format: :mod:`ctuq.pipeline.checkpoints`). Every file name a run folder
+The ``.tif`` images are ImageJ hyperstacks carrying the voxel size in mm (:func:`ctuq.outputs.write_tiff`;
+ImageJ/Fiji and ``ctuq view`` show them at physical scale). The ``uq_*`` files and ``samples/`` are the linearised
+inference's checkpoints and outputs, written into any work folder (run folders, study folders; their format:
+:mod:`ctuq.pipeline.checkpoints`). Every file name a run folder
 holds is spelled here and only here. This module imports nothing from ctuq but :mod:`ctuq.errors` and
 :mod:`ctuq.outputs`.
 """
@@ -64,6 +70,10 @@ __all__ = [
     "STD_UNCALIBRATED_NAME",
     "HELDOUT_NAME",
     "HELDOUT_FIGURE",
+    "STACK_NAME",
+    "RESULTS_H5_NAME",
+    "LOG_NAME",
+    "HELDOUT_ROWS_NAME",
     "prepare_out_dir",
     "check_writable_folder",
     "require_run_folder",
@@ -80,6 +90,12 @@ GROUND_TRUTH_NAME = "ground_truth.tif"
 STD_NAME = "std.tif"
 STD_UNCALIBRATED_NAME = "std_uncalibrated.tif"  # the posterior's std when std.tif holds std × k (uq.calibration)
 HELDOUT_NAME = "heldout.json"  # `ctuq uq RUN --check`'s report
+# the held-out check's per-row arrays (residual, image and noise variances, angle): `--check` rescores them without
+# rebuilding the posterior
+HELDOUT_ROWS_NAME = "heldout_rows.npz"
+RESULTS_H5_NAME = "results.h5"  # output.hdf5: images and geometry in one file (ctuq.outputs.write_results_h5)
+STACK_NAME = "stack.tif"  # output.stack: the images as one multi-channel ImageJ stack (ctuq.outputs.write_stack)
+LOG_NAME = "ctuq.log"  # the run's log file (ctuq.log.run_log); also in design folders and scan folders
 CHECKPOINT_NAME = "dip_checkpoint.pt"
 MODEL_NAME = "dip_model.pt"
 # The linearised inference (ctuq.pipeline.uq) writes these into any work folder (run folders, study folders).

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import torch
 import yaml
 
+from ctuq import interrupt
 from ctuq.config import Config, ConfigError
 from ctuq.options import NoiseModel
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.phases import (
     Phase,
     RunState,
@@ -120,15 +123,41 @@ def reconstruct(
     ------
     CTUQError (e.g. WalnutFormatError, ModelFileError, CheckpointMismatch), OSError
         User errors (see :mod:`ctuq.errors`), e.g. an unwritable ``out_dir``, a damaged scan, a diverged fit.
+    RunFolderLocked
+        Another process is writing ``out_dir`` (:mod:`ctuq.pipeline.lock`); nothing there was changed.
+    DiskFullError
+        The disk filled during a write (the file named was not written; every earlier one is intact).
+    ctuq.interrupt.Interrupted
+        SIGINT/SIGTERM under :func:`ctuq.interrupt.handling`, after the DIP or the inference checkpointed.
     """
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
-    write_config(cfg, out_dir)
-    state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
-    return run_phases(state, build_phases(state))
+    with run_lock(out_dir):  # a second process on this folder is refused before it writes anything
+        interrupt.note_run_folder(out_dir)
+        write_config(cfg, out_dir)
+        state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
+        return run_phases(state, build_phases(state))
 
 
+def _locks_run_folder(fn):
+    """``fn(cfg, out_dir, ...)`` run while holding the lock of the run folder ``out_dir`` (:mod:`.lock`; rank 0 only
+    in a sharded run), after :func:`~ctuq.pipeline.run_folder.require_run_folder` checked it."""
+
+    @functools.wraps(fn)
+    def locked(cfg, out_dir, *args, **kwargs):
+        shard = kwargs.get("shard")
+        if shard is not None and not shard.is_root:
+            return fn(cfg, out_dir, *args, **kwargs)
+        rf.require_run_folder(out_dir)
+        with run_lock(out_dir, option="RUN_DIR"):
+            interrupt.note_run_folder(out_dir)
+            return fn(cfg, out_dir, *args, **kwargs)
+
+    return locked
+
+
+@_locks_run_folder
 def rerun_uq(
     cfg: Config,
     out_dir: str | Path,
@@ -177,6 +206,7 @@ def rerun_uq(
     return state
 
 
+@_locks_run_folder
 def check_run(
     cfg: Config,
     out_dir: str | Path,
@@ -187,10 +217,13 @@ def check_run(
     """Programmatic ``ctuq uq RUN --check``: the held-out check (:mod:`ctuq.pipeline.calibration`) of the finished
     run in ``out_dir``, writing only ``heldout.json`` and ``heldout_calibration.png``.
 
-    Reloads the scan, restores the fitted DIP and the fitted posterior (resumed from a temporary copy of
+    When the run saved its held-out rows (``heldout_rows.npz``, every run since they exist), they are rescored
+    with the current statistic in seconds. Otherwise it reloads the scan, restores the fitted DIP and the fitted
+    posterior (resumed from a temporary copy of
     ``uq_state.pt``, else set up and fitted afresh with ``cfg.uq``; :func:`ctuq.pipeline.calibration.
     fitted_posterior`), projects ``calibration.HELDOUT_SAMPLES`` posterior samples onto the scan's unused angles
-    and scores them. Every other file of the folder is left untouched. Returns the state (timings in
+    and scores them, saving the rows for the next check. Every other file of the folder is left untouched.
+    Returns the state (timings in
     ``state.timings``) and the :class:`~ctuq.pipeline.calibration.HeldoutResult`.
 
     Raises
@@ -207,6 +240,16 @@ def check_run(
     check_device(cfg, device)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
     t0 = time.perf_counter()
+    saved = calib.read_heldout_rows(out_dir)
+    if saved is not None:  # the run kept its held-out rows: rescore them, no posterior to rebuild
+        result, meta = saved
+        result.report = calib.score_rows(result, {**meta, "command": f"ctuq uq {out_dir} --check"}, seed=cfg.seed + 1)
+        state.timings["check"] = time.perf_counter() - t0
+        result.report["seconds"] = state.timings["check"]
+        result.report["timings"] = dict(state.timings)
+        state.log(f"rescored the held-out rows the run saved ({rf.HELDOUT_ROWS_NAME}); no posterior rebuilt")
+        calib.write_heldout(out_dir, result, figure=cfg.output.figure, rows=False)
+        return state, result
     held, reason = calib.heldout_data(cfg, device, progress=progress)
     if held is None:
         calib.raise_no_heldout(out_dir, reason)
@@ -220,6 +263,7 @@ def check_run(
         state.images["dip"].detach().cpu(),
         cfg.dip.scale,
         held,
+        n_samples=min(calib.HELDOUT_SAMPLES, cfg.uq.samples),
         chunk_size=cfg.uq.sample_chunk,
         seed=cfg.seed + 1,
         command=f"ctuq uq {out_dir} --check",
@@ -268,6 +312,13 @@ def reconstruct_problem(
             f"or set device accordingly"
         )
     out_dir = rf.prepare_out_dir(out_dir, resume=resume or overwrite)
+    with run_lock(out_dir):
+        interrupt.note_run_folder(out_dir)
+        return _reconstruct_given(cfg, out_dir, data, device, uq=uq, resume=resume, progress=progress)
+
+
+def _reconstruct_given(cfg: Config, out_dir: Path, data, device, *, uq: bool, resume: bool, progress: bool):
+    """:func:`reconstruct_problem` after its checks, in the locked run folder ``out_dir``."""
     write_config(cfg, out_dir)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, resume=resume, uq=uq, progress=progress)
     state.data, state.op = data, data.op

@@ -6,8 +6,12 @@ projection angles — and only then reads pixel data. A setting the scan can giv
 published config states (``data.expect_angles`` / ``data.expect_columns``) loads with a warning saying what the
 scan gives instead and why.
 
+The scan's format (walnut folder, ``scan.yaml``, NXtomo) is detected by :mod:`ctuq.data.formats`, and its
+loader called through that registry; the walnut layout keeps its own loader and numbers.
+
 Errors are :class:`ctuq.errors.DataError` / :class:`~ctuq.errors.DeviceError` (option or scan folder first);
-the loader's own :class:`~ctuq.data.walnut.WalnutFormatError` (damaged or missing files) passes through.
+the loaders' own errors (:class:`~ctuq.data.walnut.WalnutFormatError`, :class:`~ctuq.data.projections.
+ScanFormatError`: damaged or missing files, malformed descriptions) pass through.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from ctuq import data as ctdata
 from ctuq.config import Config
+from ctuq.data.formats import open_scan
 from ctuq.errors import DataError, DeviceError
 from ctuq.geometry import VolumeGeometry
 
@@ -35,7 +40,8 @@ def count_kept(n: int, step: int) -> int:
 
 
 def data_path(cfg: Config) -> Path:
-    """The scan folder of ``cfg.data.path``, or the default one (``$CTUQ_DATA`` or the bundled scan).
+    """The scan of ``cfg.data.path`` (a walnut folder, a ``scan.yaml``, an NXtomo file, or a folder holding one),
+    or the default one (``$CTUQ_DATA`` or the bundled scan).
 
     Raises ``FileNotFoundError`` naming ``data.path`` when it does not exist.
     """
@@ -43,8 +49,16 @@ def data_path(cfg: Config) -> Path:
         return ctdata.default_data_dir()
     path = Path(cfg.data.path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder (set it with --data DIR)")
+        raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder or file (set it with --data PATH)")
     return path
+
+
+def _angles_text(scan: Any) -> tuple[int, str]:
+    """Distinct angles of ``scan`` and how it holds them (for messages): the walnut layout's last file repeats the
+    first angle; the other formats' projections are all distinct."""
+    if isinstance(scan, ctdata.WalnutScan):
+        return scan.n_files - 1, f"tubeV{scan.orbit} has {scan.n_files} files, {scan.n_files - 1} distinct angles"
+    return scan.n_files, f"it has {scan.n_files} projections"
 
 
 def check_device(cfg: Config, device: torch.device) -> None:
@@ -102,7 +116,7 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
                 f"ground-truth grid {list(grid.shape)} ({scan.path}); the field of view is kept, so "
                 f"use a shape with the same aspect ratio"
             ) from None
-    distinct = scan.n_files - 1  # the last file repeats the first angle
+    distinct, holds = _angles_text(scan)
     kept = count_kept(distinct, dc.angular_subsampling)
     if kept < dc.min_angles:
         fits = [k for k in range(distinct, 0, -1) if count_kept(distinct, k) >= dc.min_angles]
@@ -111,8 +125,8 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
         else:
             fix = "use a scan with more projections"
         raise DataError(
-            f"{scan.path}: only {kept} projection angle{'s' if kept != 1 else ''} left (tubeV{scan.orbit} has "
-            f"{scan.n_files} files, {distinct} distinct angles; data.angular_subsampling = "
+            f"{scan.path}: only {kept} projection angle{'s' if kept != 1 else ''} left ({holds}; "
+            f"data.angular_subsampling = "
             f"{dc.angular_subsampling} keeps one in {dc.angular_subsampling}), fewer than data.min_angles = "
             f"{dc.min_angles}: a reconstruction from so few angles is not meaningful; {fix}, or set "
             f"data.min_angles={kept} to run anyway"
@@ -129,7 +143,7 @@ def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[i
     want_c = dc.expect_columns if dc.expect_columns is not None else got_c
     if (got_a, got_c) == (want_a, want_c):
         return []
-    distinct, n_cols = scan.n_files - 1, scan.det_shape[1]
+    distinct, n_cols = _angles_text(scan)[0], scan.det_shape[1]
     why = []
     if got_a != want_a:
         why.append(f"its {distinct} distinct angles, one in {dc.angular_subsampling}, leave {got_a}")
@@ -163,22 +177,21 @@ def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tu
         Operator, sinogram ``y`` (``(n_angles, n_cols)`` or ``(n_angles, n_rows, n_cols)``, on ``device``), ground
         truth (``image_shape``, mm⁻¹, or ``None``).
     path : Path
-        The scan folder.
+        The scan folder or file (``data.path``).
     warnings : list of str
         From :func:`expected_setting_warnings` (empty when the scan gives the stated setting).
 
     Raises
     ------
-    FileNotFoundError, DeviceError, DataError, WalnutFormatError
+    FileNotFoundError, DeviceError, DataError, WalnutFormatError, ScanFormatError
         See :func:`data_path`, :func:`check_device`, :func:`check_scan_setting` and the loader.
     """
     dc = cfg.data
     check_device(cfg, device)
     path = data_path(cfg)
-    scan = ctdata.WalnutScan(path, dc.orbit)
+    fmt, scan = open_scan(path, dc.orbit)
     check_scan_setting(scan, cfg)
     kwargs = dict(
-        orbit=dc.orbit,
         angular_subsampling=dc.angular_subsampling,
         detector_subsampling=dc.detector_subsampling,
         image_shape=None if dc.image_shape is None else tuple(dc.image_shape),
@@ -187,7 +200,7 @@ def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tu
         progress=progress,
     )
     if dc.ndim == 2:
-        d = ctdata.load_walnut_slice(path, slice_index=dc.slice_index, **kwargs)
+        d = fmt.load_slice(scan, slice_index=dc.slice_index, **kwargs)
     else:
-        d = ctdata.load_walnut_volume(path, **kwargs)
+        d = fmt.load_volume(scan, **kwargs)
     return d, path, expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))

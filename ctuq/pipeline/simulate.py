@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ctuq.data.phantom import make_phantom
-from ctuq.data.simulate import SimulationParameters, estimate_work, simulate_scan
+from ctuq.data.simulate import SimulationParameters, check_layouts, estimate_work, simulate_scan
 from ctuq.errors import CTUQError, OutDirError
-from ctuq.options import PhantomKind, values
+from ctuq.options import PhantomKind, ScanLayout, values
+from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.run_folder import check_writable_folder
 
 __all__ = ["simulate", "PAIRS_PER_SECOND"]
+
+_log = logging.getLogger(__name__)
 
 # Ray–ellipsoid pairs per second of the simulator on a 2-core CPU (bundled preset: 8.8·10⁶ rays × 59 ellipsoids
 # in ≈ 15 s), for the duration warning of large presets.
@@ -34,6 +37,7 @@ def simulate(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     phantom: str = PhantomKind.WALNUT,
+    layouts: tuple[str, ...] | str = (ScanLayout.WALNUT.value,),
 ) -> dict[str, Any]:
     """Simulate the scan of ``preset`` with ``overrides`` (fields of :class:`ctuq.data.SimulationParameters`;
     ``None`` values ignored) into the folder ``out``.
@@ -42,8 +46,12 @@ def simulate(
     analytic line integrals; the default, unchanged) or ``textured`` (:func:`ctuq.data.phantom.textured_phantom`:
     multi-scale texture, line integrals through its fine voxelised image, sub-rays per detector pixel).
 
-    Warns through ``log`` (default: ``ctuq simulate: ...`` on stderr) when the work would take more than half an
-    hour. Returns ``{"out", "params", "sidecar", "bytes" (files written), "time_s"}``.
+    ``layouts`` (``--layout``, :class:`ctuq.options.ScanLayout`): the file layouts to write the same scan in
+    (:func:`ctuq.data.simulate.simulate_scan`): one into ``out``, several into ``out/<layout>/``.
+
+    Warns through ``log`` (default: a logged warning, ``ctuq simulate: warning: ...`` on the terminal) when the
+    work would take more than half an hour. Returns ``{"out", "params", "sidecar", "bytes" (files written),
+    "time_s", "layouts"}``.
 
     Raises
     ------
@@ -54,12 +62,10 @@ def simulate(
         scan (or is one and ``overwrite`` is false).
     """
     if log is None:
-
-        def log(msg: str) -> None:
-            print(f"ctuq simulate: {msg}", file=sys.stderr, flush=True)
-
+        log = _log.warning
     try:
         params = SimulationParameters.preset(preset, **(overrides or {}))
+        layouts = check_layouts(layouts, params)
     except ValueError as exc:  # the simulator's own parameter checks: user input, named in the message
         raise CTUQError(str(exc)) from exc
     if phantom not in values(PhantomKind):
@@ -78,11 +84,22 @@ def simulate(
         )
     t0 = time.perf_counter()
     try:
-        # simulate_scan checks the folder (prepare_output_dir) before it traces a ray.
-        sidecar = simulate_scan(out, params, phantom=obj, preset=preset, overwrite=overwrite, progress=progress)
+        # simulate_scan checks the folder (prepare_output_dir) before it traces a ray; the lock lies beside the
+        # folder, which must hold nothing but the scan
+        with run_lock(out, beside=True):
+            sidecar = simulate_scan(
+                out, params, phantom=obj, preset=preset, overwrite=overwrite, progress=progress, layouts=layouts
+            )
     except FileExistsError as exc:
         if exc.filename is not None:  # an OS error, not prepare_output_dir's refusal
             raise
         raise OutDirError(f"--out {out}: {str(exc).removeprefix('simulate: ')}") from None
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return {"out": out, "params": params, "sidecar": sidecar, "bytes": size, "time_s": time.perf_counter() - t0}
+    return {
+        "out": out,
+        "params": params,
+        "sidecar": sidecar,
+        "bytes": size,
+        "time_s": time.perf_counter() - t0,
+        "layouts": layouts,
+    }

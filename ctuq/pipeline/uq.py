@@ -30,7 +30,9 @@ Checkpoints in ``work_dir`` (format and resume checks: :mod:`ctuq.pipeline.check
 ``uq_moments.pt`` after a chunk when :data:`MOMENTS_CHECKPOINT_SECONDS` have passed since the last one, and after
 the last chunk (each chunk draws from its own seeded generator, so a resumed run reproduces the uninterrupted one
 bitwise); ``samples/samples_NNNN.pt`` (only with ``settings.save_samples``): chunk NNNN's image samples, float32,
-mm⁻¹.
+mm⁻¹. Under :func:`ctuq.interrupt.handling` a SIGINT/SIGTERM during the EM or the prediction stops after the running
+EM step or sample chunk, once it is checkpointed (:class:`ctuq.interrupt.Interrupted`; not in a sharded run, whose
+ranks stop at once).
 
 Sharded runs (``shard``; ``torchrun``, :mod:`ctuq.inference.distributed`): rank 0 sets up the posterior and
 broadcasts it, the EM probes and prediction chunks are split round robin with the single-process seeds, rank 0
@@ -52,8 +54,10 @@ from pathlib import Path
 
 import torch
 
+from ctuq import interrupt
 from ctuq.config import UQConfig, check_section, posterior_arguments
 from ctuq.errors import CTUQError
+from ctuq.figures import new_figure, save_figure
 from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
 from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
 from ctuq.inference.solvers import SOLVERS
@@ -63,6 +67,7 @@ from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.options import NoiseModel, Prior
 from ctuq.pipeline import checkpoints
 from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
+from ctuq.priors.tv_predcp import anisotropic_tv
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
@@ -78,6 +83,8 @@ __all__ = [
     "check_moments_memory",
     "statistics_roi",
     "relative_variances",
+    "plot_prior_trace",
+    "PRIOR_TRACE_FIGURE",
 ]
 
 MOMENTS_CHECKPOINT_SECONDS = 60.0
@@ -243,6 +250,16 @@ def ct_posterior(
         if rel is None
         else DiagonalGaussianLikelihood(sigma2_0, settings.learn_noise, variances=rel)
     )
+    args = posterior_arguments(settings)
+    if "prior_options" in args:
+        # TV-PredCP: the TV is of images of op.image_shape; its rate is uq.tv_predcp.scale per TV of the reconstruction
+        tv = float(anisotropic_tv(g0[None].double(), op.image_shape).abs().sum())
+        if not tv > 0:
+            raise CTUQError(
+                "uq.prior = tv_predcp: the reconstruction is constant (zero TV), so uq.tv_predcp.scale has no unit"
+            )
+        args["prior_options"].update(image_shape=tuple(op.image_shape), rate=settings.tv_predcp.scale / tv)
+        info["tv_reconstruction"] = tv
     posterior = LinearizedPosterior(
         base,
         y_s + delta,
@@ -251,10 +268,36 @@ def ct_posterior(
         progress=progress,
         log=log,
         shard=shard,
-        **posterior_arguments(settings),
+        **args,
     )
     info.update({"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)})
     return posterior, net, info
+
+
+PRIOR_TRACE_FIGURE = "tv_predcp_trace.png"
+
+
+def plot_prior_trace(path, trace: list[dict], dpi: int = 120) -> Path:
+    """The type-II MAP trace of a block prior (:func:`ctuq.inference.prior_fit.fit_block_prior` records) against
+    step: lengthscales ``ℓ_b``, variances ``σ²_b`` (log axes), ``σ²``, the data fit ``−½ỹᵀC⁻¹ỹ`` and the log
+    hyperprior. Returns ``path``."""
+    steps = [r["step"] for r in trace]
+    panels = [
+        ("lengthscale", "lengthscales ℓ_b", True),
+        ("variance", "variances σ²_b", True),
+        ("sigma2", "noise σ²", True),
+        ("data_fit", "−½ ỹᵀC⁻¹ỹ", False),
+        ("log_hyperprior", "log p_TV(ℓ)", False),
+    ]
+    fig = new_figure(None, (3.2 * len(panels), 3.0), dpi)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (key, label, log) in zip(axes, panels):
+        ax.plot(steps, [r[key] for r in trace], lw=1)
+        if log:
+            ax.set_yscale("log")
+        ax.set(title=label, xlabel="step")
+        ax.grid(alpha=0.3)
+    return save_figure(fig, path)
 
 
 def statistics_roi(settings: UQConfig, image_shape):
@@ -431,17 +474,21 @@ class UQRun:
                 f"{record['gamma']:.5g}, ‖w*‖² {record['weight_norm_sq']:.4g}, σ² {record['sigma2_new']:.4g}"
                 + (f", CG ≤ {record['solver']['max_iterations']} it." if record.get("solver") else "")
             )
+            if interrupt.requested() is not None:  # Ctrl-C/SIGTERM: this step is checkpointed, stop here
+                interrupt.stop(f"the EM after step {record['step'] + 1} of {st.em_steps}", self.state_path)
 
         try:
-            self.em_result = self.posterior.fit(
-                max_steps=st.em_steps,
-                n_samples=st.em_samples,
-                tol=st.em_tol,
-                callback=after_step,
-                fixed_probes=st.em_fixed_probes,
-                stop_on=st.em_stop_on,
-                update=st.em_update,
-            )
+            # a sharded run's ranks step together: each stops at once, from the last common checkpoint
+            with interrupt.safe_points(enabled=not self.shard.distributed):
+                self.em_result = self.posterior.fit(
+                    max_steps=st.em_steps,
+                    n_samples=st.em_samples,
+                    tol=st.em_tol,
+                    callback=after_step,
+                    fixed_probes=st.em_fixed_probes,
+                    stop_on=st.em_stop_on,
+                    update=st.em_update,
+                )
         finally:
             bar.close()
         self._spent("em")
@@ -484,9 +531,11 @@ class UQRun:
             disable=None if self.progress else True,
         )
         try:
-            for i, images, ps in self.posterior.sample_outputs(
+            chunks = self.posterior.sample_outputs(
                 st.samples, chunk_size=st.sample_chunk, seed=self.seed + 1, start_chunk=start, chunks=todo
-            ):
+            )
+            # Ctrl-C/SIGTERM: the running chunk is finished and checkpointed, then the run stops
+            for i, images, ps in interrupt.safe_iter(chunks, enabled=not shard.distributed):
                 images = (images / self.scale).to("cpu", torch.float32).reshape(-1, *op.image_shape)
                 moments.update(images)
                 summary = ps.stats.summary()
@@ -497,8 +546,9 @@ class UQRun:
                 if st.save_samples and work is not None:
                     atomic_torch_save(work / UQ_SAMPLES_DIR / UQ_SAMPLE_FILE_PATTERN.format(i), images)
                 now = time.perf_counter()
+                stopping = interrupt.requested() is not None
                 if self.moments_path is not None and (
-                    i == last_mine or now - last_save >= self.moments_checkpoint_seconds
+                    stopping or i == last_mine or now - last_save >= self.moments_checkpoint_seconds
                 ):
                     checkpoints.save_uq_checkpoint(
                         self.moments_path,
@@ -510,6 +560,8 @@ class UQRun:
                     )
                     last_save = time.perf_counter()
                 bar.update(images.shape[0])
+                if stopping:
+                    interrupt.stop(f"the prediction after sample chunk {i + 1} of {n_chunks}", self.moments_path)
         finally:
             bar.close()
         if shard.distributed:
@@ -548,8 +600,11 @@ class UQRun:
             "prediction_cg_max_residual": max(cg_res) if cg_res else None,
             "em_converged": bool(self.em_result.converged),
             "em_steps": int(self.em_result.steps),
+            **posterior.solver.report(),
+        }
+        if "scales" in post:
             # an assembling solver has every column of Ψ₀ at hand: its g-prior is exact whatever was asked
-            "gprior": {
+            stats["gprior"] = {
                 "method": (
                     Prior.ISOTROPIC.value
                     if st.prior == Prior.ISOTROPIC
@@ -560,9 +615,15 @@ class UQRun:
                 "zero_scales": post["scales"]["zero"],
                 "scale_min": post["scales"]["min"],
                 "scale_max": post["scales"]["max"],
-            },
-            **posterior.solver.report(),
-        }
+            }
+        if posterior.block_prior is not None:
+            stats["prior"] = {
+                **post["prior"],
+                "tv_reconstruction": self.info.get("tv_reconstruction"),
+                "trace": [dict(r) for r in posterior.block_prior.trace],
+            }
+            if self.work is not None and shard.is_root and posterior.block_prior.trace:
+                plot_prior_trace(self.work / PRIOR_TRACE_FIGURE, posterior.block_prior.trace)
         if "variance_mean" in self.info:
             # σ² d_i is ray i's variance in scaled units; Var y_i = g · v_i for a gain of g counts per photon
             stats["per_ray"] = {

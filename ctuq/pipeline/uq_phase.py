@@ -55,12 +55,12 @@ def phase_uq(state: RunState) -> None:
     if cfg.uq.calibration == Calibration.HELDOUT and k is None:
         state.warn("uq.calibration = heldout: no held-out check, so std.tif is the uncalibrated posterior std")
     if k is not None:
-        write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std)
+        write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std, voxel_size=state.voxel_size)
         res.std = res.std * k
         state.log(f"uq.calibration = heldout: std.tif = posterior std × {k:.3f}")
     else:
         (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
-    write_tiff(state.out_dir / rf.STD_NAME, res.std)
+    write_tiff(state.out_dir / rf.STD_NAME, res.std, voxel_size=state.voxel_size)
     uq_metrics: dict[str, Any] = {
         "method": "linearised DIP, sampled (dual Matheron sampler, sampled EM)",
         "a": res.a,
@@ -84,6 +84,11 @@ def phase_uq(state: RunState) -> None:
             # the posterior's own numbers, for the evidence that the rescaling helps (or not)
             uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
             res.moments = scaled_moments(res.moments, k)
+        elif heldout is not None:
+            # what uq.calibration = heldout would score, from the same posterior: the evidence for (or against) the
+            # rescaling without a second inference (the calibration study reads it)
+            rescaled = scaled_moments(res.moments, heldout.k)
+            uq_metrics["summary_recalibrated"] = {**uq_summary_from_moments(gt, res.mean, rescaled), "k": heldout.k}
         summary = uq_summary_from_moments(gt, res.mean, res.moments)
         state.metrics["marginal_ll"] = summary["marginal_ll"]
         state.metrics["joint_ll"] = summary["joint_ll"]
@@ -97,10 +102,10 @@ def phase_uq(state: RunState) -> None:
         )
     state.metrics["uq"] = uq_metrics
     state.uq_result = res
+    if heldout is not None:  # the rows always (`ctuq uq RUN --check` rescores them), the figure when asked
+        calib.write_heldout(state.out_dir, heldout, json_file=False, figure=cfg.output.figure)
     if cfg.output.figure:
         _uq_figures(state, res)
-        if heldout is not None:
-            calib.write_heldout(state.out_dir, heldout, json_file=False)
     # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
     # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
@@ -142,6 +147,8 @@ def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, st
         res.mean,
         state.cfg.dip.scale,
         held,
+        # the std map's own first samples (same seed): no more than the run drew (a short run stays short)
+        n_samples=min(calib.HELDOUT_SAMPLES, state.cfg.uq.samples),
         chunk_size=state.cfg.uq.sample_chunk,
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
@@ -186,6 +193,12 @@ def _uq_figures(state: RunState, res) -> None:
                 f"linearised DIP, std × {k:.3g} (held-out)": curves["linearised DIP"],
                 "linearised DIP (uncalibrated)": (before["calibration"]["levels"], before["calibration"]["coverage"]),
             }
+        recal = state.metrics["uq"].get("summary_recalibrated")
+        if recal is not None:  # uq.calibration = none: what the held-out k would give, for comparison
+            curves[f"std × {recal['k']:.3g} (held-out k, not applied)"] = (
+                recal["calibration"]["levels"],
+                recal["calibration"]["coverage"],
+            )
         figures.plot_calibration(out / rf.CALIBRATION_FIGURE, curves)
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})
         figures.plot_error_vs_std(out / rf.ERROR_VS_STD_FIGURE, abs_err, res.std, roi)

@@ -18,7 +18,8 @@ The weights with the lowest loss are kept: the loss evaluated at iteration ``k``
 
 Checkpoints hold model and optimizer state, iteration, RNG states, best weights and the history; resuming
 from one continues exactly where the run stopped, so on CPU an interrupted and resumed run ends bit-identical
-to an uninterrupted one.
+to an uninterrupted one. Under :func:`ctuq.interrupt.handling` (the ``ctuq`` commands) a SIGINT/SIGTERM during the
+fit finishes the running iteration, writes the checkpoint and raises :class:`ctuq.interrupt.Interrupted`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ctuq import interrupt
 from ctuq.errors import CheckpointMismatch
 from ctuq.metrics.image import (
     psnr_from_mse,
@@ -146,22 +148,53 @@ def _device_state(model: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
+_CHECKPOINT_KEYS = (
+    "iteration",
+    "model",
+    "optimizer",
+    "best_state",
+    "best_loss",
+    "best_iteration",
+    "history",
+    "rng",
+    "net_input",
+    "meta",
+)
+
+
+#: What restoring the fitted network needs (``ctuq uq`` on a run without ``dip_model.pt``): not the optimiser state.
+RESTORE_KEYS = ("best_state", "net_input", "meta")
+
+
+def load_checkpoint(path: str | os.PathLike, keys: tuple[str, ...] = _CHECKPOINT_KEYS) -> dict:
     """Load a DIP checkpoint written by :func:`fit_dip` (``torch.load(weights_only=True)``).
+
+    ``keys`` are the entries the caller needs (default: all of them, to resume the fit; :data:`RESTORE_KEYS` to
+    rebuild the fitted network only).
 
     Keys: ``version``, ``iteration`` (iterations done), ``model``, ``optimizer``, ``best_state``,
     ``best_loss``, ``best_iteration``, ``history`` (dict of lists), ``rng``, ``net_input``, ``meta``,
     ``model_config`` (``UNet.config.to_dict()`` when the model is a UNet, else ``None``).
+
+    Raises :class:`~ctuq.errors.CheckpointMismatch` (a user error, also a ``ValueError``) naming the file when it
+    is unreadable (damaged, truncated, not a torch file), not a DIP checkpoint of this version, or lacks a key.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"DIP checkpoint {path} does not exist")
+    hint = "delete it to start the DIP afresh"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise ValueError(f"DIP checkpoint {path} could not be read: {exc}") from exc
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointMismatch(
+            f"{path}: not a readable DIP checkpoint ({type(exc).__name__}: {reason}); {hint}"
+        ) from exc
     if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path} is not a ctuq DIP checkpoint (version {CHECKPOINT_VERSION})")
+        raise CheckpointMismatch(f"{path}: not a ctuq DIP checkpoint (version {CHECKPOINT_VERSION}); {hint}")
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise CheckpointMismatch(f"{path}: a damaged DIP checkpoint (lacks {missing}); {hint}")
     return ckpt
 
 
@@ -345,55 +378,60 @@ def fit_dip(
     t0 = time.perf_counter()
     bar = _progress_bar(total=iterations, initial=start, desc="DIP", disable=None if progress else True)
     try:
-        for it in range(start, iterations):
-            optimizer.zero_grad(set_to_none=True)
-            x_s = model(net_input_dev)[0, 0]
-            data_loss = (op(x_s) - y_s).pow(2).mean()
-            tv = tv_anisotropic(x_s, op.ndim)
-            loss = data_loss + tv_weight * tv
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"fit_dip: loss became {loss_value} at iteration {it}; lower lr (now {lr}) or check the data"
-                )
-            if loss_value < best_loss:
-                # These are the weights that produced this loss: the step below has not happened yet.
-                best_loss, best_iteration = loss_value, it
-                best_state = _device_state(model)
-            optimizer.step()
+        # Ctrl-C/SIGTERM under ctuq.interrupt.handling: noted, acted upon after the running iteration
+        with interrupt.safe_points(enabled=ckpt_path is not None):
+            for it in range(start, iterations):
+                optimizer.zero_grad(set_to_none=True)
+                x_s = model(net_input_dev)[0, 0]
+                data_loss = (op(x_s) - y_s).pow(2).mean()
+                tv = tv_anisotropic(x_s, op.ndim)
+                loss = data_loss + tv_weight * tv
+                loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(
+                        f"fit_dip: loss became {loss_value} at iteration {it}; lower lr (now {lr}) or check the data"
+                    )
+                if loss_value < best_loss:
+                    # These are the weights that produced this loss: the step below has not happened yet.
+                    best_loss, best_iteration = loss_value, it
+                    best_state = _device_state(model)
+                optimizer.step()
 
-            psnr_value = None
-            if gt is not None:
-                with torch.no_grad():
-                    mse = float((x_s.detach() / scale - gt).pow(2).mean())
-                psnr_value = psnr_from_mse(mse, gt_range)
-            hist["loss"].append(loss_value)
-            hist["data_loss"].append(float(data_loss.detach()))
-            hist["tv"].append(float(tv.detach()))
-            hist["psnr"].append(psnr_value)
-            done = it + 1
-            if checkpoint_every and done % checkpoint_every == 0 and done < iterations:
-                save(done)
-            bar.update(1)
-            if done % 10 == 0 or done == iterations:
-                post = {"loss": f"{loss_value:.3e}", "best": f"{best_loss:.3e}"}
-                if psnr_value is not None:
-                    post["psnr"] = f"{psnr_value:.2f}"
-                bar.set_postfix(post, refresh=False)
-            if callback is not None:
-                callback(
-                    it,
-                    {
-                        "loss": loss_value,
-                        "data_loss": hist["data_loss"][-1],
-                        "tv": hist["tv"][-1],
-                        "psnr": psnr_value,
-                        "best_loss": best_loss,
-                    },
-                )
+                psnr_value = None
+                if gt is not None:
+                    with torch.no_grad():
+                        mse = float((x_s.detach() / scale - gt).pow(2).mean())
+                    psnr_value = psnr_from_mse(mse, gt_range)
+                hist["loss"].append(loss_value)
+                hist["data_loss"].append(float(data_loss.detach()))
+                hist["tv"].append(float(tv.detach()))
+                hist["psnr"].append(psnr_value)
+                done = it + 1
+                if checkpoint_every and done % checkpoint_every == 0 and done < iterations:
+                    save(done)
+                bar.update(1)
+                if done % 10 == 0 or done == iterations:
+                    post = {"loss": f"{loss_value:.3e}", "best": f"{best_loss:.3e}"}
+                    if psnr_value is not None:
+                        post["psnr"] = f"{psnr_value:.2f}"
+                    bar.set_postfix(post, refresh=False)
+                if callback is not None:
+                    callback(
+                        it,
+                        {
+                            "loss": loss_value,
+                            "data_loss": hist["data_loss"][-1],
+                            "tv": hist["tv"][-1],
+                            "psnr": psnr_value,
+                            "best_loss": best_loss,
+                        },
+                    )
+                if interrupt.requested() is not None:  # a signal arrived: checkpoint this iteration, then stop
+                    save(done)
+                    interrupt.stop(f"the DIP fit after iteration {done} of {iterations}", ckpt_path)
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0

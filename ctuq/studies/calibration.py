@@ -7,10 +7,15 @@ every angle count of the study is a subset and the other angles stay unused (hel
 
 1. fits the DIP once per scan × angle count with the ``ctuq reconstruct`` pipeline (:func:`ctuq.pipeline.runner
    .reconstruct`, ``--no-uq``; the run folder ``OUT/<scan>/angles_<N>/dip`` is resumed when interrupted);
-2. per combination of the grid (``uq.prior`` × ``uq.noise`` × ``uq.calibration``), copies that run folder and runs
-   the inference on it as ``ctuq uq RUN --set uq.prior=… --set uq.noise=… --set uq.calibration=…`` would
-   (:func:`ctuq.pipeline.runner.rerun_uq`), so every combination shares the DIP and differs only in the settings;
-3. scores the run's ``std.tif`` against its reconstruction and ground truth in the inner square
+2. per inference setting (``uq.prior`` × ``uq.noise``), copies that run folder and runs the inference on it once, as
+   ``ctuq uq RUN --set uq.prior=… --set uq.noise=… --set uq.calibration=none`` would
+   (:func:`ctuq.pipeline.runner.rerun_uq`), so every setting shares the DIP and differs only in the settings;
+   ``uq.calibration`` is post-processing of that one posterior (the std map × the held-out ``k``), so its values
+   are scored from the same run instead of a second inference: ``none`` from ``std.tif``, ``heldout`` from
+   ``std.tif × k`` with ``k`` from the run's saved held-out rows (``heldout_rows.npz``, rescored with the current
+   statistic) and the 10×10 joint LL of the rescaled covariance from the run's ``summary`` and
+   ``summary_recalibrated`` (:func:`joint_ll_at_scale`);
+3. scores the std map against its reconstruction and ground truth in the inner square
    (:func:`score_run`): coverage at 0.5/0.9/0.95 and over 0.05…0.99, the right-scale factor
    ``sqrt(mean((err/std)²))``, the marginal log-likelihood against the best constant std (the oracle: a constant
    std equal to the RMS error, which knows the ground truth), the 10×10 joint log-likelihood (``metrics.json``)
@@ -18,10 +23,12 @@ every angle count of the study is a subset and the other angles stay unused (hel
 4. aggregates mean ± s.e. over scans per (angle count, combination), also per content type, and checks the
    issue's acceptance gates (:data:`GATES`).
 
-A combination whose settings the config does not know yet (``uq.noise``/``uq.calibration`` before they exist) is
-reported as unavailable before any work starts (:func:`check_combinations`); a combination's baseline values
-(``homoscedastic``, ``none``) are simply left out when the key does not exist, since they are what the code does
-without it. Options are one plain dict ``opts`` (:data:`DEFAULTS`); the script is ``scripts/calibration_study.py``.
+A combination (prior × noise × calibration) is named ``<prior>-<noise>-<calibration>`` in the tables; its
+inference folder is ``<prior>-<noise>``. An inference setting the config does not know yet (e.g. ``uq.prior:
+tv_predcp`` before it exists) is reported as unavailable before any work starts (:func:`check_combinations`); a
+baseline value (``gprior``, ``homoscedastic``) is simply left out when its key does not exist, since it is what the
+code does without it. Options are one plain dict ``opts`` (:data:`DEFAULTS`); the script is
+``scripts/calibration_study.py``.
 """
 
 from __future__ import annotations
@@ -42,10 +49,11 @@ from ctuq.config import Config, ConfigError, load_config
 from ctuq.data.simulate import SIDECAR_NAME
 from ctuq.metrics import inner_square_roi
 from ctuq.options import PhantomKind
+from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.runner import reconstruct, rerun_uq
 from ctuq.pipeline.simulate import simulate
-from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
 from ctuq.utils import atomic_path, atomic_write_json
 
 __all__ = [
@@ -54,12 +62,15 @@ __all__ = [
     "TINY",
     "GATES",
     "LEVELS",
+    "STATISTICS",
     "Combination",
     "combinations",
     "check_combinations",
     "scan_names",
     "prepare_scans",
     "score_run",
+    "heldout_report",
+    "joint_ll_at_scale",
     "aggregate",
     "gate_report",
     "markdown_table",
@@ -110,6 +121,8 @@ TINY: dict[str, Any] = {
     "walnut_seeds": [0],
     "textured_seeds": [0],
     "settings": [8],
+    # the g-prior only: the study's machinery is what the test checks (TV-PredCP's hyperparameter fit takes minutes)
+    "priors": ["gprior"],
     "scan_preset": "tiny",
     "projections": 33,
     "det_rows": 4,
@@ -129,8 +142,9 @@ TINY: dict[str, Any] = {
 
 
 class Combination:
-    """One point of the grid: ``settings`` (config key → value) and the ``--set`` strings that realise it (the
-    baseline values of keys the config does not have are left out). ``error``: why it cannot run, or ``None``."""
+    """One inference setting of the grid: ``settings`` (config key → value) and the ``--set`` strings that realise
+    it (the baseline values of keys the config does not have are left out). ``error``: why it cannot run, or
+    ``None``."""
 
     def __init__(self, settings: dict[str, str]):
         self.settings = dict(settings)
@@ -147,9 +161,10 @@ class Combination:
 
 
 def combinations(opts: dict) -> list[Combination]:
-    """The grid ``priors × noises × calibrations`` of ``opts`` as :class:`Combination` s (unchecked)."""
-    grid = itertools.product(opts["priors"], opts["noises"], opts["calibrations"])
-    return [Combination(dict(zip(AXES, combo))) for combo in grid]
+    """The inference settings ``priors × noises`` of ``opts`` as :class:`Combination` s (unchecked); each is run
+    once and scored for every value of ``opts["calibrations"]``."""
+    grid = itertools.product(opts["priors"], opts["noises"])
+    return [Combination({"uq.prior": prior, "uq.noise": noise}) for prior, noise in grid]
 
 
 def _base_overrides(opts: dict, scan: Path | None, n_angles: int | None) -> list[str]:
@@ -229,44 +244,109 @@ def _gaussian_ll(err: np.ndarray, std: np.ndarray) -> float:
     return float(np.mean(-0.5 * np.log(2 * math.pi * std**2) - 0.5 * (err / std) ** 2))
 
 
-def score_run(run: Path) -> dict:
-    """Scores of a finished run folder in its inner square (:func:`ctuq.metrics.inner_square_roi`).
+def joint_ll_at_scale(ll_1: float, ll_k0: float, k0: float, k: float) -> float:
+    """The patch joint log-likelihood (nats/pixel) of the covariance ``k² Σ`` from its values at ``Σ`` (``ll_1``) and
+    at ``k0² Σ`` (``ll_k0``): per patch of ``p²`` pixels, ``log N(e; 0, k²Σ) = log N(e; 0, Σ) − p² log k −
+    (1/k² − 1) ½ eᵀΣ⁻¹e``, so per pixel ``ll(k) = ll(1) − log k + (1 − 1/k²) M`` with ``M`` fixed by ``ll(k0)``.
+    Exact for the stabilised covariance of :func:`ctuq.metrics.uq_summary_from_moments` (its ``η`` is relative to
+    the variance, so it scales with ``k²`` too) unless a patch needed extra jitter. ``k0`` must differ from 1."""
+    if k == k0:
+        return float(ll_k0)
+    if abs(k0 - 1.0) < 1e-9:
+        raise ValueError(f"joint_ll_at_scale: k0 must differ from 1 to fix the Mahalanobis term, got {k0}")
+    m = (ll_k0 - ll_1 + math.log(k0)) / (1.0 - 1.0 / k0**2)
+    return float(ll_1 - math.log(k) + (1.0 - 1.0 / k**2) * m)
 
-    Reads ``reconstruction.tif``, ``ground_truth.tif``, ``std.tif`` (mm⁻¹) and ``metrics.json``. Returns
+
+def heldout_report(run: Path) -> dict | None:
+    """The held-out check of a finished run folder with the current statistic: its saved rows
+    (``heldout_rows.npz``) rescored (:func:`ctuq.pipeline.calibration.score_rows`), else the report in its
+    ``metrics.json``; ``None`` when the run made no check."""
+    saved = calib.read_heldout_rows(run)
+    if saved is not None:
+        rows, meta = saved
+        return calib.score_rows(rows, meta)
+    return (read_json(run / rf.METRICS_NAME).get("uq") or {}).get("heldout")
+
+
+def score_run(run: Path, calibration: str = "none", heldout: dict | None = None) -> dict:
+    """Scores of a finished run folder in its inner square (:func:`ctuq.metrics.inner_square_roi`), for the std map
+    of ``calibration``: ``none``, the posterior's (``std_uncalibrated.tif`` when the run rescaled, else
+    ``std.tif``), or ``heldout``, that map × the held-out ``k`` of ``heldout`` (default :func:`heldout_report`).
+
+    Reads ``reconstruction.tif``, ``ground_truth.tif``, the std map (mm⁻¹) and ``metrics.json``. Returns
     ``coverage_0.5/0.9/0.95`` and ``calibration`` (coverage at :data:`LEVELS`), ``right_scale`` =
     ``sqrt(mean((err/std)²))`` (the factor the std would need), ``marginal_ll`` and ``oracle_ll`` (a constant std
-    equal to the RMS error), ``joint_ll_10`` (10×10 patches, from ``metrics.json``) and ``oracle_joint_ll_10`` (the
-    oracle is independent across pixels, so its joint LL per pixel equals its marginal one), ``spearman``
-    (std against |err|; ``None`` for a constant std),
-    ``rmse`` and ``mean_std`` (mm⁻¹), and ``heldout`` (the run's held-out check, if any).
+    equal to the RMS error), ``joint_ll_10`` (10×10 patches, from ``metrics.json``; for ``heldout`` by
+    :func:`joint_ll_at_scale`) and ``oracle_joint_ll_10`` (the oracle is independent across pixels, so its joint
+    LL per pixel equals its marginal one), ``spearman`` (std against |err|; ``None`` for a constant std), ``rmse``
+    and ``mean_std`` (mm⁻¹), ``k`` (the factor applied, ``None`` for ``none``) and ``heldout`` (the held-out
+    check's headline numbers, if the run made one).
     """
+    base = rf.STD_UNCALIBRATED_NAME if (run / rf.STD_UNCALIBRATED_NAME).is_file() else rf.STD_NAME
     read = {name: tifffile.imread(run / name).astype(np.float64) for name in (rf.RECONSTRUCTION_NAME,
-            rf.GROUND_TRUTH_NAME, rf.STD_NAME)}  # fmt: skip
-    roi = inner_square_roi(read[rf.STD_NAME].shape)
+            rf.GROUND_TRUTH_NAME, base)}  # fmt: skip
+    roi = inner_square_roi(read[base].shape)
     err = (read[rf.RECONSTRUCTION_NAME] - read[rf.GROUND_TRUTH_NAME])[roi].ravel()
-    std = read[rf.STD_NAME][roi].ravel()
+    std = read[base][roi].ravel()
     if not np.all(np.isfinite(std)) or std.min() <= 0:
-        raise StudyError(f"{run / rf.STD_NAME}: the std map has non-positive or non-finite pixels")
+        raise StudyError(f"{run / base}: the std map has non-positive or non-finite pixels")
+    metrics = read_json(run / rf.METRICS_NAME)
+    uq = metrics.get("uq", {}) if isinstance(metrics.get("uq"), dict) else {}
+    if heldout is None:
+        heldout = heldout_report(run)
+    summary = uq.get("summary_uncalibrated") or uq.get("summary") or {"joint_ll": metrics.get("joint_ll")}
+    joint = (summary.get("joint_ll") or {}).get(JOINT_PATCH)
+    k = None
+    if calibration == "heldout":
+        if heldout is None:
+            raise StudyError(f"{run}: uq.calibration = heldout needs the run's held-out check; it has none")
+        k = float(heldout["scale"]["k"])
+        std = std * k
+        rescaled = uq.get("summary_recalibrated") or (uq.get("summary") if base == rf.STD_UNCALIBRATED_NAME else None)
+        k0 = (rescaled or {}).get("k", (uq.get("calibration") or {}).get("k"))
+        j0 = ((rescaled or {}).get("joint_ll") or {}).get(JOINT_PATCH)
+        joint = None if joint is None or j0 is None or k0 is None else joint_ll_at_scale(joint, j0, float(k0), k)
+    elif calibration != "none":
+        raise StudyError(f"score_run: calibration must be 'none' or 'heldout', got {calibration!r}")
     z = np.abs(err) / std
     rmse = float(np.sqrt(np.mean(err**2)))
-    metrics = read_json(run / rf.METRICS_NAME)
     oracle = _gaussian_ll(err, np.full_like(err, rmse))
-    uq = metrics.get("uq", {}) if isinstance(metrics.get("uq"), dict) else {}
-    heldout = {k: v for k, v in uq.items() if "calibration" in k or "heldout" in k or "check" in k}
     return {
         **{f"coverage_{l:g}": float(np.mean(z <= ndtri(0.5 + l / 2))) for l in HEADLINE},
         "calibration": [float(np.mean(z <= ndtri(0.5 + l / 2))) for l in LEVELS],
         "right_scale": float(np.sqrt(np.mean(z**2))),
         "marginal_ll": _gaussian_ll(err, std),
         "oracle_ll": oracle,
-        "joint_ll_10": (metrics.get("joint_ll") or {}).get(JOINT_PATCH),
+        "joint_ll_10": joint,
         "oracle_joint_ll_10": oracle,
         # a constant std ranks nothing: no correlation is defined (None, left out of the means)
         "spearman": float(spearmanr(std, np.abs(err)).statistic) if np.ptp(std) > 0 else None,
         "rmse": rmse,
         "mean_std": float(np.mean(std)),
-        "heldout": heldout or None,
+        "k": k,
+        "heldout": None if heldout is None else _heldout_headline(heldout),
     }
+
+
+def _heldout_headline(rep: dict) -> dict:
+    """The held-out check's numbers a study table needs (the full report stays in the run folder)."""
+    out = {
+        "k": rep["scale"]["k"],
+        "k_se": rep["scale"].get("se_bootstrap"),
+        "coverage_headline": rep["coverage_headline"],
+        "image_variance_fraction": rep["image_variance_fraction"],
+        "z_mean": rep["z"]["mean"],
+        "z_std": rep["z"]["std"],
+        "k_joint": (rep.get("scale_with_noise") or {}).get("k"),
+        "noise_scale_joint": (rep.get("scale_with_noise") or {}).get("noise_scale"),
+    }
+    if rep.get("scale_image_rows") is not None:
+        out["k_image_rows"] = rep["scale_image_rows"]["k"]
+    if rep.get("scale_photon") is not None:
+        out["k_photon"] = rep["scale_photon"]["k"]
+        out["image_variance_fraction_photon"] = rep["scale_photon"]["image_variance_fraction"]
+    return out
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
@@ -296,8 +376,35 @@ def aggregate(records: list[dict]) -> list[dict]:
         row["ll_above_oracle_every_scan"] = all(r["scores"]["marginal_ll"] > r["scores"]["oracle_ll"] for r in rs)
         row["min_ll_margin"] = min(r["scores"]["marginal_ll"] - r["scores"]["oracle_ll"] for r in rs)
         row["calibration"] = [float(np.mean([r["scores"]["calibration"][i] for r in rs])) for i in range(len(LEVELS))]
+        row["statistics"] = _statistics(rs)
         rows.append(row)
     return rows
+
+
+# The held-out statistics compared in the study: key in the score's ``heldout`` headline → what it is.
+STATISTICS = {
+    "k": "σ² fixed, all rows (uq.calibration = heldout)",
+    "k_image_rows": "σ² fixed, the image-dominated quarter of the rows",
+    "k_photon": "photon-statistics noise variance instead of σ²",
+    "k_joint": "k and a noise factor fitted jointly",
+}
+
+
+def _statistics(rs: list[dict]) -> dict:
+    """Per held-out statistic of :data:`STATISTICS`: the image-space right scale after rescaling the posterior std by
+    its ``k`` (``right_scale / k``; 1 is right) as mean ± s.e. over the scans, and the number of scans where it lies
+    within 10 % of 1. Only the records of uncalibrated std maps (``k`` None) enter."""
+    out = {}
+    for key in STATISTICS:
+        vals = [
+            r["scores"]["right_scale"] / r["scores"]["heldout"][key]
+            for r in rs
+            if r["scores"].get("k") is None and (r["scores"].get("heldout") or {}).get(key)
+        ]
+        if vals:
+            m, se = _mean_se(vals)
+            out[key] = {"after": [m, se], "within_10pc": int(sum(abs(x - 1) <= 0.1 for x in vals)), "n": len(vals)}
+    return out
 
 
 def gate_report(rows: list[dict]) -> list[dict]:
@@ -357,6 +464,22 @@ def markdown_table(rows: list[dict], gates: list[dict], unavailable: dict[str, s
     for g in gates:
         cells = [f"{'pass' if v['pass'] else 'FAIL'} ({v['margin']:+.3f})" for v in g["gates"].values()]
         lines.append(f"| {g['combination']} | {' | '.join(cells)} | {'pass' if g['pass'] else 'FAIL'} |")
+    stat_rows = [r for r in rows if r["content"] == "all" and r.get("statistics")]
+    if stat_rows:
+        lines += ["", "## Held-out statistics against the image-space right scale (uncalibrated runs)", ""]
+        lines += [
+            "right scale of std × k (1 is right): mean ± s.e. over scans; in brackets the scans within 10 % of 1",
+            "",
+        ]
+        lines += ["| angles | combination | " + " | ".join(f"`{k}`: {v}" for k, v in STATISTICS.items()) + " |"]
+        lines += ["|---|---|" + "---|" * len(STATISTICS)]
+        for r in stat_rows:
+            st = r["statistics"]
+            cells = [
+                f"{_fmt(tuple(st[k]['after']), 2)} ({st[k]['within_10pc']}/{st[k]['n']})" if k in st else "—"
+                for k in STATISTICS
+            ]
+            lines.append(f"| {r['angles']} | {r['combination']} | " + " | ".join(cells) + " |")
     if unavailable:
         lines += ["", "## Combinations not run", ""]
         lines += [f"- `{name}`: {why}" for name, why in unavailable.items()]
@@ -397,8 +520,13 @@ def _fit_dip(opts: dict, scan: Path, n_angles: int, folder: Path, log: Log) -> P
     return folder
 
 
+# Every inference of the study: the posterior's own std map (the calibrations are scored from it), and no
+# uq_state.pt left behind (an exact dual decomposition is c² float64: 100 MB at 60 angles, per run).
+_INFERENCE_SETS = ("uq.calibration=none", "output.keep_checkpoint=false")
+
+
 def _run_combination(opts: dict, scan: Path, n_angles: int, dip: Path, combo: Combination, log: Log) -> Path:
-    """The inference of one combination on a copy of the DIP run folder; resumed from its checkpoints."""
+    """The inference of one prior × noise setting on a copy of the DIP run folder; resumed from its checkpoints."""
     folder = dip.parent / combo.name
     resume = folder.is_dir()
     if not resume:
@@ -407,17 +535,26 @@ def _run_combination(opts: dict, scan: Path, n_angles: int, dip: Path, combo: Co
         shutil.copytree(dip, tmp)
         tmp.rename(folder)
     log(f"inference {combo.name}: {folder}" + (" (resuming)" if resume else ""))
-    cfg = _config(opts, scan, n_angles, combo.overrides)
+    cfg = _config(opts, scan, n_angles, [*combo.overrides, *_INFERENCE_SETS])
     rerun_uq(cfg, folder, resume=resume, progress=opts["progress"])
     return folder
+
+
+def _inference_finished(folder: Path) -> bool:
+    """The inference folder holds a finished uncertainty phase (``metrics.json`` with the UQ section; the copied
+    DIP run's has none)."""
+    path = folder / rf.METRICS_NAME
+    return path.is_file() and "n_samples" in (read_json(path).get("uq") or {})
 
 
 def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> dict:
     """Run (or resume) the study of ``opts`` into ``out``; returns the content of ``results.json``.
 
-    Finished parts are skipped: simulated scans (complete sidecar), DIP fits (finished run folder), combinations
-    (``score.json`` in their folder). ``study.json`` must hold the same options (``settings`` and the seeds may
-    grow). Raises :class:`StudyError` for bad options or an output folder of another study.
+    Finished parts are skipped: simulated scans (complete sidecar), DIP fits (finished run folder), inferences
+    (``score.json`` in their folder, holding the scores of every calibration; ``opts["rescore"]`` recomputes the
+    scores from the finished runs, e.g. after a change of the held-out statistic). ``study.json`` must hold the
+    same options (``settings``, the seeds, ``priors``, ``noises`` and ``calibrations`` may grow). Raises
+    :class:`StudyError` for bad options or an output folder of another study.
     """
     log = log or Log("calibration_study")
     out = Path(out)
@@ -432,9 +569,8 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
             "no combination of the grid can run: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items())
         )
     out.mkdir(parents=True, exist_ok=True)
-    check_study_folder(
-        out, study_fingerprint(opts, "simulated"), log, growable=("settings", "walnut_seeds", "textured_seeds")
-    )
+    growable = ("settings", "walnut_seeds", "textured_seeds", "priors", "noises", "calibrations")
+    check_study_folder(out, study_fingerprint(opts, "simulated", NEUTRAL_OPTIONS | {"rescore"}), log, growable)
     scans = prepare_scans(opts, out, log)
     kinds = {name: kind for name, kind, _ in scan_names(opts)}
     records = []
@@ -446,31 +582,37 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
                 score_path = folder / "score.json"
                 if combo.name in unavailable:
                     continue
-                if score_path.is_file():
-                    scores = read_json(score_path)
+                done = score_path.is_file() and set(opts["calibrations"]) <= set(read_json(score_path))
+                if done and not opts.get("rescore"):
+                    by_cal = read_json(score_path)
                 else:
-                    try:
-                        _run_combination(opts, scan, n_angles, dip, combo, log)
-                    except ValueError as exc:  # a user error of the run (CTUQError): that combination cannot run
-                        unavailable[combo.name] = f"failed on {name}, {n_angles} angles: {exc}"
-                        log(f"combination {combo.name} failed, left out: {exc}")
-                        continue
-                    scores = score_run(folder)
-                    atomic_write_json(score_path, scores)
-                records.append(
-                    {
-                        "scan": name,
-                        "kind": kinds[name],
-                        "angles": n_angles,
-                        "combination": combo.name,
-                        "settings": combo.settings,
-                        "scores": scores,
-                    }  # fmt: skip
-                )
-                log(
-                    f"{name} {n_angles} angles {combo.name}: cov@0.9 {scores['coverage_0.9']:.3f}, right scale "
-                    f"{scores['right_scale']:.2f}, LL {scores['marginal_ll']:.2f} vs oracle {scores['oracle_ll']:.2f}"
-                )
+                    if not _inference_finished(folder):
+                        try:
+                            _run_combination(opts, scan, n_angles, dip, combo, log)
+                        except ValueError as exc:  # a user error of the run (CTUQError): it cannot run
+                            unavailable[combo.name] = f"failed on {name}, {n_angles} angles: {exc}"
+                            log(f"combination {combo.name} failed, left out: {exc}")
+                            continue
+                    held = heldout_report(folder)
+                    by_cal = {cal: score_run(folder, cal, held) for cal in opts["calibrations"]}
+                    atomic_write_json(score_path, by_cal)
+                for cal in opts["calibrations"]:
+                    scores = by_cal[cal]
+                    records.append(
+                        {
+                            "scan": name,
+                            "kind": kinds[name],
+                            "angles": n_angles,
+                            "combination": f"{combo.name}-{cal}",
+                            "settings": {**combo.settings, "uq.calibration": cal},
+                            "scores": scores,
+                        }  # fmt: skip
+                    )
+                    log(
+                        f"{name} {n_angles} angles {combo.name}-{cal}: cov@0.9 {scores['coverage_0.9']:.3f}, right "
+                        f"scale {scores['right_scale']:.2f}, LL {scores['marginal_ll']:.2f} vs oracle "
+                        f"{scores['oracle_ll']:.2f}"
+                    )
     rows = aggregate(records)
     gates = gate_report(rows)
     results = {"options": opts, "command": command, "levels": list(LEVELS), "unavailable": unavailable,

@@ -13,8 +13,9 @@ the keys it reads.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
+import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,12 +26,14 @@ from ctuq.data import simulate_scan
 from ctuq.data.simulate import SIDECAR_NAME
 from ctuq.errors import CTUQError
 from ctuq.inference import Workload, estimate_solver_costs
+from ctuq.log import ensure_console_logging
 from ctuq.memory import GIB, Budget, memory_budget
 from ctuq.models import build_unet, count_parameters, make_net_input
 from ctuq.models.model_file import read_model_file, write_model_file
 from ctuq.outputs import write_metrics, write_tiff
+from ctuq.pipeline.lock import hold_until_exit
 from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
-from ctuq.utils import atomic_torch_save, atomic_write_json
+from ctuq.utils import atomic_torch_save, atomic_write_json, json_digest
 
 __all__ = [
     "NEUTRAL_OPTIONS",
@@ -48,6 +51,8 @@ __all__ = [
     "finish_method",
 ]
 
+_log = logging.getLogger(__name__)
+
 # Options that do not change the numbers of any study: a rerun may change them freely.
 NEUTRAL_OPTIONS = frozenset({"device", "progress", "tiny", "threads"})
 
@@ -58,22 +63,27 @@ class StudyError(CTUQError, RuntimeError):
 
 
 class Log:
-    """Timestamped one-line messages on stderr (the progress output of a study).
+    """Timestamped one-line messages (the progress output of a study), logged at INFO (:mod:`ctuq.log`; a study
+    folder's ``ctuq.log`` gets them while :func:`ctuq.log.run_log` is open).
+
+    Creating one turns on the terminal handler of :mod:`ctuq.log` if nothing did (the study scripts do not go
+    through :func:`ctuq.cli.main`).
 
     Parameters
     ----------
     name : str
-        Prefix of every line (the study's script name), e.g. ``"walnut_study"`` gives
+        Prefix of every terminal line (the study's script name), e.g. ``"walnut_study"`` gives
         ``[walnut_study    12.3 s] message``; the time is counted from the creation of the logger.
     """
 
     def __init__(self, name: str = "study") -> None:
         self.name = name
         self.t0 = time.perf_counter()
+        ensure_console_logging()
 
     def __call__(self, msg: str) -> None:
         elapsed = time.perf_counter() - self.t0
-        print(f"[{self.name} {elapsed:7.1f} s] {msg}", file=sys.stderr, flush=True)
+        _log.info(msg, extra={"console_prefix": f"[{self.name} {elapsed:7.1f} s] "})
 
 
 def read_json(path: Path) -> dict:
@@ -107,8 +117,29 @@ def study_fingerprint(opts: dict, data: str, neutral: Iterable[str] = NEUTRAL_OP
     return fp
 
 
+def _study_options(path: Path) -> dict:
+    """The options recorded in the ``study.json`` at ``path``, after checking them against their digest
+    (:class:`StudyError` naming the file when it is not a study record or was edited)."""
+    rec = read_json(path)
+    options = rec.get("options") if isinstance(rec, dict) else None
+    if not isinstance(options, dict):
+        raise StudyError(f"{path}: not a ctuq study record (no options); use another --out, or delete the folder")
+    digest = rec.get("sha256")  # absent in study folders written before it was recorded
+    if digest is not None and digest != json_digest(options):
+        raise StudyError(
+            f"{path}: its options do not match their digest (the file was edited or damaged), so the results in "
+            f"{path.parent} cannot be told apart from another study's; restore it, or use another --out"
+        )
+    return options
+
+
 def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterable[str] = ("settings",)) -> None:
-    """Create ``out/study.json``, or check that the existing one holds the same options.
+    """Take the study folder's lock, then create ``out/study.json``, or check that the existing one holds the same
+    options.
+
+    The lock (:mod:`ctuq.pipeline.lock`) is held until the process ends: a second process on ``out`` is refused
+    before it changes anything. ``study.json`` records the SHA-256 of its options, so a file edited by hand is
+    refused rather than resumed.
 
     Parameters
     ----------
@@ -124,13 +155,17 @@ def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterabl
 
     Raises
     ------
+    RunFolderLocked
+        Another process is running a study in ``out`` (the message names its PID).
     StudyError
-        ``study.json`` holds other options (the message lists each one, there and now) or is unreadable.
+        ``study.json`` holds other options (the message lists each one, there and now), is unreadable, or does
+        not match its digest.
     """
     growable = tuple(growable)
     path = out / "study.json"
+    hold_until_exit(out)
     if path.is_file():
-        saved = read_json(path).get("options", {})
+        saved = _study_options(path)
         diff = sorted(
             k for k in set(saved) | set(fingerprint) if k not in growable and saved.get(k) != fingerprint.get(k)
         )
@@ -145,7 +180,7 @@ def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterabl
             fingerprint,
             **{k: sorted(set(saved.get(k, [])) | set(fingerprint[k])) for k in growable if k in fingerprint},
         )
-    atomic_write_json(path, {"options": fingerprint})
+    atomic_write_json(path, {"options": fingerprint, "sha256": json_digest(fingerprint)})
 
 
 def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
@@ -385,16 +420,41 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
     return model_out.to(device), result.net_input, result.reconstruction.detach().cpu(), mf.meta["summary"]
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def method_done(mdir: Path) -> dict | None:
     """The record of a method that an earlier run finished in ``mdir`` (its ``metrics.json``), else ``None``.
 
     A method counts as finished when both ``metrics.json`` and ``result.pt`` are there (see
-    :func:`finish_method`).
+    :func:`finish_method`). Both are checked before they are reused: ``metrics.json`` must be a JSON object,
+    ``result.pt`` must match the SHA-256 recorded there (``result_sha256``; records written before it was recorded
+    have none) and hold the ``mean`` and ``std`` images of one shape; :class:`StudyError` naming the file and
+    saying to delete ``mdir`` otherwise.
     """
     metrics, result = mdir / "metrics.json", mdir / "result.pt"
-    if metrics.is_file() and result.is_file():
-        return read_json(metrics)
-    return None
+    if not (metrics.is_file() and result.is_file()):
+        return None
+    hint = f"delete {mdir} to recompute that method"
+    record = read_json(metrics)
+    if not isinstance(record, dict):
+        raise StudyError(f"{metrics}: not a method record (a JSON object); {hint}")
+    expected = record.get("result_sha256")
+    if expected is not None and expected != _sha256(result):
+        raise StudyError(
+            f"{result}: does not match the SHA-256 recorded in {metrics.name} (replaced, edited or damaged after the "
+            f"method finished); {hint}"
+        )
+    try:
+        saved = torch.load(result, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file: re-raised with the file named
+        raise StudyError(f"{result}: not a readable result file ({type(exc).__name__}); {hint}") from exc
+    images = [saved.get(k) for k in ("mean", "std")] if isinstance(saved, dict) else [None]
+    if not all(isinstance(t, torch.Tensor) for t in images) or images[0].shape != images[1].shape:
+        raise StudyError(f"{result}: not a method result (a 'mean' and a 'std' image of one shape); {hint}")
+    return record
 
 
 def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dict) -> dict:
@@ -408,7 +468,8 @@ def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dic
         ``(H, W)`` predictive mean and standard deviation, mm⁻¹: written as ``mean.tif``, ``std.tif`` and
         (float32, CPU) ``result.pt``.
     record : dict
-        The method's numbers; written last as ``metrics.json``, whose presence marks the method finished.
+        The method's numbers; written last as ``metrics.json``, whose presence marks the method finished, with
+        ``result_sha256`` (the SHA-256 of ``result.pt``, checked by :func:`method_done`) added.
 
     Returns
     -------
@@ -418,5 +479,6 @@ def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dic
     write_tiff(mdir / "std.tif", std)
     write_tiff(mdir / "mean.tif", mean)
     atomic_torch_save(mdir / "result.pt", {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()})
+    record = dict(record, result_sha256=_sha256(mdir / "result.pt"))
     write_metrics(mdir / "metrics.json", record)  # written last: its presence marks the method as finished
     return read_json(mdir / "metrics.json")

@@ -8,6 +8,8 @@ the methods of :data:`METHODS`:
   :func:`ctuq.pipeline.uq.run_linearized_uq` around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron
   samples) or ``solver="exact"`` (the exact reference, run when :func:`ctuq.studies.exact_decision` says it fits in
   memory); their mean is the DIP reconstruction;
+* **linearised, TV-PredCP (exact)**: the exact route with the TV-PredCP block prior (``docs/tv_predcp.md``) in place
+  of the g-prior, run and skipped with the exact reference;
 * **MC dropout** (:func:`run_mc_dropout`): a second DIP with channel dropout, fitted with dropout active, then
   stochastic passes (:mod:`ctuq.reconstruct.mc_dropout`).
 
@@ -28,11 +30,14 @@ from typing import Any
 import torch
 
 from ctuq import figures
+from ctuq.config import TVPredCPConfig
 from ctuq.data import WalnutScan, load_walnut_slice
+from ctuq.log import run_log
 from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
 from ctuq.metrics.image import image_metrics
 from ctuq.models import build_unet, count_parameters
-from ctuq.outputs import package_versions, write_metrics, write_tiff
+from ctuq.outputs import package_versions, voxel_size_of, write_metrics, write_tiff
+from ctuq.pipeline.run_folder import LOG_NAME as LOG_FILE
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
 from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 from ctuq.reconstruct import mc_dropout_predict
@@ -72,6 +77,7 @@ __all__ = [
 METHODS = {
     "linearised_sampled": "linearised (sampled)",
     "linearised_exact": "linearised (exact)",
+    "linearised_tv_predcp": "linearised, TV-PredCP (exact)",
     "mc_dropout": "MC dropout",
 }
 
@@ -100,6 +106,7 @@ DEFAULTS: dict[str, Any] = {
     "em_steps": 5,
     "em_samples": 16,
     "exact_em_steps": 50,
+    "tv_predcp_steps": 60,  # type-II MAP steps of the TV-PredCP row (docs/tv_predcp.md)
     "rank": 400,
     "gprior": "exact",
     "prior_precision": 100.0,
@@ -120,6 +127,7 @@ TINY: dict[str, Any] = {
     "em_steps": 2,
     "em_samples": 4,
     "exact_em_steps": 10,
+    "tv_predcp_steps": 3,
     "rank": 32,
 }
 
@@ -139,10 +147,12 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
 
     Parameters
     ----------
-    method : {"linearised_sampled", "linearised_exact"}
+    method : {"linearised_sampled", "linearised_exact", "linearised_tv_predcp"}
         ``linearised_sampled``: g-prior ``opts["gprior"]``, preconditioned CG (rank ``opts["rank"]``), sampled EM
         (``em_steps`` × ``em_samples``), ``opts["samples"]`` samples; ``linearised_exact``: exact g-prior, exact
-        EM (``exact_em_steps``, tol 1e-3), ``opts["exact_samples"]`` exact samples.
+        EM (``exact_em_steps``, tol 1e-3), ``opts["exact_samples"]`` exact samples; ``linearised_tv_predcp``: as
+        ``linearised_exact`` with the TV-PredCP block prior (``opts["tv_predcp_steps"]`` type-II MAP steps, the
+        other ``uq.tv_predcp`` settings at their defaults) instead of the g-prior.
     sdir : Path
         The setting's folder; the method writes into ``sdir/method``.
     model : ctuq.models.UNet
@@ -181,6 +191,8 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         settings = UQSettings(
             solver="exact",
             gprior_method="exact",
+            prior="tv_predcp" if method == "linearised_tv_predcp" else "gprior",
+            tv_predcp=TVPredCPConfig(steps=int(opts.get("tv_predcp_steps", DEFAULTS["tv_predcp_steps"]))),
             em_steps=opts["exact_em_steps"],
             em_tol=1e-3,
             em_samples=opts["em_samples"],
@@ -230,6 +242,7 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
             k: getattr(settings, k)
             for k in (
                 "solver",
+                "prior",
                 "gprior_method",
                 "em_steps",
                 "em_samples",
@@ -478,7 +491,8 @@ def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = Non
     data_arg : str or None
         The ``--data`` scan folder; ``None`` simulates one into ``out/scan``.
     out : Path
-        The study folder (created; a rerun resumes in it, refusing other options).
+        The study folder (created; a rerun resumes in it, refusing other options). Its ``ctuq.log`` gets every
+        log line of the study, appended by a rerun.
     log : Log, optional
         Progress lines (default: a :class:`~ctuq.studies.Log` named ``walnut_study``).
     command : str
@@ -498,7 +512,8 @@ def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = Non
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
     try:
-        return _run_study(opts, data_arg, out, log or Log(LOG_NAME), command)
+        with run_log(out / LOG_FILE):
+            return _run_study(opts, data_arg, out, log or Log(LOG_NAME), command)
     finally:
         torch.set_num_threads(threads)
 
@@ -564,7 +579,7 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
                 f"{path} has no ground truth (Reconstructions/full_AGD_50_*.tiff): the study's metrics need one"
             )
         gt = data.ground_truth.detach().cpu().float()
-        write_tiff(sdir / "ground_truth.tif", gt)
+        write_tiff(sdir / "ground_truth.tif", gt, voxel_size=voxel_size_of(data.op))
         c = int(data.op.c)
         d = count_parameters(build_unet(opts["preset"], ndim=data.op.ndim), conv_weights_only=True)
         log(
@@ -574,7 +589,7 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
 
         stage(f"{n_angles} angles: DIP")
         model, net_input, recon, dip_summary = fit_or_load_dip("dip", sdir, data, opts, device, log)
-        write_tiff(sdir / "reconstruction.tif", recon)
+        write_tiff(sdir / "reconstruction.tif", recon, voxel_size=voxel_size_of(data.op))
         dip_img = image_metrics(recon, gt)
         setting: dict[str, Any] = {
             "angles": n_angles,
@@ -593,7 +608,7 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
             stage(f"{n_angles} angles: {METHODS[method]}")
             mdir = sdir / method
             done = method_done(mdir)
-            if method == "linearised_exact" and not run_exact:
+            if method in ("linearised_exact", "linearised_tv_predcp") and not run_exact:
                 setting["methods"][method] = {"status": "skipped", "reason": reason}
                 continue
             if done is not None:

@@ -4,13 +4,21 @@ trained network when it is that mode), exact posterior and predictive, EM fixed 
 exact predictive."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from scipy.optimize import brentq
 from torch import nn
 
-from ctuq.classify import LinearizedLaplace, SoftmaxHessianRoot, softmax_hessian
+from ctuq.classify import (
+    HESSIAN_RATIO_WARNING,
+    HessianMismatchWarning,
+    LinearizedLaplace,
+    SoftmaxHessianRoot,
+    softmax_hessian,
+)
 from ctuq.classify.jacobians import assemble_whitened_jacobian
 from ctuq.inference import LIKELIHOODS, CategoricalLikelihood
 
@@ -82,7 +90,10 @@ class DenseReference:
             q = torch.softmax((JS @ w).reshape(self.n, self.C), 1)
             g = JS.T @ (q - self.Y).reshape(-1) + a * w
             H = JS.T @ torch.block_diag(*softmax_hessian(q)) @ JS + a * torch.eye(len(w), dtype=torch.float64)
-            w = w - torch.linalg.solve(H, g)
+            step = torch.linalg.solve(H, g)
+            w = w - step
+            if float(step.norm()) <= 1e-15 * max(1.0, float(w.norm())):  # Newton: converged to round-off
+                break
         return w
 
     def gamma(self, a):
@@ -107,13 +118,56 @@ class DenseReference:
         return float(logp - 0.5 * a * w.pow(2).sum() + 0.5 * d * math.log(a) - 0.5 * logdet)
 
 
+class LinearModeReference(DenseReference):
+    """The same model with the softmax Hessians at the linearised model's mode ``q(a) = softmax(J (s ⊙ w*(a)))``
+    (g-prior scales kept from the network's ``B``): features ``Ψ(a) = B(q)^(1/2) J diag(s)``, the self-consistent
+    MacKay fixed point ``a = γ(a; Ψ(a)) / ‖w*(a)‖²`` by Brent's method in ``log a`` and the Laplace-GLM evidence
+    at the mode, all dense float64."""
+
+    def features(self, a):
+        w = self.mode(a)
+        q = torch.softmax(((self.J * self.s) @ w).reshape(self.n, self.C), 1)
+        lam, U = torch.linalg.eigh(softmax_hessian(q))
+        half = torch.block_diag(*(U @ torch.diag_embed(lam.clamp_min(0).sqrt()) @ U.mT))
+        return half @ self.J * self.s, w, q
+
+    def gamma_and_norm(self, a):
+        Psi, w, _ = self.features(a)
+        lam = torch.linalg.eigvalsh(Psi.T @ Psi)
+        return float((lam / (lam + a)).sum()), float(w.pow(2).sum())
+
+    def fixed_point(self):
+        def g(x):
+            gamma, norm = self.gamma_and_norm(math.exp(x))
+            return math.log(gamma / norm) - x
+
+        lo = -4.0  # T(x) − x falls through 0 once: bracket it by unit steps in log a
+        while g(lo + 1.0) > 0:
+            lo += 1.0
+            assert lo < 12, "no fixed point below a = e^12"
+        return math.exp(brentq(g, lo, lo + 1.0, xtol=1e-13, rtol=1e-13))
+
+    def log_evidence(self, a):
+        Psi, w, _ = self.features(a)
+        logp = torch.log_softmax(((self.J * self.s) @ w).reshape(self.n, self.C), 1)[torch.arange(self.n), self.y].sum()
+        d = len(w)
+        _, logdet = torch.linalg.slogdet(Psi.T @ Psi + a * torch.eye(d, dtype=torch.float64))
+        return float(logp - 0.5 * a * w.pow(2).sum() + 0.5 * d * math.log(a) - 0.5 * logdet)
+
+
 @pytest.fixture(scope="module")
 def ref(tiny):
     return DenseReference(tiny["model"], tiny["X"], tiny["y"], tiny["Xt"])
 
 
 def _fit(tiny, **kw):
-    kw = {"solver": "exact", "prior_precision": 2.0, "mode_options": {"gtol": 1e-10, "max_iter": 2000}, **kw}
+    kw = {
+        "solver": "exact",
+        "prior_precision": 2.0,
+        "mode_options": {"gtol": 1e-10, "max_iter": 2000},
+        "hessian_at": "network",  # the dense reference's B (the linear-mode tests below pass their own)
+        **kw,
+    }
     la = LinearizedLaplace(tiny["model"], **kw)
     return la.fit(_loader(tiny["X"], tiny["y"]))
 
@@ -304,3 +358,43 @@ def test_dense_features_for_an_iterative_solver_give_the_product_route_posterior
         _fit(tiny, dense_features="always", **kw)
     with pytest.raises(ValueError, match="dense_features must be one of"):
         LinearizedLaplace(tiny["model"], dense_features="sometimes")
+
+
+# ------------------------------------------------------------------------------------------ B at the linear mode
+@pytest.fixture(scope="module")
+def lin_ref(tiny):
+    return LinearModeReference(tiny["model"], tiny["X"], tiny["y"], tiny["Xt"])
+
+
+def test_linear_mode_em_reaches_the_self_consistent_dense_fixed_point(tiny, lin_ref):
+    """Exact solver, B rebuilt at the linearised model's mode after every step: the EM's joint fixed point in (a, B),
+    the features, the diagnostic and the Laplace-GLM evidence equal the dense float64 reference's."""
+    la = _fit(tiny, hessian_at="linear_mode")
+    la.optimize_prior("exact", max_steps=40, tol=1e-11)
+    a = la.prior_precision
+    a_ref = lin_ref.fixed_point()
+    assert a == pytest.approx(a_ref, rel=1e-7)
+    Psi, w, q = lin_ref.features(a)
+    torch.testing.assert_close(la._mode.w, w, rtol=1e-6, atol=1e-8)
+    P0 = la.posterior.base.to_dense().double() * la.scales  # the posterior's Ψ: B at the mode, the network's s
+    torch.testing.assert_close(P0.T @ P0, Psi.T @ Psi, rtol=1e-5, atol=1e-7)  # w* to L-BFGS gtol vs Newton
+    torch.testing.assert_close(la.scales, lin_ref.s, rtol=1e-9, atol=0)
+    trace = lambda p: float((1 - p.pow(2).sum(1)).mean())  # noqa: E731
+    assert la.hessian_ratio == pytest.approx(trace(q) / trace(torch.softmax(lin_ref.f, 1)), rel=1e-6)
+    assert la.log_evidence() == pytest.approx(lin_ref.log_evidence(a), rel=1e-8, abs=1e-8)
+    assert la.em_trace[-1]["hessian_ratio"] == pytest.approx(la.hessian_ratio, rel=1e-6)
+    # the posterior mean is the linear mode with the rebuilt targets, and the network stays the predictive mean
+    torch.testing.assert_close(la.posterior.mean().double(), w, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(la.predict_logits(tiny["Xt"], n_samples=4)[0], lin_ref.ft)
+    # the network's B gives another fixed point (the published shortcut): the two differ on this network
+    assert abs(a / DenseReference.em_fixed_point(lin_ref) - 1) > 0.2
+
+
+def test_network_hessian_warns_when_the_linear_mode_is_far_more_curved(tiny):
+    la = _fit(tiny, prior_precision=6.0)  # hessian_at="network"
+    with pytest.warns(HessianMismatchWarning, match=r"hessian_at='network'.*3\.\d+× that at the trained network"):
+        la.optimize_prior("exact", max_steps=3)
+    assert la.hessian_ratio > HESSIAN_RATIO_WARNING
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HessianMismatchWarning)
+        _fit(tiny, hessian_at="linear_mode", prior_precision=6.0).optimize_prior("exact", max_steps=3)

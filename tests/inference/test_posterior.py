@@ -171,7 +171,9 @@ def test_solver_registry_is_the_one_vocabulary():
     # the core names no config key: its own messages
     with pytest.raises(ValueError, match=r"^LinearizedPosterior: solver must be one of \['auto', 'exact'"):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), solver="magic")
-    with pytest.raises(ValueError, match=r"^LinearizedPosterior: prior must be one of \['gprior', 'isotropic'\]"):
+    with pytest.raises(
+        ValueError, match=r"^LinearizedPosterior: prior must be one of \['gprior', 'isotropic', 'tv_predcp'\]"
+    ):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), prior="flat")
     with pytest.raises(ValueError, match=r"^LinearizedPosterior: gprior_method must be one of"):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), gprior_method="guess")

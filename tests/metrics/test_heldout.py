@@ -36,6 +36,10 @@ def test_scale_of_a_miscalibrated_variance_is_recovered(factor, k_true):
     for q, c in sc["coverage_headline"].items():
         assert c == pytest.approx(float(q), abs=0.03)
     assert sc["log_likelihood"] >= out["log_likelihood"] - 1e-12
+    # the image-dominated quarter of the rows (a ranking the scaling does not change) gives the same k (s.e. ≈ 3 %)
+    top = out["scale_image_rows"]
+    assert top["n_rows"] == M // 4 and top["image_variance_fraction"] > out["image_variance_fraction"]
+    assert top["k"] == pytest.approx(k_true, rel=0.10)
 
 
 def test_calibrated_rows_have_nominal_coverage_and_standard_z():
@@ -91,6 +95,8 @@ def test_noise_only_rows_put_k_at_the_bound():
         ({"variance": np.ones(10), "groups": np.zeros(4, dtype=int)}, "groups must be (10,) integers"),
         ({"variance": np.ones(10), "levels": [0.5, 1.0]}, "levels must lie in (0, 1)"),
         ({"variance": np.full(10, np.nan)}, "variance holds 10 NaN or Inf"),
+        ({"variance": np.ones(10), "image_rows_fraction": 0.0}, "image_rows_fraction must lie in (0, 1]"),
+        ({"variance": np.ones(10), "photon_variance": -np.ones(10)}, "photon_variance must be (10,) finite values > 0"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_argument(kwargs, fragment):
@@ -127,3 +133,48 @@ def test_joint_fit_on_unidentifiable_rows_stays_finite():
     assert np.isfinite(out["k"]) and np.isfinite(out["noise_scale"]) and np.isfinite(out["log_likelihood"])
     # the total variance 0.5 k² + τ² still matches the rows' (1 to 5 %)
     assert 0.5 * out["k"] ** 2 + out["noise_scale"] ** 2 == pytest.approx(1.0, rel=0.05)
+
+
+def _exact_gaussian_problem(seed: int, n_truths: int = 200):
+    """A linear-Gaussian problem whose posterior is exactly right: 48 pixels of a 1D image with a squared-exponential
+    prior (lengthscale 3 px), 16 used and 48 held-out random projections, noise σ² = 0.5; ``n_truths`` images drawn
+    from the prior and measured with fresh noise. Returns the per-pixel image error and posterior std ``(n_truths,
+    48)`` and the held-out residuals ``(n_truths, 48)``, their image variance ``v`` ``(48,)`` and ``σ²``."""
+    rng = np.random.default_rng(seed)
+    n, m_used, m_held, s2 = 48, 16, 48, 0.5
+    t = np.arange(n)
+    prior = np.exp(-0.5 * ((t[:, None] - t[None]) / 3.0) ** 2) + 1e-6 * np.eye(n)
+    a_used = rng.standard_normal((m_used, n)) / np.sqrt(n)
+    a_held = rng.standard_normal((m_held, n)) / np.sqrt(n)
+    cov = np.linalg.inv(a_used.T @ a_used / s2 + np.linalg.inv(prior))
+    truth = rng.multivariate_normal(np.zeros(n), prior, size=n_truths)
+    y_used = truth @ a_used.T + np.sqrt(s2) * rng.standard_normal((n_truths, m_used))
+    y_held = truth @ a_held.T + np.sqrt(s2) * rng.standard_normal((n_truths, m_held))
+    mean = y_used @ a_used @ cov / s2
+    v = np.einsum("ij,jk,ik->i", a_held, cov, a_held)
+    return mean - truth, np.sqrt(np.diag(cov)), y_held - mean @ a_held.T, v, s2
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_scaled_exact_posterior_is_detected_and_the_recalibration_undoes_it(factor):
+    """Issue 26's acceptance on a problem where the truth is known: a posterior whose std is × 0.5 or × 2 is reported
+    too narrow / too wide by that factor, and its std × k has the right image-space scale, sqrt(mean((err/std)²)) = 1,
+    to within 10 %. Seed 7, 200 truths × 48 held-out rows (image-variance fraction ≈ 0.4): k's bootstrap s.e. is
+    ≈ 2 % and the image-space right scale's spread over truths ≈ 2 %, so 10 % is ≥ 4 s.e. of either."""
+    err, std, resid, v, s2 = _exact_gaussian_problem(7)
+    n_truths, m = resid.shape
+    groups = np.repeat(np.arange(n_truths), m)  # the rows of one truth share its image error: resampled together
+    rows = dict(noise_variance=s2, groups=groups, n_bootstrap=100)
+    right = heldout_check(resid.ravel(), np.zeros(resid.size), variance=np.tile(v, n_truths), **rows)
+    assert 0.2 < right["image_variance_fraction"] < 0.6
+    assert right["scale"]["k"] == pytest.approx(1.0, abs=0.1)  # the exact posterior passes
+    scaled = heldout_check(resid.ravel(), np.zeros(resid.size), variance=np.tile(factor**2 * v, n_truths), **rows)
+    k = scaled["scale"]["k"]
+    lo, hi = scaled["scale"]["interval_95"]
+    # reported: too narrow (k > 1) for × 0.5, too wide for × 2, with a 95 % interval that excludes 1
+    assert (lo > 1.0) if factor < 1 else (hi < 1.0)
+    assert k == pytest.approx(1.0 / factor, rel=0.10)
+    # undone: the recalibrated std map (factor × k × std) against the image error
+    right_scale = np.sqrt(np.mean((err / (factor * k * std)) ** 2))
+    assert right_scale == pytest.approx(1.0, abs=0.10)
+    assert np.sqrt(np.mean((err / (factor * std)) ** 2)) == pytest.approx(1.0 / factor, rel=0.10)

@@ -3,6 +3,7 @@
 
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -59,13 +60,26 @@ def test_every_run_with_uq_records_the_check(run):
     assert h["command"] == f"ctuq uq {run} --check"
     assert m["uq"]["calibration"] == {"mode": "none", "k": None}
     assert (run / rf.HELDOUT_FIGURE).is_file() and not (run / rf.STD_UNCALIBRATED_NAME).exists()
+    # what uq.calibration = heldout would score, from the same posterior (std × k: mean std × k)
+    recal = m["uq"]["summary_recalibrated"]
+    assert recal["k"] == h["scale"]["k"]
+    assert recal["mean_std"] == pytest.approx(h["scale"]["k"] * m["uq"]["summary"]["mean_std"], rel=1e-3)
+    # the rows are saved, and rescoring them reproduces the run's check
+    rows, meta = calib.read_heldout_rows(run)
+    assert rows.residual.shape == rows.variance.shape == rows.noise_variance.shape == (h["n_rows"],)
+    assert rows.photon_variance.shape == (h["n_rows"],) and np.all(rows.photon_variance > 0)  # simulated counts
+    assert meta["n_angles"] == h["n_angles"] and meta["n_samples"] == h["n_samples"] == 64  # ≤ uq.samples
+    again = calib.score_rows(rows, meta, seed=1)
+    assert again["scale"]["k"] == pytest.approx(h["scale"]["k"], rel=1e-9)
+    assert again["scale_photon"]["k"] == pytest.approx(h["scale_photon"]["k"], rel=1e-9)
 
 
 def test_check_writes_heldout_json_and_touches_nothing_else(run, capsys):
     before = _digests(run)
     assert main(["uq", str(run), "--check", "--no-progress"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "held-out check: " in out and "coverage" in out
+    assert "rescored the held-out rows the run saved" in err  # no posterior rebuilt
     after = _digests(run)
     changed = {n for n in after if before.get(n) != after[n]}
     assert changed <= {rf.HELDOUT_NAME, rf.HELDOUT_FIGURE} and rf.HELDOUT_NAME in changed
@@ -117,8 +131,6 @@ def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
 
 
 def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
-    import shutil
-
     copy = tmp_path / "recal"
     shutil.copytree(run, copy)
     assert main(["uq", str(copy), "--set", "uq.calibration=heldout", "--no-progress"]) == 0
@@ -136,8 +148,6 @@ def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
 def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_path):
     """uq.noise=per_ray: the held-out rows' noise is σ² d_h with d normalised like the fitted rows' (mean 1 over the
     used rows), so rows of more photons get less noise; a per-ray run's check says which noise model it used."""
-    import shutil
-
     copy = tmp_path / "per_ray"
     shutil.copytree(run, copy)
     assert main(["uq", str(copy), "--set", "uq.noise=per_ray", "--no-progress"]) == 0
@@ -165,6 +175,39 @@ def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, c
     assert main(["uq", str(no_uq), "--check"]) == 2
     err = capsys.readouterr().err.strip()
     assert "has no uncertainty phase (no std.tif)" in err and "\n" not in err
+
+
+def test_check_without_saved_rows_refits_and_saves_them(run, tmp_path):
+    """A run folder without heldout_rows.npz (made before the file existed): the posterior is resumed from
+    uq_state.pt, the check reproduces the run's k, and the rows are saved for the next check."""
+    copy = tmp_path / "old"
+    shutil.copytree(run, copy)
+    (copy / rf.HELDOUT_ROWS_NAME).unlink()
+    assert main(["uq", str(copy), "--check", "--no-progress"]) == 0
+    rep = json.loads((copy / rf.HELDOUT_NAME).read_text())
+    m = json.loads((copy / "metrics.json").read_text())
+    assert rep["scale"]["k"] == pytest.approx(m["uq"]["heldout"]["scale"]["k"], rel=1e-6)
+    assert (copy / rf.HELDOUT_ROWS_NAME).is_file()
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [(b"not an npz file", "unreadable held-out rows"), (None, "not a held-out rows file (no variance")],
+)
+def test_a_broken_rows_file_is_a_one_line_error(run, tmp_path, capsys, content, fragment):
+    copy = tmp_path / "broken"
+    shutil.copytree(run, copy)
+    path = copy / rf.HELDOUT_ROWS_NAME
+    if content is None:  # an npz without the variance array
+        with np.load(path) as z:
+            kept = {k: z[k] for k in z.files if k != "variance"}
+        with open(path, "wb") as fh:
+            np.savez(fh, **kept)
+    else:
+        path.write_bytes(content)
+    assert main(["uq", str(copy), "--check", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert fragment in err and str(path) in err
 
 
 def test_no_unused_angles_is_said_in_one_line(run):

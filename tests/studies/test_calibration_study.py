@@ -12,6 +12,7 @@ import pytest
 import tifffile
 
 from ctuq.config import ConfigError, load_config
+from ctuq.metrics import uq_summary
 from ctuq.pipeline import run_folder as rf
 from ctuq.studies.calibration import (
     DEFAULTS,
@@ -19,6 +20,7 @@ from ctuq.studies.calibration import (
     aggregate,
     check_combinations,
     gate_report,
+    joint_ll_at_scale,
     score_run,
 )
 
@@ -64,8 +66,16 @@ def test_gates_report_margins():
               "rmse": 0.01, "mean_std": 0.01, "calibration": [0.5] * 20}  # fmt: skip
         return {"scan": scan, "kind": "walnut", "angles": 60, "combination": "c", "scores": sc}
 
-    rows = aggregate([rec("a", 0.90, 1.0, 5.5), rec("b", 0.90, 1.2, 4.9)])
+    records = [rec("a", 0.90, 1.0, 5.5), rec("b", 0.90, 1.2, 4.9)]
+    records[0]["scores"]["heldout"] = {"k": 1.0, "k_image_rows": 2.0}
+    records[1]["scores"]["heldout"] = {"k": 1.5, "k_image_rows": 1.2}
+    rows = aggregate(records)
     assert rows[0]["content"] == "all" and rows[0]["n_scans"] == 2
+    # right scale after std × k: (1.0/1.0, 1.2/1.5) and (1.0/2.0, 1.2/1.2); within 10 % of 1: one scan and one scan
+    st = rows[0]["statistics"]
+    assert math.isclose(st["k"]["after"][0], 0.9) and st["k"]["within_10pc"] == 1 and st["k"]["n"] == 2
+    assert math.isclose(st["k_image_rows"]["after"][0], 0.75) and st["k_image_rows"]["within_10pc"] == 1
+    assert "k_photon" not in st
     assert math.isclose(rows[0]["right_scale"][0], 1.1) and math.isclose(rows[0]["right_scale"][1], 0.1)
     g = gate_report(rows)[0]["gates"]
     assert g["right_scale"]["pass"] and math.isclose(g["right_scale"]["margin"], 0.05)
@@ -137,3 +147,52 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     assert retried <= set(res["unavailable"])
     assert stamps == finished_files()
     assert json.loads((out / "results.json").read_text())["records"] == res["records"]
+
+
+def test_joint_ll_of_a_rescaled_covariance_from_two_evaluations():
+    """The study scores uq.calibration = heldout without a second inference: the 10×10 joint LL of k²Σ̂ follows from
+    its values at Σ̂ and k0²Σ̂ (η relative, so it scales too). Checked against uq_summary on samples × k (seed 0,
+    64 samples of a 24×24 image; exact up to float64 round-off)."""
+    rng = np.random.default_rng(0)
+    truth = rng.uniform(0, 1, (24, 24))
+    mean = truth + 0.1 * rng.standard_normal(truth.shape)
+    samples = 0.08 * rng.standard_normal((64, 24, 24))
+
+    def joint(k):
+        return uq_summary(truth, mean, samples * k, None, patch_sizes=[10])["joint_ll"]["10"]
+
+    ll_1, ll_k0 = joint(1.0), joint(1.7)
+    for k in (0.5, 1.3, 2.0):
+        assert joint_ll_at_scale(ll_1, ll_k0, 1.7, k) == pytest.approx(joint(k), abs=1e-9)
+    with pytest.raises(ValueError, match="k0 must differ from 1"):
+        joint_ll_at_scale(ll_1, ll_1, 1.0, 2.0)
+
+
+def test_heldout_calibration_is_scored_from_the_same_run(tmp_path):
+    """score_run(run, "heldout") scores std.tif × the held-out k (no second inference): right scale ÷ k, coverage
+    of the wider map, the same Spearman; the joint LL from summary and summary_recalibrated."""
+    rng = np.random.default_rng(1)
+    gt = rng.uniform(0, 0.05, (64, 64))
+    rec = gt + rng.normal(0, 0.01, gt.shape)
+    std = np.full(gt.shape, 0.005) * rng.uniform(0.8, 1.2, gt.shape)
+    for name, a in ((rf.GROUND_TRUTH_NAME, gt), (rf.RECONSTRUCTION_NAME, rec), (rf.STD_NAME, std)):
+        tifffile.imwrite(tmp_path / name, a.astype(np.float32))
+    summary = {"joint_ll": {"10": 2.0}}
+    recal = {"joint_ll": {"10": 2.5}, "k": 1.5}
+    (tmp_path / rf.METRICS_NAME).write_text(
+        json.dumps({"uq": {"summary": summary, "summary_recalibrated": recal, "n_samples": 8}})
+    )
+    heldout = {
+        "scale": {"k": 2.0, "se_bootstrap": 0.1},
+        "coverage_headline": {"0.5": 0.5, "0.9": 0.9, "0.95": 0.95},
+        "image_variance_fraction": 0.3,
+        "z": {"mean": 0.0, "std": 1.0},
+    }
+    none = score_run(tmp_path, "none", heldout)
+    cal = score_run(tmp_path, "heldout", heldout)
+    assert none["k"] is None and cal["k"] == 2.0
+    assert cal["right_scale"] == pytest.approx(none["right_scale"] / 2.0, rel=1e-6)
+    assert cal["coverage_0.9"] > none["coverage_0.9"] and cal["spearman"] == pytest.approx(none["spearman"])
+    assert none["joint_ll_10"] == 2.0
+    assert cal["joint_ll_10"] == pytest.approx(joint_ll_at_scale(2.0, 2.5, 1.5, 2.0))
+    assert cal["heldout"]["k"] == 2.0 and cal["heldout"]["image_variance_fraction"] == 0.3

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from ctuq.studies.classification import train_map
+from ctuq.studies.classification import shifted_inputs, train_map, validation_split
 
 
 def _data_and_model(seed=0):
@@ -54,3 +54,29 @@ def test_precision_of_the_wrong_shape_is_refused():
     d = _flat(model).numel()
     with pytest.raises(ValueError, match=rf"shape \({d},\).*got shape \({d - 1},\)"):
         train_map(model, X, y, epochs=1, weight_decay=torch.ones(d - 1))
+
+
+def test_issue_recipe_adam_weight_decay_shrinks_the_weights():
+    X, y, plain = _data_and_model()
+    _, _, decayed = _data_and_model()
+    train_map(plain, X, y, epochs=10, batch_size=16, lr=1e-2)
+    train_map(decayed, X, y, epochs=10, batch_size=16, lr=1e-2, adam_weight_decay=1.0)
+    assert _flat(decayed).norm() < _flat(plain).norm()
+
+
+def test_corruptions_and_the_validation_split():
+    g = torch.Generator().manual_seed(0)
+    images, signals = torch.rand(5, 1, 8, 8, generator=g), torch.randn(4, 1, 40, generator=g)
+    blurred = shifted_inputs("digits", images, "blur", 1.0)
+    assert blurred.shape == images.shape and not torch.allclose(blurred, images)
+    # a blur mixes pixels within an image, never across the batch: one image alone gives the same result
+    torch.testing.assert_close(shifted_inputs("digits", images[2:3], "blur", 1.0), blurred[2:3])
+    assert shifted_inputs("mnist1d", signals, "blur", 2.0).shape == signals.shape
+    torch.testing.assert_close(shifted_inputs("mnist1d", signals, "translation", 8), torch.roll(signals, 8, -1))
+    with pytest.raises(ValueError, match="unknown shift 'warp'"):
+        shifted_inputs("digits", images, "warp", 1.0)
+    y = torch.arange(30) % 3
+    val, rest = validation_split(y, fraction=1 / 3, seed=0)
+    assert sorted(val.tolist() + rest.tolist()) == list(range(30))  # disjoint, covering
+    assert torch.bincount(y[val]).tolist() == [3, 3, 3]  # stratified
+    assert torch.equal(val, validation_split(y, fraction=1 / 3, seed=0)[0])  # seeded

@@ -70,6 +70,7 @@ def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
     expected_samples = {
         "linearised_sampled": TINY["samples"],
         "linearised_exact": TINY["exact_samples"],
+        "linearised_tv_predcp": TINY["exact_samples"],
         "mc_dropout": TINY["mc_passes"],
     }
     for r in rows:

@@ -1,4 +1,4 @@
-"""Prior scales ``s`` of the linearised weights: g-prior (exact or stochastic) and isotropic.
+"""Diagonal weight priors, the scales ``s`` of ``v = diag(s) w``: g-prior (exact or stochastic) and isotropic.
 
 The g-prior (DESIGN.md §1) puts the same prior variance on every weight *in units of its effect on the data*:
 ``s_i = [Φᵀ Lᵀ L Φ]_ii^(−1/2) = 1 / ‖A_{:,i}‖`` with ``A = L Φ`` (``c × d``; CT: ``L = T``). Scaled weights

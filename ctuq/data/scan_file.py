@@ -1,0 +1,426 @@
+"""``scan.yaml``: a small description of a circular scan and its measurement files (``--data scan.yaml``).
+
+Every key, its unit and default (``docs/data_formats.md`` has the reference and an example)::
+
+    format: ctuq-scan-1              # required: this file's version
+    units: mm                        # lengths below: mm | cm | m | um (converted to mm); default mm
+    geometry:
+      type: cone                     # parallel | fan (one detector row) | cone (several rows)
+      source_object_distance: 66.0   # source to rotation axis (fan, cone; > 0)
+      object_detector_distance: 133  # rotation axis to detector (fan, cone; ≥ 0)
+      centre_of_rotation_offset: 0   # detector columns: the rotation axis projects this far right of the centre
+      vectors: geometry.txt          # instead of the above: ASTRA cone_vec / parallel3d_vec rows, one per angle
+    detector:
+      rows: 8                        # detector rows (1 for a sinogram)
+      columns: 96
+      pixel_size: 1.2                # column pitch (length unit); row_pixel_size: row pitch, default pixel_size
+      row_offset: 0                  # detector rows: the detector centre sits this far up (+z)
+      tilt: 0                        # degrees: in-plane detector rotation from u towards v
+    angles:
+      unit: degree                   # required: degree | radian
+      file: angles.npy               # one angle per projection (.npy, .txt, .tif, or {file, dataset} in HDF5)
+      start: 0                       # ... or start/stop/count: count angles from start, stop excluded
+      stop: 360
+      count: 32
+    measurements:
+      type: counts                   # counts (raw, with flats and darks) | line_integrals
+      projections: projections.npy   # (angle, row, column); .npy | .tif/.tiff stack | {file: x.h5, dataset: /p}
+      flats: flats.npy               # counts: (frame, row, column) or (row, column), averaged
+      darks: darks.npy               # counts: the same
+      read_noise: 0                  # counts: per-frame read-noise sd (counts), for the per-ray variances
+      variances: variances.npy       # line_integrals (optional): per-ray variances, shaped like projections
+    volume:                          # optional: the reconstruction grid, centred at the origin
+      shape: [8, 96, 96]             # (n_z, n_y, n_x); a one-row detector also takes (n_y, n_x)
+      voxel_size: 0.6                # length unit; default: CIL's (pixel size / magnification)
+    ground_truth: ground_truth.npy   # optional: (n_z, n_y, n_x) attenuation (mm⁻¹) on the volume grid
+
+Relative file paths are relative to the YAML file. Projection ``k`` has angle ``k``; angles increase the source's
+position counter-clockwise seen from ``+z`` (ASTRA's orientation: :mod:`ctuq.data.astra_geometry`). Every
+problem raises :class:`ScanFileError` naming the YAML file, the key and the measurement file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from ctuq.data.astra_geometry import AstraGeometryError, angle_range, circular_vectors, load_astra_vectors, to_radians
+from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume
+from ctuq.options import AngleUnit, DataFormat, LengthUnit, MeasurementKind, ScanGeometry, values
+from ctuq.utils import atomic_path
+
+__all__ = [
+    "ScanFileError",
+    "FORMAT_TAG",
+    "LENGTH_FACTORS",
+    "SCAN_FILE_KEYS",
+    "open_scan_file",
+    "is_scan_file",
+    "write_scan_file",
+]
+
+FORMAT_TAG = "ctuq-scan-1"
+#: mm per unit
+LENGTH_FACTORS = {
+    LengthUnit.MM.value: 1.0,
+    LengthUnit.CM.value: 10.0,
+    LengthUnit.M.value: 1000.0,
+    LengthUnit.UM.value: 1e-3,
+}
+
+#: Every key of a scan description by section (the top level under ``""``).
+SCAN_FILE_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("format", "units", "geometry", "detector", "angles", "measurements", "volume", "ground_truth"),
+    "geometry": (
+        "type",
+        "source_object_distance",
+        "object_detector_distance",
+        "centre_of_rotation_offset",
+        "vectors",
+    ),
+    "detector": ("rows", "columns", "pixel_size", "row_pixel_size", "row_offset", "tilt"),
+    "angles": ("unit", "file", "start", "stop", "count"),
+    "measurements": ("type", "projections", "flats", "darks", "read_noise", "variances"),
+    "volume": ("shape", "voxel_size"),
+}
+
+
+class ScanFileError(ScanFormatError):
+    """A ``scan.yaml`` or one of the files it names is malformed; the message names the file and the key."""
+
+
+def is_scan_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``.yaml``/``.yml`` file (a scan description by its name)."""
+    p = Path(path)
+    return p.is_file() and p.suffix.lower() in (".yaml", ".yml")
+
+
+class _Reader:
+    """Validating access to the parsed YAML: every error names the file and the dotted key."""
+
+    def __init__(self, path: Path, doc: dict):
+        self.path = path
+        self.doc = doc
+
+    def fail(self, key: str, problem: str):
+        raise ScanFileError(f"{self.path}: {key}: {problem}")
+
+    def section(self, name: str, required: bool = True) -> dict:
+        sec = self.doc.get(name)
+        if sec is None:
+            if required:
+                self.fail(name, f"missing (a section with keys {', '.join(SCAN_FILE_KEYS[name])})")
+            return {}
+        if not isinstance(sec, dict):
+            self.fail(name, f"must be a mapping with keys {', '.join(SCAN_FILE_KEYS[name])}, got {type(sec).__name__}")
+        unknown = sorted(set(sec) - set(SCAN_FILE_KEYS[name]))
+        if unknown:
+            self.fail(f"{name}.{unknown[0]}", f"unknown key; valid keys of {name}: {', '.join(SCAN_FILE_KEYS[name])}")
+        return sec
+
+    def number(self, sec: dict, section: str, key: str, *, required=True, default=None, positive=False, nonneg=False):
+        if key not in sec or sec[key] is None:
+            if required:
+                self.fail(f"{section}.{key}", "missing")
+            return default
+        v = sec[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.fail(f"{section}.{key}", f"must be a number, got {v!r}")
+        v = float(v)
+        if not math.isfinite(v):
+            self.fail(f"{section}.{key}", f"must be finite, got {v}")
+        if positive and not v > 0:
+            self.fail(f"{section}.{key}", f"must be positive, got {v:g}")
+        if nonneg and v < 0:
+            self.fail(f"{section}.{key}", f"must not be negative, got {v:g}")
+        return v
+
+    def integer(self, sec: dict, section: str, key: str, *, required=True, default=None, minimum=1):
+        if key not in sec or sec[key] is None:
+            if required:
+                self.fail(f"{section}.{key}", "missing")
+            return default
+        v = sec[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            self.fail(f"{section}.{key}", f"must be an integer ≥ {minimum}, got {v!r}")
+        return int(v)
+
+    def choice(self, sec: dict, section: str, key: str, vocabulary, *, default=None) -> str:
+        v = sec.get(key, default)
+        if v is None:
+            self.fail(f"{section}.{key}" if section else key, f"missing; one of {', '.join(values(vocabulary))}")
+        if v not in values(vocabulary):
+            self.fail(f"{section}.{key}" if section else key, f"{v!r} unknown; valid: {', '.join(values(vocabulary))}")
+        return str(v)
+
+    def source(self, sec: dict, section: str, key: str, *, required=True) -> ArraySource | None:
+        """An array file: ``name.npy`` / ``name.tif`` or ``{file: name.h5, dataset: /path}``."""
+        dotted = f"{section}.{key}" if section else key
+        spec = sec.get(key)
+        if spec is None:
+            if required:
+                self.fail(dotted, "missing (a .npy or .tif file, or {file: x.h5, dataset: /path})")
+            return None
+        dataset = None
+        if isinstance(spec, dict):
+            bad = sorted(set(spec) - {"file", "dataset"})
+            if bad or "file" not in spec:
+                self.fail(dotted, f"an HDF5 reference is {{file: name.h5, dataset: /path}}, got keys {sorted(spec)}")
+            spec, dataset = spec["file"], spec.get("dataset")
+            if not isinstance(dataset, str):
+                self.fail(f"{dotted}.dataset", f"must be the dataset's path in the file, got {dataset!r}")
+        if not isinstance(spec, str) or not spec:
+            self.fail(dotted, f"must be a file name, got {spec!r}")
+        path = Path(spec).expanduser()
+        if not path.is_absolute():
+            path = self.path.parent / path
+        return ArraySource(path, key=dotted, described_by=self.path, dataset=dataset, error=ScanFileError)
+
+
+def _load_yaml(path: Path) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScanFileError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScanFileError(f"{path}: cannot be read ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ScanFileError(f"{path}: expected a mapping of the keys {', '.join(SCAN_FILE_KEYS[''])}")
+    return doc
+
+
+def _read_angles(r: _Reader, sec: dict) -> np.ndarray:
+    unit = r.choice(sec, "angles", "unit", AngleUnit)
+    has_range = any(k in sec for k in ("start", "stop", "count"))
+    if ("file" in sec) == has_range:
+        r.fail("angles", "give either angles.file or angles.start/stop/count")
+    if has_range:
+        start = r.number(sec, "angles", "start")
+        stop = r.number(sec, "angles", "stop")
+        count = r.integer(sec, "angles", "count")
+        if stop == start:
+            r.fail("angles.stop", f"equals angles.start ({start:g}): the angles span no range")
+        return angle_range(start, stop, count, unit)
+    spec = sec["file"]
+    if isinstance(spec, str) and Path(spec).suffix.lower() in (".txt", ".csv", ".dat"):
+        path = Path(spec).expanduser()
+        path = path if path.is_absolute() else r.path.parent / path
+        if not path.is_file():
+            r.fail("angles.file", f"{path}: file missing")
+        try:
+            a = np.loadtxt(path, dtype=np.float64, ndmin=1, delimiter="," if path.suffix.lower() == ".csv" else None)
+        except ValueError as exc:
+            r.fail("angles.file", f"{path}: not a list of numbers ({exc})")
+        name = str(path)
+    else:
+        src = r.source(sec, "angles", "file")
+        a = np.asarray(src.read(), dtype=np.float64)
+        name = src.name
+    if a.ndim != 1 or a.size < 1:
+        r.fail("angles.file", f"{name}: expected one angle per projection (a 1D list), got shape {a.shape}")
+    if not np.all(np.isfinite(a)):
+        r.fail("angles.file", f"{name}: {int((~np.isfinite(a)).sum())} angles are NaN or Inf")
+    return to_radians(a, unit)
+
+
+def _frames(r: _Reader, src: ArraySource, det_shape: tuple[int, int], key: str) -> np.ndarray:
+    """Flats or darks as ``(n_frames, rows, cols)`` float64, checked for shape and finiteness."""
+    a = np.asarray(src.read(), dtype=np.float64)
+    if det_shape[0] == 1 and a.ndim in (1, 2):  # a one-row detector: (frame, column) or (column,)
+        a = a.reshape(-1, 1, a.shape[-1])
+    elif a.ndim == 2:
+        a = a[None]
+    if a.ndim != 3 or a.shape[1:] != tuple(det_shape) or a.shape[0] < 1:
+        src.fail(
+            f"shape {tuple(src.shape)} does not fit (frame, row, column) with detector.rows × detector.columns = "
+            f"{det_shape[0]} × {det_shape[1]}"
+        )
+    if not np.all(np.isfinite(a)):
+        src.fail(f"{int((~np.isfinite(a)).sum())} values of {key} are NaN or Inf")
+    return a
+
+
+def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
+    """Read and validate a ``scan.yaml`` (module docstring): geometry, flats/darks and array headers.
+
+    Returns a :class:`~ctuq.data.projections.ProjectionScan` (projections are read when a slice or volume is
+    loaded: :func:`ctuq.data.projections.load_slice`). Raises :class:`ScanFileError` naming the file and key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ScanFileError(f"{path}: file missing")
+    doc = _load_yaml(path)
+    r = _Reader(path, doc)
+    unknown = sorted(set(doc) - set(SCAN_FILE_KEYS[""]))
+    if unknown:
+        r.fail(unknown[0], f"unknown key; valid top-level keys: {', '.join(SCAN_FILE_KEYS[''])}")
+    if doc.get("format") != FORMAT_TAG:
+        r.fail("format", f"must be {FORMAT_TAG!r} (this file's version), got {doc.get('format')!r}")
+    units = r.choice(doc, "", "units", LengthUnit, default=LengthUnit.MM.value)
+    mm = LENGTH_FACTORS[units]
+
+    geo = r.section("geometry")
+    det = r.section("detector")
+    ang = r.section("angles")
+    mea = r.section("measurements")
+    vol = r.section("volume", required=False)
+
+    kind = r.choice(geo, "geometry", "type", ScanGeometry)
+    rows = r.integer(det, "detector", "rows")
+    cols = r.integer(det, "detector", "columns")
+    det_shape = (rows, cols)
+    if kind == ScanGeometry.FAN and rows != 1:
+        r.fail("detector.rows", f"a fan beam has one detector row, got {rows}; use geometry.type cone for several")
+    if kind == ScanGeometry.CONE and rows < 2:
+        r.fail("detector.rows", "a cone beam needs at least 2 detector rows; use geometry.type fan for one")
+    pixel = r.number(det, "detector", "pixel_size", positive=True) * mm
+    row_pixel = r.number(det, "detector", "row_pixel_size", required=False, default=pixel / mm, positive=True) * mm
+    row_offset = r.number(det, "detector", "row_offset", required=False, default=0.0)
+    tilt = r.number(det, "detector", "tilt", required=False, default=0.0)
+    angles = _read_angles(r, ang)
+
+    sod = odd = None
+    if kind != ScanGeometry.PARALLEL:
+        sod = r.number(geo, "geometry", "source_object_distance", required="vectors" not in geo, positive=True)
+        odd = r.number(geo, "geometry", "object_detector_distance", required="vectors" not in geo, nonneg=True)
+    elif "source_object_distance" in geo or "object_detector_distance" in geo:
+        key = "source_object_distance" if "source_object_distance" in geo else "object_detector_distance"
+        r.number(geo, "geometry", key, nonneg=True)  # a negative one is still refused as such
+    cor = r.number(geo, "geometry", "centre_of_rotation_offset", required=False, default=0.0)
+    if "vectors" in geo:
+        clash = [
+            k for k in ("source_object_distance", "object_detector_distance", "centre_of_rotation_offset") if k in geo
+        ]
+        clash += [f"detector.{k}" for k in ("row_offset", "tilt") if k in det]
+        if clash:
+            r.fail("geometry.vectors", f"replaces the parametric geometry; remove {clash[0]}")
+        vpath = Path(str(geo["vectors"])).expanduser()
+        vpath = vpath if vpath.is_absolute() else path.parent / vpath
+        try:
+            vectors = load_astra_vectors(vpath) * mm
+        except AstraGeometryError as exc:
+            r.fail("geometry.vectors", str(exc))
+        if len(vectors) != len(angles):
+            r.fail("geometry.vectors", f"{vpath}: {len(vectors)} rows but the angles give {len(angles)} projections")
+    else:
+        vectors = circular_vectors(
+            kind,
+            angles,
+            pixel_size=pixel,
+            row_pixel_size=row_pixel,
+            source_object=None if sod is None else sod * mm,
+            object_detector=0.0 if odd is None else odd * mm,
+            cor_offset_px=cor,
+            row_offset_px=row_offset,
+            tilt_deg=tilt,
+        )
+
+    mkind = r.choice(mea, "measurements", "type", MeasurementKind)
+    proj = r.source(mea, "measurements", "projections")
+    n = len(angles)
+    want = (n, rows, cols)
+    if tuple(proj.shape) != want and not (rows == 1 and tuple(proj.shape) == (n, cols)):
+        if len(proj.shape) == 3 and proj.shape[0] != n and tuple(proj.shape[1:]) == det_shape:
+            proj.fail(
+                f"{proj.shape[0]} projections but the angles give {n} (angles.{'file' if 'file' in ang else 'count'})"
+            )
+        proj.fail(
+            f"shape {tuple(proj.shape)} is not (angle, row, column) = {want} from the angles and "
+            f"detector.rows/columns" + (" (a transposed stack?)" if sorted(proj.shape) == sorted(want) else "")
+        )
+    flat = dark = None
+    n_flats = n_darks = 0
+    read_noise = 0.0
+    variances = None
+    if mkind == MeasurementKind.COUNTS:
+        if "variances" in mea:
+            r.fail("measurements.variances", "only for line_integrals (counts give their own variances)")
+        fl = _frames(r, r.source(mea, "measurements", "flats"), det_shape, "flats")
+        dk = _frames(r, r.source(mea, "measurements", "darks"), det_shape, "darks")
+        n_flats, n_darks = fl.shape[0], dk.shape[0]
+        # integer counts: any summation order is exact, and ·(1/n) is the walnut loader's 0.5·(f0 + f1) for n = 2
+        flat = fl.sum(axis=0) * (1.0 / n_flats)
+        dark = dk.sum(axis=0) * (1.0 / n_darks)
+        bad = flat <= dark
+        if bad.any():
+            rr, cc = np.argwhere(bad)[0]
+            r.fail(
+                "measurements.flats",
+                f"mean flat ≤ mean dark at {int(bad.sum())} pixels (first at row {rr}, column {cc}: "
+                f"{flat[rr, cc]:g} ≤ {dark[rr, cc]:g}); the flat-field correction would divide by ≤ 0",
+            )
+        read_noise = r.number(mea, "measurements", "read_noise", required=False, default=0.0, nonneg=True)
+    else:
+        for key in ("flats", "darks", "read_noise"):
+            if key in mea:
+                r.fail(f"measurements.{key}", "only for counts (line integrals are already flat-field corrected)")
+        variances = r.source(mea, "measurements", "variances", required=False)
+        if variances is not None and tuple(variances.shape) != tuple(proj.shape):
+            variances.fail(f"shape {tuple(variances.shape)} differs from the projections' {tuple(proj.shape)}")
+
+    if vol:
+        shape = vol.get("shape")
+        ok_len = (3,) if rows > 1 else (2, 3)
+        if (
+            not isinstance(shape, list)
+            or len(shape) not in ok_len
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+        ):
+            r.fail("volume.shape", f"must be [n_z, n_y, n_x] positive integers, got {shape!r}")
+        if len(shape) == 2:
+            shape = [1, *shape]
+        if rows == 1 and shape[0] != 1:
+            r.fail("volume.shape", f"a one-row detector images one slice: n_z must be 1, got {shape[0]}")
+        voxel = r.number(vol, "volume", "voxel_size", positive=True) * mm
+        gt_shape, source = tuple(int(s) for s in shape), "volume"
+    else:
+        gt_shape, voxel = default_volume(
+            kind, det_shape, pixel, None if sod is None else sod * mm, 0.0 if odd is None else odd * mm
+        )
+        if rows == 1:
+            gt_shape = (1, *gt_shape[1:])
+        source = "default (detector pixel / magnification)"
+    gt = r.source(doc, "", "ground_truth", required=False)
+    if gt is not None:
+        gshape = tuple(gt.shape)
+        if gshape != gt_shape and not (gt_shape[0] == 1 and gshape == gt_shape[1:]):
+            gt.fail(f"shape {gshape} differs from the volume grid {gt_shape} (n_z, n_y, n_x; volume.shape)")
+    info = {
+        "scan_file": str(path),
+        "units": units,
+        "angles_rad": [float(a) for a in angles[:3]] + (["…"] if len(angles) > 3 else []),
+    }
+    return ProjectionScan(
+        path=path,
+        format=DataFormat.SCAN_YAML.value,
+        geometry_type=kind,
+        vectors=vectors,
+        det_shape=det_shape,
+        projections=proj,
+        measurement=mkind,
+        gt_shape=gt_shape,
+        voxel_size=float(voxel),
+        voxel_size_source=source,
+        flat=flat,
+        dark=dark,
+        n_flats=n_flats,
+        n_darks=n_darks,
+        read_noise=float(read_noise),
+        variances=variances,
+        ground_truth=gt,
+        info=info,
+    )
+
+
+def write_scan_file(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    """Write the scan description ``doc`` (keys as in the module docstring, in their order) atomically to
+    ``path``; returns the path. The simulator's writer; a description is checked when it is opened."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(f"# ctuq scan description (docs/data_formats.md)\n{yaml.safe_dump(doc, sort_keys=False)}")
+    return path

@@ -1,0 +1,46 @@
+"""``uq.prior = tv_predcp`` and its ``uq.tv_predcp`` section: accepted values, the mapping onto the posterior's
+arguments (the default g-prior's arguments unchanged), and one-line errors for bad values."""
+
+import pytest
+
+from ctuq.config import ConfigError, TVPredCPConfig, UQConfig, check_section, load_config, posterior_arguments
+
+
+def test_tv_predcp_is_a_prior_and_its_section_maps_to_prior_options():
+    cfg = load_config("demo", ["uq.prior=tv_predcp", "uq.tv_predcp.steps=7", "uq.tv_predcp.scale=0.5"])
+    assert cfg.uq.prior == "tv_predcp" and cfg.uq.tv_predcp.steps == 7 and cfg.uq.tv_predcp.scale == 0.5
+    args = posterior_arguments(cfg.uq)
+    assert args["prior"] == "tv_predcp"
+    assert args["prior_options"]["steps"] == 7 and "rate" not in args["prior_options"]  # the front end sets the rate
+    cfg = load_config("demo", ["uq.tv_predcp={steps: 3, lr: 0.1}"])
+    assert (cfg.uq.tv_predcp.steps, cfg.uq.tv_predcp.lr) == (3, 0.1)
+
+
+def test_the_default_prior_gets_no_prior_options():
+    args = posterior_arguments(load_config("demo").uq)
+    assert args["prior"] == "gprior" and "prior_options" not in args
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("uq.prior=matern", "uq.prior must be one of"),
+        ("uq.tv_predcp.scale=0", "uq.tv_predcp.scale must be > 0"),
+        ("uq.tv_predcp.scale=-1", "uq.tv_predcp.scale must be > 0"),
+        ("uq.tv_predcp.lengthscale=0", "uq.tv_predcp.lengthscale must be > 0"),
+        ("uq.tv_predcp.variance=-2", "uq.tv_predcp.variance must be > 0"),
+        ("uq.tv_predcp.steps=-1", "uq.tv_predcp.steps must be >= 0"),
+        ("uq.tv_predcp.probes=0", "uq.tv_predcp.probes must be >= 1"),
+        ("uq.tv_predcp.rate=2", "unknown config key 'uq.tv_predcp.rate'"),
+        ("uq.tv_predcp=3", "is a section"),
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_key(override, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config("demo", [override])
+    assert "\n" not in str(info.value)
+
+
+def test_a_section_built_in_code_is_checked_too():
+    with pytest.raises(ConfigError, match="scale must be > 0"):
+        check_section(UQConfig(prior="tv_predcp", tv_predcp=TVPredCPConfig(scale=0.0)), "uq")
