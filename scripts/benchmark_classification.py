@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ctuq.classify import LinearizedLaplace  # noqa: E402
+from ctuq.classify import GPRIOR_FLOOR, LinearizedLaplace  # noqa: E402
 from ctuq.classify.predictive import link_probabilities  # noqa: E402
 from ctuq.metrics import reliability_diagram  # noqa: E402
 from ctuq.metrics.classification import accuracy, expected_calibration_error, nll  # noqa: E402
@@ -118,6 +118,7 @@ def make_laplace(
         hessian_at=hessian_at,
         prior_precision=a0,
         solver="exact" if exact else "cg",
+        gprior_floor=args.gprior_floor,
         seed=args.seed,
         solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
         dtype=getattr(torch, args.dtype),
@@ -473,6 +474,12 @@ def main(argv=None):
         nargs="+",
         default=None,
         help="prior precisions of the grid search (default: ctuq.classify.DEFAULT_GRID, 1e-2 … 1e6, 25 values)",
+    )
+    ap.add_argument(
+        "--gprior-floor",
+        type=float,
+        default=GPRIOR_FLOOR,
+        help=f"ctuq: the g-prior's ridge δ (LinearizedLaplace(gprior_floor); default {GPRIOR_FLOOR}, 0: plain g-prior)",
     )
     ap.add_argument("--em-steps", type=int, default=5)
     ap.add_argument("--em-samples", type=int, default=16)

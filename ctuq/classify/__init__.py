@@ -21,7 +21,7 @@ docs/classification.md. Option vocabularies: :class:`ctuq.options.LinearModel`, 
 
 from ctuq.classify.data import resolve_weights
 from ctuq.classify.hessian import HessianMismatchWarning, SoftmaxHessianRoot, mean_hessian_trace, softmax_hessian
-from ctuq.classify.laplace import DEFAULT_GRID, HESSIAN_RATIO_WARNING, LinearizedLaplace, exact_solver
+from ctuq.classify.laplace import DEFAULT_GRID, GPRIOR_FLOOR, HESSIAN_RATIO_WARNING, LinearizedLaplace, exact_solver
 from ctuq.classify.mode import LinearMode, ModeResult
 from ctuq.classify.predictive import link_probabilities, logit_samples
 from ctuq.classify.state import ClassifierStateError
@@ -30,6 +30,7 @@ __all__ = [
     "LinearizedLaplace",
     "exact_solver",
     "DEFAULT_GRID",
+    "GPRIOR_FLOOR",
     "HESSIAN_RATIO_WARNING",
     "HessianMismatchWarning",
     "ClassifierStateError",

@@ -120,11 +120,13 @@ def prior_scales(
     sq_norms: torch.Tensor | None = None,
     gprior_method: str = "exact",
     gprior_probes: int = 256,
+    gprior_floor: float = 0.0,
     seed: int = 0,
     chunk_size: int = 32,
     progress: bool = False,
 ) -> torch.Tensor:
-    """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor)."""
+    """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor); the g-prior's
+    squared column norms get the ridge ``gprior_floor · median`` (:func:`ctuq.priors.scales_from_sq_norms`)."""
     if isinstance(prior, torch.Tensor):
         if tuple(prior.shape) != (n_params,):
             raise ValueError(f"LinearizedLaplace: prior scales must have shape ({n_params},), got {tuple(prior.shape)}")
@@ -134,7 +136,7 @@ def prior_scales(
     if prior == Prior.ISOTROPIC:
         return torch.ones(n_params, dtype=torch.float64)
     if gprior_method == GPriorMethod.STOCHASTIC:
-        return gprior_scales(
+        s = gprior_scales(
             base.rmatvec,
             base.n_outputs,
             method=GPriorMethod.STOCHASTIC.value,
@@ -143,6 +145,10 @@ def prior_scales(
             dtype=base.dtype,
             progress=progress,
         ).double()
-    if sq_norms is None:
+        if gprior_floor == 0:
+            return s
+        # back to the estimated squared norms (zero scales: zero columns) so that the floor is the exact route's
+        sq_norms = torch.where(s > 0, s.clamp_min(torch.finfo(s.dtype).tiny).pow(-2), torch.zeros_like(s))
+    elif sq_norms is None:
         sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
-    return scales_from_sq_norms(sq_norms)
+    return scales_from_sq_norms(sq_norms, floor=gprior_floor)

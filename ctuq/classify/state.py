@@ -114,6 +114,7 @@ def state_dict(la) -> dict:
             "linear_model": la.linear_model,
             "gprior_method": la.gprior_method,
             "gprior_probes": la.gprior_probes,
+            "gprior_floor": la.gprior_floor,
             "hessian_root": la.hessian_root,
             "hessian_at": la.hessian_at,
             "solver": la.solver,
@@ -164,6 +165,7 @@ def settings(state: dict) -> dict:
     """Constructor keyword arguments stored in ``state``."""
     s = dict(_check(state)["settings"])
     s.setdefault("hessian_at", "network")  # version 1 had only the network's Hessians
+    s.setdefault("gprior_floor", 0.0)  # states before the floor had the plain g-prior
     if s["prior"] == "given":
         s["prior"] = state["scales"]
     s["dtype"] = _DTYPES[s["dtype"]]

@@ -25,6 +25,14 @@ is zero for any finite ``s_i``); it only decides whether such weights add prior-
 samples ``Φ(s ⊙ ζ)`` — with ``0`` they add none, instead of an arbitrary (or infinite) amount. A column counts
 as zero when ``‖A_{:,i}‖² ≤ zero_tol · max_k ‖A_{:,k}‖²`` (default ``zero_tol = 0``: exactly zero).
 
+A floor (``floor = δ > 0``, :func:`scales_from_sq_norms`) adds ``δ · median_k ‖A_{:,k}‖²`` (over the non-zero
+columns) to every non-zero squared norm before the inverse square root: the prior precision becomes
+``a (diag(AᵀA) + δ m I)`` (a ridge on the diagonal g-prior, in the spirit of the extended g-prior of Gupta &
+Ibrahim, 2007, which adds a ridge to ``XᵀX``). Without it a weight the data barely reach (a first-layer weight of
+an input pixel that is non-zero in a handful of training images) gets a prior standard deviation up to
+``1/√(min n)``, thousands of times the median, and any test input that excites it (noise, blur) gets a logit
+variance to match. The classifier uses it (``LinearizedLaplace(gprior_floor=...)``); CT keeps ``δ = 0``.
+
 Random probes are drawn from ``generator`` (a ``torch.Generator``; default: a CPU generator seeded with
 ``seed``); a CPU generator gives the same probes on every device.
 """
@@ -124,11 +132,14 @@ def column_sq_norms(
     return total if method == "exact" else total / n
 
 
-def scales_from_sq_norms(sq_norms: torch.Tensor, zero_norm_value: float = 0.0, zero_tol: float = 0.0) -> torch.Tensor:
-    """``s_i = 1/√n_i`` for squared column norms ``n`` ``(d,)``; zero columns get ``zero_norm_value``.
+def scales_from_sq_norms(
+    sq_norms: torch.Tensor, zero_norm_value: float = 0.0, zero_tol: float = 0.0, floor: float = 0.0
+) -> torch.Tensor:
+    """``s_i = 1/√(n_i + δ m)`` for squared column norms ``n`` ``(d,)``; zero columns get ``zero_norm_value``.
 
     A column is zero when ``n_i ≤ zero_tol · max(n)`` (see the module docstring for why the value is 0 by
-    default). Returns float64 ``(d,)``; never Inf or NaN.
+    default). ``floor`` is ``δ ≥ 0`` and ``m`` the median of the non-zero ``n`` (module docstring: a ridge on the
+    g-prior; ``δ = 0``, the default, is the plain g-prior). Returns float64 ``(d,)``; never Inf or NaN.
     """
     if not isinstance(sq_norms, torch.Tensor) or sq_norms.ndim != 1:
         raise ValueError("scales_from_sq_norms: sq_norms must be a 1-D tensor (d,)")
@@ -138,11 +149,16 @@ def scales_from_sq_norms(sq_norms: torch.Tensor, zero_norm_value: float = 0.0, z
         raise ValueError(f"scales_from_sq_norms: zero_norm_value must be finite and >= 0, got {zero_norm_value}")
     if not 0.0 <= zero_tol < 1.0:
         raise ValueError(f"scales_from_sq_norms: zero_tol must be in [0, 1), got {zero_tol}")
+    if not (math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"scales_from_sq_norms: floor must be finite and >= 0, got {floor}")
     n = sq_norms.double()
     threshold = zero_tol * float(n.max()) if n.numel() else 0.0
     zero = n <= threshold
     s = torch.full_like(n, float(zero_norm_value))
-    s[~zero] = n[~zero].rsqrt()
+    kept = n[~zero]
+    if floor > 0 and kept.numel():
+        kept = kept + floor * float(kept.median())
+    s[~zero] = kept.rsqrt()
     return s
 
 

@@ -90,6 +90,20 @@ def test_zero_norm_columns_give_finite_scales():
     assert float((A * s[None].expand(2, 3))[:, 1].abs().max()) == 0.0
 
 
+def test_floor_is_a_ridge_on_the_nonzero_squared_norms():
+    n = torch.tensor([1e-8, 0.0, 1.0, 4.0, 9.0], dtype=torch.float64)  # non-zero median: 1.0 (the lower middle)
+    s = scales_from_sq_norms(n, floor=0.5)
+    expected = torch.tensor([(1e-8 + 0.5) ** -0.5, 0.0, 1.5**-0.5, 4.5**-0.5, 9.5**-0.5], dtype=torch.float64)
+    torch.testing.assert_close(s, expected, rtol=1e-15, atol=0)
+    # a barely reached column no longer gets a scale 10⁴ times the others: at most 1/√(δ·median)
+    assert float(scales_from_sq_norms(n)[0]) == pytest.approx(1e4)
+    assert float(s.max()) <= 0.5**-0.5
+    torch.testing.assert_close(scales_from_sq_norms(n, floor=0.0), scales_from_sq_norms(n), rtol=0, atol=0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="floor must be finite and >= 0"):
+            scales_from_sq_norms(n, floor=bad)
+
+
 def test_isotropic_and_errors():
     s = gprior_scales(None, method="isotropic", n_features=5, dtype=torch.float64)
     torch.testing.assert_close(s, torch.ones(5, dtype=torch.float64))
