@@ -53,6 +53,7 @@ from ctuq.options import (
     NoiseModel,
     Preconditioner,
     Prior,
+    PriorFitOptimizer,
     values,
 )
 
@@ -214,9 +215,20 @@ class TVPredCPConfig:
         gt=0.0,
         help="rate λ of the exponential hyperprior on a block's expected sample TV, in units of 1/TV(reconstruction)",
     )
-    steps: int = option(60, ge=0, help="Adam steps of the type-II MAP (0: keep the initial hyperparameters)")
-    lr: float = option(0.1, gt=0.0, help="Adam step size on the log-hyperparameters")
-    probes: int = option(8, ge=1, help="Hutchinson probes of the log-determinant gradient per step")
+    steps: int = option(
+        100, ge=0, help="most steps of the type-II MAP; it stops earlier once converged (0: keep the initial values)"
+    )
+    optimizer: str = option(
+        "lbfgs",
+        choices=values(PriorFitOptimizer),
+        help="type-II MAP optimiser: MacKay warm start + projected L-BFGS, or Adam + MacKay every step",
+    )
+    tol: float = option(
+        1e-2, gt=0.0, help="converged when no log-hyperparameter changed by more than this in each of 3 steps"
+    )
+    max_step: float = option(1.0, gt=0.0, help="largest change of a log-hyperparameter in one L-BFGS step")
+    lr: float = option(0.1, gt=0.0, help="Adam step size on the log-hyperparameters (optimizer=adam)")
+    probes: int = option(8, ge=1, help="Hutchinson probes of the log-determinant gradient (one set for the whole fit)")
     tv_samples: int = option(
         32, ge=1, help="samples per block (9 JVPs each, once) of the tap Gram matrices behind the expected TV"
     )
@@ -339,7 +351,8 @@ class UQConfig:
         "none",
         choices=values(Calibration),
         help="none: std.tif is the posterior std; heldout: std.tif is the std × k fitted by maximum likelihood to the "
-        "scan's unused angles (std_uncalibrated.tif keeps the posterior's); the check runs either way when the scan "
+        "scan's unused angles (std_uncalibrated.tif keeps the posterior's); bias: std.tif is sqrt(std² + τ² M), a "
+        "bias of std τ inside the object mask M fitted to the same angles; the check runs either way when the scan "
         "has unused angles",
     )
     save_samples: bool = option(
@@ -409,6 +422,9 @@ def posterior_arguments(uq: UQConfig) -> dict:
         tv = uq.tv_predcp
         out["prior_options"] = {
             "steps": tv.steps,
+            "optimizer": tv.optimizer,
+            "tol": tv.tol,
+            "max_step": tv.max_step,
             "lr": tv.lr,
             "probes": tv.probes,
             "tv_samples": tv.tv_samples,

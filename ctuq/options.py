@@ -278,11 +278,14 @@ __all__ += ["NoiseModel"]
 
 # ---------------------------------------------------------------------------------------------- calibration (issue 26)
 class Calibration(Vocabulary):
-    """Recalibration of the std map (``uq.calibration``): none, or the global scale ``k`` fitted by maximum likelihood
-    to the scan's held-out angles (:mod:`ctuq.pipeline.calibration`)."""
+    """Recalibration of the std map (``uq.calibration``): none, the global scale ``k`` fitted by maximum likelihood
+    to the scan's held-out angles, or the bias model ``sqrt(std² + τ² M)`` fitted to them
+    (:mod:`ctuq.pipeline.calibration`)."""
 
     NONE = "none"
     HELDOUT = "heldout"
+    # the posterior kept and a white bias of std τ added inside the object mask (docs/calibration.md, "τ alone")
+    BIAS = "bias"
 
 
 __all__ += ["Calibration"]
@@ -367,3 +370,17 @@ class ScanLayout(Vocabulary):
 
 
 __all__ += ["DataFormat", "ScanGeometry", "AngleUnit", "LengthUnit", "MeasurementKind", "ScanLayout"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# TV-PredCP type-II MAP (issue 26, H1): the optimiser of uq.tv_predcp (ctuq.inference.prior_fit.fit_block_prior)
+class PriorFitOptimizer(Vocabulary):
+    """Optimiser of the TV-PredCP hyperparameter fit (``uq.tv_predcp.optimizer``): a MacKay warm start of the
+    global scale then projected L-BFGS with fixed Hutchinson probes, or Adam with MacKay updates every step (the
+    first method, docs/tv_predcp.md)."""
+
+    LBFGS = "lbfgs"
+    ADAM = "adam"
+
+
+__all__ += ["PriorFitOptimizer"]

@@ -37,6 +37,7 @@ __all__ = [
     "heldout_check",
     "fit_variance_scale",
     "fit_variance_and_noise_scale",
+    "fit_bias_variance",
     "projected_variance",
 ]
 
@@ -293,6 +294,84 @@ def fit_variance_and_noise_scale(
     }
 
 
+def fit_bias_variance(
+    residual,
+    variance,
+    noise_variance,
+    bias_weight,
+    *,
+    groups=None,
+    n_bootstrap: int = 200,
+    seed: int = 0,
+) -> dict:
+    """Maximum-likelihood variance ``τ²`` of an error the posterior does not contain, added to its predictive
+    variance with known per-row weights: ``var_i(τ) = v_i + τ² w_i + σ²_i`` (docs/calibration.md, "τ alone").
+
+    For a bias independent from pixel to pixel inside an object mask ``M``, ``w_i = Σ_j T_ij² M_j`` (the squared
+    held-out operator applied to the mask) and ``τ`` is the bias std per pixel. The posterior part is kept as it
+    is (``k = 1``), so the fit can only add variance where the rows have room for it; ``τ = 0`` (``zero``) when
+    they have none.
+
+    Parameters
+    ----------
+    residual, variance, noise_variance, groups, n_bootstrap, seed
+        As for :func:`fit_variance_scale`.
+    bias_weight : ``(m,)``
+        ``w_i ≥ 0`` (measurement units² per unit of ``τ²``); all zero (an empty object mask) gives ``τ = 0`` with
+        ``empty_mask``.
+
+    Returns
+    -------
+    dict
+        ``tau`` (units: sqrt(measurement units² / units of ``w``)); ``zero`` (the fit is at the lower end of the
+        searched range: no room for a bias, ``tau`` is reported as 0); ``at_upper_bound``; ``se_curvature``,
+        ``se_bootstrap``, ``interval_95`` of ``tau`` as for :func:`fit_variance_scale` (``None`` when ``zero``);
+        ``log_likelihood`` per row at ``tau``; ``coverage_headline`` with ``tau`` applied; ``bias_variance_fraction``
+        ``mean τ² w_i / var_i``.
+    """
+    where = "fit_bias_variance"
+    r, v, s2, g = _check_rows(residual, variance, noise_variance, groups, where)
+    w = _as_float64(bias_weight, "bias_weight", where)
+    if w.shape != r.shape or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"{where}: bias_weight must be ({r.size},) finite values ≥ 0, got shape {w.shape}")
+    if not np.any(w > 0):  # an empty object mask (e.g. an all-zero reconstruction): no bias to fit, τ = 0
+        u = v + s2
+        z = np.abs(r) / np.sqrt(u)
+        return {
+            "tau": 0.0,
+            "zero": True,
+            "empty_mask": True,
+            "at_upper_bound": False,
+            "se_curvature": None,
+            "se_bootstrap": None,
+            "interval_95": None,
+            "n_bootstrap": 0,
+            "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
+            "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z, HEADLINE_LEVELS))),
+            "bias_variance_fraction": 0.0,
+        }
+    # w normalised to the rows' predictive variance, so the searched bracket of τ² is unit-free (as k's is)
+    unit = float(np.mean(v + s2)) / float(np.mean(w))
+    fit = fit_variance_scale(r, w * unit, v + s2, groups=g, n_bootstrap=n_bootstrap, seed=seed)
+    zero = fit["at_bound"] and fit["k"] < 1.0
+    c = math.sqrt(unit)
+    tau = 0.0 if zero else fit["k"] * c
+    u = tau * tau * w + v + s2
+    z = np.abs(r) / np.sqrt(u)
+    return {
+        "tau": tau,
+        "zero": bool(zero),
+        "at_upper_bound": bool(fit["at_bound"] and not zero),
+        "se_curvature": None if zero else fit["se_curvature"] * c,
+        "se_bootstrap": None if zero or fit["se_bootstrap"] is None else fit["se_bootstrap"] * c,
+        "interval_95": None if zero or fit["interval_95"] is None else [x * c for x in fit["interval_95"]],
+        "n_bootstrap": fit["n_bootstrap"],
+        "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
+        "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z, HEADLINE_LEVELS))),
+        "bias_variance_fraction": float(np.mean(tau * tau * w / u)),
+    }
+
+
 def _check_rows(residual, variance, noise_variance, groups, where: str):
     r = _as_float64(residual, "residual", where)
     if r.ndim != 1 or r.size < 2:
@@ -338,6 +417,7 @@ def heldout_check(
     variance=None,
     noise_variance,
     photon_variance=None,
+    bias_weight=None,
     groups=None,
     levels: Sequence[float] = HELDOUT_LEVELS,
     n_bootstrap: int = 200,
@@ -362,6 +442,8 @@ def heldout_check(
         Each row's noise variance from the scan's photon statistics (measurement units², > 0): the noise the rows
         carry for certain, as opposed to the fitted ``σ²``, which also absorbs the model misfit of the rows the
         reconstruction fitted. Adds ``scale_photon``.
+    bias_weight : ``(m,)``, optional
+        Per-row weights ``w_i`` of an added bias variance (:func:`fit_bias_variance`). Adds ``bias``.
     groups : ``(m,)`` ints, optional
         Block label per row (projection angle) for the bootstrap of ``k``; ``None``: rows are independent.
     levels : sequence of float in (0, 1)
@@ -384,7 +466,8 @@ def heldout_check(
         ``scale_with_noise``: :func:`fit_variance_and_noise_scale`; with ``photon_variance``, ``scale_photon``: the
         :func:`fit_variance_scale` dict with the photon variances as the noise part, plus its
         ``image_variance_fraction`` and ``coverage_headline``; ``scale_image_rows``: the :func:`fit_variance_scale`
-        dict on the image-dominated rows only, plus ``n_rows``, ``fraction`` and their ``image_variance_fraction``.
+        dict on the image-dominated rows only, plus ``n_rows``, ``fraction`` and their ``image_variance_fraction``;
+        with ``bias_weight``, ``bias``: the :func:`fit_bias_variance` dict.
 
     Raises
     ------
@@ -476,4 +559,6 @@ def heldout_check(
     }
     if photon is not None:
         out["scale_photon"] = photon
+    if bias_weight is not None:
+        out["bias"] = fit_bias_variance(r, v, s2, bias_weight, groups=g, n_bootstrap=n_bootstrap, seed=seed)
     return out

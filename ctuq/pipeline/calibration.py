@@ -11,6 +11,9 @@ so the check is in the units of the sinogram (line integrals).
 
 Its ``k`` is the factor on the image std that explains the held-out rows best; ``uq.calibration: heldout`` writes
 ``std.tif = k × std`` (``std_uncalibrated.tif`` keeps the posterior's) and scores both against a ground truth.
+Its bias model keeps the posterior and adds a white bias of std ``τ`` inside the object mask ``M``
+(:func:`object_mask`, :func:`bias_weight`); ``uq.calibration: bias`` writes ``std.tif = sqrt(std² + τ² M)``
+(:func:`bias_variance`).
 
 The per-row arrays (``heldout_rows.npz``, :func:`write_heldout`) are everything the statistic needs, so ``ctuq uq
 RUN --check`` rescores them (:func:`read_heldout_rows`, :func:`score_rows`) instead of rebuilding the posterior.
@@ -33,7 +36,10 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
+import scipy.sparse as sp
+import tifffile
 import torch
+from scipy import ndimage
 
 from ctuq import figures
 from ctuq.config import Config
@@ -63,11 +69,20 @@ __all__ = [
     "require_finished_uq_run",
     "fitted_posterior",
     "raise_no_heldout",
+    "object_mask",
+    "bias_weight",
+    "bias_variance",
+    "read_heldout_rows_with_bias",
 ]
 
 HELDOUT_SAMPLES = 256
 _LOW_IMAGE_FRACTION = 0.5  # below it the verdict warns that k is dominated by the noise model
 """Posterior samples of the check: enough for ``k`` to ±1 % on the demo (its bootstrap s.e. is larger)."""
+# the object of the bias model (docs/calibration.md, "τ alone"): x̂ smoothed by 1 px above 10 % of its maximum;
+# measured with these values on 24 runs, not tuned
+_MASK_FRACTION = 0.1
+_MASK_SMOOTH_PX = 1.0
+_BIAS_PROBES = 64  # Rademacher probes of diag(T M Tᵀ) for operators without an assembled matrix
 
 
 @dataclasses.dataclass
@@ -111,7 +126,8 @@ class HeldoutResult:
     """:func:`run_heldout_check`'s output: ``report`` (JSON-ready, :func:`ctuq.metrics.heldout.heldout_check`'s
     dict plus sizes, seconds and the command) and the flat per-row arrays it came from (sinogram units):
     ``residual`` ``y_h − T_h x̂``, ``variance`` ``v_i``, ``noise_variance`` ``σ²`` (per row with per-ray noise),
-    ``groups`` (geometry row), ``photon_variance`` (per row from the scan's counts, or ``None``)."""
+    ``groups`` (geometry row), ``photon_variance`` (per row from the scan's counts, or ``None``), ``bias_weight``
+    (``w_i = Σ_j T_ij² M_j`` of the object mask, :func:`bias_weight`, or ``None`` for rows saved before it)."""
 
     report: dict
     residual: np.ndarray
@@ -119,11 +135,18 @@ class HeldoutResult:
     noise_variance: float | np.ndarray
     groups: np.ndarray
     photon_variance: np.ndarray | None = None
+    bias_weight: np.ndarray | None = None
 
     @property
     def k(self) -> float:
         """The recalibration scale of the image std."""
         return float(self.report["scale"]["k"])
+
+    @property
+    def bias(self) -> dict | None:
+        """The bias model's fit (:func:`ctuq.metrics.heldout.fit_bias_variance`: ``tau`` in mm⁻¹ per pixel, its
+        s.e.), or ``None`` for rows without ``bias_weight``."""
+        return self.report.get("bias")
 
 
 def heldout_data(cfg: Config, device: torch.device, *, progress: bool = False) -> tuple[HeldoutData | None, str]:
@@ -176,6 +199,76 @@ def heldout_data(cfg: Config, device: torch.device, *, progress: bool = False) -
         op=op, y=y, geometry_rows=rows[held], n_used=len(used), relative_variances=rel, photon_variances=photon
     )
     return data, ""
+
+
+def object_mask(image: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The object of the bias model: ``image`` ``(H, W)`` (mm⁻¹) smoothed by a Gaussian of 1 px, above 10 % of its
+    maximum. Returns ``(H, W)`` float64 0/1."""
+    x = image.detach().to("cpu", torch.float64).numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+    smooth = ndimage.gaussian_filter(np.asarray(x, np.float64), _MASK_SMOOTH_PX)
+    return (smooth > _MASK_FRACTION * smooth.max()).astype(np.float64)
+
+
+def bias_weight(op, mask: np.ndarray, *, seed: int = 0) -> np.ndarray:
+    """``w_i = Σ_j T_ij² M_j`` ``(op.c,)`` float64 (mm²): the variance of held-out row ``i`` per unit ``τ²`` of a
+    bias independent from pixel to pixel inside ``mask`` (``op.image_shape``). Exact from the assembled matrix of
+    the sparse backend; otherwise the mean of ``(T(√M ⊙ ξ))²`` over 64 Rademacher probes ``ξ`` (unbiased)."""
+    m = torch.as_tensor(np.asarray(mask, np.float64).reshape(-1))
+    csr = getattr(op, "csr", None)
+    if isinstance(csr, torch.Tensor):
+        squared = sp.csr_matrix(
+            (
+                csr.values().detach().to("cpu", torch.float64).pow(2).numpy(),
+                csr.col_indices().cpu().numpy(),
+                csr.crow_indices().cpu().numpy(),
+            ),
+            shape=tuple(csr.shape),
+        )
+        return np.asarray(squared @ m.numpy(), np.float64)
+    gen = torch.Generator().manual_seed(seed)
+    total = torch.zeros(op.c, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(_BIAS_PROBES):
+            xi = (torch.randint(0, 2, m.shape, generator=gen) * 2 - 1).to(torch.float64) * m.sqrt()
+            total += op.forward_flat(xi.reshape(1, -1).to(op.device, op.dtype))[0].double().cpu().pow(2)
+    return (total / _BIAS_PROBES).numpy()
+
+
+def bias_variance(reconstruction: torch.Tensor | np.ndarray, tau: float) -> tuple[np.ndarray, float]:
+    """``τ² M`` (``reconstruction``'s shape ``(H, W)``, float64, mm⁻²): the pixel variance the bias model adds to
+    the posterior's (``uq.calibration = bias``: ``std.tif = sqrt(std² + τ² M)``), with ``M`` the
+    :func:`object_mask` of the reconstruction (mm⁻¹) the held-out check used; and ``M``'s fraction of the pixels."""
+    mask = object_mask(reconstruction)
+    return (float(tau) ** 2) * mask, float(mask.mean())
+
+
+def read_heldout_rows_with_bias(
+    run_dir: Path, cfg: Config, device: torch.device, *, seed: int
+) -> tuple[HeldoutResult, dict] | None:
+    """:func:`read_heldout_rows`, with the ``bias_weight`` of rows saved before the bias model computed from the
+    run's scan (:func:`heldout_data`: the held-out operator of ``cfg``) and the object mask of its
+    ``reconstruction.tif`` (:func:`bias_weight`, ``seed`` the check's: ``run seed + 1``), and saved back into
+    ``heldout_rows.npz`` atomically (rows and sizes unchanged). ``None`` when the folder has no rows.
+    :class:`~ctuq.errors.CTUQError` when the scan has no held-out angles any more or they do not match the rows."""
+    saved = read_heldout_rows(run_dir)
+    if saved is None or saved[0].bias_weight is not None:
+        return saved
+    rows, meta = saved
+    run_dir = Path(run_dir)
+    held, reason = heldout_data(cfg, device, progress=False)
+    if held is None:
+        raise CTUQError(f"{run_dir / rf.HELDOUT_ROWS_NAME}: no bias weights for the saved rows: {reason}")
+    if held.op.c != rows.residual.size:
+        raise OutDirError(
+            f"{run_dir / rf.HELDOUT_ROWS_NAME}: {rows.residual.size} saved rows, but the scan of config.yaml holds "
+            f"{held.op.c} held-out rows; rerun `ctuq uq {run_dir}`"
+        )
+    reconstruction = tifffile.imread(run_dir / rf.RECONSTRUCTION_NAME).astype(np.float64)
+    weight = bias_weight(held.op, object_mask(reconstruction.reshape(held.op.image_shape)), seed=seed)
+    rows = dataclasses.replace(rows, report=dict(meta), bias_weight=weight)
+    write_heldout(run_dir, rows, json_file=False, figure=False)
+    rows.report = {}
+    return rows, meta
 
 
 def run_heldout_check(
@@ -233,7 +326,8 @@ def run_heldout_check(
         sigma2 = sigma2 * held.relative_variances
     groups = np.repeat(held.geometry_rows, op.c // held.n_angles)
     y = held.y.reshape(-1).double().cpu().numpy()
-    result = HeldoutResult({}, y - mean.numpy(), variance, sigma2, groups, held.photon_variances)
+    weight = bias_weight(op, object_mask(reconstruction.reshape(op.image_shape)), seed=seed)
+    result = HeldoutResult({}, y - mean.numpy(), variance, sigma2, groups, held.photon_variances, weight)
     meta = {"n_samples": int(k), "n_angles": held.n_angles, "n_used_angles": int(held.n_used)}
     meta["noise_model"] = "per_ray" if per_ray else "homoscedastic"
     if command is not None:
@@ -254,6 +348,7 @@ def score_rows(rows: HeldoutResult, meta: dict, *, n_bootstrap: int = 200, seed:
         variance=rows.variance,
         noise_variance=rows.noise_variance,
         photon_variance=rows.photon_variance,
+        bias_weight=rows.bias_weight,
         groups=rows.groups,
         n_bootstrap=n_bootstrap,
         seed=seed,
@@ -322,6 +417,14 @@ def table(report: dict) -> str:
             f"on the {100 * top['fraction']:.0f} % of rows with the largest image part (its fraction "
             f"{top['image_variance_fraction']:.3f}): k = {top['k']:.3f}"
         )
+    bias = report.get("bias")
+    if bias is not None:
+        lines.append(
+            "no room for a bias inside the object (τ = 0): the posterior's std as it is"
+            if bias["zero"]
+            else f"bias inside the object, posterior kept (k = 1): τ = {bias['tau']:.3g} mm⁻¹ per pixel "
+            f"(coverage@0.9 {bias['coverage_headline']['0.9']:.3f}, LL per row {bias['log_likelihood']:.3f})"
+        )
     photon = report.get("scale_photon")
     if photon is not None:
         lines.append(
@@ -340,7 +443,8 @@ def write_heldout(
 ) -> None:
     """Write ``heldout.json`` (with ``json_file``), ``heldout_calibration.png`` (with ``figure``) and the per-row
     arrays ``heldout_rows.npz`` (with ``rows``: float64 ``residual``, ``variance``, ``noise_variance`` per row,
-    ``photon_variance`` when the scan has counts, int ``groups``, and the report's sizes as a JSON string)
+    ``photon_variance`` when the scan has counts, ``bias_weight``, int ``groups``, and the report's sizes as a JSON
+    string)
     atomically."""
     rep = result.report
     if json_file:
@@ -355,6 +459,8 @@ def write_heldout(
         }
         if result.photon_variance is not None:
             arrays["photon_variance"] = np.asarray(result.photon_variance, np.float64)
+        if result.bias_weight is not None:
+            arrays["bias_weight"] = np.asarray(result.bias_weight, np.float64)
         with atomic_path(out_dir / rf.HELDOUT_ROWS_NAME) as tmp, open(tmp, "wb") as fh:
             np.savez(fh, **arrays)
     if figure:
@@ -389,6 +495,11 @@ def read_heldout_rows(run_dir: Path) -> tuple[HeldoutResult, dict] | None:
     missing = [k for k in (*_ROW_KEYS, "meta") if k not in arrays]
     if missing or not isinstance(meta, dict):
         raise OutDirError(f"{path}: not a held-out rows file (no {', '.join(missing or ['meta dict'])})")
+    weight = arrays.get("bias_weight")
+    if weight is not None and weight.shape != arrays["residual"].shape:
+        raise OutDirError(
+            f"{path}: bias_weight has shape {weight.shape}, the residual {arrays['residual'].shape} (one per row)"
+        )
     rows = HeldoutResult(
         {},
         arrays["residual"],
@@ -396,6 +507,7 @@ def read_heldout_rows(run_dir: Path) -> tuple[HeldoutResult, dict] | None:
         arrays["noise_variance"],
         arrays["groups"],
         arrays.get("photon_variance"),
+        arrays.get("bias_weight"),  # absent from rows saved before the bias model
     )
     return rows, meta
 
@@ -437,6 +549,8 @@ def fitted_posterior(state, *, log: Callable[[str], None] | None = None):
             resume=saved.is_file(),
             progress=state.progress,
             log=log,
+            # uq.noise = per_ray whitens with the scan's per-measurement variances: without them it refuses
+            variances=state.data.variances if state.data is not None else None,
         )
         run.set_up().fit()
     return run

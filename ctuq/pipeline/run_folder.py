@@ -88,7 +88,7 @@ FBP_NAME = "fbp.tif"
 TV_NAME = "tv.tif"
 GROUND_TRUTH_NAME = "ground_truth.tif"
 STD_NAME = "std.tif"
-STD_UNCALIBRATED_NAME = "std_uncalibrated.tif"  # the posterior's std when std.tif holds std × k (uq.calibration)
+STD_UNCALIBRATED_NAME = "std_uncalibrated.tif"  # the posterior's std when std.tif is recalibrated (uq.calibration)
 HELDOUT_NAME = "heldout.json"  # `ctuq uq RUN --check`'s report
 # the held-out check's per-row arrays (residual, image and noise variances, angle): `--check` rescores them without
 # rebuilding the posterior

@@ -240,7 +240,8 @@ def check_run(
     check_device(cfg, device)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
     t0 = time.perf_counter()
-    saved = calib.read_heldout_rows(out_dir)
+    # rows saved before the bias model get its weights from the scan's held-out operator (saved back)
+    saved = calib.read_heldout_rows_with_bias(out_dir, cfg, device, seed=cfg.seed + 1)
     if saved is not None:  # the run kept its held-out rows: rescore them, no posterior to rebuild
         result, meta = saved
         result.report = calib.score_rows(result, {**meta, "command": f"ctuq uq {out_dir} --check"}, seed=cfg.seed + 1)

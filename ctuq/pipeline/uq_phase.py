@@ -2,12 +2,15 @@
 (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, the uncertainty figures and the UQ sections of
 metrics.json; then the held-out check on the scan's unused angles (:mod:`ctuq.pipeline.calibration`,
 ``metrics.json["uq"]["heldout"]``, ``heldout_calibration.png``) and, with ``uq.calibration: heldout``, the std map
-rescaled by its ``k`` (``std.tif``; ``std_uncalibrated.tif`` keeps the posterior's)."""
+rescaled by its ``k``, with ``uq.calibration: bias``, ``sqrt(std² + τ² M)`` with its bias std ``τ`` inside the object
+mask ``M`` (``std.tif``; ``std_uncalibrated.tif`` keeps the posterior's)."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+import torch
 
 from ctuq import figures
 from ctuq.metrics import SampleMoments, uq_summary_from_moments
@@ -19,7 +22,7 @@ from ctuq.pipeline.checkpoints import shard_moments_files
 from ctuq.pipeline.phases import RunState
 from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
 
-__all__ = ["phase_uq", "scaled_moments"]
+__all__ = ["phase_uq", "scaled_moments", "biased_moments"]
 
 
 def phase_uq(state: RunState) -> None:
@@ -51,13 +54,25 @@ def phase_uq(state: RunState) -> None:
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
     heldout, skipped = _heldout_check(state, res)
-    k = heldout.k if heldout is not None and cfg.uq.calibration == Calibration.HELDOUT else None
-    if cfg.uq.calibration == Calibration.HELDOUT and k is None:
-        state.warn("uq.calibration = heldout: no held-out check, so std.tif is the uncalibrated posterior std")
+    mode = cfg.uq.calibration
+    k = heldout.k if heldout is not None and mode == Calibration.HELDOUT else None
+    # the bias model (τ², its mask): applied with uq.calibration = bias, scored for comparison otherwise
+    bias = _bias_model(heldout, res.mean)
+    applied_bias = bias if mode == Calibration.BIAS else None
+    if mode != Calibration.NONE and k is None and applied_bias is None:
+        state.warn(f"uq.calibration = {mode}: no held-out check, so std.tif is the uncalibrated posterior std")
     if k is not None:
         write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std, voxel_size=state.voxel_size)
         res.std = res.std * k
         state.log(f"uq.calibration = heldout: std.tif = posterior std × {k:.3f}")
+    elif applied_bias is not None:
+        write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std, voxel_size=state.voxel_size)
+        if applied_bias["tau"] > 0:  # τ = 0 leaves the posterior's map bit for bit
+            res.std = (res.std.double().pow(2) + applied_bias["variance"]).sqrt().to(res.std.dtype)
+        state.log(
+            f"uq.calibration = bias: std.tif = sqrt(posterior std² + τ² M), τ = {applied_bias['tau']:.3g} mm⁻¹ "
+            f"inside {100 * applied_bias['mask_fraction']:.0f} % of the pixels"
+        )
     else:
         (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
     write_tiff(state.out_dir / rf.STD_NAME, res.std, voxel_size=state.voxel_size)
@@ -77,18 +92,30 @@ def phase_uq(state: RunState) -> None:
     else:
         uq_metrics["heldout_skipped"] = skipped
     uq_metrics["calibration"] = {"mode": str(cfg.uq.calibration), "k": k}
+    if mode == Calibration.BIAS:
+        uq_metrics["calibration"].update(
+            {key: (applied_bias or {}).get(key) for key in ("tau", "tau_se", "tau_interval_95", "mask_fraction")}
+        )
     state.metrics["em_trace"] = res.em_trace
     if state.ground_truth is not None:
         gt = state.ground_truth.detach().cpu()
-        if k is not None:
-            # the posterior's own numbers, for the evidence that the rescaling helps (or not)
+        posterior_moments = res.moments
+        if k is not None or applied_bias is not None:
+            # the posterior's own numbers, for the evidence that the recalibration helps (or not)
             uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
-            res.moments = scaled_moments(res.moments, k)
-        elif heldout is not None:
+            res.moments = scaled_moments(res.moments, k) if k is not None else _with_bias(res.moments, applied_bias)
+        if heldout is not None and k is None:
             # what uq.calibration = heldout would score, from the same posterior: the evidence for (or against) the
             # rescaling without a second inference (the calibration study reads it)
-            rescaled = scaled_moments(res.moments, heldout.k)
+            rescaled = scaled_moments(posterior_moments, heldout.k)
             uq_metrics["summary_recalibrated"] = {**uq_summary_from_moments(gt, res.mean, rescaled), "k": heldout.k}
+        if bias is not None and applied_bias is None:
+            # likewise what uq.calibration = bias would score
+            biased = _with_bias(posterior_moments, bias)
+            uq_metrics["summary_bias"] = {
+                **uq_summary_from_moments(gt, res.mean, biased),
+                **{key: bias[key] for key in ("tau", "tau_se", "mask_fraction")},
+            }
         summary = uq_summary_from_moments(gt, res.mean, res.moments)
         state.metrics["marginal_ll"] = summary["marginal_ll"]
         state.metrics["joint_ll"] = summary["joint_ll"]
@@ -126,6 +153,71 @@ def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
         "patch_sums": {p: t * (k * k) for p, t in sd["patch_sums"].items()},
     }
     return out.load_state_dict(sd)
+
+
+def biased_moments(moments: SampleMoments, variance: torch.Tensor) -> SampleMoments:
+    """A copy of ``moments`` whose covariance has ``diag(variance)`` added (``variance``: ``image_shape``, mm⁻²,
+    e.g. the bias model's ``τ² M``): pixel variances and every patch covariance of the joint LL gain it on their
+    diagonal, as if the samples had an independent pixel noise of that variance. ``moments`` is left unchanged.
+
+    The sums are exact, not sampled: fed through :meth:`SampleMoments.update` as ``P²`` deterministic images
+    (``P`` the largest patch size) that each carry ``sqrt(k · variance)`` on one residue class of (row, column)
+    modulo ``P``; two pixels of one patch never share a class, so no cross term appears."""
+    k = moments.n_samples
+    var = torch.as_tensor(variance, dtype=torch.float64)
+    if tuple(var.shape) != moments.image_shape or not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
+        raise ValueError(
+            f"biased_moments: variance must be finite, ≥ 0 and of shape {moments.image_shape}, got {tuple(var.shape)}"
+        )
+    sd = moments.state_dict()
+    extra = copy.deepcopy(moments).load_state_dict(
+        {
+            **sd,
+            "n_samples": 0,
+            "sum_sq": torch.zeros_like(sd["sum_sq"]),
+            "patch_sums": {p: torch.zeros_like(t) for p, t in sd["patch_sums"].items()},
+        }
+    )
+    period = max(moments.patch_sizes)
+    amp = (var * k).sqrt()
+    rows = torch.arange(amp.shape[-2]) % period
+    cols = torch.arange(amp.shape[-1]) % period
+    for a in range(period):
+        on_row = (rows == a).to(torch.float64)[:, None]
+        extra.update(torch.stack([amp * (on_row * (cols == b).to(torch.float64)[None, :]) for b in range(period)]))
+    ed = extra.state_dict()
+    out = copy.deepcopy(moments)
+    return out.load_state_dict(
+        {
+            **sd,
+            "sum_sq": sd["sum_sq"] + ed["sum_sq"],
+            "patch_sums": {p: t + ed["patch_sums"][p] for p, t in sd["patch_sums"].items()},
+        }
+    )
+
+
+def _with_bias(moments: SampleMoments, bias: dict) -> SampleMoments:
+    """``moments`` with the bias model's ``τ² M`` added (:func:`biased_moments`); ``moments`` itself when ``τ = 0``."""
+    return biased_moments(moments, bias["variance"]) if bias["tau"] > 0 else moments
+
+
+def _bias_model(heldout: calib.HeldoutResult | None, mean: torch.Tensor) -> dict | None:
+    """The held-out check's bias model on the image: ``tau`` (mm⁻¹), ``tau_se`` (bootstrap, else curvature; ``None``
+    when ``τ = 0``), ``tau_interval_95``, ``mask_fraction`` and ``variance`` ``τ² M`` (``mean``'s shape, float64
+    mm⁻²; :func:`ctuq.pipeline.calibration.bias_variance`); ``None`` without a check or a bias fit."""
+    fit = heldout.bias if heldout is not None else None
+    if fit is None:
+        return None
+    tau = float(fit["tau"])
+    variance, fraction = calib.bias_variance(mean, tau)
+    se = fit["se_bootstrap"] if fit.get("se_bootstrap") is not None else fit.get("se_curvature")
+    return {
+        "tau": tau,
+        "tau_se": se,
+        "tau_interval_95": fit.get("interval_95"),
+        "mask_fraction": fraction,
+        "variance": torch.from_numpy(variance),
+    }
 
 
 def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, str]:
@@ -187,17 +279,28 @@ def _uq_figures(state: RunState, res) -> None:
         cal = summary["calibration"]
         curves = {"linearised DIP": (cal["levels"], cal["coverage"])}
         before = state.metrics["uq"].get("summary_uncalibrated")
-        if before is not None:  # uq.calibration = heldout: the rescaled std and the posterior's own
-            k = state.metrics["uq"]["calibration"]["k"]
+        if before is not None:  # uq.calibration = heldout or bias: the recalibrated std and the posterior's own
+            cal_metrics = state.metrics["uq"]["calibration"]
+            label = (
+                f"std × {cal_metrics['k']:.3g}"
+                if cal_metrics["k"] is not None
+                else f"sqrt(std² + τ² M), τ = {cal_metrics['tau']:.3g}"
+            )
             curves = {
-                f"linearised DIP, std × {k:.3g} (held-out)": curves["linearised DIP"],
+                f"linearised DIP, {label} (held-out)": curves["linearised DIP"],
                 "linearised DIP (uncalibrated)": (before["calibration"]["levels"], before["calibration"]["coverage"]),
             }
         recal = state.metrics["uq"].get("summary_recalibrated")
-        if recal is not None:  # uq.calibration = none: what the held-out k would give, for comparison
+        if recal is not None:  # not uq.calibration = heldout: what the held-out k would give, for comparison
             curves[f"std × {recal['k']:.3g} (held-out k, not applied)"] = (
                 recal["calibration"]["levels"],
                 recal["calibration"]["coverage"],
+            )
+        bias = state.metrics["uq"].get("summary_bias")
+        if bias is not None:  # what the held-out bias model would give
+            curves[f"sqrt(std² + τ² M), τ = {bias['tau']:.3g} (not applied)"] = (
+                bias["calibration"]["levels"],
+                bias["calibration"]["coverage"],
             )
         figures.plot_calibration(out / rf.CALIBRATION_FIGURE, curves)
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})

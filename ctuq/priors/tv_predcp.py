@@ -60,6 +60,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ctuq.errors import CTUQError
+from ctuq.options import PriorFitOptimizer, values
 from ctuq.priors.registry import register_block_prior
 
 __all__ = [
@@ -81,7 +82,8 @@ __all__ = [
 LENGTHSCALE_MIN = 1e-2
 LENGTHSCALE_MAX = 1e2
 _JITTER = 1e-6
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the L-BFGS fit (optimizer, tol, max_step, convergence)
+OPTIMIZERS = values(PriorFitOptimizer)
 MATERN = "matern"
 NORMAL = "normal"
 
@@ -208,9 +210,17 @@ class TVPredCPPrior:
     lengthscale, variance : float
         Initial ``ℓ_b`` (tap spacings) and ``σ²_b`` of every block.
     steps : int
-        Adam steps of the type-II MAP (0: keep the initial hyperparameters).
+        Most steps of the type-II MAP; it stops earlier once converged (0: keep the initial hyperparameters).
     lr : float
-        Adam step size on the log-hyperparameters.
+        Adam step size on the log-hyperparameters (``optimizer="adam"``).
+    optimizer : {"lbfgs", "adam"}
+        The type-II MAP's optimiser (:func:`ctuq.inference.prior_fit.fit_block_prior`): MacKay warm start then
+        projected L-BFGS (default), or Adam with MacKay's global-scale updates every step (the first method).
+    tol : float
+        Convergence tolerance: the fit stops once every log-hyperparameter changed by at most ``tol`` in each of
+        the last three steps.
+    max_step : float
+        Largest change of a log-hyperparameter in one L-BFGS step.
     probes : int
         Hutchinson probes of the log-determinant gradient per step.
     tv_samples : int
@@ -233,6 +243,9 @@ class TVPredCPPrior:
         ``(n_blocks,)`` float64.
     trace : list of dict
         One record per fit step (:func:`ctuq.inference.prior_fit.fit_block_prior`).
+    convergence : dict
+        The fit's convergence check (``converged``, ``criterion``, ``max_change``, ``tolerance``, ``steps``,
+        ``evaluations``, ``optimizer``); empty before a fit.
     fitted : bool
         The hyperparameters are final (fitted, given, or loaded): the posterior does not fit again.
     """
@@ -247,8 +260,11 @@ class TVPredCPPrior:
         rate: float = 1.0,
         lengthscale: float = 1.0,
         variance: float = 1.0,
-        steps: int = 60,
+        steps: int = 100,
         lr: float = 0.1,
+        optimizer: str = "lbfgs",
+        tol: float = 1e-2,
+        max_step: float = 1.0,
         probes: int = 8,
         tv_samples: int = 32,
         precond_rank: int = 400,
@@ -276,6 +292,11 @@ class TVPredCPPrior:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PriorError(f"TVPredCPPrior: {what} must be a positive int, got {value!r}")
         self.lr = _check_positive(lr, "uq.tv_predcp.lr")
+        self.tol = _check_positive(tol, "uq.tv_predcp.tol")
+        self.max_step = _check_positive(max_step, "uq.tv_predcp.max_step")
+        if optimizer not in OPTIMIZERS:
+            raise PriorError(f"uq.tv_predcp.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        self.optimizer = str(optimizer)
         self.cg_tol = _check_positive(cg_tol, "TVPredCPPrior: cg_tol")
         self.image_shape = tuple(int(s) for s in image_shape)
         if not self.image_shape or min(self.image_shape) < 2:
@@ -294,6 +315,7 @@ class TVPredCPPrior:
         self.log_variance = torch.full((len(self.blocks),), math.log(var), dtype=torch.float64)
         self.dist = tap_distances(3)
         self.trace: list[dict] = []
+        self.convergence: dict = {}
         self.fitted = int(steps) == 0
         # (start, stop, block index) of every segment in flat order: L is applied segment by segment
         self._pieces = sorted((lo, hi, i) for i, b in enumerate(self.blocks) for lo, hi in b.segments)
@@ -385,6 +407,9 @@ class TVPredCPPrior:
             "rate": self.rate,
             "steps": self.steps,
             "lr": self.lr,
+            "optimizer": self.optimizer,
+            "tol": self.tol,
+            "max_step": self.max_step,
             "probes": self.probes,
             "tv_samples": self.tv_samples,
             "image_shape": list(self.image_shape),
@@ -400,6 +425,7 @@ class TVPredCPPrior:
             "log_variance": self.log_variance.clone(),
             "fitted": bool(self.fitted),
             "trace": [dict(r) for r in self.trace],
+            "convergence": dict(self.convergence),
             "settings": self.settings(),
         }
 
@@ -418,6 +444,7 @@ class TVPredCPPrior:
         self.set_theta(torch.cat([state["log_lengthscale"], state["log_variance"]]))
         self.fitted = bool(state["fitted"])
         self.trace = [dict(r) for r in state["trace"]]
+        self.convergence = dict(state.get("convergence", {}))
 
     def summary(self) -> dict:
         """Per block: kind, weights, lengthscale (Matérn), variance; and the fit's steps."""
@@ -431,7 +458,13 @@ class TVPredCPPrior:
                 rec["lengthscale"] = ell[j]
                 j += 1
             blocks[b.name if b.kind == MATERN else f"{b.name} (normal)"] = rec
-        return {"prior": self.name, "rate": self.rate, "fit_steps": len(self.trace), "blocks": blocks}
+        return {
+            "prior": self.name,
+            "rate": self.rate,
+            "fit_steps": len(self.trace),
+            "convergence": dict(self.convergence),
+            "blocks": blocks,
+        }
 
     def __repr__(self) -> str:
         return f"TVPredCPPrior(d={self.d}, blocks={len(self.blocks)} ({len(self.matern)} Matérn), rate={self.rate:.3g})"

@@ -10,11 +10,13 @@ every angle count of the study is a subset and the other angles stay unused (hel
 2. per inference setting (``uq.prior`` × ``uq.noise``), copies that run folder and runs the inference on it once, as
    ``ctuq uq RUN --set uq.prior=… --set uq.noise=… --set uq.calibration=none`` would
    (:func:`ctuq.pipeline.runner.rerun_uq`), so every setting shares the DIP and differs only in the settings;
-   ``uq.calibration`` is post-processing of that one posterior (the std map × the held-out ``k``), so its values
+   ``uq.calibration`` is post-processing of that one posterior (the std map × the held-out ``k``, or with the
+   held-out bias τ added), so its values
    are scored from the same run instead of a second inference: ``none`` from ``std.tif``, ``heldout`` from
    ``std.tif × k`` with ``k`` from the run's saved held-out rows (``heldout_rows.npz``, rescored with the current
    statistic) and the 10×10 joint LL of the rescaled covariance from the run's ``summary`` and
-   ``summary_recalibrated`` (:func:`joint_ll_at_scale`);
+   ``summary_recalibrated`` (:func:`joint_ll_at_scale`), ``bias`` from ``sqrt(std² + τ² M)`` with the same rows' τ
+   and its joint LL from the run's ``summary_bias``;
 3. scores the std map against its reconstruction and ground truth in the inner square
    (:func:`score_run`): coverage at 0.5/0.9/0.95 and over 0.05…0.99, the right-scale factor
    ``sqrt(mean((err/std)²))``, the marginal log-likelihood against the best constant std (the oracle: a constant
@@ -54,7 +56,7 @@ from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.runner import reconstruct, rerun_uq
 from ctuq.pipeline.simulate import simulate
 from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
-from ctuq.utils import atomic_path, atomic_write_json
+from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
 __all__ = [
     "AXES",
@@ -83,7 +85,7 @@ __all__ = [
 AXES: dict[str, tuple[str, ...]] = {
     "uq.prior": ("gprior", "tv_predcp"),
     "uq.noise": ("homoscedastic", "per_ray"),
-    "uq.calibration": ("none", "heldout"),
+    "uq.calibration": ("none", "heldout", "bias"),
 }
 
 # Nominal levels of the calibration curve (central credible intervals).
@@ -104,7 +106,7 @@ DEFAULTS: dict[str, Any] = {
     "settings": [60, 300],
     "priors": ["gprior", "tv_predcp"],
     "noises": ["homoscedastic", "per_ray"],
-    "calibrations": ["none", "heldout"],
+    "calibrations": ["none", "heldout", "bias"],
     "config": "demo",
     "set": [],
     # Scan: the bundled preset's detector and ground-truth pixels, 1200 angles, 4 detector rows (the central slice
@@ -261,8 +263,12 @@ def joint_ll_at_scale(ll_1: float, ll_k0: float, k0: float, k: float) -> float:
 def heldout_report(run: Path) -> dict | None:
     """The held-out check of a finished run folder with the current statistic: its saved rows
     (``heldout_rows.npz``) rescored (:func:`ctuq.pipeline.calibration.score_rows`), else the report in its
-    ``metrics.json``; ``None`` when the run made no check."""
+    ``metrics.json``; ``None`` when the run made no check. Rows saved before the bias model get its weights from
+    the run's scan (:func:`ctuq.pipeline.calibration.read_heldout_rows_with_bias`, saved back into the run)."""
     saved = calib.read_heldout_rows(run)
+    if saved is not None and saved[0].bias_weight is None and (run / rf.CONFIG_NAME).is_file():
+        cfg = load_config(run / rf.CONFIG_NAME)
+        saved = calib.read_heldout_rows_with_bias(run, cfg, resolve_device(cfg.device), seed=cfg.seed + 1)
     if saved is not None:
         rows, meta = saved
         return calib.score_rows(rows, meta)
@@ -272,7 +278,8 @@ def heldout_report(run: Path) -> dict | None:
 def score_run(run: Path, calibration: str = "none", heldout: dict | None = None) -> dict:
     """Scores of a finished run folder in its inner square (:func:`ctuq.metrics.inner_square_roi`), for the std map
     of ``calibration``: ``none``, the posterior's (``std_uncalibrated.tif`` when the run rescaled, else
-    ``std.tif``), or ``heldout``, that map × the held-out ``k`` of ``heldout`` (default :func:`heldout_report`).
+    ``std.tif``), ``heldout``, that map × the held-out ``k`` of ``heldout`` (default :func:`heldout_report`), or
+    ``bias``, ``sqrt(std² + τ² M)`` with the held-out bias model's ``τ`` (``uq.calibration = bias``).
 
     Reads ``reconstruction.tif``, ``ground_truth.tif``, the std map (mm⁻¹) and ``metrics.json``. Returns
     ``coverage_0.5/0.9/0.95`` and ``calibration`` (coverage at :data:`LEVELS`), ``right_scale`` =
@@ -280,8 +287,13 @@ def score_run(run: Path, calibration: str = "none", heldout: dict | None = None)
     equal to the RMS error), ``joint_ll_10`` (10×10 patches, from ``metrics.json``; for ``heldout`` by
     :func:`joint_ll_at_scale`) and ``oracle_joint_ll_10`` (the oracle is independent across pixels, so its joint
     LL per pixel equals its marginal one), ``spearman`` (std against |err|; ``None`` for a constant std), ``rmse``
-    and ``mean_std`` (mm⁻¹), ``k`` (the factor applied, ``None`` for ``none``) and ``heldout`` (the held-out
-    check's headline numbers, if the run made one).
+    and ``mean_std`` (mm⁻¹), ``k`` (the factor applied, ``None`` unless ``heldout``), ``tau`` (mm⁻¹, ``None``
+    unless ``bias``; its ``joint_ll_10`` from ``metrics.json``'s ``summary_bias`` of the same τ, else ``None``) and
+    ``heldout`` (the held-out
+    check's headline numbers, if the run made one); for ``none``, when the check fitted the bias model (rows saved
+    with ``bias_weight``), ``bias``: ``tau`` (mm⁻¹) and the ``right_scale``, ``coverage_0.9``/``0.95`` and
+    ``marginal_ll`` of the map ``sqrt(std² + τ² M)`` (M: :func:`ctuq.pipeline.calibration.object_mask` of the
+    reconstruction; docs/calibration.md, "τ alone").
     """
     base = rf.STD_UNCALIBRATED_NAME if (run / rf.STD_UNCALIBRATED_NAME).is_file() else rf.STD_NAME
     read = {name: tifffile.imread(run / name).astype(np.float64) for name in (rf.RECONSTRUCTION_NAME,
@@ -297,7 +309,7 @@ def score_run(run: Path, calibration: str = "none", heldout: dict | None = None)
         heldout = heldout_report(run)
     summary = uq.get("summary_uncalibrated") or uq.get("summary") or {"joint_ll": metrics.get("joint_ll")}
     joint = (summary.get("joint_ll") or {}).get(JOINT_PATCH)
-    k = None
+    k = tau_applied = None
     if calibration == "heldout":
         if heldout is None:
             raise StudyError(f"{run}: uq.calibration = heldout needs the run's held-out check; it has none")
@@ -307,11 +319,33 @@ def score_run(run: Path, calibration: str = "none", heldout: dict | None = None)
         k0 = (rescaled or {}).get("k", (uq.get("calibration") or {}).get("k"))
         j0 = ((rescaled or {}).get("joint_ll") or {}).get(JOINT_PATCH)
         joint = None if joint is None or j0 is None or k0 is None else joint_ll_at_scale(joint, j0, float(k0), k)
+    elif calibration == "bias":
+        fit = (heldout or {}).get("bias")
+        if fit is None:
+            raise StudyError(f"{run}: uq.calibration = bias needs the run's held-out check with bias weights")
+        tau_applied = tau = float(fit["tau"])
+        std = np.sqrt(std**2 + tau**2 * calib.object_mask(read[rf.RECONSTRUCTION_NAME])[roi].ravel())
+        # the joint LL of the same map, when the run scored it (metrics.json's summary_bias, same τ); else unknown
+        scored = uq.get("summary_bias") or {}
+        same = scored.get("tau") is not None and math.isclose(float(scored["tau"]), tau, rel_tol=1e-9, abs_tol=0.0)
+        joint = (scored.get("joint_ll") or {}).get(JOINT_PATCH) if same else None
     elif calibration != "none":
-        raise StudyError(f"score_run: calibration must be 'none' or 'heldout', got {calibration!r}")
+        raise StudyError(f"score_run: calibration must be 'none', 'heldout' or 'bias', got {calibration!r}")
     z = np.abs(err) / std
     rmse = float(np.sqrt(np.mean(err**2)))
     oracle = _gaussian_ll(err, np.full_like(err, rmse))
+    bias = None
+    if calibration == "none" and heldout is not None and heldout.get("bias") is not None:
+        tau = float(heldout["bias"]["tau"])
+        mask = calib.object_mask(read[rf.RECONSTRUCTION_NAME])[roi].ravel()
+        sd = np.sqrt(std**2 + tau**2 * mask)
+        zb = np.abs(err) / sd
+        bias = {
+            "tau": tau,
+            "right_scale": float(np.sqrt(np.mean(zb**2))),
+            **{f"coverage_{l:g}": float(np.mean(zb <= ndtri(0.5 + l / 2))) for l in HEADLINE[1:]},
+            "marginal_ll": _gaussian_ll(err, sd),
+        }
     return {
         **{f"coverage_{l:g}": float(np.mean(z <= ndtri(0.5 + l / 2))) for l in HEADLINE},
         "calibration": [float(np.mean(z <= ndtri(0.5 + l / 2))) for l in LEVELS],
@@ -325,7 +359,9 @@ def score_run(run: Path, calibration: str = "none", heldout: dict | None = None)
         "rmse": rmse,
         "mean_std": float(np.mean(std)),
         "k": k,
+        "tau": tau_applied,
         "heldout": None if heldout is None else _heldout_headline(heldout),
+        "bias": bias,
     }
 
 
@@ -377,6 +413,7 @@ def aggregate(records: list[dict]) -> list[dict]:
         row["min_ll_margin"] = min(r["scores"]["marginal_ll"] - r["scores"]["oracle_ll"] for r in rs)
         row["calibration"] = [float(np.mean([r["scores"]["calibration"][i] for r in rs])) for i in range(len(LEVELS))]
         row["statistics"] = _statistics(rs)
+        row["bias"] = _bias_summary(rs)
         rows.append(row)
     return rows
 
@@ -393,17 +430,35 @@ STATISTICS = {
 def _statistics(rs: list[dict]) -> dict:
     """Per held-out statistic of :data:`STATISTICS`: the image-space right scale after rescaling the posterior std by
     its ``k`` (``right_scale / k``; 1 is right) as mean ± s.e. over the scans, and the number of scans where it lies
-    within 10 % of 1. Only the records of uncalibrated std maps (``k`` None) enter."""
+    within 10 % of 1. Only the records of uncalibrated std maps (``k`` and ``tau`` None) enter."""
     out = {}
     for key in STATISTICS:
         vals = [
             r["scores"]["right_scale"] / r["scores"]["heldout"][key]
             for r in rs
-            if r["scores"].get("k") is None and (r["scores"].get("heldout") or {}).get(key)
+            if r["scores"].get("k") is None
+            and r["scores"].get("tau") is None  # uq.calibration = bias: not the posterior's map either
+            and (r["scores"].get("heldout") or {}).get(key)
         ]
         if vals:
             m, se = _mean_se(vals)
             out[key] = {"after": [m, se], "within_10pc": int(sum(abs(x - 1) <= 0.1 for x in vals)), "n": len(vals)}
+    return out
+
+
+def _bias_summary(rs: list[dict]) -> dict | None:
+    """The held-out bias model with the posterior kept (the scores' ``bias``, uncalibrated runs that have it): mean
+    ± s.e. over scans of τ, its right scale, coverage and marginal LL, how many scans have τ > 0, land within
+    [0.85, 1.15] and keep the posterior's LL; ``None`` when no run has it."""
+    have = [r["scores"] for r in rs if r["scores"].get("k") is None and r["scores"].get("bias")]
+    if not have:
+        return None
+    out = {key: _mean_se([s["bias"][key] for s in have]) for key in ("tau", "right_scale", "coverage_0.9",
+           "coverage_0.95", "marginal_ll")}  # fmt: skip
+    out["n"] = len(have)
+    out["n_tau_positive"] = int(sum(s["bias"]["tau"] > 0 for s in have))
+    out["n_right_scale_in_gate"] = int(sum(0.85 <= s["bias"]["right_scale"] <= 1.15 for s in have))
+    out["n_ll_at_least_posterior"] = int(sum(s["bias"]["marginal_ll"] >= s["marginal_ll"] - 1e-12 for s in have))
     return out
 
 
@@ -480,6 +535,23 @@ def markdown_table(rows: list[dict], gates: list[dict], unavailable: dict[str, s
                 for k in STATISTICS
             ]
             lines.append(f"| {r['angles']} | {r['combination']} | " + " | ".join(cells) + " |")
+    bias_rows = [r for r in rows if r["content"] == "all" and r.get("bias")]
+    if bias_rows:
+        lines += ["", "## Held-out bias inside the object, posterior kept (τ alone; not applied by any run)", ""]
+        lines += [
+            "std map sqrt(std² + τ² M), τ fitted on the held-out rows (docs/calibration.md); mean ± s.e. over scans",
+            "",
+            "| angles | combination | scans | τ > 0 | τ (mm⁻¹) | right scale | in [0.85, 1.15] | cov 0.9 | cov 0.95 "
+            "| marginal LL | LL ≥ posterior's |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in bias_rows:
+            b = r["bias"]
+            lines.append(
+                f"| {r['angles']} | {r['combination']} | {b['n']} | {b['n_tau_positive']} | {_fmt(b['tau'], 5)} "
+                f"| {_fmt(b['right_scale'], 2)} | {b['n_right_scale_in_gate']} | {_fmt(b['coverage_0.9'])} "
+                f"| {_fmt(b['coverage_0.95'])} | {_fmt(b['marginal_ll'], 2)} | {b['n_ll_at_least_posterior']} |"
+            )
     if unavailable:
         lines += ["", "## Combinations not run", ""]
         lines += [f"- `{name}`: {why}" for name, why in unavailable.items()]

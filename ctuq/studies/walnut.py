@@ -106,7 +106,7 @@ DEFAULTS: dict[str, Any] = {
     "em_steps": 5,
     "em_samples": 16,
     "exact_em_steps": 50,
-    "tv_predcp_steps": 60,  # type-II MAP steps of the TV-PredCP row (docs/tv_predcp.md)
+    "tv_predcp_steps": 100,  # most type-II MAP steps of the TV-PredCP row; it stops once converged (docs/tv_predcp.md)
     "rank": 400,
     "gprior": "exact",
     "prior_precision": 100.0,
@@ -151,8 +151,8 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         ``linearised_sampled``: g-prior ``opts["gprior"]``, preconditioned CG (rank ``opts["rank"]``), sampled EM
         (``em_steps`` × ``em_samples``), ``opts["samples"]`` samples; ``linearised_exact``: exact g-prior, exact
         EM (``exact_em_steps``, tol 1e-3), ``opts["exact_samples"]`` exact samples; ``linearised_tv_predcp``: as
-        ``linearised_exact`` with the TV-PredCP block prior (``opts["tv_predcp_steps"]`` type-II MAP steps, the
-        other ``uq.tv_predcp`` settings at their defaults) instead of the g-prior.
+        ``linearised_exact`` with the TV-PredCP block prior (at most ``opts["tv_predcp_steps"]`` type-II MAP steps,
+        the other ``uq.tv_predcp`` settings at their defaults) instead of the g-prior.
     sdir : Path
         The setting's folder; the method writes into ``sdir/method``.
     model : ctuq.models.UNet

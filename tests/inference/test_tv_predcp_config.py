@@ -12,6 +12,10 @@ def test_tv_predcp_is_a_prior_and_its_section_maps_to_prior_options():
     args = posterior_arguments(cfg.uq)
     assert args["prior"] == "tv_predcp"
     assert args["prior_options"]["steps"] == 7 and "rate" not in args["prior_options"]  # the front end sets the rate
+    assert (args["prior_options"]["optimizer"], args["prior_options"]["tol"]) == ("lbfgs", 1e-2)
+    cfg = load_config("demo", ["uq.prior=tv_predcp", "uq.tv_predcp.optimizer=adam", "uq.tv_predcp.max_step=0.5"])
+    opts = posterior_arguments(cfg.uq)["prior_options"]
+    assert (opts["optimizer"], opts["max_step"]) == ("adam", 0.5)
     cfg = load_config("demo", ["uq.tv_predcp={steps: 3, lr: 0.1}"])
     assert (cfg.uq.tv_predcp.steps, cfg.uq.tv_predcp.lr) == (3, 0.1)
 
@@ -31,6 +35,9 @@ def test_the_default_prior_gets_no_prior_options():
         ("uq.tv_predcp.variance=-2", "uq.tv_predcp.variance must be > 0"),
         ("uq.tv_predcp.steps=-1", "uq.tv_predcp.steps must be >= 0"),
         ("uq.tv_predcp.probes=0", "uq.tv_predcp.probes must be >= 1"),
+        ("uq.tv_predcp.optimizer=newton", "uq.tv_predcp.optimizer must be one of"),
+        ("uq.tv_predcp.tol=0", "uq.tv_predcp.tol must be > 0"),
+        ("uq.tv_predcp.max_step=-1", "uq.tv_predcp.max_step must be > 0"),
         ("uq.tv_predcp.rate=2", "unknown config key 'uq.tv_predcp.rate'"),
         ("uq.tv_predcp=3", "is a section"),
     ],

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tv_toy import D_W, IMAGE, SHAPES, toy_problem
 
 from ctuq.inference import DenseFeatures, DenseLinearGaussian, GaussianLikelihood, LinearizedPosterior
 from ctuq.inference.block_features import BlockFeatures
@@ -19,24 +20,10 @@ from ctuq.testing import FeatureContract
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SHAPES = {
-    "a.0.weight": (2, 1, 3, 3),
-    "a.1.weight": (2, 2, 3, 3),
-    "b.0.weight": (1, 2, 3, 3),
-    "out.weight": (1, 1, 1, 1),
-}
-IMAGE = (5, 6)
-D_W = 18 + 36 + 18 + 1
-
 
 def _problem(c=24, seed=0):
-    """A dense 'network' Φ (30 × 73), a ray-transform-like T (c × 30), Ψ₀ = TΦ, targets from a smooth image."""
-    g = torch.Generator().manual_seed(seed)
-    Phi = torch.randn(math.prod(IMAGE), D_W, generator=g, dtype=torch.float64) / 3
-    T = torch.randn(c, math.prod(IMAGE), generator=g, dtype=torch.float64) / 4
-    w = torch.randn(D_W, generator=g, dtype=torch.float64) * 0.5
-    y = T @ Phi @ w + 0.1 * torch.randn(c, generator=g, dtype=torch.float64)
-    return Phi, T @ Phi, y
+    """The shared toy problem (tests/tv_toy.py) with ``c`` rows."""
+    return toy_problem(c, seed)
 
 
 def _prior(seed=3, **kw):

@@ -2,8 +2,10 @@
 ``ctuq uq RUN --check``, end to end on a tiny simulated scan."""
 
 import hashlib
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from ctuq.metrics import heldout_check
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.phases import RunState, phase_load, phase_restore_dip
+from ctuq.studies.calibration import score_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,6 +61,10 @@ def test_every_run_with_uq_records_the_check(run):
     assert set(h["coverage_headline"]) == {"0.5", "0.9", "0.95"} and len(h["coverage"]) == len(h["levels"]) == 20
     assert h["scale"]["k"] > 0 and h["scale"]["se_bootstrap"] > 0 and 0 < h["image_variance_fraction"] < 1
     assert h["command"] == f"ctuq uq {run} --check"
+    # the bias model (τ alone, posterior kept): reported, never applied by default; its weights saved with the rows
+    assert h["bias"]["tau"] >= 0 and (h["bias"]["zero"] or h["bias"]["se_curvature"] > 0)
+    with np.load(run / rf.HELDOUT_ROWS_NAME) as z:
+        assert z["bias_weight"].shape == (h["n_rows"],) and z["bias_weight"].min() >= 0 and z["bias_weight"].max() > 0
     assert m["uq"]["calibration"] == {"mode": "none", "k": None}
     assert (run / rf.HELDOUT_FIGURE).is_file() and not (run / rf.STD_UNCALIBRATED_NAME).exists()
     # what uq.calibration = heldout would score, from the same posterior (std × k: mean std × k)
@@ -160,6 +167,11 @@ def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_
     d = held.relative_variances
     assert d.min() > 0 and d.max() / d.min() > 1.05  # the rows differ: a per-row noise, not one σ²
     assert 0.5 < d.mean() < 2.0  # held-out and used rows come from the same scan: comparable variances
+    # --check on a per-ray run without saved rows rebuilds its posterior, which needs the scan's variances too
+    (copy / rf.HELDOUT_ROWS_NAME).unlink()
+    assert main(["uq", str(copy), "--check", "--no-progress"]) == 0
+    again = json.loads((copy / rf.HELDOUT_NAME).read_text())
+    assert again["noise_model"] == "per_ray" and again["scale"]["k"] == pytest.approx(rep["scale"]["k"], rel=1e-6)
 
 
 def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, capsys):
@@ -192,7 +204,11 @@ def test_check_without_saved_rows_refits_and_saves_them(run, tmp_path):
 
 @pytest.mark.parametrize(
     "content, fragment",
-    [(b"not an npz file", "unreadable held-out rows"), (None, "not a held-out rows file (no variance")],
+    [
+        (b"not an npz file", "unreadable held-out rows"),
+        (None, "not a held-out rows file (no variance"),
+        ("bias_weight", "bias_weight has shape (3,)"),
+    ],
 )
 def test_a_broken_rows_file_is_a_one_line_error(run, tmp_path, capsys, content, fragment):
     copy = tmp_path / "broken"
@@ -201,6 +217,11 @@ def test_a_broken_rows_file_is_a_one_line_error(run, tmp_path, capsys, content, 
     if content is None:  # an npz without the variance array
         with np.load(path) as z:
             kept = {k: z[k] for k in z.files if k != "variance"}
+        with open(path, "wb") as fh:
+            np.savez(fh, **kept)
+    elif content == "bias_weight":  # bias weights that are not one per row
+        with np.load(path) as z:
+            kept = {**{k: z[k] for k in z.files}, "bias_weight": np.ones(3)}
         with open(path, "wb") as fh:
             np.savez(fh, **kept)
     else:
@@ -220,3 +241,48 @@ def test_bad_calibration_value_names_the_key(capsys):
     assert main(["reconstruct", "--no-uq", "--set", "uq.calibration=sometimes"]) == 2
     err = capsys.readouterr().err
     assert "uq.calibration" in err and "heldout" in err
+
+
+def test_the_bias_model_experiment_runs_and_its_image_oracle_is_calibrated(run, tmp_path):
+    """scripts/heldout_bias_experiment.py (docs/calibration.md) on the tiny run: every method scored, and the
+    image-space oracle's (k, τ) fit is at a stationary point, where scaling both by c scales the std by c, so its
+    right scale is 1 (to the Nelder–Mead tolerance)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "heldout_bias_experiment.py"
+    spec = importlib.util.spec_from_file_location("heldout_bias_experiment", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(run), "--out", str(tmp_path / "exp")]) == 0
+    (res,) = json.loads((tmp_path / "exp" / "results.json").read_text())
+    methods = [s["method"] for s in res["scores"]]
+    assert len(methods) == 5 and methods[0] == "posterior" and "oracle" in methods[-1]
+    assert res["scores"][-1]["right_scale"] == pytest.approx(1.0, abs=2e-3)
+    posterior = score_run(run)  # the study's scores of the same std map: the same inner square and numbers
+    for key in ("right_scale", "coverage_0.9", "marginal_ll", "oracle_ll"):
+        assert res["scores"][0][key] == pytest.approx(posterior[key], rel=1e-3)
+    assert all(np.isfinite(v) for v in res["evidence"].values())
+    assert "| posterior |" in (tmp_path / "exp" / "table.md").read_text()
+
+
+class _NoMatrix:
+    """The held-out operator without its assembled matrix: what an operator of another backend offers."""
+
+    def __init__(self, op):
+        self.op, self.c, self.device, self.dtype = op, op.c, op.device, op.dtype
+
+    def forward_flat(self, x):
+        return self.op.forward_flat(x)
+
+
+def test_bias_weights_without_a_matrix_agree_with_the_exact_ones(run):
+    """w = (T ∘ T) M: exact from the sparse matrix; 64 Rademacher probes otherwise (unbiased, per-row relative s.d.
+    ≤ sqrt(2/64) ≈ 18 %): the mean over rows agrees within 3 % (its s.d. is under 1 % here), seed 0."""
+    cfg = load_config(run / "config.yaml")
+    held, _reason = calib.heldout_data(cfg, torch.device("cpu"))
+    mask = calib.object_mask(tifffile.imread(run / rf.RECONSTRUCTION_NAME))
+    assert 0 < mask.mean() < 1
+    exact = calib.bias_weight(held.op, mask)
+    probed = calib.bias_weight(_NoMatrix(held.op), mask, seed=0)
+    dense = held.op.csr.to_dense().double().numpy()
+    np.testing.assert_allclose(exact, (dense**2) @ mask.ravel(), rtol=1e-10)
+    assert probed.mean() == pytest.approx(exact.mean(), rel=0.03)
+    assert np.corrcoef(probed, exact)[0, 1] > 0.9

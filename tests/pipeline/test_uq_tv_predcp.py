@@ -55,6 +55,8 @@ def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path
     prior = post.block_prior
     assert prior.fitted and len(prior.trace) == 5 and (tmp_path / PRIOR_TRACE_FIGURE).is_file()
     assert res.stats["prior"]["prior"] == "tv_predcp" and len(res.stats["prior"]["trace"]) == 5
+    conv = res.stats["prior"]["convergence"]  # the fit's convergence check reaches metrics.json
+    assert conv["steps"] == 5 and conv["optimizer"] == "lbfgs" and isinstance(conv["converged"], bool)
     assert "gprior" not in res.stats
     with torch.no_grad():
         g0 = model(net_input).reshape(1, -1).double()

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tv_toy import IMAGE, SHAPES
 
 from ctuq.linearize import default_linearized_parameters
 from ctuq.models import build_unet
@@ -13,14 +14,6 @@ from ctuq.priors import BLOCK_PRIORS, PriorError, TVPredCPPrior
 from ctuq.priors.tv_predcp import anisotropic_tv, block_layout, tap_distances, tap_grams, tv_predcp_terms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SHAPES = {
-    "a.0.weight": (2, 1, 3, 3),
-    "a.1.weight": (2, 2, 3, 3),
-    "b.0.weight": (1, 2, 3, 3),
-    "out.weight": (1, 1, 1, 1),
-}
-IMAGE = (5, 6)
 
 
 def _prior(**kw):

@@ -1,0 +1,174 @@
+"""``uq.calibration: bias`` (:mod:`ctuq.pipeline.uq_phase`, :mod:`ctuq.pipeline.calibration`): the held-out bias
+model ``sqrt(std² + τ² M)`` applied to ``std.tif`` and scored, and the bias weights of rows saved before it, end to
+end on the tiny simulated scan."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+from ctuq.cli import main
+from ctuq.metrics import SampleMoments, inner_square_roi
+from ctuq.pipeline import calibration as calib
+from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.uq_phase import biased_moments
+from ctuq.studies.calibration import heldout_report, score_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# 32² image, every 2nd angle held out, 60 DIP iterations, 64 posterior samples (as tests/pipeline/test_calibration.py)
+TINY = [
+    *("--set", "data.image_shape=[32, 32]"),
+    *("--set", "data.angular_subsampling=2"),
+    *("--set", "data.detector_subsampling=3"),
+    *("--set", "dip.iterations=60"),
+    *("--set", "tv.enabled=false"),
+    *("--set", "uq.samples=64"),
+    *("--set", "uq.em_steps=3"),
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_scan, tmp_path_factory):
+    """The default (``uq.calibration: none``) tiny run."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *TINY]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def biased(run, tmp_path_factory):
+    """The same run with its UQ phase rerun under ``uq.calibration: bias``."""
+    out = tmp_path_factory.mktemp("runs") / "bias"
+    shutil.copytree(run, out)
+    assert main(["uq", str(out), "--set", "uq.calibration=bias", "--no-progress"]) == 0
+    return out
+
+
+def _metrics(folder):
+    return json.loads((folder / rf.METRICS_NAME).read_text())
+
+
+def test_calibration_bias_writes_sqrt_std2_plus_tau2_mask(biased):
+    m = _metrics(biased)
+    cal = m["uq"]["calibration"]
+    assert cal["mode"] == "bias" and cal["k"] is None
+    assert cal["tau"] == m["uq"]["heldout"]["bias"]["tau"] > 0  # the tiny run's DIP bias leaves room for τ
+    assert cal["tau_se"] > 0 and cal["tau_interval_95"][0] < cal["tau"] < cal["tau_interval_95"][1]
+    std, raw = tifffile.imread(biased / rf.STD_NAME), tifffile.imread(biased / rf.STD_UNCALIBRATED_NAME)
+    mask = calib.object_mask(tifffile.imread(biased / rf.RECONSTRUCTION_NAME))
+    assert mask.mean() == pytest.approx(cal["mask_fraction"], abs=1e-12) and 0 < cal["mask_fraction"] < 1
+    np.testing.assert_allclose(std, np.sqrt(raw.astype(np.float64) ** 2 + cal["tau"] ** 2 * mask), rtol=1e-6)
+    assert np.array_equal(std[mask == 0], raw[mask == 0])  # outside the object the posterior's map as it is
+    before, after = m["uq"]["summary_uncalibrated"], m["uq"]["summary"]
+    assert set(before) == set(after) and m["coverage"] == after["coverage"]  # top level: std.tif's
+    assert after["mean_std"] > before["mean_std"]
+
+
+def test_none_records_what_bias_would_give_and_bias_scores_it(run, biased):
+    """The default run records ``summary_bias`` without applying it; the bias run scores the same map (same
+    posterior and seed: the same numbers), and its ``summary_uncalibrated`` is the default run's ``summary``."""
+    m0, m1 = _metrics(run), _metrics(biased)
+    assert m0["uq"]["calibration"] == {"mode": "none", "k": None}
+    would = m0["uq"]["summary_bias"]
+    assert would["tau"] == pytest.approx(m1["uq"]["calibration"]["tau"], rel=1e-9)
+    for key in ("marginal_ll", "mean_std", "spearman"):
+        assert m1["uq"]["summary"][key] == pytest.approx(would[key], rel=1e-6), key
+        assert m1["uq"]["summary_uncalibrated"][key] == pytest.approx(m0["uq"]["summary"][key], rel=1e-6), key
+    assert m1["uq"]["summary"]["joint_ll"]["10"] == pytest.approx(would["joint_ll"]["10"], rel=1e-6)
+    assert "summary_bias" not in m1["uq"] and "summary_recalibrated" in m1["uq"]
+
+
+def test_the_study_scores_bias_as_the_map_the_option_writes(run, biased):
+    """The calibration study's ``bias`` score of the default run is the score of the bias run's std.tif, and its
+    joint LL the one the default run recorded for the same τ."""
+    scores = score_run(run, "bias")
+    assert scores["tau"] == pytest.approx(_metrics(biased)["uq"]["calibration"]["tau"], rel=1e-9)
+    std = tifffile.imread(biased / rf.STD_NAME).astype(np.float64)
+    roi = inner_square_roi(std.shape)
+    err = tifffile.imread(run / rf.RECONSTRUCTION_NAME) - tifffile.imread(run / rf.GROUND_TRUTH_NAME)
+    err, std = err.astype(np.float64)[roi], std[roi]
+    assert scores["marginal_ll"] == pytest.approx(np.mean(-0.5 * np.log(2 * np.pi * std**2) - 0.5 * (err / std) ** 2))
+    assert scores["joint_ll_10"] == _metrics(run)["uq"]["summary_bias"]["joint_ll"]["10"]
+    assert scores["k"] is None and scores["bias"] is None  # the bias entry compares with the posterior's map
+
+
+def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatch):
+    """τ = 0 (the fit found no room for a bias): ``std.tif`` is the posterior's, bit for bit, and so are its scores."""
+    fit = calib.HeldoutResult.bias.fget
+    zero = {"tau": 0.0, "zero": True, "se_bootstrap": None, "se_curvature": None, "interval_95": None}
+    monkeypatch.setattr(calib.HeldoutResult, "bias", property(lambda self: {**fit(self), **zero}))
+    copy = tmp_path / "zero"
+    shutil.copytree(run, copy)
+    assert main(["uq", str(copy), "--set", "uq.calibration=bias", "--no-progress"]) == 0
+    m = _metrics(copy)
+    assert m["uq"]["calibration"]["tau"] == 0.0 and m["uq"]["calibration"]["tau_se"] is None
+    std, raw = tifffile.imread(copy / rf.STD_NAME), tifffile.imread(copy / rf.STD_UNCALIBRATED_NAME)
+    assert np.array_equal(std, raw) and np.array_equal(raw, tifffile.imread(run / rf.STD_NAME))
+    assert m["uq"]["summary"] == m["uq"]["summary_uncalibrated"]
+
+
+def test_bad_calibration_value_names_the_key_and_bias(capsys):
+    assert main(["reconstruct", "--no-uq", "--set", "uq.calibration=biased"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "uq.calibration" in err and "bias" in err and "\n" not in err
+
+
+def _strip_bias_weight(folder):
+    path = folder / rf.HELDOUT_ROWS_NAME
+    with np.load(path) as z:
+        kept = {k: z[k] for k in z.files}
+    weight = kept.pop("bias_weight")
+    with open(path, "wb") as fh:
+        np.savez(fh, **kept)
+    return weight
+
+
+def test_rows_saved_before_the_bias_model_get_their_weights(run, tmp_path, capsys):
+    """Rows without ``bias_weight``: ``ctuq uq RUN --check`` and the study's rescoring compute them from the run's
+    scan (its held-out operator and the mask of reconstruction.tif), save them back, and find the run's τ."""
+    tau = _metrics(run)["uq"]["heldout"]["bias"]["tau"]
+    check, study = tmp_path / "check", tmp_path / "study"
+    for folder in (check, study):
+        shutil.copytree(run, folder)
+        weight = _strip_bias_weight(folder)
+        assert calib.read_heldout_rows(folder)[0].bias_weight is None
+    assert main(["uq", str(check), "--check", "--no-progress"]) == 0
+    assert "bias inside the object" in capsys.readouterr().out
+    assert json.loads((check / rf.HELDOUT_NAME).read_text())["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
+    assert heldout_report(study)["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
+    for folder in (check, study):  # saved back: the next rescoring reads them
+        rows, meta = calib.read_heldout_rows(folder)
+        np.testing.assert_allclose(rows.bias_weight, weight, rtol=1e-5)
+        assert meta == calib.read_heldout_rows(run)[1]
+
+
+def test_rows_of_another_scan_layout_are_a_one_line_error(run, tmp_path, capsys):
+    copy = tmp_path / "other"
+    shutil.copytree(run, copy)
+    _strip_bias_weight(copy)
+    assert main(["uq", str(copy), "--check", "--no-progress", "--set", "data.detector_subsampling=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(copy / rf.HELDOUT_ROWS_NAME) in err and "held-out rows" in err
+
+
+def test_biased_moments_add_the_variance_on_every_diagonal_only():
+    """The added sums equal those of one sample per pixel (``sqrt(k v_j)`` at pixel ``j``): exact, seed 0."""
+    gen = torch.Generator().manual_seed(0)
+    shape, sizes = (23, 29), [1, 2, 3, 7]
+    moments = SampleMoments(shape, patch_sizes=sizes).update(torch.randn(40, *shape, generator=gen))
+    var = torch.rand(shape, generator=gen, dtype=torch.float64) * (torch.rand(shape, generator=gen) > 0.3)
+    out = biased_moments(moments, var)
+    ref = SampleMoments(shape, patch_sizes=sizes)
+    ref.update(torch.diag((40 * var).sqrt().reshape(-1)).reshape(-1, *shape))
+    a, b, r = moments.state_dict(), out.state_dict(), ref.state_dict()
+    assert out.n_samples == moments.n_samples == 40
+    torch.testing.assert_close(out.variance(), moments.variance() + var, rtol=0, atol=1e-12)
+    for p in a["patch_sums"]:
+        torch.testing.assert_close(b["patch_sums"][p], a["patch_sums"][p] + r["patch_sums"][p], rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="variance must be"):
+        biased_moments(moments, -var)
