@@ -30,6 +30,23 @@ def tiny_scan(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_uq_args():
+    """``ctuq reconstruct`` arguments for a seconds-long run with uncertainty on :func:`tiny_scan`: 32² image, every
+    2nd angle used (the other half held out for the held-out check), 60 DIP iterations without TV, 64 posterior
+    samples, 3 EM steps."""
+    settings = (
+        "data.image_shape=[32, 32]",
+        "data.angular_subsampling=2",
+        "data.detector_subsampling=3",
+        "dip.iterations=60",
+        "tv.enabled=false",
+        "uq.samples=64",
+        "uq.em_steps=3",
+    )
+    return [arg for setting in settings for arg in ("--set", setting)] + ["--no-progress"]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

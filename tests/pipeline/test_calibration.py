@@ -22,30 +22,11 @@ from ctuq.studies.calibration import score_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# 32² image, every 2nd angle used (the other half held out), 60 DIP iterations, 64 posterior samples.
-TINY = [
-    "--set",
-    "data.image_shape=[32, 32]",
-    "--set",
-    "data.angular_subsampling=2",
-    "--set",
-    "data.detector_subsampling=3",
-    "--set",
-    "dip.iterations=60",
-    "--set",
-    "tv.enabled=false",
-    "--set",
-    "uq.samples=64",
-    "--set",
-    "uq.em_steps=3",
-    "--no-progress",
-]
-
 
 @pytest.fixture(scope="module")
-def run(tiny_scan, tmp_path_factory):
+def run(tiny_scan, tiny_uq_args, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *TINY]) == 0
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_uq_args]) == 0
     return out
 
 
@@ -174,7 +155,7 @@ def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_
     assert again["noise_model"] == "per_ray" and again["scale"]["k"] == pytest.approx(rep["scale"]["k"], rel=1e-6)
 
 
-def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, capsys):
+def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tiny_uq_args, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((run / "config.yaml").read_text())
@@ -182,7 +163,7 @@ def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert "not a finished run (no metrics.json)" in err and str(unfinished) in err and "\n" not in err
     no_uq = tmp_path / "no_uq"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(no_uq), "--no-uq", *TINY]) == 0
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(no_uq), "--no-uq", *tiny_uq_args]) == 0
     capsys.readouterr()
     assert main(["uq", str(no_uq), "--check"]) == 2
     err = capsys.readouterr().err.strip()

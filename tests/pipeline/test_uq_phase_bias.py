@@ -19,24 +19,12 @@ from ctuq.studies.calibration import heldout_report, score_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# 32² image, every 2nd angle held out, 60 DIP iterations, 64 posterior samples (as tests/pipeline/test_calibration.py)
-TINY = [
-    *("--set", "data.image_shape=[32, 32]"),
-    *("--set", "data.angular_subsampling=2"),
-    *("--set", "data.detector_subsampling=3"),
-    *("--set", "dip.iterations=60"),
-    *("--set", "tv.enabled=false"),
-    *("--set", "uq.samples=64"),
-    *("--set", "uq.em_steps=3"),
-    "--no-progress",
-]
-
 
 @pytest.fixture(scope="module")
-def run(tiny_scan, tmp_path_factory):
+def run(tiny_scan, tiny_uq_args, tmp_path_factory):
     """The default (``uq.calibration: none``) tiny run."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *TINY]) == 0
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_uq_args]) == 0
     return out
 
 
