@@ -136,19 +136,16 @@ def prior_scales(
     if prior == Prior.ISOTROPIC:
         return torch.ones(n_params, dtype=torch.float64)
     if gprior_method == GPriorMethod.STOCHASTIC:
-        s = gprior_scales(
+        return gprior_scales(
             base.rmatvec,
             base.n_outputs,
             method=GPriorMethod.STOCHASTIC.value,
             n_probes=gprior_probes,
             seed=seed,
+            floor=gprior_floor,
             dtype=base.dtype,
             progress=progress,
         ).double()
-        if gprior_floor == 0:
-            return s
-        # back to the estimated squared norms (zero scales: zero columns) so that the floor is the exact route's
-        sq_norms = torch.where(s > 0, s.clamp_min(torch.finfo(s.dtype).tiny).pow(-2), torch.zeros_like(s))
-    elif sq_norms is None:
+    if sq_norms is None:
         sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
     return scales_from_sq_norms(sq_norms, floor=gprior_floor)

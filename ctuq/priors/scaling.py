@@ -174,6 +174,7 @@ def gprior_scales(
     seed: int = 0,
     zero_norm_value: float = 0.0,
     zero_tol: float = 0.0,
+    floor: float = 0.0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool = False,
@@ -195,6 +196,8 @@ def gprior_scales(
         See :func:`column_sq_norms`.
     zero_norm_value, zero_tol
         Treatment of zero columns (module docstring).
+    floor : float
+        ``δ ≥ 0``, the ridge of :func:`scales_from_sq_norms` (default 0: the plain g-prior).
     dtype, device
         Of the probes and of the returned scales.
     """
@@ -216,7 +219,7 @@ def gprior_scales(
     )
     if n_features is not None and sq.numel() != n_features:
         raise ValueError(f"gprior_scales: A_rmatvec returned {sq.numel()} columns but n_features={n_features}")
-    return scales_from_sq_norms(sq, zero_norm_value, zero_tol).to(dtype=dtype, device=torch.device(device))
+    return scales_from_sq_norms(sq, zero_norm_value, zero_tol, floor).to(dtype=dtype, device=torch.device(device))
 
 
 def isotropic_scales(

@@ -102,6 +102,14 @@ def test_floor_is_a_ridge_on_the_nonzero_squared_norms():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="floor must be finite and >= 0"):
             scales_from_sq_norms(n, floor=bad)
+    # gprior_scales passes the ridge through, on either route (the probes' estimate is floored, not its scales)
+    A = torch.tensor([[1.0, 0.0, 2.0, 1e-3], [0.0, 0.0, 2.0, 0.0]], dtype=torch.float64)
+    f = lambda R: R @ A  # noqa: E731
+    for method in ("exact", "stochastic"):
+        kw = {"method": method, "n_probes": 16, "seed": 0, "dtype": torch.float64}
+        torch.testing.assert_close(
+            gprior_scales(f, 2, floor=0.5, **kw), scales_from_sq_norms(column_sq_norms(f, 2, **kw), floor=0.5)
+        )
 
 
 def test_isotropic_and_errors():
