@@ -334,42 +334,32 @@ def fit_bias_variance(
     w = _as_float64(bias_weight, "bias_weight", where)
     if w.shape != r.shape or not np.all(np.isfinite(w)) or np.any(w < 0):
         raise ValueError(f"{where}: bias_weight must be ({r.size},) finite values ≥ 0, got shape {w.shape}")
-    if not np.any(w > 0):  # an empty object mask (e.g. an all-zero reconstruction): no bias to fit, τ = 0
-        u = v + s2
-        z = np.abs(r) / np.sqrt(u)
-        return {
-            "tau": 0.0,
-            "zero": True,
-            "empty_mask": True,
-            "at_upper_bound": False,
-            "se_curvature": None,
-            "se_bootstrap": None,
-            "interval_95": None,
-            "n_bootstrap": 0,
-            "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
-            "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z, HEADLINE_LEVELS))),
-            "bias_variance_fraction": 0.0,
-        }
-    # w normalised to the rows' predictive variance, so the searched bracket of τ² is unit-free (as k's is)
-    unit = float(np.mean(v + s2)) / float(np.mean(w))
-    fit = fit_variance_scale(r, w * unit, v + s2, groups=g, n_bootstrap=n_bootstrap, seed=seed)
-    zero = fit["at_bound"] and fit["k"] < 1.0
-    c = math.sqrt(unit)
+    empty = not np.any(w > 0)  # an empty object mask (e.g. an all-zero reconstruction): no bias to fit, τ = 0
+    fit, c = None, 1.0
+    if not empty:
+        # w normalised to the rows' predictive variance, so the searched bracket of τ² is unit-free (as k's is)
+        unit = float(np.mean(v + s2)) / float(np.mean(w))
+        fit = fit_variance_scale(r, w * unit, v + s2, groups=g, n_bootstrap=n_bootstrap, seed=seed)
+        c = math.sqrt(unit)
+    zero = empty or (fit["at_bound"] and fit["k"] < 1.0)
     tau = 0.0 if zero else fit["k"] * c
     u = tau * tau * w + v + s2
     z = np.abs(r) / np.sqrt(u)
-    return {
+    out = {
         "tau": tau,
         "zero": bool(zero),
-        "at_upper_bound": bool(fit["at_bound"] and not zero),
+        "at_upper_bound": bool(not zero and fit["at_bound"]),
         "se_curvature": None if zero else fit["se_curvature"] * c,
         "se_bootstrap": None if zero or fit["se_bootstrap"] is None else fit["se_bootstrap"] * c,
         "interval_95": None if zero or fit["interval_95"] is None else [x * c for x in fit["interval_95"]],
-        "n_bootstrap": fit["n_bootstrap"],
+        "n_bootstrap": 0 if empty else fit["n_bootstrap"],
         "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
         "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z, HEADLINE_LEVELS))),
         "bias_variance_fraction": float(np.mean(tau * tau * w / u)),
     }
+    if empty:
+        out["empty_mask"] = True
+    return out
 
 
 def _check_rows(residual, variance, noise_variance, groups, where: str):
