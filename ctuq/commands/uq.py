@@ -24,10 +24,8 @@ import argparse
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ctuq.config import load_config
-from ctuq.inference import init_from_env
+from ctuq.inference import init_from_env, shutdown
 from ctuq.log import run_log
 from ctuq.pipeline import calibration, rerun_uq, run_folder
 from ctuq.pipeline.runner import check_run
@@ -112,10 +110,11 @@ def _rerun(args: argparse.Namespace, cfg, out_dir: Path) -> int:
         return 0
     device = resolve_device(cfg.device)
     shard, device = init_from_env(device.type)
+    clean = False
     try:
         state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard, device=device)
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s on {shard.world_size} rank(s)")
+        clean = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(clean=clean)
     return 0

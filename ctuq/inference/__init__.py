@@ -56,7 +56,7 @@ VJPs (including image-space ones).
 
 from ctuq.inference.block_features import BlockFeatures
 from ctuq.inference.checks import check_hyper, check_rhs, check_targets
-from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env
+from ctuq.inference.distributed import LocalShard, Shard, TorchShard, current_shard, init_from_env, shutdown
 from ctuq.inference.em import EMResult, SampledEM
 from ctuq.inference.features import (
     DenseFeatures,
@@ -203,5 +203,6 @@ __all__ = [
     "TorchShard",
     "current_shard",
     "init_from_env",
+    "shutdown",
     "DenseLinearGaussian",
 ]

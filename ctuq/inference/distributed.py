@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ctuq.errors import CTUQError
 
-__all__ = ["Shard", "LocalShard", "TorchShard", "current_shard", "init_from_env", "DistributedSetupError"]
+__all__ = ["Shard", "LocalShard", "TorchShard", "current_shard", "init_from_env", "shutdown", "DistributedSetupError"]
 
 
 class DistributedSetupError(CTUQError, RuntimeError):
@@ -150,6 +150,21 @@ def current_shard() -> Shard:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchShard()
     return LocalShard()
+
+
+def shutdown(*, clean: bool) -> None:
+    """Destroy the default process group, if one is initialised (no-op otherwise).
+
+    ``clean=True`` (every rank got here without an error) first waits at a barrier, so that no rank tears its
+    connections down while another still uses them (rank 0 also hosts the rendezvous store): the shutdown order
+    PyTorch's distributed docs ask for. ``clean=False`` (after an error) skips the barrier, which ranks that failed
+    elsewhere would never reach.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def init_from_env(device_type: str = "cpu", *, timeout_s: float = 1800.0) -> tuple[Shard, torch.device]:

@@ -86,11 +86,12 @@ def _worker(rank: int, world: int, port: int, solver: str, work: str, out: str) 
 
     warnings.simplefilter("ignore")
 
-    from ctuq.inference import TorchShard
+    from ctuq.inference import TorchShard, shutdown
     from ctuq.metrics import SampleMoments
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    clean = False
     try:
         op, model, net_input, y = _problem()
         shard = TorchShard()
@@ -142,8 +143,9 @@ def _worker(rank: int, world: int, port: int, solver: str, work: str, out: str) 
             torch.save(_summary(res), out)
         else:
             assert res.std is None and res.moments is None
+        clean = True
     finally:
-        dist.destroy_process_group()
+        shutdown(clean=clean)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
