@@ -470,27 +470,22 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
             pairs.clear()
             p = gf * (LBFGS_FIRST_STEP / float(gf.abs().max()))
         p *= min(1.0, prior.max_step / float(p.abs().max()))
-        alpha, evaluations = 1.0, 0
-        for _ in range(LINE_SEARCH_TRIES):
-            x_new = torch.minimum(torch.maximum(x + alpha * p, lo), hi)
-            theta_new, s2_new = split(x_new)
-            evaluations += 1
-            try:
-                g_new, info_new, hp_new, details_new = oracle(theta_new, s2_new)
-            except (FloatingPointError, torch.linalg.LinAlgError):
-                alpha *= 0.25
-                continue
-            dx = x_new - x
-            d0, d1 = float(g @ dx), float(g_new @ dx)
-            if d1 >= -0.9 * d0:
-                break
-            alpha *= min(0.5, max(0.1, d0 / (d0 - d1)))  # secant zero of ∂J along the step
-        else:
+        found, evaluations, alpha = _line_search(oracle, split, x, g, p, lo, hi)
+        if found is None and pairs:
+            # the curvature pairs can point far off once the objective's curvature has changed (a block variance
+            # moved by orders of magnitude): forget them and take a short gradient step, as at the start, before
+            # giving up (measured: a per-ray 64² walnut fit stopped here at step 36 with 10 pairs)
+            pairs.clear()
+            p = torch.where(free, gf * (LBFGS_FIRST_STEP / float(gf.abs().max())), torch.zeros_like(gf))
+            found, more, alpha = _line_search(oracle, split, x, g, p, lo, hi)
+            evaluations += more
+        if found is None:
             prior.set_theta(x[:n])
             raise FloatingPointError(
-                f"TV-PredCP fit step {steps}: no step along the L-BFGS direction gave a finite gradient that does not "
-                f"overshoot (last step size {alpha:.3g})"
+                f"TV-PredCP fit step {steps}: no step along the L-BFGS direction or the gradient gave a finite "
+                f"gradient that does not overshoot (last step size {alpha:.3g})"
             )
+        x_new, g_new, info_new, hp_new, details_new = found
         s_vec, y_vec = x_new - x, -(g_new - g)
         if float(s_vec @ y_vec) > 1e-10 * float(s_vec.norm() * y_vec.norm()):
             pairs.append((s_vec, y_vec))
@@ -519,6 +514,28 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
         if all(r["phase"] == "lbfgs" for r in recent) and _convergence(recent, prior.tol)["converged"]:
             break
     return s2
+
+
+def _line_search(oracle, split, x, g, p, lo, hi):
+    """Backtracking along the ascent direction ``p`` from ``x`` (gradient ``g``) inside the box ``[lo, hi]``: the first
+    step whose gradient is finite and has not turned below ``−0.9×`` the initial directional derivative.
+    Returns ``(found, evaluations, alpha)`` with ``found = (x_new, g_new, info, hp, details)``, or ``None`` when
+    :data:`LINE_SEARCH_TRIES` steps all failed."""
+    alpha = 1.0
+    for tries in range(1, LINE_SEARCH_TRIES + 1):
+        x_new = torch.minimum(torch.maximum(x + alpha * p, lo), hi)
+        theta_new, s2_new = split(x_new)
+        try:
+            g_new, info_new, hp_new, details_new = oracle(theta_new, s2_new)
+        except (FloatingPointError, torch.linalg.LinAlgError):
+            alpha *= 0.25
+            continue
+        dx = x_new - x
+        d0, d1 = float(g @ dx), float(g_new @ dx)
+        if d1 >= -0.9 * d0:
+            return (x_new, g_new, info_new, hp_new, details_new), tries, alpha
+        alpha *= min(0.5, max(0.1, d0 / (d0 - d1)))  # secant zero of ∂J along the step
+    return None, LINE_SEARCH_TRIES, alpha
 
 
 def _fit_adam(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> float:

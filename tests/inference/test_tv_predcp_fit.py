@@ -144,3 +144,42 @@ def test_a_gradient_whose_cg_did_not_converge_is_refused():
     with pytest.raises(PriorError, match="CG did not converge.*uq.tv_predcp.precond_rank") as info:
         _fit(Psi0, y, Phi, steps=10, probes=8, cg_max_iter=1)
     assert "\n" not in str(info.value)
+
+
+def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
+    """An L-BFGS direction along which every trial step fails (here: a direction pushed onto the coordinate with the
+    smallest gradient, and an oracle that refuses any step dominated by that coordinate, as a derailed CG solve
+    would) makes the fit forget its curvature pairs and take a gradient step, instead of stopping with an error."""
+    from ctuq.inference import prior_fit
+
+    poisoned = {"k": None, "calls": 0, "refused": 0, "last": None}
+    two_loop = prior_fit._two_loop
+
+    def bad_two_loop(g, pairs):
+        free = g != 0
+        k = int(torch.where(free, g.abs(), torch.full_like(g, math.inf)).argmin())
+        poisoned["k"], poisoned["calls"] = k, poisoned["calls"] + 1
+        p = two_loop(g, pairs)
+        p[k] = math.copysign(1e6, float(g[k]))  # still an ascent direction: g·p > 0
+        return p
+
+    call = prior_fit._GradientOracle.__call__
+
+    def refusing_call(self, theta, sigma2):
+        x = torch.cat([theta.detach(), torch.tensor([math.log(sigma2)], dtype=torch.float64)])
+        last, k = poisoned["last"], poisoned["k"]
+        if last is not None and k is not None:
+            dx = x - last
+            if float(dx.norm()) > 0 and abs(float(dx[k])) > 0.99 * float(dx.norm()):
+                poisoned["refused"] += 1
+                raise FloatingPointError("refused: a step along the poisoned coordinate")
+        out = call(self, theta, sigma2)
+        poisoned["last"] = x
+        return out
+
+    monkeypatch.setattr(prior_fit, "_two_loop", bad_two_loop)
+    monkeypatch.setattr(prior_fit._GradientOracle, "__call__", refusing_call)
+    Phi, Psi0, y = _problem()
+    p, _ = _fit(Psi0, y, Phi, steps=12, probes=8)
+    assert poisoned["calls"] >= 1 and poisoned["refused"] >= prior_fit.LINE_SEARCH_TRIES
+    assert p.fitted and sum(r["phase"] == "lbfgs" for r in p.trace) >= 2  # it went on after the failed search
