@@ -334,9 +334,10 @@ class UQConfig:
     )
     learn_noise: bool = option(True, help="update σ² in the EM too")
     noise: str = option(
-        "homoscedastic",
+        "auto",
         choices=values(NoiseModel),
-        help="homoscedastic: ε ~ N(0, σ² I); per_ray: ε ~ N(0, σ² D) with D the scan's photon-statistics variances",
+        help="homoscedastic: ε ~ N(0, σ² I); per_ray: ε ~ N(0, σ² D) with D the scan's photon-statistics variances; "
+        "auto: per_ray when the scan has usable photon statistics (raw counts, flats, darks), else homoscedastic",
     )
     samples: int = option(1024, ge=2, help="prediction samples")
     sample_chunk: int = option(64, ge=1, help="prediction samples solved (and checkpointed) together")
@@ -348,12 +349,12 @@ class UQConfig:
     )
     patch_sizes: list[int] = option(factory=lambda: list(range(1, 11)), ge=1, help="joint-LL patch sizes")
     calibration: str = option(
-        "none",
+        "auto",
         choices=values(Calibration),
         help="none: std.tif is the posterior std; heldout: std.tif is the std × k fitted by maximum likelihood to the "
         "scan's unused angles (std_uncalibrated.tif keeps the posterior's); bias: std.tif is sqrt(std² + τ² M), a "
-        "bias of std τ inside the object mask M fitted to the same angles; the check runs either way when the scan "
-        "has unused angles",
+        "bias of std τ inside the object mask M fitted to the same angles; auto: bias when the held-out check runs, "
+        "else none; the check runs either way when the scan has unused angles",
     )
     save_samples: bool = option(
         False, help="also write every image sample to the run folder (samples/, large); statistics never need them"

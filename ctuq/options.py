@@ -271,6 +271,9 @@ class NoiseModel(Vocabulary):
 
     HOMOSCEDASTIC = "homoscedastic"
     PER_RAY = "per_ray"
+    # per_ray where the scan carries usable per-measurement variances (counts, flats, darks), homoscedastic otherwise:
+    # the default since the calibration study (docs/calibration.md), resolved per run and recorded in metrics.json
+    AUTO = "auto"
 
 
 __all__ += ["NoiseModel"]
@@ -286,6 +289,9 @@ class Calibration(Vocabulary):
     HELDOUT = "heldout"
     # the posterior kept and a white bias of std τ added inside the object mask (docs/calibration.md, "τ alone")
     BIAS = "bias"
+    # bias where the scan has unused angles to check against, none otherwise (no warning): the default since the
+    # calibration study (docs/calibration.md), resolved per run and recorded in metrics.json
+    AUTO = "auto"
 
 
 __all__ += ["Calibration"]

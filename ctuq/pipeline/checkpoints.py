@@ -80,6 +80,10 @@ _LATER_KEYS = (
     "em_update",
     "noise",
 )
+# The value a later key had when it joined the fingerprint, where its default has moved since: a checkpoint written
+# then, with that value, still resumes. uq.noise defaulted to homoscedastic; its default is now auto, which the run
+# resolves (ctuq.pipeline.uq.resolve_noise) before it fingerprints, so the fingerprint holds the model actually used.
+_LATER_BASELINES = {"noise": "homoscedastic"}
 
 
 def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: UQConfig) -> dict:
@@ -101,7 +105,8 @@ def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: 
         fp[key] = getattr(settings, key)
     defaults = UQConfig()
     for key in _LATER_KEYS:
-        if getattr(settings, key) != getattr(defaults, key):
+        baseline = _LATER_BASELINES.get(key, getattr(defaults, key))
+        if getattr(settings, key) != baseline:
             fp[key] = getattr(settings, key)
     return fp
 

@@ -268,7 +268,8 @@ def check_run(
         chunk_size=cfg.uq.sample_chunk,
         seed=cfg.seed + 1,
         command=f"ctuq uq {out_dir} --check",
-        per_ray=cfg.uq.noise == NoiseModel.PER_RAY,
+        # uq.noise = auto: the model the fitted posterior resolved from the scan
+        per_ray=run.settings.noise == NoiseModel.PER_RAY,
     )
     state.timings["check"] = result.report["seconds"]
     result.report["timings"] = dict(state.timings)

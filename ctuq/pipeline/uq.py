@@ -83,6 +83,7 @@ __all__ = [
     "check_moments_memory",
     "statistics_roi",
     "relative_variances",
+    "resolve_noise",
     "plot_prior_trace",
     "PRIOR_TRACE_FIGURE",
 ]
@@ -167,28 +168,56 @@ def ct_features(
     return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
 
 
+def resolve_noise(noise, variances, measurement_shape) -> tuple[NoiseModel, str]:
+    """The noise model a run uses and why: ``(model, reason)`` with ``model`` ``homoscedastic`` or ``per_ray``.
+
+    ``noise`` is ``uq.noise``; ``auto`` (the default) resolves to ``per_ray`` when ``variances`` (the scan's
+    per-measurement variances, ``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`) are given and
+    every one is finite and positive, else to ``homoscedastic`` (``reason`` says which, in one line). An explicit
+    ``per_ray`` is returned as it is: :func:`relative_variances` then refuses unusable variances instead of falling
+    back."""
+    noise = NoiseModel(noise)
+    if noise != NoiseModel.AUTO:
+        return noise, f"uq.noise = {noise}"
+    if variances is None:
+        return NoiseModel.HOMOSCEDASTIC, "uq.noise = auto: the scan has no per-measurement variances (no raw counts)"
+    try:
+        _checked_variances(variances, measurement_shape, NoiseModel.AUTO)
+    except CTUQError as err:
+        return NoiseModel.HOMOSCEDASTIC, f"{err}; using homoscedastic noise"
+    return NoiseModel.PER_RAY, "uq.noise = auto: per-ray variances from the scan's photon statistics"
+
+
 def relative_variances(variances, settings: UQConfig, measurement_shape) -> torch.Tensor | None:
-    """The relative noise variances ``d`` ``(c,)`` float64, mean 1, of ``uq.noise = per_ray`` from the scan's
+    """The relative noise variances ``d`` ``(c,)`` float64, mean 1, of the ``per_ray`` noise model from the scan's
     per-measurement variances ``variances`` (``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`);
-    ``None`` for ``homoscedastic`` (the variances are then not used). :class:`~ctuq.errors.CTUQError` naming
-    ``uq.noise`` and the shape or value when they are missing or unusable."""
-    if settings.noise != NoiseModel.PER_RAY:
+    ``None`` when ``settings.noise`` is (or, for ``auto``, resolves to) ``homoscedastic`` (:func:`resolve_noise`).
+    :class:`~ctuq.errors.CTUQError` naming ``uq.noise`` and the shape or value when ``per_ray`` was asked for and
+    they are missing or unusable."""
+    model, _ = resolve_noise(settings.noise, variances, measurement_shape)
+    if model != NoiseModel.PER_RAY:
         return None
+    return _checked_variances(variances, measurement_shape, settings.noise)
+
+
+def _checked_variances(variances, measurement_shape, noise) -> torch.Tensor:
+    """``variances`` flat float64 on the CPU, divided by their mean; :class:`CTUQError` naming ``uq.noise = noise``
+    when they are missing, of another shape than ``measurement_shape``, or not all finite and positive."""
     shape = tuple(int(n) for n in measurement_shape)
     if variances is None:
         raise CTUQError(
-            "uq.noise = 'per_ray' needs the scan's per-measurement variances (photon statistics: raw counts, flats "
+            f"uq.noise = '{noise}' needs the scan's per-measurement variances (photon statistics: raw counts, flats "
             "and darks, CTData.variances), but none were given; use uq.noise=homoscedastic for data without counts"
         )
     if not isinstance(variances, torch.Tensor) or tuple(variances.shape) != shape:
         got = tuple(variances.shape) if isinstance(variances, torch.Tensor) else type(variances).__name__
-        raise CTUQError(f"uq.noise = 'per_ray': the variances have shape {got}, the sinogram {shape}")
+        raise CTUQError(f"uq.noise = '{noise}': the variances have shape {got}, the sinogram {shape}")
     v = variances.detach().to("cpu", torch.float64).reshape(-1)
     bad = ~(torch.isfinite(v) & (v > 0))
     if bad.any():
         i = int(bad.nonzero()[0])
         raise CTUQError(
-            f"uq.noise = 'per_ray': {int(bad.sum())} measurement variances are not finite and positive (first at "
+            f"uq.noise = '{noise}': {int(bad.sum())} measurement variances are not finite and positive (first at "
             f"flat index {i} of the {shape} sinogram: {float(v[i])})"
         )
     return v / v.mean()
@@ -217,7 +246,10 @@ def ct_posterior(
     the scan's per-measurement variances, used with ``uq.noise = per_ray`` (:func:`relative_variances`).
     """
     settings = settings or UQConfig()
+    noise_model, noise_reason = resolve_noise(settings.noise, variances, op.measurement_shape)
     rel = relative_variances(variances, settings, op.measurement_shape)
+    if settings.noise == NoiseModel.AUTO and log is not None:
+        log(f"noise model: {noise_model} ({noise_reason})")
     budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
     net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
     y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
@@ -227,7 +259,7 @@ def ct_posterior(
         delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
         residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
     dip_noise = float(residual.double().pow(2).mean())
-    info: dict = {"noise": str(settings.noise)}
+    info: dict = {"noise": str(noise_model), "noise_setting": str(settings.noise), "noise_reason": noise_reason}
     if rel is None:
         white_noise = dip_noise
     else:
@@ -360,6 +392,12 @@ class UQRun:
         settings = settings or UQConfig()
         check_section(settings, "uq")
         relative_variances(variances, settings, op.measurement_shape)  # fail before the DIP is linearised
+        # uq.noise = auto becomes the model it resolves to for the whole run: the posterior, the checkpoint's
+        # fingerprint and the held-out check all see one noise model
+        self.noise_setting = str(settings.noise)
+        noise_model, self.noise_reason = resolve_noise(settings.noise, variances, op.measurement_shape)
+        if noise_model != settings.noise:
+            settings = dataclasses.replace(settings, noise=noise_model.value)
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
@@ -381,6 +419,8 @@ class UQRun:
         self.moments_checkpoint_seconds = moments_checkpoint_seconds
         self.progress = progress and shard.is_root
         self.say = (log or (lambda _msg: None)) if shard.is_root else (lambda _msg: None)
+        if self.noise_setting == NoiseModel.AUTO:
+            self.say(f"noise model: {noise_model} ({self.noise_reason})")
         self.work = Path(work_dir) if work_dir is not None else None
         if self.work is not None:
             self.work.mkdir(parents=True, exist_ok=True)
@@ -600,6 +640,7 @@ class UQRun:
             "prediction_cg_max_residual": max(cg_res) if cg_res else None,
             "em_converged": bool(self.em_result.converged),
             "em_steps": int(self.em_result.steps),
+            "noise": {"setting": self.noise_setting, "model": str(st.noise), "reason": self.noise_reason},
             **posterior.solver.report(),
         }
         if "scales" in post:

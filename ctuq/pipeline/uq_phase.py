@@ -22,7 +22,7 @@ from ctuq.pipeline.checkpoints import shard_moments_files
 from ctuq.pipeline.phases import RunState
 from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
 
-__all__ = ["phase_uq", "scaled_moments", "biased_moments"]
+__all__ = ["phase_uq", "resolve_calibration", "scaled_moments", "biased_moments"]
 
 
 def phase_uq(state: RunState) -> None:
@@ -54,7 +54,15 @@ def phase_uq(state: RunState) -> None:
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
     heldout, skipped = _heldout_check(state, res)
-    mode = cfg.uq.calibration
+    mode = resolve_calibration(cfg.uq.calibration, heldout is not None)
+    if cfg.uq.calibration == Calibration.AUTO:
+        state.log(f"calibration: {mode} (uq.calibration = auto; {'a held-out check ran' if heldout else skipped})")
+        if heldout is None and state.shard is not None and state.shard.distributed:
+            # the same run in one process applies the bias model: say so rather than differ silently
+            state.warn(
+                "uq.calibration = auto: a sharded run has no held-out check, so std.tif is the posterior's own "
+                "(a run in one process would add the held-out bias model); rerun `ctuq uq` in one process for it"
+            )
     k = heldout.k if heldout is not None and mode == Calibration.HELDOUT else None
     # the bias model (τ², its mask): applied with uq.calibration = bias, scored for comparison otherwise
     bias = _bias_model(heldout, res.mean)
@@ -91,7 +99,7 @@ def phase_uq(state: RunState) -> None:
         uq_metrics["heldout"] = heldout.report
     else:
         uq_metrics["heldout_skipped"] = skipped
-    uq_metrics["calibration"] = {"mode": str(cfg.uq.calibration), "k": k}
+    uq_metrics["calibration"] = {"mode": str(mode), "setting": str(cfg.uq.calibration), "k": k}
     if mode == Calibration.BIAS:
         uq_metrics["calibration"].update(
             {key: (applied_bias or {}).get(key) for key in ("tau", "tau_se", "tau_interval_95", "mask_fraction")}
@@ -140,6 +148,16 @@ def phase_uq(state: RunState) -> None:
         p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
+
+
+def resolve_calibration(calibration, checked: bool) -> Calibration:
+    """The recalibration a run applies: ``uq.calibration`` itself, except ``auto`` (the default), which is ``bias``
+    when the run has a held-out check (``checked``: the scan has unused angles) and ``none`` otherwise
+    (docs/calibration.md: ``bias`` with per-ray noise was the best combination of the calibration study)."""
+    calibration = Calibration(calibration)
+    if calibration != Calibration.AUTO:
+        return calibration
+    return Calibration.BIAS if checked else Calibration.NONE
 
 
 def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
@@ -244,7 +262,8 @@ def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, st
         chunk_size=state.cfg.uq.sample_chunk,
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
-        per_ray=state.cfg.uq.noise == NoiseModel.PER_RAY,
+        # the noise model the run resolved (uq.noise = auto): the held-out rows get the same one
+        per_ray=res.stats["noise"]["model"] == NoiseModel.PER_RAY,
     )
     state.log(calib.verdict(result.report) + f" [{result.report['seconds']:.1f} s]")
     return result, ""

@@ -25,8 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def run(tiny_scan, tiny_uq_args, tmp_path_factory):
+    # uq.calibration = none: this module checks the check and what each recalibration would score beside the
+    # posterior's own map (the default, auto, applies the bias model: test_uq_phase_bias.py)
     out = tmp_path_factory.mktemp("runs") / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_uq_args]) == 0
+    args = [*tiny_uq_args, "--set", "uq.calibration=none"]
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
     return out
 
 
@@ -42,11 +45,13 @@ def test_every_run_with_uq_records_the_check(run):
     assert set(h["coverage_headline"]) == {"0.5", "0.9", "0.95"} and len(h["coverage"]) == len(h["levels"]) == 20
     assert h["scale"]["k"] > 0 and h["scale"]["se_bootstrap"] > 0 and 0 < h["image_variance_fraction"] < 1
     assert h["command"] == f"ctuq uq {run} --check"
-    # the bias model (τ alone, posterior kept): reported, never applied by default; its weights saved with the rows
+    # the bias model (τ alone, posterior kept): reported, not applied with uq.calibration = none; its weights saved
     assert h["bias"]["tau"] >= 0 and (h["bias"]["zero"] or h["bias"]["se_curvature"] > 0)
     with np.load(run / rf.HELDOUT_ROWS_NAME) as z:
         assert z["bias_weight"].shape == (h["n_rows"],) and z["bias_weight"].min() >= 0 and z["bias_weight"].max() > 0
-    assert m["uq"]["calibration"] == {"mode": "none", "k": None}
+    assert m["uq"]["calibration"] == {"mode": "none", "setting": "none", "k": None}
+    # uq.noise = auto on a scan with counts: per-ray noise, and the held-out rows' noise follows it
+    assert m["uq"]["stats"]["noise"]["model"] == "per_ray" and m["uq"]["stats"]["noise"]["setting"] == "auto"
     assert (run / rf.HELDOUT_FIGURE).is_file() and not (run / rf.STD_UNCALIBRATED_NAME).exists()
     # what uq.calibration = heldout would score, from the same posterior (std × k: mean std × k)
     recal = m["uq"]["summary_recalibrated"]

@@ -348,19 +348,51 @@ def test_per_ray_noise_reaches_the_diagonal_reference_fixed_point(problem):
 
 def test_homoscedastic_ignores_given_variances(problem):
     op, model, net_input, y = problem
-    settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4)
+    settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise="homoscedastic")
     plain = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, progress=False)
     given = run_linearized_uq(
         model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=_ray_variances(y.shape)
     )
     assert plain.a == given.a and plain.sigma2 == given.sigma2 and torch.equal(plain.std, given.std)
-    assert "per_ray" not in given.stats  # metrics.json of a default run: the same keys as before uq.noise existed
+    assert "per_ray" not in given.stats  # metrics.json of a homoscedastic run: the keys from before uq.noise existed
+    noise = {"setting": "homoscedastic", "model": "homoscedastic", "reason": "uq.noise = homoscedastic"}
+    assert given.stats["noise"] == noise
+
+
+def test_auto_noise_is_per_ray_with_usable_variances_and_homoscedastic_otherwise(problem):
+    """uq.noise = auto (the default) gives bit for bit the run of the model it resolves to: per_ray with the scan's
+    variances, homoscedastic without them or when one of them is unusable (a fallback, named in the stats)."""
+    op, model, net_input, y = problem
+    var = _ray_variances(tuple(op.measurement_shape))
+
+    def run(noise, variances):
+        settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise=noise)
+        return run_linearized_uq(
+            model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=variances
+        )
+
+    assert UQSettings().noise == "auto"
+    auto, per_ray = run("auto", var), run("per_ray", var)
+    assert auto.a == per_ray.a and auto.sigma2 == per_ray.sigma2 and torch.equal(auto.std, per_ray.std)
+    assert auto.stats["noise"]["setting"] == "auto" and auto.stats["noise"]["model"] == "per_ray"
+    assert "per_ray" in auto.stats
+    plain, bare = run("homoscedastic", None), run("auto", None)
+    assert bare.a == plain.a and bare.sigma2 == plain.sigma2 and torch.equal(bare.std, plain.std)
+    assert (
+        bare.stats["noise"]["model"] == "homoscedastic"
+        and "no per-measurement variances" in bare.stats["noise"]["reason"]
+    )
+    broken = var.clone()
+    broken[2, 5] = 0.0
+    fallback = run("auto", broken)
+    assert fallback.a == plain.a and torch.equal(fallback.std, plain.std)
+    assert "not finite and positive" in fallback.stats["noise"]["reason"]
 
 
 def test_bad_per_ray_settings_are_clear(problem):
     op, model, net_input, y = problem
     per_ray = UQSettings(noise="per_ray", samples=2)
-    with pytest.raises(ValueError, match=r"uq.noise must be one of \['homoscedastic', 'per_ray'\]"):
+    with pytest.raises(ValueError, match=r"uq.noise must be one of \['homoscedastic', 'per_ray', 'auto'\]"):
         run_linearized_uq(model, net_input, op, y, settings=UQSettings(noise="poisson"))
     with pytest.raises(ValueError, match=r"uq.noise = 'per_ray' needs the scan's per-measurement variances"):
         run_linearized_uq(model, net_input, op, y, settings=per_ray)

@@ -73,3 +73,8 @@ def test_fingerprint_names_later_settings_only_when_changed():
     assert "sdd_step" not in base and base["samples"] == UQConfig().samples and base["y_sum"] == 12.0
     changed = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(sdd_step=UQConfig().sdd_step * 2))
     assert changed["sdd_step"] == UQConfig().sdd_step * 2
+    # uq.noise joined the fingerprint when homoscedastic was its default: a run resolved to homoscedastic (the
+    # default auto on a scan without counts) fingerprints as checkpoints written then did, per_ray as per_ray did
+    plain = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="homoscedastic"))
+    assert "noise" not in plain and plain == {k: v for k, v in base.items() if k != "noise"}
+    assert checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="per_ray"))["noise"] == "per_ray"

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def run(tiny_scan, tiny_uq_args, tmp_path_factory):
-    """The default (``uq.calibration: none``) tiny run."""
+    """The tiny run with ``uq.calibration: none`` (the posterior's own map; the bias model scored beside it)."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_uq_args]) == 0
+    args = [*tiny_uq_args, "--set", "uq.calibration=none"]
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
     return out
 
 
@@ -58,10 +59,10 @@ def test_calibration_bias_writes_sqrt_std2_plus_tau2_mask(biased):
 
 
 def test_none_records_what_bias_would_give_and_bias_scores_it(run, biased):
-    """The default run records ``summary_bias`` without applying it; the bias run scores the same map (same
-    posterior and seed: the same numbers), and its ``summary_uncalibrated`` is the default run's ``summary``."""
+    """The ``none`` run records ``summary_bias`` without applying it; the bias run scores the same map (same
+    posterior and seed: the same numbers), and its ``summary_uncalibrated`` is the ``none`` run's ``summary``."""
     m0, m1 = _metrics(run), _metrics(biased)
-    assert m0["uq"]["calibration"] == {"mode": "none", "k": None}
+    assert m0["uq"]["calibration"] == {"mode": "none", "setting": "none", "k": None}
     would = m0["uq"]["summary_bias"]
     assert would["tau"] == pytest.approx(m1["uq"]["calibration"]["tau"], rel=1e-9)
     for key in ("marginal_ll", "mean_std", "spearman"):
@@ -72,8 +73,8 @@ def test_none_records_what_bias_would_give_and_bias_scores_it(run, biased):
 
 
 def test_the_study_scores_bias_as_the_map_the_option_writes(run, biased):
-    """The calibration study's ``bias`` score of the default run is the score of the bias run's std.tif, and its
-    joint LL the one the default run recorded for the same τ."""
+    """The calibration study's ``bias`` score of the ``none`` run is the score of the bias run's std.tif, and its
+    joint LL the one the ``none`` run recorded for the same τ."""
     scores = score_run(run, "bias")
     assert scores["tau"] == pytest.approx(_metrics(biased)["uq"]["calibration"]["tau"], rel=1e-9)
     std = tifffile.imread(biased / rf.STD_NAME).astype(np.float64)
@@ -83,6 +84,28 @@ def test_the_study_scores_bias_as_the_map_the_option_writes(run, biased):
     assert scores["marginal_ll"] == pytest.approx(np.mean(-0.5 * np.log(2 * np.pi * std**2) - 0.5 * (err / std) ** 2))
     assert scores["joint_ll_10"] == _metrics(run)["uq"]["summary_bias"]["joint_ll"]["10"]
     assert scores["k"] is None and scores["bias"] is None  # the bias entry compares with the posterior's map
+
+
+def test_the_default_auto_applies_bias_where_the_scan_has_unused_angles(run, biased, tmp_path):
+    """``uq.calibration: auto`` (the default) is ``bias`` when the held-out check runs: the same std.tif, bit for
+    bit, and metrics.json records the setting beside the mode it resolved to."""
+    copy = tmp_path / "auto"
+    shutil.copytree(run, copy)
+    assert main(["uq", str(copy), "--set", "uq.calibration=auto", "--no-progress"]) == 0
+    cal, ref = _metrics(copy)["uq"]["calibration"], _metrics(biased)["uq"]["calibration"]
+    assert cal["mode"] == "bias" and cal["setting"] == "auto" and cal["tau"] == ref["tau"]
+    assert np.array_equal(tifffile.imread(copy / rf.STD_NAME), tifffile.imread(biased / rf.STD_NAME))
+
+
+def test_the_default_auto_is_none_without_unused_angles(tiny_scan, tiny_uq_args, tmp_path, capsys):
+    """Every angle used: no held-out check, so ``auto`` leaves the posterior's map, with no warning."""
+    out = tmp_path / "all"
+    args = [*tiny_uq_args, "--set", "data.angular_subsampling=1"]
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
+    m = _metrics(out)
+    assert m["uq"]["calibration"] == {"mode": "none", "setting": "auto", "k": None}
+    assert "heldout_skipped" in m["uq"] and not (out / rf.STD_UNCALIBRATED_NAME).exists()
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatch):
