@@ -161,6 +161,7 @@ class _GradientOracle:
         self.features = BlockFeatures(base, prior)
         self.rank = min(prior.precond_rank, base.n_outputs)
         self.evaluations = 0
+        self.exact_fallbacks = 0
         self.eig = None
         self.since = 1.0  # global variance factor applied since the last rebuild: K̄ scales by it exactly
 
@@ -177,6 +178,12 @@ class _GradientOracle:
             # on the 64² walnut, residuals 10³ after a block variance grew ×1000): rebuild it here and solve again
             self._rebuild()
             g, info = self._gradient(sigma2)
+        if info["cg_max_residual"] > CG_FAILURE * prior.cg_tol and self.base.n_outputs <= EXACT_FALLBACK_ROWS:
+            # a fresh low-rank preconditioner that still fails leaves too much of K̄'s spectrum above σ² (measured:
+            # per-ray 64² scans at 60 angles, rank 400 and 1000, CG at its cap from step ~35): with few rows, C⁻¹
+            # itself by a dense Cholesky preconditions exactly, at the cost of c products of K̄ per gradient
+            g, info = self._gradient(sigma2, preconditioner=self._exact_inverse(sigma2))
+            self.exact_fallbacks += 1
         if info["cg_max_residual"] > CG_FAILURE * prior.cg_tol:
             raise FloatingPointError(
                 f"TV-PredCP fit: CG did not converge (relative residual {info['cg_max_residual']:.3g} after "
@@ -192,9 +199,25 @@ class _GradientOracle:
         self.eig = randomized_eig(KernelOperator(features=self.features), self.rank, seed=self.seed + self.evaluations)
         self.since = 1.0
 
-    def _gradient(self, sigma2: float):
+    def _exact_inverse(self, sigma2: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``R ↦ C⁻¹ R`` for rows ``R`` ``(k, c)``, ``C = K̄/a + σ²I`` assembled from ``c`` products of ``K̄`` (unit
+        rows) and factored by Cholesky in float64."""
+        base = self.base
+        eye = torch.eye(base.n_outputs, dtype=base.dtype, device=base.device)
+        K = self.features.matvec(self.features.rmatvec(eye)).double()
+        C = 0.5 * (K + K.T) / self.a + sigma2 * torch.eye(base.n_outputs, dtype=torch.float64, device=base.device)
+        factor = torch.linalg.cholesky(C)
+
+        def apply(R: torch.Tensor) -> torch.Tensor:
+            return torch.cholesky_solve(R.double().T, factor).T.to(R.dtype)
+
+        return apply
+
+    def _gradient(self, sigma2: float, preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None):
         prior = self.prior
-        eig = LowRankEig(self.eig.U, self.eig.eigenvalues * self.since, self.eig.n_products, self.eig.method)
+        if preconditioner is None:
+            eig = LowRankEig(self.eig.U, self.eig.eigenvalues * self.since, self.eig.n_products, self.eig.method)
+            preconditioner = LowRankPreconditioner(eig).inverse(self.a, sigma2)
         return mll_gradient(
             prior,
             self.base,
@@ -204,7 +227,7 @@ class _GradientOracle:
             n_probes=prior.probes,
             probes=self.probes,
             learn_noise=self.learn_noise,
-            preconditioner=LowRankPreconditioner(eig).inverse(self.a, sigma2),
+            preconditioner=preconditioner,
             rtol=prior.cg_tol,
             max_iter=prior.cg_max_iter,
         )
@@ -330,7 +353,13 @@ def fit_block_prior(
         bar.close()
     trace = prior.trace[start:]
     conv = _convergence(trace, prior.tol)
-    conv.update(steps=len(trace), evaluations=oracle.evaluations, optimizer=prior.optimizer)
+    conv.update(
+        steps=len(trace),
+        evaluations=oracle.evaluations,
+        optimizer=prior.optimizer,
+        # gradients solved again with the dense C⁻¹ after the low-rank preconditioner failed (EXACT_FALLBACK_ROWS)
+        exact_fallbacks=oracle.exact_fallbacks,
+    )
     prior.convergence = conv
     say(
         f"TV-PredCP fit {'converged' if conv['converged'] else 'did NOT converge'} after {len(trace)} steps "
@@ -575,3 +604,6 @@ MACKAY_WARMUP = 10  # at most this many global-scale steps before L-BFGS
 LBFGS_MEMORY = 10  # curvature pairs kept
 LBFGS_FIRST_STEP = 0.1  # largest coordinate change of the first (gradient) step, in log units
 LINE_SEARCH_TRIES = 6
+# rows of C up to which a gradient whose CG failed with a fresh low-rank preconditioner is solved again with C⁻¹
+# itself (a dense c × c Cholesky: 128 MB and ~c²·d flops at c = 4096)
+EXACT_FALLBACK_ROWS = 8192

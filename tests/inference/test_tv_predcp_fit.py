@@ -137,13 +137,29 @@ def test_a_fixed_noise_stays_fixed_and_the_fit_still_converges():
     assert p.convergence["converged"] and len(p.trace) < 100
 
 
-def test_a_gradient_whose_cg_did_not_converge_is_refused():
-    """CG capped at 1 iteration with a rank-8 preconditioner on c = 60 cannot reach rtol 1e-3: the fit says so in
-    one line naming the setting that helps, instead of stepping (and converging) on a wrong gradient."""
+def test_a_gradient_whose_cg_did_not_converge_is_refused(monkeypatch):
+    """CG capped at 1 iteration with a rank-8 preconditioner on c = 60 cannot reach rtol 1e-3: without the dense
+    fallback (more rows than EXACT_FALLBACK_ROWS) the fit says so in one line naming the setting that helps, instead
+    of stepping (and converging) on a wrong gradient."""
+    from ctuq.inference import prior_fit
+
+    monkeypatch.setattr(prior_fit, "EXACT_FALLBACK_ROWS", 59)
     Phi, Psi0, y = _problem()
     with pytest.raises(PriorError, match="CG did not converge.*uq.tv_predcp.precond_rank") as info:
         _fit(Psi0, y, Phi, steps=10, probes=8, cg_max_iter=1)
     assert "\n" not in str(info.value)
+
+
+def test_a_failed_cg_with_few_rows_is_solved_again_with_the_dense_inverse():
+    """The same capped CG on c = 60 rows (≤ EXACT_FALLBACK_ROWS): every gradient is solved again with C⁻¹ itself as
+    the preconditioner, so the fit runs and takes the same steps as one with an uncapped CG (to the CG tolerance)."""
+    Phi, Psi0, y = _problem()
+    capped, s2_capped = _fit(Psi0, y, Phi, steps=6, probes=8, cg_max_iter=1)
+    free, s2_free = _fit(Psi0, y, Phi, steps=6, probes=8)
+    assert capped.convergence["exact_fallbacks"] == capped.convergence["evaluations"] > 0
+    assert free.convergence["exact_fallbacks"] == 0
+    torch.testing.assert_close(capped.theta(), free.theta(), rtol=0, atol=2e-2)
+    assert s2_capped == pytest.approx(s2_free, rel=2e-2)
 
 
 def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
