@@ -353,8 +353,8 @@ class UQConfig:
         choices=values(Calibration),
         help="none: std.tif is the posterior std; heldout: std.tif is the std × k fitted by maximum likelihood to the "
         "scan's unused angles (std_uncalibrated.tif keeps the posterior's); bias: std.tif is sqrt(std² + τ² M), a "
-        "bias of std τ inside the object mask M fitted to the same angles; auto: bias when the held-out check runs, "
-        "else none; the check runs either way when the scan has unused angles",
+        "bias of std τ inside the object mask M fitted to the same angles; auto: when the held-out check runs, bias "
+        "(g-prior) or heldout (tv_predcp), else none; the check runs either way when the scan has unused angles",
     )
     save_samples: bool = option(
         False, help="also write every image sample to the run folder (samples/, large); statistics never need them"

@@ -289,8 +289,8 @@ class Calibration(Vocabulary):
     HELDOUT = "heldout"
     # the posterior kept and a white bias of std τ added inside the object mask (docs/calibration.md, "τ alone")
     BIAS = "bias"
-    # bias where the scan has unused angles to check against, none otherwise (no warning): the default since the
-    # calibration study (docs/calibration.md), resolved per run and recorded in metrics.json
+    # where the scan has unused angles to check against, bias (heldout for the TV-PredCP prior), none otherwise (no
+    # warning): the default since the calibration study (docs/calibration.md), resolved per run, in metrics.json
     AUTO = "auto"
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ctuq import figures
 from ctuq.metrics import SampleMoments, uq_summary_from_moments
-from ctuq.options import Calibration, NoiseModel
+from ctuq.options import Calibration, NoiseModel, Prior
 from ctuq.outputs import write_tiff
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
@@ -54,7 +54,7 @@ def phase_uq(state: RunState) -> None:
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
     heldout, skipped = _heldout_check(state, res)
-    mode = resolve_calibration(cfg.uq.calibration, heldout is not None)
+    mode = resolve_calibration(cfg.uq.calibration, heldout is not None, prior=cfg.uq.prior)
     if cfg.uq.calibration == Calibration.AUTO:
         state.log(f"calibration: {mode} (uq.calibration = auto; {'a held-out check ran' if heldout else skipped})")
         if heldout is None and state.shard is not None and state.shard.distributed:
@@ -150,14 +150,18 @@ def phase_uq(state: RunState) -> None:
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
 
 
-def resolve_calibration(calibration, checked: bool) -> Calibration:
-    """The recalibration a run applies: ``uq.calibration`` itself, except ``auto`` (the default), which is ``bias``
-    when the run has a held-out check (``checked``: the scan has unused angles) and ``none`` otherwise
-    (docs/calibration.md: ``bias`` with per-ray noise was the best combination of the calibration study)."""
+def resolve_calibration(calibration, checked: bool, prior: str = Prior.GPRIOR) -> Calibration:
+    """The recalibration a run applies: ``uq.calibration`` itself, except ``auto`` (the default), which is ``none``
+    without a held-out check (``checked``: the scan has unused angles) and otherwise ``bias`` for the g-prior and
+    ``heldout`` for ``uq.prior = tv_predcp`` (docs/calibration.md: ``bias`` with per-ray noise was the g-prior's best
+    combination in the calibration study; TV-PredCP's posterior is 3–5× too narrow everywhere, which the global ``k``
+    fixes and a bias inside the object does not)."""
     calibration = Calibration(calibration)
     if calibration != Calibration.AUTO:
         return calibration
-    return Calibration.BIAS if checked else Calibration.NONE
+    if not checked:
+        return Calibration.NONE
+    return Calibration.HELDOUT if prior == Prior.TV_PREDCP else Calibration.BIAS
 
 
 def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:

@@ -14,7 +14,7 @@ from ctuq.cli import main
 from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.uq_phase import biased_moments
+from ctuq.pipeline.uq_phase import biased_moments, resolve_calibration
 from ctuq.studies.calibration import heldout_report, score_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,6 +106,20 @@ def test_the_default_auto_is_none_without_unused_angles(tiny_scan, tiny_uq_args,
     assert m["uq"]["calibration"] == {"mode": "none", "setting": "auto", "k": None}
     assert "heldout_skipped" in m["uq"] and not (out / rf.STD_UNCALIBRATED_NAME).exists()
     assert "warning" not in capsys.readouterr().err
+
+
+def test_auto_resolves_by_the_check_and_the_prior():
+    """``auto``: nothing without a held-out check; the bias model for the g-prior; the global ``k`` for TV-PredCP,
+    whose posterior is too narrow everywhere (docs/calibration.md); an explicit value is kept as it is."""
+    assert resolve_calibration("auto", checked=False) == "none"
+    assert resolve_calibration("auto", checked=False, prior="tv_predcp") == "none"
+    assert resolve_calibration("auto", checked=True) == "bias"
+    assert resolve_calibration("auto", checked=True, prior="isotropic") == "bias"
+    assert resolve_calibration("auto", checked=True, prior="tv_predcp") == "heldout"
+    for value in ("none", "heldout", "bias"):
+        assert resolve_calibration(value, checked=True, prior="tv_predcp") == value
+    with pytest.raises(ValueError):
+        resolve_calibration("biased", checked=True)
 
 
 def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatch):
