@@ -493,11 +493,11 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
         gf = torch.where(free, g, torch.zeros_like(g))
         if float(gf.abs().max()) == 0.0:
             break  # every coordinate at a bound it is pushed against: a stationary point of the box problem
-        p = _two_loop(gf, pairs) if pairs else gf * (LBFGS_FIRST_STEP / float(gf.abs().max()))
+        p = _two_loop(gf, pairs) if pairs else _gradient_step(gf)
         p = torch.where(free, p, torch.zeros_like(p))
         if float(gf @ p) <= 0:  # the curvature pairs do not give an ascent direction: restart
             pairs.clear()
-            p = gf * (LBFGS_FIRST_STEP / float(gf.abs().max()))
+            p = _gradient_step(gf)
         p *= min(1.0, prior.max_step / float(p.abs().max()))
         found, evaluations, alpha = _line_search(oracle, split, x, g, p, lo, hi)
         if found is None and pairs:
@@ -505,7 +505,7 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
             # moved by orders of magnitude): forget them and take a short gradient step, as at the start, before
             # giving up (measured: a per-ray 64² walnut fit stopped here at step 36 with 10 pairs)
             pairs.clear()
-            p = torch.where(free, gf * (LBFGS_FIRST_STEP / float(gf.abs().max())), torch.zeros_like(gf))
+            p = _gradient_step(gf)
             found, more, alpha = _line_search(oracle, split, x, g, p, lo, hi)
             evaluations += more
         if found is None:
@@ -543,6 +543,12 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
         if all(r["phase"] == "lbfgs" for r in recent) and _convergence(recent, prior.tol)["converged"]:
             break
     return s2
+
+
+def _gradient_step(gf: torch.Tensor) -> torch.Tensor:
+    """The short steepest-ascent step along the projected gradient ``gf`` (zero on coordinates held at a bound) that
+    starts and restarts L-BFGS: its largest coordinate change is :data:`LBFGS_FIRST_STEP` log units."""
+    return gf * (LBFGS_FIRST_STEP / float(gf.abs().max()))
 
 
 def _line_search(oracle, split, x, g, p, lo, hi):

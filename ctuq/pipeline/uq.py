@@ -246,10 +246,10 @@ def ct_posterior(
     the scan's per-measurement variances, used with ``uq.noise = per_ray`` (:func:`relative_variances`).
     """
     settings = settings or UQConfig()
-    noise_model, noise_reason = resolve_noise(settings.noise, variances, op.measurement_shape)
     rel = relative_variances(variances, settings, op.measurement_shape)
+    noise_model = NoiseModel.HOMOSCEDASTIC if rel is None else NoiseModel.PER_RAY
     if settings.noise == NoiseModel.AUTO and log is not None:
-        log(f"noise model: {noise_model} ({noise_reason})")
+        log(f"noise model: {noise_model} ({resolve_noise(settings.noise, variances, op.measurement_shape)[1]})")
     budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
     net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
     y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
@@ -259,7 +259,7 @@ def ct_posterior(
         delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
         residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
     dip_noise = float(residual.double().pow(2).mean())
-    info: dict = {"noise": str(noise_model), "noise_setting": str(settings.noise), "noise_reason": noise_reason}
+    info: dict = {"noise": str(noise_model)}
     if rel is None:
         white_noise = dip_noise
     else:
@@ -391,13 +391,13 @@ class UQRun:
     ):
         settings = settings or UQConfig()
         check_section(settings, "uq")
-        relative_variances(variances, settings, op.measurement_shape)  # fail before the DIP is linearised
         # uq.noise = auto becomes the model it resolves to for the whole run: the posterior, the checkpoint's
         # fingerprint and the held-out check all see one noise model
         self.noise_setting = str(settings.noise)
         noise_model, self.noise_reason = resolve_noise(settings.noise, variances, op.measurement_shape)
         if noise_model != settings.noise:
             settings = dataclasses.replace(settings, noise=noise_model.value)
+        relative_variances(variances, settings, op.measurement_shape)  # fail before the DIP is linearised
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
