@@ -162,6 +162,8 @@ def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
                 "em_steps": len(trace),
                 "gamma": trace[-1]["gamma"] if trace else None,
                 "hessian_ratio": la.hessian_ratio,
+                "overfit_fraction": la.overfit_fraction,
+                "mode_kl": la.mode_kl,
                 "a_trace": [r["a_new"] for r in trace],
                 "solver": la.posterior.solver_name,
                 "probs": link_probabilities(f, Z[:k], link),
@@ -190,7 +192,8 @@ def run_ctuq(model, d, shifts, args, exact: bool, hessian_at="linear_mode", weig
     print(
         f"  {name}: prior optimisation {t_em:.1f} s, a = {la.prior_precision:.4g}, "
         f"a trace {[round(r['a_new'], 4) for r in la.em_trace]}, γ = {la.em_trace[-1]['gamma']:.4g}, "
-        f"tr B ratio {la.hessian_ratio:.3g}",
+        f"tr B ratio {la.hessian_ratio:.3g}, training labels the network fits and the mode does not "
+        f"{la.overfit_fraction:.2%} (KL {la.mode_kl:.3g} nats)",
         flush=True,
     )
     la.posterior_samples(args.samples, args.seed)  # the prediction samples belong to the timed part

@@ -21,8 +21,15 @@ docs/classification.md. Option vocabularies: :class:`ctuq.options.LinearModel`, 
 
 from ctuq.classify.data import resolve_weights
 from ctuq.classify.hessian import HessianMismatchWarning, SoftmaxHessianRoot, mean_hessian_trace, softmax_hessian
-from ctuq.classify.laplace import DEFAULT_GRID, GPRIOR_FLOOR, HESSIAN_RATIO_WARNING, LinearizedLaplace, exact_solver
-from ctuq.classify.mode import LinearMode, ModeResult
+from ctuq.classify.laplace import (
+    DEFAULT_GRID,
+    GPRIOR_FLOOR,
+    HESSIAN_RATIO_WARNING,
+    OVERFIT_WARNING,
+    LinearizedLaplace,
+    exact_solver,
+)
+from ctuq.classify.mode import LinearMode, ModeResult, OverfitWarning, mean_kl, overfit_fraction
 from ctuq.classify.predictive import link_probabilities, logit_samples
 from ctuq.classify.state import ClassifierStateError
 
@@ -33,6 +40,10 @@ __all__ = [
     "GPRIOR_FLOOR",
     "HESSIAN_RATIO_WARNING",
     "HessianMismatchWarning",
+    "OVERFIT_WARNING",
+    "OverfitWarning",
+    "overfit_fraction",
+    "mean_kl",
     "ClassifierStateError",
     "mean_hessian_trace",
     "SoftmaxHessianRoot",

@@ -29,7 +29,40 @@ import torch
 
 from ctuq.options import LinearModel, values
 
-__all__ = ["LinearMode", "ModeResult"]
+__all__ = ["LinearMode", "ModeResult", "OverfitWarning", "overfit_fraction", "mean_kl"]
+
+
+class OverfitWarning(UserWarning):
+    """The trained network fits training labels that the linearised model, at the prior precision the evidence
+    chose, explains as noise (:attr:`LinearizedLaplace.overfit_fraction
+    <ctuq.classify.LinearizedLaplace.overfit_fraction>` above :data:`~ctuq.classify.laplace.OVERFIT_WARNING`): the
+    network over-fits relative to its own linearisation, and a predictive centred at the network is then likely to
+    be over-confident on new inputs."""
+
+
+def overfit_fraction(network_logits: torch.Tensor, mode_logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of the ``n`` training inputs whose label the trained network predicts (arg-max of
+    ``network_logits`` ``(n, C)``) and the linearised model's mode does not (arg-max of ``mode_logits`` ``(n, C)``);
+    ``labels`` ``(n,)`` class indices. Labels the network itself gets wrong do not count: an under-trained network
+    is not an over-fitted one."""
+    if (
+        network_logits.shape != mode_logits.shape
+        or network_logits.ndim != 2
+        or labels.shape != network_logits.shape[:1]
+    ):
+        raise ValueError(
+            f"overfit_fraction: network_logits {tuple(network_logits.shape)} and mode_logits "
+            f"{tuple(mode_logits.shape)} must be the same (n, C), labels {tuple(labels.shape)} (n,)"
+        )
+    y = labels.long()
+    return float(((network_logits.argmax(1) == y) & (mode_logits.argmax(1) != y)).double().mean())
+
+
+def mean_kl(network_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
+    """``(1/n) Σ_i KL(softmax(f_i) ‖ softmax(η_i))`` in nats (float64) for logits ``(n, C)`` of the network ``f``
+    and of the linearised model's mode ``η``."""
+    log_p, log_q = torch.log_softmax(network_logits.double(), 1), torch.log_softmax(mode_logits.double(), 1)
+    return max(float((log_p.exp() * (log_p - log_q)).sum(1).mean()), 0.0)
 
 
 @dataclasses.dataclass

@@ -15,9 +15,13 @@ from torch import nn
 from ctuq.classify import (
     GPRIOR_FLOOR,
     HESSIAN_RATIO_WARNING,
+    OVERFIT_WARNING,
     HessianMismatchWarning,
     LinearizedLaplace,
+    OverfitWarning,
     SoftmaxHessianRoot,
+    mean_kl,
+    overfit_fraction,
     softmax_hessian,
 )
 from ctuq.classify.jacobians import assemble_whitened_jacobian
@@ -400,3 +404,63 @@ def test_network_hessian_warns_when_the_linear_mode_is_far_more_curved(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error", HessianMismatchWarning)
         _fit(tiny, hessian_at="linear_mode", prior_precision=6.0).optimize_prior("exact", max_steps=3)
+
+
+# ------------------------------------------------------------------------------------------ over-fitting check
+def test_overfit_fraction_and_mean_kl_against_hand_computations():
+    f = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    eta = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    # network right and mode wrong: row 1 only (row 3: the network is wrong too, an under-fit, not an over-fit)
+    assert overfit_fraction(f, eta, torch.tensor([0, 1, 2, 2])) == 0.25
+    assert overfit_fraction(f, eta, torch.tensor([0, 1, 2, 0])) == 0.5
+    p, q = torch.softmax(f, 1).numpy(), torch.softmax(eta, 1).numpy()
+    assert mean_kl(f, eta) == pytest.approx(float(np.mean(np.sum(p * np.log(p / q), axis=1))), rel=1e-12)
+    assert mean_kl(f, f) == 0.0
+    with pytest.raises(ValueError, match=r"network_logits \(4, 3\) and mode_logits \(4, 2\)"):
+        overfit_fraction(f, eta[:, :2], torch.tensor([0, 1, 2, 2]))
+    with pytest.raises(ValueError, match=r"labels \(3,\) \(n,\)"):
+        overfit_fraction(f, eta, torch.tensor([0, 1, 2]))
+
+
+def _memorising(flip_fraction, seed=0, n=40):
+    """4-16-16-3 tanh MLP trained to zero training error on n points of 3 classes, with a fraction of the labels
+    moved to another class at random (memorised: training accuracy 1)."""
+    torch.manual_seed(seed)
+    X, y = _data(n, 4, 3, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    flip = torch.rand(n, generator=g) < flip_fraction
+    y = y.clone()
+    y[flip] = (y[flip] + 1 + torch.randint(0, 2, (int(flip.sum()),), generator=g)) % 3
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    for _ in range(600):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert bool((model(X).argmax(1) == y).all())
+    return model, X, y, int(flip.sum())
+
+
+def test_overfit_warning_when_the_network_memorises_labels_its_linearisation_calls_noise():
+    """Labels flipped at random and memorised by the network: at the evidence's a the linearised model's mode gives
+    some of them back to their cluster's class (3 of 40 here), and the EM warns; on the clean labels the mode
+    reproduces every training label and the EM is silent."""
+    model, X, y, flipped = _memorising(0.3)
+    assert flipped == 11
+    la = LinearizedLaplace(model, solver="exact", prior_precision=1.0).fit(_loader(X, y))
+    with pytest.warns(
+        OverfitWarning, match=r"3 of the 40 training labels \(7\.5%\) are predicted by the trained network"
+    ):
+        la.optimize_prior("exact", max_steps=20, tol=1e-6)
+    assert la.overfit_fraction > OVERFIT_WARNING
+    assert la.em_trace[-1]["overfit_fraction"] == la.overfit_fraction
+    assert la.overfit_fraction == overfit_fraction(la._mode_finder.f, la._mode.logits, y)
+    assert la.mode_kl == mean_kl(la._mode_finder.f, la._mode.logits) > 0
+
+    model, X, y, flipped = _memorising(0.0)
+    la = LinearizedLaplace(model, solver="exact", prior_precision=1.0).fit(_loader(X, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverfitWarning)
+        la.optimize_prior("exact", max_steps=20, tol=1e-6)
+    assert la.overfit_fraction == 0.0
