@@ -29,8 +29,10 @@ A combination (prior × noise × calibration) is named ``<prior>-<noise>-<calibr
 inference folder is ``<prior>-<noise>``. An inference setting the config does not know yet (e.g. ``uq.prior:
 tv_predcp`` before it exists) is reported as unavailable before any work starts (:func:`check_combinations`); a
 baseline value (``gprior``, ``homoscedastic``) is simply left out when its key does not exist, since it is what the
-code does without it. Options are one plain dict ``opts`` (:data:`DEFAULTS`); the script is
-``scripts/calibration_study.py``.
+code does without it. A run that fails with a user error (e.g. a CG solve that does not converge on one scan) is
+listed under ``failures`` with its scan and angle count; the combination goes on with the other scans, its rows
+count the scans it covers, and it fails the gates as a whole. Options are one plain dict ``opts``
+(:data:`DEFAULTS`); the script is ``scripts/calibration_study.py``.
 """
 
 from __future__ import annotations
@@ -462,10 +464,12 @@ def _bias_summary(rs: list[dict]) -> dict | None:
     return out
 
 
-def gate_report(rows: list[dict]) -> list[dict]:
+def gate_report(rows: list[dict], failures: dict[str, list[str]] | None = None) -> list[dict]:
     """The acceptance gates per combination, on the ``all`` rows of every angle count: for each gate the worst
     margin over angle counts (positive: inside) and pass/fail; plus ctuq's marginal LL above the oracle's on
-    every scan (margin: the smallest difference, nats/pixel)."""
+    every scan (margin: the smallest difference, nats/pixel). A combination with runs in ``failures`` (combination
+    → failed runs) fails as a whole (``failed_runs`` > 0): its rows average over fewer scans than the others'."""
+    failures = failures or {}
     out = []
     for combo in sorted({r["combination"] for r in rows}):
         rs = [r for r in rows if r["combination"] == combo and r["content"] == "all"]
@@ -479,8 +483,9 @@ def gate_report(rows: list[dict]) -> list[dict]:
             gates[key] = {"pass": bool(worst >= 0), "margin": float(worst)}
         worst_ll = min(r["min_ll_margin"] for r in rs)
         gates["ll_above_oracle"] = {"pass": bool(worst_ll > 0), "margin": float(worst_ll)}
+        failed = len(failures.get(combo.rsplit("-", 1)[0], []))  # rows are "<inference combination>-<calibration>"
         out.append({"combination": combo, "angles": sorted(r["angles"] for r in rs), "gates": gates,
-                    "pass": all(g["pass"] for g in gates.values())})  # fmt: skip
+                    "failed_runs": failed, "pass": failed == 0 and all(g["pass"] for g in gates.values())})  # fmt: skip
     return out
 
 
@@ -491,8 +496,15 @@ def _fmt(ms: tuple[float, float], digits: int = 3) -> str:
     return f"{m:.{digits}f}" if not math.isfinite(s) else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def markdown_table(rows: list[dict], gates: list[dict], unavailable: dict[str, str], command: str) -> str:
-    """``results.md``: the scores table (mean ± s.e. over scans), the gates and the unavailable combinations."""
+def markdown_table(
+    rows: list[dict],
+    gates: list[dict],
+    unavailable: dict[str, str],
+    command: str,
+    failures: dict[str, list[str]] | None = None,
+) -> str:
+    """``results.md``: the scores table (mean ± s.e. over scans), the gates, the unavailable combinations and the
+    runs that failed (``failures``: combination → ``"scan, angles: error"``)."""
     lines = [
         "# Calibration study",
         "",
@@ -518,7 +530,10 @@ def markdown_table(rows: list[dict], gates: list[dict], unavailable: dict[str, s
               "LL > oracle on every scan | all |", "|---|---|---|---|---|---|"]  # fmt: skip
     for g in gates:
         cells = [f"{'pass' if v['pass'] else 'FAIL'} ({v['margin']:+.3f})" for v in g["gates"].values()]
-        lines.append(f"| {g['combination']} | {' | '.join(cells)} | {'pass' if g['pass'] else 'FAIL'} |")
+        verdict = "pass" if g["pass"] else "FAIL"
+        if g.get("failed_runs"):
+            verdict += f" ({g['failed_runs']} run{'s' if g['failed_runs'] > 1 else ''} failed)"
+        lines.append(f"| {g['combination']} | {' | '.join(cells)} | {verdict} |")
     stat_rows = [r for r in rows if r["content"] == "all" and r.get("statistics")]
     if stat_rows:
         lines += ["", "## Held-out statistics against the image-space right scale (uncalibrated runs)", ""]
@@ -555,6 +570,9 @@ def markdown_table(rows: list[dict], gates: list[dict], unavailable: dict[str, s
     if unavailable:
         lines += ["", "## Combinations not run", ""]
         lines += [f"- `{name}`: {why}" for name, why in unavailable.items()]
+    if failures:
+        lines += ["", "## Runs that failed (their combination's rows average over the other scans)", ""]
+        lines += [f"- `{name}` on {run}" for name, runs in failures.items() for run in runs]
     return "\n".join(lines) + "\n"
 
 
@@ -646,14 +664,13 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
     scans = prepare_scans(opts, out, log)
     kinds = {name: kind for name, kind, _ in scan_names(opts)}
     records = []
+    failures: dict[str, list[str]] = {}  # combination → the runs that failed ("scan, angles: error")
     for n_angles in opts["settings"]:
         for name, scan in scans.items():
             dip = _fit_dip(opts, scan, n_angles, out / "runs" / name / f"angles_{n_angles}" / "dip", log)
             for combo in runnable:
                 folder = dip.parent / combo.name
                 score_path = folder / "score.json"
-                if combo.name in unavailable:
-                    continue
                 done = score_path.is_file() and set(opts["calibrations"]) <= set(read_json(score_path))
                 if done and not opts.get("rescore"):
                     by_cal = read_json(score_path)
@@ -661,9 +678,9 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
                     if not _inference_finished(folder):
                         try:
                             _run_combination(opts, scan, n_angles, dip, combo, log)
-                        except ValueError as exc:  # a user error of the run (CTUQError): it cannot run
-                            unavailable[combo.name] = f"failed on {name}, {n_angles} angles: {exc}"
-                            log(f"combination {combo.name} failed, left out: {exc}")
+                        except ValueError as exc:  # a user error of this run (CTUQError): the other scans still run
+                            failures.setdefault(combo.name, []).append(f"{name}, {n_angles} angles: {exc}")
+                            log(f"combination {combo.name} failed on {name}, {n_angles} angles: {exc}")
                             continue
                     held = heldout_report(folder)
                     by_cal = {cal: score_run(folder, cal, held) for cal in opts["calibrations"]}
@@ -686,11 +703,11 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
                         f"{scores['oracle_ll']:.2f}"
                     )
     rows = aggregate(records)
-    gates = gate_report(rows)
+    gates = gate_report(rows, failures)
     results = {"options": opts, "command": command, "levels": list(LEVELS), "unavailable": unavailable,
-               "records": records, "table": rows, "gates": gates}  # fmt: skip
+               "failures": failures, "records": records, "table": rows, "gates": gates}  # fmt: skip
     atomic_write_json(out / "results.json", results)
-    md = markdown_table(rows, gates, unavailable, command)
+    md = markdown_table(rows, gates, unavailable, command, failures)
     (out / "results.md.tmp").write_text(md)
     (out / "results.md.tmp").replace(out / "results.md")
     calibration_figure(rows, out / "calibration.png")

@@ -16,11 +16,14 @@ from ctuq.metrics import uq_summary
 from ctuq.pipeline import run_folder as rf
 from ctuq.studies.calibration import (
     DEFAULTS,
+    LEVELS,
+    TINY,
     Combination,
     aggregate,
     check_combinations,
     gate_report,
     joint_ll_at_scale,
+    run_study,
     score_run,
 )
 
@@ -134,8 +137,10 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
         assert f"`{name}`" in md
 
     # resume: nothing is recomputed (no DIP, no inference), the results are the same
+    failed = set(res["unavailable"]) | set(res["failures"])
+
     def finished_files():  # DIP runs and finished combinations (a failed one is retried and may rewrite its own)
-        return {p: p.stat().st_mtime_ns for p in out.rglob("*.tif") if p.parent.name not in res["unavailable"]}
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*.tif") if p.parent.name not in failed}
 
     stamps = finished_files()
     capsys.readouterr()
@@ -144,7 +149,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     assert "fitting the DIP" not in err and "simulating" not in err
     # only combinations that failed (e.g. an option whose data the scan lacks) are tried again
     retried = {line.split("inference ")[1].split(":")[0] for line in err.splitlines() if "] inference " in line}
-    assert retried <= set(res["unavailable"])
+    assert retried <= failed
     assert stamps == finished_files()
     assert json.loads((out / "results.json").read_text())["records"] == res["records"]
 
@@ -196,3 +201,56 @@ def test_heldout_calibration_is_scored_from_the_same_run(tmp_path):
     assert none["joint_ll_10"] == 2.0
     assert cal["joint_ll_10"] == pytest.approx(joint_ll_at_scale(2.0, 2.5, 1.5, 2.0))
     assert cal["heldout"]["k"] == 2.0 and cal["heldout"]["image_variance_fraction"] == 0.3
+
+
+def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path, monkeypatch):
+    """A run that fails with a user error on one scan is listed with its scan; the combination still runs on the
+    next scan, its rows count the scans it covers, and it fails the gates as a whole. The scans, DIP fits,
+    inferences and scores are replaced by stand-ins: what is checked is the study's bookkeeping."""
+    import ctuq.studies.calibration as cal
+
+    opts = {**DEFAULTS, **TINY, "noises": ["homoscedastic", "per_ray"], "calibrations": ["none"]}
+    ran = []
+
+    def fake_scans(opts, out, log):
+        return {name: out / "scans" / name for name, _, _ in cal.scan_names(opts)}
+
+    def fake_dip(opts, scan, n_angles, folder, log):
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def fake_run(opts, scan, n_angles, dip, combo, log):
+        ran.append((scan.name, combo.name))
+        if scan.name == "walnut_0" and combo.name == "gprior-per_ray":
+            raise ValueError("CG did not converge in 500 iterations")
+        (dip.parent / combo.name).mkdir()
+        return dip.parent / combo.name
+
+    def fake_score(run, calibration="none", heldout=None):
+        good = run.name == "gprior-homoscedastic"
+        return {"coverage_0.5": 0.5, "coverage_0.9": 0.9 if good else 0.88, "coverage_0.95": 0.95,
+                "right_scale": 1.0, "marginal_ll": 5.5, "oracle_ll": 5.0, "joint_ll_10": 5.0,
+                "oracle_joint_ll_10": 5.0, "spearman": 0.5, "rmse": 0.01, "mean_std": 0.01,
+                "calibration": [0.5] * len(LEVELS), "k": None, "tau": None}  # fmt: skip
+
+    monkeypatch.setattr(cal, "prepare_scans", fake_scans)
+    monkeypatch.setattr(cal, "_fit_dip", fake_dip)
+    monkeypatch.setattr(cal, "_run_combination", fake_run)
+    monkeypatch.setattr(cal, "heldout_report", lambda run: None)
+    monkeypatch.setattr(cal, "score_run", fake_score)
+    res = run_study(opts, tmp_path / "study", "test")
+
+    # walnut_0 comes first; the per-ray combination still runs on textured_0 after failing on walnut_0
+    assert ("textured_0", "gprior-per_ray") in ran
+    assert res["unavailable"] == {}
+    assert res["failures"] == {"gprior-per_ray": ["walnut_0, 8 angles: CG did not converge in 500 iterations"]}
+    scans = {r["combination"]: r["n_scans"] for r in res["table"] if r["content"] == "all"}
+    assert scans == {"gprior-homoscedastic-none": 2, "gprior-per_ray-none": 1}
+    gates = {g["combination"]: g for g in res["gates"]}
+    assert gates["gprior-homoscedastic-none"]["pass"] and gates["gprior-homoscedastic-none"]["failed_runs"] == 0
+    # its one scan is inside every gate, yet a combination that did not run on every scan does not pass
+    assert all(v["pass"] for v in gates["gprior-per_ray-none"]["gates"].values())
+    assert gates["gprior-per_ray-none"]["failed_runs"] == 1 and not gates["gprior-per_ray-none"]["pass"]
+    md = (tmp_path / "study" / "results.md").read_text()
+    assert "| FAIL (1 run failed) |" in md
+    assert "- `gprior-per_ray` on walnut_0, 8 angles: CG did not converge in 500 iterations" in md
