@@ -205,8 +205,11 @@ def test_state_round_trip_with_weights_only_loading(mlp, tmp_path):
     # the stored posterior samples predict without the training data
     torch.testing.assert_close(loaded.predict(X, samples=32, seed=5), probs)
     # fit() resumes: no g-prior work, the same EM continues exactly as the uninterrupted object does
+    assert loaded.overfit_fraction is None and loaded.mode_kl is None  # no training logits before fit()
     loaded.fit(_loader(X, y))
     torch.testing.assert_close(loaded.scales, la.scales)
+    assert loaded.overfit_fraction == la.overfit_fraction
+    assert loaded.mode_kl == pytest.approx(la.mode_kl, rel=1e-6)
     loaded.optimize_prior("sampled_em", max_steps=2)
     la.optimize_prior("sampled_em", max_steps=2)
     assert [r["a_new"] for r in loaded.em_trace] == pytest.approx([r["a_new"] for r in la.em_trace], rel=1e-6)
