@@ -315,10 +315,10 @@ class LinearizedLaplace(PredictiveMixin):
                 f"LinearizedLaplace: at the EM's a = {self.prior_precision:.4g}, {round(fraction * self.n_train)} "
                 f"of the {self.n_train} training labels ({fraction:.1%}) are predicted by the trained network and "
                 f"not by the linearised model's mode (mean KL(network ‖ mode) {self.mode_kl:.3g} nats): the "
-                f"network fits labels its "
-                f"linearisation explains as noise (over-fitting), and a predictive centred at the network is then "
-                f"likely over-confident; check it on held-out data, e.g. optimize_prior('gridsearch', "
-                f"val_loader=...) (docs/classification.md §2.4)",
+                f"network fits labels its linearisation explains as noise (over-fitting), and a predictive centred "
+                f"at the network is then likely over-confident; check it on held-out data, e.g. "
+                f"optimize_prior('gridsearch', val_loader=...), or compare hessian_at='network' "
+                f"(docs/classification.md §2.4)",
                 OverfitWarning,
                 stacklevel=3,
             )
