@@ -14,6 +14,7 @@ import tifffile
 from ctuq.config import ConfigError, load_config
 from ctuq.metrics import uq_summary
 from ctuq.pipeline import run_folder as rf
+from ctuq.studies import calibration as cal
 from ctuq.studies.calibration import (
     DEFAULTS,
     LEVELS,
@@ -207,8 +208,6 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
     """A run that fails with a user error on one scan is listed with its scan; the combination still runs on the
     next scan, its rows count the scans it covers, and it fails the gates as a whole. The scans, DIP fits,
     inferences and scores are replaced by stand-ins: what is checked is the study's bookkeeping."""
-    import ctuq.studies.calibration as cal
-
     opts = {**DEFAULTS, **TINY, "noises": ["homoscedastic", "per_ray"], "calibrations": ["none"]}
     ran = []
 
