@@ -12,11 +12,15 @@ is one file plus one registry line.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "Vocabulary",
     "values",
+    "option",
     # inference core
     "Prior",
     "GPriorMethod",
@@ -31,6 +35,9 @@ __all__ = [
     # CT front end and operators
     "Backend",
     "FilterType",
+    # models
+    "UNetPreset",
+    "UNET_PRESETS",
     # experimental design
     "DesignPriorKind",
     "DesignPriorScale",
@@ -73,10 +80,36 @@ def values(vocabulary: type[Vocabulary]) -> tuple[str, ...]:
     return tuple(m.value for m in vocabulary)
 
 
+def option(
+    default: Any = None,
+    *,
+    help: str = "",
+    choices: tuple | Callable[[], tuple] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    factory=None,
+):
+    """A dataclass field that documents and constrains one option: a config key, or an option of a registered
+    implementation (a solver's, a prior's) that the config derives its keys from.
+
+    ``choices``: allowed values, or a function returning them when a value is checked (for vocabularies that grow
+    at run time, such as a registry's names); ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied to list
+    items). The config checks them on every assignment.
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 # ---------------------------------------------------------------------------------------------- inference core
 class Prior(Vocabulary):
-    """Weight prior of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹``, ``s = 1``, or the
-    TV-PredCP block prior (:mod:`ctuq.priors.tv_predcp`)."""
+    """The built-in weight priors of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹``,
+    ``s = 1``, or the TV-PredCP block prior (:mod:`ctuq.inference.priors`). The list of priors is the registry
+    :data:`ctuq.registry.PRIORS` (which a prior registered later joins); these are names for code that means one of
+    the built-ins."""
 
     GPRIOR = "gprior"
     ISOTROPIC = "isotropic"
@@ -168,6 +201,25 @@ class FilterType(Vocabulary):
     COSINE = "Cosine"
     HAMMING = "Hamming"
     HANN = "Hann"
+
+
+# ---------------------------------------------------------------------------------------------- models
+class UNetPreset(Vocabulary):
+    """Architecture presets of the U-Net (``model.preset``; :func:`ctuq.models.build_unet`)."""
+
+    WALNUT = "walnut"
+    SMALL = "small"
+    TINY = "tiny"
+
+
+#: Each :class:`UNetPreset`'s channels per scale and skip widths per scale: the table behind
+#: :data:`ctuq.models.unet.PRESETS`, here so that the config checks a partial override (``model.channels`` without
+#: ``model.skip_channels``) against the preset without importing the network code.
+UNET_PRESETS: dict[str, dict[str, tuple[int, ...]]] = {
+    UNetPreset.WALNUT.value: dict(channels=(128,) * 6, skip_channels=(0, 0, 0, 0, 4, 4)),
+    UNetPreset.SMALL.value: dict(channels=(8, 16, 32, 32, 32), skip_channels=(0, 4, 4, 4, 4)),
+    UNetPreset.TINY.value: dict(channels=(8, 8, 8), skip_channels=(0, 2, 2)),
+}
 
 
 # ---------------------------------------------------------------------------------------------- design
@@ -267,7 +319,8 @@ class Centering(Vocabulary):
 # ---------------------------------------------------------------------------------------------- noise model (issue 26)
 class NoiseModel(Vocabulary):
     """Noise of the log-transformed CT measurements: one variance ``σ²`` for every ray, or ``σ² d_i`` with relative
-    per-ray variances ``d_i`` from the scan's photon statistics (``uq.noise``)."""
+    per-ray variances ``d_i`` from the scan's photon statistics (``uq.noise``; resolved once per run, against the
+    scan, by :func:`ctuq.pipeline.uq.resolve_noise`)."""
 
     HOMOSCEDASTIC = "homoscedastic"
     PER_RAY = "per_ray"
@@ -277,24 +330,6 @@ class NoiseModel(Vocabulary):
 
 
 __all__ += ["NoiseModel"]
-
-
-# ---------------------------------------------------------------------------------------------- calibration (issue 26)
-class Calibration(Vocabulary):
-    """Recalibration of the std map (``uq.calibration``): none, the global scale ``k`` fitted by maximum likelihood
-    to the scan's held-out angles, or the bias model ``sqrt(std² + τ² M)`` fitted to them
-    (:mod:`ctuq.pipeline.calibration`)."""
-
-    NONE = "none"
-    HELDOUT = "heldout"
-    # the posterior kept and a white bias of std τ added inside the object mask (docs/calibration.md, "τ alone")
-    BIAS = "bias"
-    # where the scan has unused angles to check against, bias (heldout for the TV-PredCP prior), none otherwise (no
-    # warning): the default since the calibration study (docs/calibration.md), resolved per run, in metrics.json
-    AUTO = "auto"
-
-
-__all__ += ["Calibration"]
 
 
 # ---------------------------------------------------------------------------------------------- phantoms (issue 26)
@@ -323,15 +358,6 @@ __all__ += ["HessianAt"]
 
 
 # ---------------------------------------------------------------------------------------------- data formats (issue 28)
-class DataFormat(Vocabulary):
-    """The scan formats :mod:`ctuq.data.formats` reads (``--data``): the walnut data set's folder, a ``scan.yaml``
-    description with its measurement files, a NeXus NXtomo HDF5 file."""
-
-    WALNUT = "walnut"
-    SCAN_YAML = "scan_yaml"
-    NXTOMO = "nxtomo"
-
-
 class ScanGeometry(Vocabulary):
     """Beam geometry of a scan description: parallel beam (any number of detector rows), fan beam (one detector row),
     cone beam (several rows); all circular about ``z``."""
@@ -365,21 +391,13 @@ class MeasurementKind(Vocabulary):
     LINE_INTEGRALS = "line_integrals"
 
 
-class ScanLayout(Vocabulary):
-    """File layouts ``ctuq simulate --layout`` writes: the walnut data set's folder, ``scan.yaml`` with ``.npy``
-    arrays, ``scan.yaml`` with TIFF stacks, NXtomo HDF5."""
-
-    WALNUT = "walnut"
-    YAML_NPY = "yaml-npy"
-    YAML_TIFF = "yaml-tiff"
-    NXTOMO = "nxtomo"
-
-
-__all__ += ["DataFormat", "ScanGeometry", "AngleUnit", "LengthUnit", "MeasurementKind", "ScanLayout"]
+# The scan formats (``--data``) and the layouts ``ctuq simulate --layout`` writes are a registry, not a vocabulary:
+# ctuq.registry.DATA_FORMATS (each format's ``layouts``; ctuq.data.formats.write_layouts).
+__all__ += ["ScanGeometry", "AngleUnit", "LengthUnit", "MeasurementKind"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# TV-PredCP type-II MAP (issue 26, H1): the optimiser of uq.tv_predcp (ctuq.inference.prior_fit.fit_block_prior)
+# TV-PredCP type-II MAP (issue 26, H1): the optimiser of uq.tv_predcp (ctuq.inference.priors.tv_predcp.fit_block_prior)
 class PriorFitOptimizer(Vocabulary):
     """Optimiser of the TV-PredCP hyperparameter fit (``uq.tv_predcp.optimizer``): a MacKay warm start of the
     global scale then projected L-BFGS with fixed Hutchinson probes, or Adam with MacKay updates every step (the

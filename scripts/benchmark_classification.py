@@ -1,5 +1,8 @@
 """Benchmark: all-weights linearised Laplace with ctuq against MAP and laplace-torch 0.3, on offline data.
 
+What it reproduces: the tables of docs/classification.md §2 (each names its command) and the earlier rows of
+docs/notebook/classification.md (§2.1 sweep, rows before the ridge, §A with ``hessian_at="network"``).
+
 For each data set (scikit-learn digits; MNIST-1D from its offline generator) and model (MLP ~9k weights; CNN with
 batch norm ~31-34k weights) it trains the MAP network (``--recipe bench``: Adam lr 1e-3, no weight decay;
 ``--recipe issue``: Adam lr 1e-2, weight decay 1e-4; 200 epochs, seed 0; cached in ``--out``), then evaluates side

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Benchmark of one greedy design after the pilot DIP fit: set-up, per-step cost and its growth, total.
 
+What it reproduces: the cost tables of docs/experimental_design.md §6 ("Costs": the `tiny` design with
+``--priors dip``, the isotropic and Matérn-½ totals with the plain command, the `small` U-Net with
+``--preset small --priors dip --criterion ese``; the history of those figures: docs/notebook/experimental_design.md).
+
 The setting of the published study by default: one 128² rectangles image, 200 candidate angles × 183 detector
 pixels (parallel beam), a 5-angle pilot, 35 acquisitions, noise 5 % of mean |Tx|, the CPU-demo U-Net (preset
 ``tiny``) fitted on the pilot. For each prior the table gives: the linearisation (DIP: the Jacobian assembled with

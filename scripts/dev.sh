@@ -79,7 +79,17 @@ demo() {
     # DEMO_ARGS is split into words on purpose: it holds options
     # shellcheck disable=SC2086
     ctuq reconstruct --config demo --out "$out" ${DEMO_ARGS:-}
-    say "the demo's run folder is $out (reconstruction.tif, std.tif, uncertainty.png, metrics.json)"
+    # the commands README shows next, with this run's folder (README writes runs/demo for it)
+    cat >&2 <<EOF
+dev.sh: the demo's run folder is $out (reconstruction.tif, std.tif, uncertainty.png, metrics.json). Next, in this shell:
+  . $VENV/bin/activate
+  ctuq uq $out --check
+      (the std map against the scan's unused angles)
+  ctuq uq $out --set uq.samples=4096
+      (rerun only the inference, with more samples)
+  ctuq view $out
+      (the images side by side in napari; pip install 'ctuq[view]')
+EOF
 }
 
 run_tests() {

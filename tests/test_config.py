@@ -1,4 +1,6 @@
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,13 +11,21 @@ from ctuq.config import (
     Config,
     ConfigError,
     DIPConfig,
+    TVPredCPConfig,
+    UQConfig,
     apply_dict,
     bundled_configs,
+    check_section,
     load_config,
     option,
     parse_override,
     resolve_config_path,
 )
+from ctuq.config.engine import Derivation, DerivedSections, derived, section_class, to_dict
+from ctuq.inference.solvers import SOLVERS, Solver, register_solver, unregister_solver
+from ctuq.models.unet import PRESETS
+from ctuq.options import UNET_PRESETS, UNetPreset, values
+from ctuq.registry import CALIBRATIONS, PRIORS, RAY_TRANSFORMS, Registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,127 +189,380 @@ def test_a_new_section_needs_only_a_dataclass():
     assert isinstance(cfg.dip, DIPConfig)
 
 
-# ------------------------------------------------------------------------------------------------ uq → the core
-def test_posterior_arguments_give_each_solver_exactly_its_keys():
-    from ctuq.config import UQConfig, posterior_arguments
-    from ctuq.inference import SOLVERS, Workload, solver_kwargs
+# ------------------------------------------------------------------------------------------------ the U-Net presets
+def test_the_preset_vocabulary_is_the_networks_table():
+    assert values(UNetPreset) == tuple(UNET_PRESETS) == tuple(PRESETS)
+    assert PRESETS is UNET_PRESETS  # one table: the config checks partial overrides against the network's presets
+    with pytest.raises(ConfigError, match=r"model.channels \[8, 8\] and model.skip_channels \[0, 2, 2\]"):
+        load_config("demo", ["model.preset=tiny", "model.channels=[8, 8]"])
 
-    uq = UQConfig(
-        prior="isotropic",
-        gprior_method="stochastic",
-        gprior_probes=9,
-        solver="cg",
-        preconditioner="halko",
-        rank=12,
-        oversampling=3,
-        cg_tol=1e-5,
-        cg_max_iter=77,
-        adaptive_rank=False,
-        sdd_step=0.7,
-        sdd_momentum=0.9,
-        sdd_batch=5,
-        sdd_iterations=33,
-        sgd_lr=0.5,
-        sgd_momentum=0.8,
-        sgd_lr_decay="linear",
-        sgd_clip=2.0,
-        sgd_iterations=44,
-        first_order_tol=1e-3,
-        prior_precision=3.0,
-        em_steps=2,
-        em_samples=3,
-        samples=10,
-        sample_chunk=5,
-    )
-    args = posterior_arguments(uq)
-    assert set(args) == {"prior", "gprior_method", "gprior_probes", "a", "solver", "solver_options", "workload"}
-    assert (args["prior"], args["gprior_method"], args["gprior_probes"], args["a"], args["solver"]) == (
-        "isotropic",
-        "stochastic",
-        9,
-        3.0,
-        "cg",
-    )
-    assert args["workload"] == Workload(
-        em_steps=2,
-        em_samples=3,
-        prediction_samples=10,
-        rank=12,
-        oversampling=3,
-        sdd_iterations=33.0,
-        sgd_iterations=44.0,
-        chunk=5,
-    )
-    opts = args["solver_options"]
-    assert solver_kwargs(opts, "cg") == {
-        "preconditioner": "halko",
-        "rank": 12,
-        "oversampling": 3,
-        "rtol": 1e-5,
-        "max_iter": 77,
+
+# ------------------------------------------------------------------------------------------------ solver sections
+def _runtime_free_fields(cls):
+    return [f for f in dataclasses.fields(cls.Options) if f.name not in cls.runtime_options]
+
+
+@pytest.mark.parametrize("name", ["exact_primal", "exact_dual", "cg", "sdd", "sgd"])
+def test_each_solver_section_is_its_options(name):
+    cls = SOLVERS[name]
+    section = getattr(UQConfig(), name)
+    want = _runtime_free_fields(cls)
+    got = dataclasses.fields(section)
+    assert [f.name for f in got] == [f.name for f in want] and "seed" not in [f.name for f in got]
+    for g, w in zip(got, want):
+        # the solver's default, bounds and help, unchanged
+        assert getattr(section, g.name) == getattr(cls.Options(), w.name)
+        assert dict(g.metadata) == dict(w.metadata)
+    assert to_dict(section) == {f.name: getattr(cls.Options(), f.name) for f in want}
+
+
+def test_the_solver_defaults_are_todays():
+    uq = UQConfig()
+    assert to_dict(uq.cg) == {
+        "preconditioner": "nystrom",
+        "rank": 400,
+        "oversampling": 10,
+        "rtol": 1e-3,
+        "max_iter": 150,
+        "backend": "pcg",
+        "pivoted_diagonal": "exact",
         "adaptive_rank": False,
         "rank_threshold": 1.0,
+        "initial_rank": 100,
     }
-    assert solver_kwargs(opts, "sdd") == {
-        "step_size": 0.7,
-        "momentum": 0.9,
-        "batch_size": 5,
-        "max_iter": 33,
-        "rtol": 1e-3,
+    assert (uq.sdd.step_size, uq.sdd.momentum, uq.sdd.batch_size, uq.sdd.max_iter, uq.sdd.rtol) == (
+        1.0,
+        0.99,
+        None,
+        1000,
+        1e-2,
+    )
+    assert (uq.sgd.lr, uq.sgd.momentum, uq.sgd.lr_decay, uq.sgd.clip, uq.sgd.max_iter, uq.sgd.rtol) == (
+        1.0,
+        0.99,
+        "none",
+        None,
+        1000,
+        1e-2,
+    )
+    assert to_dict(uq.exact_dual) == to_dict(uq.exact_primal) == {"chunk_size": 64, "memory_budget": None}
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("uq.cg.rank=0", "--set uq.cg.rank=0: uq.cg.rank must be >= 1, got 0"),
+        ("uq.rank=0", "--set uq.rank=0: uq.rank must be >= 1, got 0"),
+        ("uq.sdd.momentum=1.0", "uq.sdd.momentum must be < 1.0"),
+        ("uq.sgd.lr_decay=cosine", "uq.sgd.lr_decay must be one of ['linear', 'none']"),
+        ("uq.cg.preconditioner=magic", "uq.cg.preconditioner must be one of"),
+        ("uq.cg.seed=3", "unknown config key 'uq.cg.seed'; valid keys of section 'uq.cg': preconditioner, rank"),
+        ("uq.sdd.iterations=3", "unknown config key 'uq.sdd.iterations'"),
+        ("uq.cg=3", "'uq.cg' is a section and needs a mapping of keys (preconditioner, rank"),
+        ("uq.cgx.rank=3", "valid keys of section 'uq': prior, tv_predcp, gprior_method, gprior_probes, solver, "),
+        ("uq.rank.x=3", "'uq.rank' is a value, not a section"),
+    ],
+)
+def test_bad_solver_options_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [override])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_uq_key_lists_the_solver_sections():
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", ["uq.colour=red"])
+    assert "solver, exact_primal, exact_dual, cg, sdd, sgd, em_steps" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ prior sections
+def test_the_tv_predcp_section_is_the_priors_options():
+    options = PRIORS["tv_predcp"].Options
+    section = UQConfig().tv_predcp
+    assert type(section) is options  # used as declared: every option is configurable
+    cfg = load_config("demo", ["uq.prior=tv_predcp", "uq.tv_predcp.steps=7"])
+    assert cfg.uq.tv_predcp == options(steps=7) and cfg.to_dict()["uq"]["tv_predcp"]["steps"] == 7
+    # priors without options have no section
+    assert [n for n in PRIORS if getattr(PRIORS[n], "Options", None) is None] == ["gprior", "isotropic"]
+    with pytest.raises(ConfigError, match="unknown config key 'uq.gprior'"):
+        load_config("demo", ["uq.gprior.probes=3"])
+    # the earlier name of the section's class, and a section given as its options object
+    assert TVPredCPConfig is options
+    assert UQConfig(tv_predcp=options(steps=3)).tv_predcp.steps == 3
+
+
+def test_registry_names_are_the_values_of_their_keys():
+    for key, registry in (
+        ("uq.prior", PRIORS),
+        ("uq.solver", SOLVERS),
+        ("uq.calibration", CALIBRATIONS),
+        ("data.backend", RAY_TRANSFORMS),
+    ):
+        section, name = key.split(".")
+        field = next(f for f in dataclasses.fields(getattr(Config(), section)) if f.name == name)
+        assert field.metadata["choices"] == registry.choices, key  # read when a value is checked
+        with pytest.raises(ConfigError) as e:
+            load_config("demo", [f"{key}=nonsense"])
+        assert f"{key} must be one of {list(registry.choices())}, got 'nonsense'" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ the old flat keys
+OLD_KEYS = {
+    "preconditioner": ("halko", "cg.preconditioner"),
+    "rank": (12, "cg.rank"),
+    "oversampling": (3, "cg.oversampling"),
+    "cg_tol": (1e-5, "cg.rtol"),
+    "cg_max_iter": (77, "cg.max_iter"),
+    "adaptive_rank": (True, "cg.adaptive_rank"),
+    "rank_threshold": (2.0, "cg.rank_threshold"),
+    "sdd_step": (0.7, "sdd.step_size"),
+    "sdd_momentum": (0.9, "sdd.momentum"),
+    "sdd_batch": (5, "sdd.batch_size"),
+    "sdd_iterations": (33, "sdd.max_iter"),
+    "sgd_lr": (0.5, "sgd.lr"),
+    "sgd_momentum": (0.8, "sgd.momentum"),
+    "sgd_lr_decay": ("linear", "sgd.lr_decay"),
+    "sgd_clip": (2.0, "sgd.clip"),
+    "sgd_iterations": (44, "sgd.max_iter"),
+}
+
+
+def test_every_old_flat_key_is_listed():
+    assert set(UQConfig.legacy_keys) == {*OLD_KEYS, "first_order_tol"}
+
+
+def test_a_run_folder_config_with_flat_keys_loads(tmp_path):
+    # what config.yaml held before the solver sections: flat keys in the uq section
+    f = tmp_path / "config.yaml"
+    f.write_text(yaml.safe_dump({"uq": {k: v for k, (v, _) in OLD_KEYS.items()} | {"first_order_tol": 1e-3}}))
+    cfg = load_config(f)
+    for old, (value, new) in OLD_KEYS.items():
+        assert cfg.get(f"uq.{new}") == value and cfg.get(f"uq.{old}") == value, old
+    assert cfg.uq.sdd.rtol == cfg.uq.sgd.rtol == cfg.uq.first_order_tol == 1e-3
+    # the resolved config writes the sections, and reads back equal
+    d = cfg.to_dict()["uq"]
+    assert "rank" not in d and d["cg"]["rank"] == 12 and d["sgd"]["max_iter"] == 44
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_old_keys_through_set_constructor_and_attributes():
+    cfg = load_config("demo", ["uq.sdd_iterations=40", "uq.first_order_tol=1e-3", "uq.cg.rank=50"])
+    assert (cfg.uq.sdd.max_iter, cfg.uq.sdd.rtol, cfg.uq.sgd.rtol, cfg.uq.cg.rank) == (40, 1e-3, 1e-3, 50)
+    uq = UQConfig(solver="cg", rank=40, cg_tol=1e-5, sdd={"max_iter": 9})
+    assert (uq.cg.rank, uq.cg.rtol, uq.sdd.max_iter, uq.rank, uq.cg_tol) == (40, 1e-5, 9, 40, 1e-5)
+    uq.first_order_tol = 0.05
+    assert uq.sdd.rtol == uq.sgd.rtol == 0.05
+    uq.rank = 7
+    assert uq.cg.rank == 7
+    with pytest.raises(ConfigError, match=r"UQConfig\(...\): uq.rank must be >= 1, got 0"):
+        UQConfig(rank=0)
+    with pytest.raises(ConfigError, match="unknown config key 'uq.ranks'"):
+        UQConfig(ranks=3)
+    with pytest.raises(AttributeError, match="no config key 'ranks'"):
+        uq.ranks = 3
+    with pytest.raises(AttributeError, match="no config key 'ranks'"):
+        uq.ranks  # noqa: B018
+
+
+def test_an_old_key_and_its_new_key_disagreeing_is_refused(tmp_path):
+    f = tmp_path / "both.yaml"
+    f.write_text("uq:\n  rank: 20\n  cg:\n    rank: 30\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert str(f) in msg and "uq.rank = 20 and uq.cg.rank = 30" in msg and "\n" not in msg
+    f.write_text("uq:\n  rank: 20\n  cg:\n    rank: 20\n")
+    assert load_config(f).uq.cg.rank == 20  # the same value twice is no conflict
+    with pytest.raises(ConfigError, match="uq.first_order_tol = 0.001 and uq.sgd.rtol = 0.1"):
+        load_config("demo", ["uq.first_order_tol=1e-3", "uq.sgd.rtol=0.1"])
+    # the file says one thing, a later --set another: the later layer wins, as for any key
+    f.write_text("uq:\n  rank: 20\n")
+    assert load_config(f, ["uq.cg.rank=30"]).uq.cg.rank == 30
+    assert load_config("demo", ["uq.cg.rank=1", "uq.cg.rank=2"]).uq.cg.rank == 2
+
+
+def test_replace_and_copies_keep_their_own_sections():
+    uq = UQConfig(rank=20)
+    other = dataclasses.replace(uq, noise="per_ray")
+    assert other.cg.rank == 20 and other.solver_sections is not uq.solver_sections
+    other.cg.rank = 5
+    assert uq.cg.rank == 20
+    assert UQConfig(rank=20) == uq != UQConfig()
+    check_section(uq, "uq")
+    uq.cg.rank = 0
+    with pytest.raises(ConfigError, match="uq.cg.rank must be >= 1, got 0"):
+        check_section(uq, "uq")
+
+
+# ------------------------------------------------------------------------------------------------ derivation
+class ToyIterative(Solver):
+    """A solver defined here: its Options become the config section uq.toy_iterative."""
+
+    name = "toy_iterative"
+    summary = "a test solver"
+
+    @dataclasses.dataclass
+    class Options:
+        sweeps: int = option(3, ge=1, help="sweeps per solve")
+        damping: float = option(0.5, gt=0.0, le=1.0, help="step damping")
+        seed: int = option(0, help="supplied by the posterior")
+
+    def __init__(
+        self,
+        features,
+        *,
+        sweeps: int = Options.sweeps,
+        damping: float = Options.damping,
+        seed: int = Options.seed,
+    ):
+        super().__init__(features)
+
+    def solve(self, rhs, a, sigma2, *, x0=None):
+        raise NotImplementedError  # never solved here: the config reads only its options
+
+
+class ToyUndeclared(Solver):
+    """A solver that declares no Options: they are derived from its __init__."""
+
+    name = "toy_undeclared"
+
+    def __init__(self, features, *, jitter: float = 0.0, mode: str = "a"):
+        super().__init__(features)
+
+    def solve(self, rhs, a, sigma2, *, x0=None):
+        raise NotImplementedError
+
+
+@pytest.fixture
+def toy_solvers():
+    register_solver(ToyIterative)
+    register_solver(ToyUndeclared)
+    yield
+    unregister_solver("toy_iterative")
+    unregister_solver("toy_undeclared")
+
+
+def test_a_solver_registered_later_has_its_section(toy_solvers):
+    cfg = load_config("demo", ["uq.toy_iterative.sweeps=7", "uq.toy_undeclared.jitter=0.25"])
+    assert cfg.uq.toy_iterative.sweeps == 7 and cfg.uq.toy_iterative.damping == 0.5
+    assert cfg.uq.toy_undeclared.jitter == 0.25 and cfg.uq.toy_undeclared.mode == "a"
+    assert cfg.to_dict()["uq"]["toy_iterative"] == {"sweeps": 7, "damping": 0.5}  # seed: the posterior's
+    with pytest.raises(ConfigError, match=r"uq.toy_iterative.damping must be <= 1.0, got 2.0"):
+        load_config("demo", ["uq.toy_iterative.damping=2"])
+    with pytest.raises(ConfigError, match="unknown config key 'uq.toy_iterative.seed'"):
+        load_config("demo", ["uq.toy_iterative.seed=2"])
+    assert ToyUndeclared.option_names() == {"jitter", "mode"}
+
+
+def test_a_section_goes_with_its_solver(toy_solvers):
+    unregister_solver("toy_iterative")
+    with pytest.raises(ConfigError, match="unknown config key 'uq.toy_iterative'"):
+        load_config("demo", ["uq.toy_iterative.sweeps=7"])
+    assert "toy_iterative" not in to_dict(UQConfig()) and "toy_undeclared" in to_dict(UQConfig())
+
+
+def test_a_solver_name_that_is_already_a_key_is_refused():
+    class Samples(ToyUndeclared):
+        name = "samples"
+
+    register_solver(Samples)
+    try:
+        with pytest.raises(ConfigError, match="the solver 'samples' would have the config section 'samples', which"):
+            load_config("demo", ["uq.cg.rank=3"])
+    finally:
+        unregister_solver("samples")
+
+
+def test_options_that_disagree_with_init_are_refused_where_the_class_is_defined():
+    with pytest.raises(TypeError, match=r"option 'sweeps' defaults to 4 in __init__ but to 3 in Options"):
+
+        class _Bad(ToyIterative):
+            Options = ToyIterative.Options
+
+            def __init__(self, features, *, sweeps: int = 4, damping: float = 0.5, seed: int = 0):
+                super().__init__(features)
+
+    with pytest.raises(TypeError, match=r"declares \['damping', 'seed', 'sweeps'\] but _Missing.__init__ takes"):
+
+        class _Missing(ToyIterative):
+            Options = ToyIterative.Options
+
+            def __init__(self, features, *, sweeps: int = 3):
+                super().__init__(features)
+
+
+# A registry and classes of the test's own: the derivation is generic (a registry + the attribute that holds the
+# options); here a toy weight prior with options and one without.
+TOY_PRIORS = Registry("toy prior")
+
+
+@TOY_PRIORS.register
+class BlockToy:
+    name = "block_toy"
+
+    @dataclasses.dataclass
+    class Options:
+        blocks: int = option(4, ge=1, help="blocks per layer")
+        spread: list[float] = option(factory=lambda: [1.0, 2.0], gt=0.0, help="block variances")
+
+
+@TOY_PRIORS.register
+class PlainToy:
+    name = "plain_toy"  # no Options: no section
+
+
+@dataclasses.dataclass
+class PriorSettings:
+    prior: str = option("block_toy", choices=TOY_PRIORS.choices, help="which toy prior")
+    sections: DerivedSections = derived(Derivation(TOY_PRIORS, "Options"))
+
+
+@dataclasses.dataclass
+class ToyRoot:
+    toy: PriorSettings = option(factory=PriorSettings)
+
+
+def test_sections_derive_from_any_registry():
+    cfg = ToyRoot()
+    apply_dict(cfg, {"toy": {"prior": "plain_toy", "block_toy": {"blocks": 2, "spread": [0.5]}}}, "test")
+    assert cfg.toy.prior == "plain_toy" and to_dict(cfg) == {
+        "toy": {"prior": "plain_toy", "block_toy": {"blocks": 2, "spread": [0.5]}}
     }
-    assert solver_kwargs(opts, "sgd") == {
-        "lr": 0.5,
-        "momentum": 0.8,
-        "lr_decay": "linear",
-        "clip": 2.0,
-        "max_iter": 44,
-        "rtol": 1e-3,
-    }
-    assert solver_kwargs(opts, "exact_primal") == solver_kwargs(opts, "exact_dual") == {}
-    for name in ("cg", "sdd", "sgd"):
-        assert set(solver_kwargs(opts, name)) <= SOLVERS[name].option_names()
+    # a class without options has no section; a class with them is used as declared
+    assert section_class(BlockToy, Derivation(TOY_PRIORS)) is BlockToy.Options
+    assert section_class(PlainToy, Derivation(TOY_PRIORS)) is None
+    with pytest.raises(
+        ConfigError, match="unknown config key 'toy.plain_toy'; valid keys of section 'toy': prior, block_toy"
+    ):
+        apply_dict(cfg, {"toy": {"plain_toy": {}}}, "test")
+    with pytest.raises(ConfigError, match=r"test: toy.block_toy.spread must be > 0.0, got \[-1.0\]"):
+        apply_dict(cfg, {"toy": {"block_toy": {"spread": [-1.0]}}}, "test")
+    with pytest.raises(ConfigError, match="toy.prior must be one of \\['block_toy', 'plain_toy'\\]"):
+        apply_dict(cfg, {"toy": {"prior": "other"}}, "test")
 
 
-def test_uq_defaults_are_the_solvers_defaults():
-    import inspect
+def test_an_option_without_default_cannot_be_configured():
+    reg = Registry("toy prior")
 
-    from ctuq.config import UQConfig
-    from ctuq.inference import CGSolver, SDDSolver, SGDSolver
+    @reg.register
+    class NoDefault:
+        name = "no_default"
 
-    uq = UQConfig()
+        @dataclasses.dataclass
+        class Options:
+            size: int
 
-    def default(cls, name):
-        return inspect.signature(cls.__init__).parameters[name].default
-
-    assert (uq.sdd_step, uq.sdd_momentum, uq.sdd_batch, uq.sdd_iterations) == tuple(
-        default(SDDSolver, n) for n in ("step_size", "momentum", "batch_size", "max_iter")
-    )
-    assert (uq.sgd_lr, uq.sgd_momentum, uq.sgd_lr_decay, uq.sgd_clip, uq.sgd_iterations) == tuple(
-        default(SGDSolver, n) for n in ("lr", "momentum", "lr_decay", "clip", "max_iter")
-    )
-    assert uq.first_order_tol == default(SDDSolver, "rtol") == default(SGDSolver, "rtol")
-    assert (
-        uq.preconditioner,
-        uq.rank,
-        uq.oversampling,
-        uq.cg_tol,
-        uq.cg_max_iter,
-        uq.adaptive_rank,
-        uq.rank_threshold,
-    ) == tuple(
-        default(CGSolver, n)
-        for n in ("preconditioner", "rank", "oversampling", "rtol", "max_iter", "adaptive_rank", "rank_threshold")
-    )
+    with pytest.raises(ConfigError, match="the toy prior 'no_default': option 'size' of .*Options has no default"):
+        DerivedSections((Derivation(reg),)).names()
 
 
-def test_the_config_imports_no_front_end():
-    import subprocess
-    import sys
-
+# ------------------------------------------------------------------------------------------------ the leaf
+def test_importing_the_config_imports_no_torch_and_no_front_end():
     code = (
         "import sys, ctuq.config\n"
-        "print(','.join(sorted(m for m in sys.modules if m.startswith(('ctuq.design', 'ctuq.classify', "
-        "'ctuq.pipeline', 'ctuq.studies', 'ctuq.uq')))))\n"
+        "print(','.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('ctuq.design', "
+        "'ctuq.classify', 'ctuq.pipeline', 'ctuq.studies', 'ctuq.inference', 'ctuq.operators', 'ctuq.models', "
+        "'ctuq.data')))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -9,14 +9,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ctuq"
 
 # Bottom → top (README "Layout"): a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("ctuq", "errors", "options", "memory", "utils", "geometry", "interrupt", "log"),
-    ("data", "operators", "metrics", "outputs", "figures"),
+    ("ctuq", "errors", "options", "registry", "config", "memory", "utils", "geometry", "interrupt", "log"),
+    ("data", "operators", "metrics", "outputs", "figures", "calibration"),
     ("models",),
-    ("linearize", "priors"),
+    ("linearize",),
     ("inference",),
     ("reconstruct",),
     ("design", "classify"),
-    ("config",),
     ("pipeline",),
     ("studies",),
     ("commands", "cli", "__main__", "testing", "viewer"),
@@ -156,3 +155,21 @@ def test_module_level_imports_are_acyclic():
         ]
         lines.append(f"cycle among {comp}:\n" + "\n".join(sorted(set(cyc_edges))))
     assert not cycles, "module-level import cycles:\n" + "\n".join(lines)
+
+
+# The config package is a leaf: the schema and the override engine read registries (lazily), never the packages
+# that fill them; mapping keys onto the core's arguments is the CT front end's (ctuq.pipeline.uq_settings).
+CONFIG_MAY_IMPORT = ("ctuq.errors", "ctuq.options", "ctuq.registry", "ctuq.config")
+
+
+def test_the_config_imports_only_leaves():
+    _, graph = _graph()
+    config = {name: edges for name, edges in graph.items() if name == "ctuq.config" or name.startswith("ctuq.config.")}
+    assert {"ctuq.config", "ctuq.config.engine", "ctuq.config.schema"} <= set(config)
+    bad = [
+        f"{src} -> {dst} (line {line})"
+        for src, edges in config.items()
+        for dst, line, _ in edges
+        if not any(dst == ok or dst.startswith(f"{ok}.") for ok in CONFIG_MAY_IMPORT)
+    ]
+    assert not bad, "the config imports beyond the leaves:\n" + "\n".join(bad)

@@ -10,7 +10,8 @@
   CNN); for any solver with ``dense_features="always"``.
 * Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
   passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
-  ``Ψ₀ᵀ``, :func:`ctuq.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get ``s_j = 0``.
+  ``Ψ₀ᵀ``, :func:`ctuq.inference.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get
+  ``s_j = 0``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.classify.jacobians import DenseJacobian, assemble_jacobian, assemble_whitened_jacobian, ggn_diagonal
 from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
+from ctuq.inference.priors import gprior_scales, scales_from_sq_norms
 from ctuq.linearize import eval_mode
 from ctuq.options import GPriorMethod, Prior
-from ctuq.priors import gprior_scales, scales_from_sq_norms
 
 __all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays", "whitened_matrix"]
 
@@ -126,7 +127,8 @@ def prior_scales(
     progress: bool = False,
 ) -> torch.Tensor:
     """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor); the g-prior's
-    squared column norms get the ridge ``gprior_floor · median`` (:func:`ctuq.priors.scales_from_sq_norms`)."""
+    squared column norms get the ridge ``gprior_floor · median``
+    (:func:`ctuq.inference.priors.scales_from_sq_norms`)."""
     if isinstance(prior, torch.Tensor):
         if tuple(prior.shape) != (n_params,):
             raise ValueError(f"LinearizedLaplace: prior scales must have shape ({n_params},), got {tuple(prior.shape)}")

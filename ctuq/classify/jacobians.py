@@ -2,10 +2,11 @@
 
 The feature operator of :mod:`ctuq.classify.laplace` multiplies ``Ψ₀ = blockdiag(L_iᵀ) J`` (``n·C × d``) by a
 whole batch of inputs at once; a *column* norm of ``Ψ₀`` through it costs ``n·C`` full-data VJPs (the generic
-g-prior of :func:`ctuq.priors.gprior_scales`). A classifier's rows are independent per example (eval mode: batch
-norm uses running statistics), so the same numbers come from ``n`` single-example Jacobians ``J_i`` (``C × d``,
-``C`` VJPs each, batched with ``torch.func.vmap`` over examples): ``‖Ψ₀[:, j]‖² = Σ_i ‖(L_iᵀ J_i)[:, j]‖²`` — the
-diagonal of the GGN ``Σ_i J_iᵀ B_i J_i`` — at the cost of ``C`` backward passes over the data instead of ``n·C``.
+g-prior of :func:`ctuq.inference.priors.gprior_scales`). A classifier's rows are independent per example (eval
+mode: batch norm uses running statistics), so the same numbers come from ``n`` single-example Jacobians ``J_i``
+(``C × d``, ``C`` VJPs each, batched with ``torch.func.vmap`` over examples): ``‖Ψ₀[:, j]‖² =
+Σ_i ‖(L_iᵀ J_i)[:, j]‖²`` — the diagonal of the GGN ``Σ_i J_iᵀ B_i J_i`` — at the cost of ``C`` backward passes over
+the data instead of ``n·C``.
 The same rows assemble ``Ψ₀`` densely for the exact solvers, and ``J`` itself (:class:`DenseJacobian`) for the
 iterative solvers and the mode finder.
 

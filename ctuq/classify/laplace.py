@@ -103,8 +103,8 @@ MAP; 0.057 on the MNIST-1D MLP, which over-fits and whose evidence-chosen predic
 
 GPRIOR_FLOOR = 1.0
 """Default ``gprior_floor`` ``δ``: the g-prior's squared column norms get ``δ ×`` their median added (a ridge on the
-g-prior; docs/classification.md §2: on the digits MLP it takes the corrupted-input NLL at noise σ = 0.1 from 2.9
-to 0.09 and the test NLL below MAP's; MNIST-1D's GGN diagonal spans only 3 decades and hardly moves)."""
+g-prior; docs/notebook/classification.md §2.1: on the digits MLP it takes the corrupted-input NLL at noise σ = 0.1
+from 2.9 to 0.09 and the test NLL below MAP's; MNIST-1D's GGN diagonal spans only 3 decades and hardly moves)."""
 
 PRECONDITIONER_REUSE = 1.5
 """With ``hessian_at="linear_mode"`` and CG, a rebuilt posterior keeps the previous low-rank preconditioner while the
@@ -142,10 +142,10 @@ class LinearizedLaplace(PredictiveMixin):
         Exact GGN diagonal (``C`` per-example backward passes) or ``gprior_probes`` Rademacher probes.
     gprior_floor : float
         ``δ ≥ 0``: the g-prior's precision is ``a (diag(GGN) + δ m)`` with ``m`` the median of the non-zero GGN
-        diagonal (:mod:`ctuq.priors.scaling`), so that weights the training data barely reach do not get prior
+        diagonal (:mod:`ctuq.inference.priors.gprior`), so that weights the training data barely reach do not get prior
         standard deviations thousands of times the typical one (which any shifted input then turns into huge
         logit variances). ``0``: the plain g-prior of the published method. Default ``GPRIOR_FLOOR``
-        (docs/classification.md §2 for the measurements behind it).
+        (docs/notebook/classification.md §2.1 for the measurements behind it).
     hessian_root : {"closed_form", "symmetric"}
         Factor of ``B_i`` (:mod:`ctuq.classify.hessian`).
     hessian_at : {"linear_mode", "network"}

@@ -3,7 +3,7 @@
 The work is done by :func:`ctuq.pipeline.design.run_design` (pilot DIP → prior → greedy EIG/ESE design → std maps and
 reconstructions from pilot + designed against as many equidistant angles); this module only parses arguments.
 The design sees every angle of the scan (``data.angular_subsampling`` defaults to 1 here); ``--candidates N``
-thins them to N evenly spaced ones. See ``docs/design.md``.
+thins them to N evenly spaced ones. See ``docs/experimental_design.md``.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ import argparse
 import logging
 from pathlib import Path
 
+from ctuq.data.formats import write_layouts
 from ctuq.data.simulate import SCAN_PRESETS
+from ctuq.data.walnut import WalnutFormat
 from ctuq.log import run_log
-from ctuq.options import PhantomKind, ScanLayout, values
+from ctuq.options import PhantomKind, values
 from ctuq.pipeline.run_folder import LOG_NAME
 from ctuq.pipeline.simulate import simulate
 
@@ -52,10 +54,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--layout",
         nargs="+",
-        default=[ScanLayout.WALNUT.value],
+        default=[WalnutFormat.name],
         metavar="LAYOUT",
-        help=f"file layout(s) of the scan, among {', '.join(values(ScanLayout))} (default walnut): the walnut data "
-        "set's folder; scan.yaml with .npy arrays "
+        help=f"file layout(s) of the scan, among {', '.join(write_layouts())} (default walnut; the layouts of "
+        "the registered scan formats): the walnut data set's folder; scan.yaml with .npy arrays "
         "or TIFF stacks; NXtomo (scan.nxs; needs --no-corrections). Several layouts write the same counts and "
         "geometry into DIR/<layout>/ each (docs/data_formats.md)",
     )

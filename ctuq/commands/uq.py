@@ -24,10 +24,11 @@ import argparse
 import os
 from pathlib import Path
 
+from ctuq import calibration
 from ctuq.config import load_config
 from ctuq.inference import init_from_env, shutdown
 from ctuq.log import run_log
-from ctuq.pipeline import calibration, rerun_uq, run_folder
+from ctuq.pipeline import rerun_uq, run_folder
 from ctuq.pipeline.runner import check_run
 from ctuq.utils import resolve_device
 

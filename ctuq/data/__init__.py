@@ -1,30 +1,39 @@
-"""Walnut data: the loader of the Der Sarkissian et al. (2019) cone-beam walnut layout, a synthetic walnut
-phantom with exact line integrals, and a scan simulator that writes that layout (DESIGN.md §4).
+"""Scans in and out: every scan format behind one interface, the loaded problem, phantoms and a scan simulator
+(DESIGN.md §4).
 
-* :func:`load_walnut_slice` / :func:`load_walnut_volume` → :class:`CTData` (operator, sinogram, ground truth);
-  :func:`read_walnut_slice` / :func:`read_walnut_volume` do the same without building the operator.
-* :func:`default_data_dir`: ``$CTUQ_DATA`` or the bundled simulated scan ``data/Walnut1``.
+* :class:`CTData` (:mod:`ctuq.data.problem`): the loaded problem every format produces — operator, sinogram,
+  per-measurement variances, ground truth, and the held-out rows of the angles a run does not use
+  (:class:`HeldoutData`).
+* :class:`ScanSource` (:mod:`ctuq.data.source`): what an opened scan offers; :mod:`ctuq.data.loader`
+  (:func:`load_slice`, :func:`load_volume`, :func:`read_slice`, :func:`read_volume`) cuts any source into a
+  :class:`CTData`.
+* :data:`DATA_FORMATS` (:mod:`ctuq.data.formats`): the registry of :class:`ScanFormat` classes — the walnut folder
+  (:mod:`ctuq.data.walnut`), ``scan.yaml`` (:mod:`ctuq.data.scan_file`), NXtomo (:mod:`ctuq.data.nxtomo`) — each
+  one module that detects, opens and writes its layout; :func:`load_data` / :func:`read_data` open any of them.
+  :func:`load_walnut_slice` / :func:`load_walnut_volume` (and ``read_*``) open a walnut folder with the published
+  sparse setting as defaults; :func:`default_data_dir`: ``$CTUQ_DATA`` or the bundled simulated scan
+  ``data/Walnut1``.
 * :func:`walnut_phantom`, :class:`EllipsoidPhantom`, :class:`Ellipsoid`: phantoms (mm, mm⁻¹).
-* :func:`simulate_scan`, :class:`SimulationParameters`, :data:`SCAN_PRESETS`: the simulator behind ``ctuq simulate``
-  (walnut layout, ``scan.yaml`` + ``.npy``/TIFF, NXtomo).
-* Other formats (``docs/data_formats.md``): :func:`load_data` / :func:`read_data` open any registered format
-  (:data:`DATA_FORMATS`: the walnut folder, a ``scan.yaml`` (:func:`open_scan_file`), an NXtomo file
-  (:func:`open_nxtomo`)) into the same :class:`CTData`; :func:`to_astra` / :func:`from_astra` move a loaded
-  scan's geometry to ASTRA (and CIL) and back.
+* :func:`simulate_scan`, :class:`SimulationParameters`, :data:`SCAN_PRESETS`: the simulator behind ``ctuq simulate``,
+  writing through the format registry (``docs/data_formats.md``).
+* :func:`to_astra` / :func:`from_astra` move a loaded scan's geometry to ASTRA (and CIL) and back.
 """
 
 from ctuq.data.astra_geometry import circular_vectors, from_astra, load_astra_vectors, save_astra_vectors, to_astra
-from ctuq.data.formats import DATA_FORMATS, detect_format, load_data, open_scan, read_data
-from ctuq.data.nxtomo import NXtomoError, open_nxtomo
+from ctuq.data.formats import DATA_FORMATS, detect_format, load_data, open_scan, read_data, write_layouts
+from ctuq.data.loader import area_average, load_slice, load_volume, read_slice, read_volume
+from ctuq.data.nxtomo import NXtomoError, NXtomoFormat, open_nxtomo
 from ctuq.data.phantom import Ellipsoid, EllipsoidPhantom, rotation_from_euler, walnut_phantom
+from ctuq.data.problem import CTData, HeldoutData
 from ctuq.data.projections import ProjectionScan, ScanFormatError
-from ctuq.data.scan_file import ScanFileError, open_scan_file
+from ctuq.data.scan_file import ScanFileError, ScanYamlFormat, open_scan_file
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, ScanOrbit, ScanWriter
 from ctuq.data.simulate import SCAN_PRESETS, SimulationParameters, orbit_vectors, simulate_scan
+from ctuq.data.source import ScanSource
 from ctuq.data.walnut import (
-    CTData,
+    WalnutFormat,
     WalnutFormatError,
     WalnutScan,
-    area_average,
     default_data_dir,
     load_walnut_slice,
     load_walnut_volume,
@@ -34,6 +43,18 @@ from ctuq.data.walnut import (
 
 __all__ = [
     "CTData",
+    "HeldoutData",
+    "ScanSource",
+    "ScanFormat",
+    "ScanContent",
+    "ScanOrbit",
+    "ScanWriter",
+    "CircularOrbit",
+    "load_slice",
+    "load_volume",
+    "read_slice",
+    "read_volume",
+    "WalnutFormat",
     "WalnutFormatError",
     "WalnutScan",
     "area_average",
@@ -55,10 +76,13 @@ __all__ = [
     "open_scan",
     "load_data",
     "read_data",
+    "write_layouts",
     "ProjectionScan",
     "ScanFormatError",
     "ScanFileError",
+    "ScanYamlFormat",
     "NXtomoError",
+    "NXtomoFormat",
     "open_scan_file",
     "open_nxtomo",
     "to_astra",

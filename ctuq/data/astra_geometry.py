@@ -12,7 +12,7 @@ from row to row (row index increasing with ``z``), exactly as ``astra.geom_2vec`
 scan written in several layouts has bit-identical geometry in each.
 
 Export: :func:`to_astra` gives the ASTRA ``(vol_geom, proj_geom)`` dicts of a loaded scan (a
-:class:`~ctuq.data.walnut.CTData`, or a volume and projection geometry) in ctuq's coordinate convention, so ctuq's
+:class:`~ctuq.data.problem.CTData`, or a volume and projection geometry) in ctuq's coordinate convention, so ctuq's
 arrays — images ``(n_y, n_x)`` / ``(n_z, n_y, n_x)``, sinograms ``(angle, column)`` / ``(angle, row, column)`` —
 can be handed to ASTRA (3D: ``astra.data3d`` wants ``(row, angle, column)``: ``y.transpose(1, 0, 2)``) or to CIL's
 ASTRA plugin; :func:`from_astra` reads such dicts (or any ASTRA geometry dict) back into ctuq's
@@ -143,7 +143,7 @@ def circular_vectors(
 def to_astra(data_or_volume: Any, geometry: ProjectionGeometry | None = None) -> tuple[dict, dict]:
     """ASTRA ``(vol_geom, proj_geom)`` dicts of a loaded scan, in ctuq's coordinate convention.
 
-    ``data_or_volume`` is a :class:`~ctuq.data.walnut.CTData` (its ``volume`` and ``geometry``: for a 2D slice the
+    ``data_or_volume`` is a :class:`~ctuq.data.problem.CTData` (its ``volume`` and ``geometry``: for a 2D slice the
     ``fanflat_vec``/``parallel_vec`` geometry of the sinogram ``y`` ``(n_angles, n_cols)``; for a volume the
     ``cone_vec``/``parallel3d_vec`` one of ``y`` ``(n_angles, n_rows, n_cols)``), or a
     :class:`~ctuq.geometry.VolumeGeometry` with ``geometry``. 2D geometries are mirrored in ``y`` so that ctuq's

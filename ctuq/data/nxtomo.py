@@ -22,21 +22,27 @@ with ``instrument/detector/data``):
 
 Rows increase along ``+z`` (ASTRA's ``v``; CIL's ``vertical``). Every problem raises :class:`NXtomoError` naming the
 file and the dataset path.
+
+The format module (:class:`NXtomoFormat`) also writes: a :class:`~ctuq.data.scan_format.ScanContent` of one ideal
+circular orbit becomes ``scan.nxs`` (:func:`write_nxtomo`; ``ctuq simulate --layout nxtomo``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import h5py
 import numpy as np
 
-from ctuq.data.astra_geometry import circular_vectors, to_radians
+from ctuq.data.astra_geometry import angle_range_values, circular_vectors, to_radians
 from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume
-from ctuq.options import AngleUnit, DataFormat, MeasurementKind, ScanGeometry
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat
+from ctuq.options import AngleUnit, MeasurementKind, ScanGeometry
 from ctuq.utils import atomic_path
 
-__all__ = ["NXtomoError", "NXTOMO_SUFFIXES", "is_nxtomo", "open_nxtomo", "write_nxtomo", "IMAGE_KEYS"]
+__all__ = ["NXtomoError", "NXTOMO_SUFFIXES", "is_nxtomo", "open_nxtomo", "write_nxtomo", "IMAGE_KEYS", "NXtomoFormat"]
 
 NXTOMO_SUFFIXES = (".nxs", ".nx", ".nx5", ".h5", ".hdf5", ".hdf")
 IMAGE_KEYS = {"projection": 0, "flat": 1, "dark": 2, "invalid": 3}
@@ -65,8 +71,6 @@ class NXtomoError(ScanFormatError):
 
 def is_nxtomo(path: str | os.PathLike) -> bool:
     """Whether ``path`` is an HDF5 file by its name (``.nxs``, ``.h5``, …) and signature."""
-    import h5py  # optional-heavy: imported where HDF5 is touched
-
     p = Path(path)
     return p.is_file() and p.suffix.lower() in NXTOMO_SUFFIXES and h5py.is_hdf5(p)
 
@@ -80,8 +84,6 @@ def _text(v) -> str:
 
 
 def _find_entry(f, path: Path) -> str:
-    import h5py  # optional-heavy
-
     entries = [k for k, g in f.items() if isinstance(g, h5py.Group)]
     for k in entries:
         if "definition" in f[k] and _text(f[k]["definition"][()]).strip() == "NXtomo":
@@ -98,8 +100,6 @@ def _find_entry(f, path: Path) -> str:
 def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
     """Read and validate an NXtomo file (module docstring) into a :class:`~ctuq.data.projections.ProjectionScan`
     (raw counts; projections are read on demand). Raises :class:`NXtomoError` naming the file and the field."""
-    import h5py  # optional-heavy
-
     path = Path(path)
     if not path.is_file():
         raise NXtomoError(f"{path}: file missing")
@@ -248,7 +248,7 @@ def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
     )
     return ProjectionScan(
         path=path,
-        format=DataFormat.NXTOMO.value,
+        format=NXtomoFormat.name,
         geometry_type=kind,
         vectors=vectors,
         det_shape=(rows, cols),
@@ -291,8 +291,6 @@ def write_nxtomo(
     at a beamline). ``source_object`` ``None`` writes a parallel-beam scan. ``ground_truth`` ``(n_z, n_y, n_x)``
     (mm⁻¹, ``voxel_size`` mm) and ``read_noise`` (counts) go into ctuq's own fields. Written atomically.
     """
-    import h5py  # optional-heavy
-
     path = Path(path)
     proj = np.asarray(projections)
     fl, dk = np.asarray(flats), np.asarray(darks)
@@ -350,3 +348,78 @@ def write_nxtomo(
                 put(g, "data", np.asarray(ground_truth, dtype=np.float32), "1/mm")
                 put(g, "voxel_size", float(voxel_size), "mm")
     return path
+
+
+class NXtomoFormat(ScanFormat):
+    """NXtomo, the NeXus application definition for tomography raw data (module docstring)."""
+
+    name = "nxtomo"
+    expects = "an NXtomo file (*.nxs, *.h5; or a folder holding exactly one)"
+    layouts = {"nxtomo": {}}
+    stores_degrees = True
+    error = NXtomoError
+
+    @classmethod
+    def folder_lacks(cls) -> str:
+        return "no single NXtomo file (*.nxs, *.h5)"
+
+    @classmethod
+    def detect(cls, path: Path) -> Path | None:
+        if is_nxtomo(path):
+            return path
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix.lower() in NXTOMO_SUFFIXES and is_nxtomo(p))
+            if len(found) == 1:
+                return found[0]
+        return None
+
+    @classmethod
+    def open(cls, path: Path, orbit: int = 2) -> ProjectionScan:
+        return open_nxtomo(path)
+
+    @classmethod
+    def check_orbits(cls, orbits: Mapping[int, CircularOrbit]) -> None:
+        if len(orbits) != 1 or next(iter(orbits.values())).source_z != 0:
+            raise ValueError(
+                f"NXtomo holds one circular orbit with the source in the detector centre's plane; simulate "
+                f"--orbits 2 (got orbits {sorted(orbits)})"
+            )
+        geometry = next(iter(orbits.values()))
+        if geometry.corrected:
+            raise ValueError(
+                "NXtomo has no field for the simulated detector tilt and row offset; add --no-corrections (an "
+                "ideal circular geometry) to write it"
+            )
+        if not geometry.degree_angles:
+            raise ValueError("NXtomo states the angles in degrees: write an orbit of degree angles")
+
+    @classmethod
+    def write(cls, folder: Path, content: ScanContent, *, compress: bool = True, **options) -> Path:
+        """``folder/scan.nxs`` (:func:`write_nxtomo`) of the content's one orbit (distinct angles only: a closing
+        projection is dropped); HDF5 datasets are stored uncompressed (``compress`` is not used)."""
+        if options:
+            raise TypeError(f"NXtomoFormat.write: unknown options {sorted(options)}")
+        orbit = content.only_orbit("NXtomo")
+        cls.check_orbits({n: o.geometry for n, o in content.orbits.items()})
+        g = orbit.geometry
+        return write_nxtomo(
+            Path(folder) / "scan.nxs",
+            projections=orbit.projections,
+            flats=orbit.flats,
+            darks=orbit.darks,
+            angles_deg=angle_range_values(0.0, 360.0, g.n_angles),
+            pixel_size=g.pixel_size,
+            row_pixel_size=g.row_pixel_size,
+            source_object=g.source_object,
+            object_detector=g.object_detector,
+            cor_offset_px=g.cor_offset_px if g.cor_offset_px else 0.0,  # 0.0 rather than −0.0 in the file
+            read_noise=content.read_noise,
+            ground_truth=content.ground_truth,
+            voxel_size=content.voxel_size if content.ground_truth is not None else None,
+            title=content.title,
+        )
+
+    @classmethod
+    def written_files(cls, folder: Path) -> list[Path]:
+        p = Path(folder) / "scan.nxs"
+        return [p] if p.is_file() else []

@@ -37,12 +37,19 @@ Every key, its unit and default (``docs/data_formats.md`` has the reference and 
 Relative file paths are relative to the YAML file. Projection ``k`` has angle ``k``; angles increase the source's
 position counter-clockwise seen from ``+z`` (ASTRA's orientation: :mod:`ctuq.data.astra_geometry`). Every
 problem raises :class:`ScanFileError` naming the YAML file, the key and the measurement file.
+
+The format module (:class:`ScanYamlFormat`) also writes: a :class:`~ctuq.data.scan_format.ScanContent` of one
+circular orbit becomes ``scan.yaml`` (the orbit by its parameters, angles in degrees) beside ``projections``,
+``flats``, ``darks`` and ``ground_truth`` as ``.npy`` arrays or TIFF stacks (``ctuq simulate --layout yaml-npy`` /
+``yaml-tiff``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +58,8 @@ import yaml
 
 from ctuq.data.astra_geometry import AstraGeometryError, angle_range, circular_vectors, load_astra_vectors, to_radians
 from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume
-from ctuq.options import AngleUnit, DataFormat, LengthUnit, MeasurementKind, ScanGeometry, values
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, write_tiff_array
+from ctuq.options import AngleUnit, LengthUnit, MeasurementKind, ScanGeometry, values
 from ctuq.utils import atomic_path
 
 __all__ = [
@@ -62,6 +70,7 @@ __all__ = [
     "open_scan_file",
     "is_scan_file",
     "write_scan_file",
+    "ScanYamlFormat",
 ]
 
 FORMAT_TAG = "ctuq-scan-1"
@@ -249,7 +258,7 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
     """Read and validate a ``scan.yaml`` (module docstring): geometry, flats/darks and array headers.
 
     Returns a :class:`~ctuq.data.projections.ProjectionScan` (projections are read when a slice or volume is
-    loaded: :func:`ctuq.data.projections.load_slice`). Raises :class:`ScanFileError` naming the file and key.
+    loaded: :func:`ctuq.data.loader.load_slice`). Raises :class:`ScanFileError` naming the file and key.
     """
     path = Path(path)
     if not path.is_file():
@@ -397,7 +406,7 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
     }
     return ProjectionScan(
         path=path,
-        format=DataFormat.SCAN_YAML.value,
+        format=ScanYamlFormat.name,
         geometry_type=kind,
         vectors=vectors,
         det_shape=det_shape,
@@ -424,3 +433,117 @@ def write_scan_file(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
     with atomic_path(path) as tmp:
         Path(tmp).write_text(f"# ctuq scan description (docs/data_formats.md)\n{yaml.safe_dump(doc, sort_keys=False)}")
     return path
+
+
+# --------------------------------------------------------------------------------------------- the format
+_ARRAY_SUFFIXES = {"npy": "npy", "tiff": "tif"}
+_ARRAY_NAMES = ("projections", "flats", "darks", "ground_truth")
+_WRITTEN_RX = re.compile(r"^(scan\.yaml|(projections|flats|darks|ground_truth)\.(npy|tif))$")
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def describe_orbit(
+    geometry: CircularOrbit, det_shape: tuple[int, int], content: ScanContent, suffix: str
+) -> dict[str, Any]:
+    """The ``scan.yaml`` of one circular cone-beam orbit (lengths in mm, angles in degrees) whose arrays are
+    ``projections.<suffix>``, ``flats``, ``darks`` and ``ground_truth`` beside it."""
+    doc: dict[str, Any] = {
+        "format": FORMAT_TAG,
+        "units": LengthUnit.MM.value,
+        "geometry": {
+            "type": ScanGeometry.CONE.value,
+            "source_object_distance": float(geometry.source_object),
+            "object_detector_distance": float(geometry.object_detector),
+            # 0.0 rather than −0.0 in the description
+            "centre_of_rotation_offset": geometry.cor_offset_px if geometry.cor_offset_px else 0.0,
+        },
+        "detector": {
+            "rows": int(det_shape[0]),
+            "columns": int(det_shape[1]),
+            "pixel_size": float(geometry.pixel_size),
+            "row_pixel_size": float(geometry.row_pixel_size),
+            "row_offset": float(geometry.row_offset_px),
+            "tilt": float(geometry.tilt_deg),
+        },
+        "angles": {"unit": AngleUnit.DEGREE.value, "start": 0.0, "stop": 360.0, "count": int(geometry.n_angles)},
+        "measurements": {
+            "type": MeasurementKind.COUNTS.value,
+            "projections": f"projections.{suffix}",
+            "flats": f"flats.{suffix}",
+            "darks": f"darks.{suffix}",
+            "read_noise": float(content.read_noise),
+        },
+        "volume": {"shape": list(content.gt_shape), "voxel_size": float(content.voxel_size)},
+    }
+    if content.ground_truth is not None:
+        doc["ground_truth"] = f"ground_truth.{suffix}"
+    return doc
+
+
+class ScanYamlFormat(ScanFormat):
+    """A ``scan.yaml`` description with its measurement files (module docstring)."""
+
+    name = "scan_yaml"
+    expects = "a scan description *.yaml (or a folder holding scan.yaml)"
+    layouts = {"yaml-npy": {"arrays": "npy"}, "yaml-tiff": {"arrays": "tiff"}}
+    stores_degrees = True
+    error = ScanFileError
+
+    @classmethod
+    def folder_lacks(cls) -> str:
+        return "no scan.yaml"
+
+    @classmethod
+    def detect(cls, path: Path) -> Path | None:
+        if is_scan_file(path):
+            return path
+        if path.is_dir() and is_scan_file(path / "scan.yaml"):
+            return path / "scan.yaml"
+        return None
+
+    @classmethod
+    def open(cls, path: Path, orbit: int = 2) -> ProjectionScan:
+        return open_scan_file(path)
+
+    @classmethod
+    def check_orbits(cls, orbits: Mapping[int, CircularOrbit]) -> None:
+        if len(orbits) != 1 or next(iter(orbits.values())).source_z != 0:
+            raise ValueError(
+                f"scan.yaml holds one circular orbit with the source in the detector centre's plane; simulate "
+                f"--orbits 2 (got orbits {sorted(orbits)})"
+            )
+        if not next(iter(orbits.values())).degree_angles:
+            raise ValueError("scan.yaml states the angles in degrees: write an orbit of degree angles")
+
+    @classmethod
+    def write(cls, folder: Path, content: ScanContent, *, compress: bool = True, arrays: str = "npy", **options):
+        """``folder/scan.yaml`` and its arrays (``arrays``: ``npy`` or ``tiff`` stacks; ``compress``: zlib TIFFs)
+        for the content's one orbit (distinct angles only: a closing projection is dropped); returns the YAML
+        file, written last (an interrupted write leaves no description that would open a partial scan)."""
+        if options:
+            raise TypeError(f"ScanYamlFormat.write: unknown options {sorted(options)}")
+        if arrays not in _ARRAY_SUFFIXES:
+            raise ValueError(f"scan.yaml arrays: {arrays!r} unknown; valid: {', '.join(_ARRAY_SUFFIXES)}")
+        orbit = content.only_orbit("scan.yaml")
+        cls.check_orbits({n: o.geometry for n, o in content.orbits.items()})
+        folder = Path(folder)
+        suffix = _ARRAY_SUFFIXES[arrays]
+        data = (orbit.projections, orbit.flats, orbit.darks, content.ground_truth)
+        for name, array in zip(_ARRAY_NAMES, data):
+            if array is None:
+                continue
+            if suffix == "npy":
+                _write_npy(folder / f"{name}.npy", array)
+            else:
+                write_tiff_array(folder / f"{name}.tif", np.asarray(array), compress)
+        return write_scan_file(folder / "scan.yaml", describe_orbit(orbit.geometry, orbit.det_shape, content, suffix))
+
+    @classmethod
+    def written_files(cls, folder: Path) -> list[Path]:
+        folder = Path(folder)
+        return [p for p in folder.iterdir() if p.is_file() and _WRITTEN_RX.match(p.name)] if folder.is_dir() else []

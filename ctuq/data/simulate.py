@@ -1,6 +1,8 @@
-"""Cone-beam scan simulator that writes the exact file layout of the walnut data set (DESIGN.md §4).
+"""Cone-beam scan simulator: a phantom scanned along circular orbits, written through the scan formats' registry
+(:data:`ctuq.registry.DATA_FORMATS`) in one or several layouts (DESIGN.md §4).
 
-``simulate_scan(out_dir, params)`` writes, for every orbit ``o`` in ``params.orbits``::
+``simulate_scan(out_dir, params, layouts=...)`` writes the scan in each ``--layout`` a registered format offers
+(:func:`ctuq.data.formats.write_layouts`): by default the walnut data set's layout (:mod:`ctuq.data.walnut`)::
 
     out_dir/Projections/tubeV{o}/scan_{k:06}.tif        N raw projections (uint16 counts), k = 0 … N−1
     out_dir/Projections/tubeV{o}/di000000.tif           dark frame
@@ -10,12 +12,19 @@
     out_dir/Reconstructions/full_AGD_50_{k:06}.tiff     ground-truth slices (float32, mm⁻¹), k ↔ z
     out_dir/ctuq_simulation.json                        every parameter, the phantom, the GT voxel size
 
+and also ``yaml-npy`` / ``yaml-tiff`` (:mod:`ctuq.data.scan_file`), ``nxtomo`` (:mod:`ctuq.data.nxtomo`) or a
+format of your own. Formats whose files hold one projection each (the walnut layout) are written as the scan is
+simulated (:meth:`~ctuq.data.scan_format.ScanFormat.writer`); the others receive the whole
+:class:`~ctuq.data.scan_format.ScanContent` at the end (:meth:`~ctuq.data.scan_format.ScanFormat.write`).
+
 Conventions, chosen so that the real data set's loading rules recover the simulated geometry:
 
 * Geometry row ``k`` of an orbit is the source at angle ``θ_k = 2πk/(N−1)`` about ``z`` (ASTRA's ``cone``
   orientation: source ``(D_so sin θ, −D_so cos θ, z_o)``, detector centre on the opposite side at distance
   ``D_sd``, ``u`` along the rows, ``v`` along +z), plus small deterministic per-orbit "corrections" (a detector
-  tilt in its plane and a centre offset). Rows ``0`` and ``N−1`` are the same angle.
+  tilt in its plane and a centre offset). Rows ``0`` and ``N−1`` are the same angle: the ``N``-th projection (the
+  content's closing projection) repeats the first angle with its own noise. When a layout that stores degrees is
+  written (``scan.yaml``, NXtomo), ``θ_k`` are ``360·k/(N−1)`` degrees in every layout, so all hold one geometry.
 * Files pair with geometry rows in reverse: file ``N−1−k`` ↔ row ``k``.
 * A projection ``P`` (``det_rows × det_cols``, row ``r`` at ``d + (r − (R−1)/2)·v``) is stored as the raw image
   ``flipud(P.T)`` (``det_cols × det_rows``), so the data set's ``transpose(flipud(raw))`` returns ``P``.
@@ -33,8 +42,6 @@ Conventions, chosen so that the real data set's loading rules recover the simula
   files of an earlier simulated scan are removed). No dates or timings are written, so the same parameters
   reproduce every file byte for byte.
 
-The file names are those of the format module :mod:`ctuq.data.walnut` (one home for the layout).
-
 The phantom is :func:`~ctuq.data.phantom.walnut_phantom` unless another :class:`EllipsoidPhantom` is given; its
 line integrals are exact, so loaded data never share the discretisation of a reconstruction operator (no
 inverse crime).
@@ -44,22 +51,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tifffile
 
 from ctuq import __version__
-from ctuq.data.astra_geometry import angle_range, angle_range_values, circular_vectors
-from ctuq.data.nxtomo import write_nxtomo
+from ctuq.data.formats import DATA_FORMATS, write_layouts
 from ctuq.data.phantom import EllipsoidPhantom, TexturedPhantom, make_phantom, walnut_phantom
-from ctuq.data.scan_file import FORMAT_TAG, write_scan_file
-from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, GEOMETRY_NAME, GT_PATTERN, PROJECTION_PATTERN, SIDECAR_NAME
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanOrbit
+from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, PROJECTION_PATTERN, SIDECAR_NAME, WalnutFormat
 from ctuq.geometry import VolumeGeometry
-from ctuq.options import AngleUnit, MeasurementKind, ScanGeometry, ScanLayout, values
-from ctuq.utils import atomic_path, atomic_write_json
+from ctuq.utils import atomic_write_json
 from ctuq.utils import progress as _progress_bar
 
 __all__ = [
@@ -67,11 +70,13 @@ __all__ = [
     "SCAN_PRESETS",
     "ORBIT_CORRECTIONS",
     "orbit_vectors",
+    "simulation_orbit",
     "simulate_scan",
     "projection_file_name",
     "prepare_output_dir",
     "estimate_work",
     "check_layouts",
+    "SIDECAR_NAME",
 ]
 
 # Deterministic per-orbit "calibration corrections": detector tilt in its own plane (degrees) and detector
@@ -266,25 +271,14 @@ def projection_file_name(index: int) -> str:
     return PROJECTION_PATTERN.format(int(index))
 
 
-def orbit_vectors(params: SimulationParameters, orbit: int, *, degree_angles: bool = False) -> np.ndarray:
-    """ASTRA ``cone_vec`` rows ``(N, 12)`` (mm) of one orbit: source, detector centre, u step, v step.
-
-    Row ``k`` is angle ``θ_k = 2πk/(N−1)``; row ``N−1`` equals row 0 exactly. With ``degree_angles`` the angles are
-    ``360·k/(N−1)`` degrees converted by :func:`ctuq.data.astra_geometry.angle_range` (equal to ``2πk/(N−1)`` up to
-    rounding): what a layout storing degrees (NXtomo, ``scan.yaml``) gives back bit for bit. The vectors are
-    :func:`ctuq.data.astra_geometry.circular_vectors`' (the formula every format's loader uses).
-    """
-    n = int(params.n_projections)
-    if degree_angles:
-        theta = np.append(angle_range(0.0, 360.0, n - 1, AngleUnit.DEGREE), 0.0)
-    else:
-        theta = 2.0 * np.pi * np.arange(n) / (n - 1)
-    theta[-1] = theta[0]  # the last projection repeats the first angle: make the rows bit-identical
+def simulation_orbit(params: SimulationParameters, orbit: int, *, degree_angles: bool = False) -> CircularOrbit:
+    """Orbit ``orbit`` (1, 2, 3) of ``params`` as a :class:`~ctuq.data.scan_format.CircularOrbit`: ``N − 1``
+    distinct angles, the source at height ``+h``, ``0``, ``−h``, the per-orbit detector corrections
+    (:data:`ORBIT_CORRECTIONS`) when ``params.corrections``."""
     src_z = {1: params.orbit_height, 2: 0.0, 3: -params.orbit_height}[int(orbit)]
     corr = _corrections(params, orbit)
-    return circular_vectors(
-        ScanGeometry.CONE,
-        theta,
+    return CircularOrbit(
+        n_angles=int(params.n_projections) - 1,
         pixel_size=params.pixel_size,
         row_pixel_size=params.v_pixel_size,
         source_object=params.source_origin,
@@ -293,7 +287,20 @@ def orbit_vectors(params: SimulationParameters, orbit: int, *, degree_angles: bo
         row_offset_px=corr["offset_v_px"],
         tilt_deg=corr["tilt_deg"],
         source_z=src_z,
+        degree_angles=degree_angles,
     )
+
+
+def orbit_vectors(params: SimulationParameters, orbit: int, *, degree_angles: bool = False) -> np.ndarray:
+    """ASTRA ``cone_vec`` rows ``(N, 12)`` (mm) of one orbit: source, detector centre, u step, v step.
+
+    Row ``k`` is angle ``θ_k = 2πk/(N−1)``; row ``N−1`` equals row 0 exactly. With ``degree_angles`` the angles are
+    ``360·k/(N−1)`` degrees converted by :func:`ctuq.data.astra_geometry.angle_range` (equal to ``2πk/(N−1)`` up to
+    rounding): what a layout storing degrees (NXtomo, ``scan.yaml``) gives back bit for bit. The vectors are
+    :func:`ctuq.data.astra_geometry.circular_vectors`' (the formula every format's loader uses;
+    :meth:`CircularOrbit.vectors` of :func:`simulation_orbit`).
+    """
+    return simulation_orbit(params, orbit, degree_angles=degree_angles).vectors(closing=True)
 
 
 def _corrections(params: SimulationParameters, orbit: int) -> dict:
@@ -330,21 +337,6 @@ def _to_uint16(counts: np.ndarray, what: str) -> np.ndarray:
     return out.astype(np.uint16)
 
 
-def _write_tiff(path: Path, array: np.ndarray, compress: bool) -> None:
-    kw: dict[str, Any] = {"metadata": None}
-    if array.ndim == 3:  # a stack of frames, one page each (3 or 4 frames would otherwise be read as RGB(A))
-        kw["photometric"] = "minisblack"
-    if compress:
-        # zlib is built into tifffile; the horizontal predictor (integer images only; the float predictor
-        # needs imagecodecs) roughly halves the size of smooth count images.
-        kw["compression"] = "zlib"
-        kw["compressionargs"] = {"level": 9}
-        if np.issubdtype(array.dtype, np.integer):
-            kw["predictor"] = True
-    with atomic_path(path) as tmp:
-        tifffile.imwrite(tmp, np.ascontiguousarray(array), **kw)
-
-
 def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: int, s: int) -> np.ndarray:
     """Mean of ``exp(−∫μ)`` over ``s × s`` sub-rays per detector pixel: ``(rows, cols)`` for one cone_vec row."""
     src, det, u, v = vec[0:3], vec[3:6], vec[6:9], vec[9:12]
@@ -362,33 +354,20 @@ def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: i
 
 
 # Files of the non-walnut layouts (ctuq.data.scan_file / ctuq.data.nxtomo), by name.
-_OTHER_LAYOUT_RX = re.compile(r"^(scan\.yaml|scan\.nxs|(projections|flats|darks|ground_truth)\.(npy|tif))$")
 
 
 def _layout_files(out_dir: Path) -> list[Path]:
     """Files of a scan layout under ``out_dir`` (and its per-layout sub-folders) that a new simulation would
-    replace."""
-    pats = [
-        (
-            "Projections/tubeV*",
-            re.compile(
-                r"^(scan_\d{6}\.tif|di000000\.tif|io00000[01]\.tif|"
-                r"scan_geom_corrected\.geom)$"
-            ),
-        ),
-        ("Reconstructions", re.compile(r"^full_AGD_50_\d{6}\.tiff$")),
-        (".", _OTHER_LAYOUT_RX),
-    ]
-    found = []
-    for root in [out_dir] + [out_dir / name for name in values(ScanLayout)]:
-        for sub, rx in pats:
-            for folder in [root] if sub == "." else root.glob(sub):
-                if folder.is_dir():
-                    found += [p for p in folder.iterdir() if p.is_file() and rx.match(p.name)]
+    replace: what every registered format's :meth:`~ctuq.data.scan_format.ScanFormat.written_files` lists, and the
+    sidecars."""
+    found: dict[Path, None] = {}
+    for root in [out_dir] + [out_dir / name for name in write_layouts()]:
+        for fmt in DATA_FORMATS.values():
+            found.update(dict.fromkeys(fmt.written_files(root)))
         sidecar = root / SIDECAR_NAME
         if sidecar.is_file():
-            found.append(sidecar)
-    return found
+            found[sidecar] = None
+    return list(found)
 
 
 def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
@@ -415,78 +394,41 @@ def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def check_layouts(layouts, params: SimulationParameters) -> tuple[str, ...]:
-    """Validate ``layouts`` (:class:`ctuq.options.ScanLayout` values) for ``params``; returns them as a tuple.
+    """Validate ``layouts`` (``--layout`` names: :func:`ctuq.data.formats.write_layouts`) for ``params``; returns
+    them as a tuple.
 
-    Raises ``ValueError`` naming the option: an unknown or repeated layout, a non-walnut layout with other than one
-    orbit 2 (``scan.yaml`` and NXtomo hold one circular orbit in the detector centre's plane), or NXtomo with the
-    per-orbit detector corrections (NXtomo has no field for a detector tilt or row offset: ``--no-corrections``).
+    Raises ``ValueError`` naming the option: an unknown or repeated layout, or orbits a layout's format cannot store
+    (:meth:`~ctuq.data.scan_format.ScanFormat.check_orbits`: ``scan.yaml`` and NXtomo hold one circular orbit in the
+    detector centre's plane, ``--orbits 2``; NXtomo has no field for the per-orbit detector tilt and row offset,
+    ``--no-corrections``).
     """
+    available = write_layouts()
     layouts = tuple(str(x) for x in ([layouts] if isinstance(layouts, str) else layouts))
-    bad = [x for x in layouts if x not in values(ScanLayout)]
+    bad = [x for x in layouts if x not in available]
     if not layouts or bad or len(set(layouts)) != len(layouts):
         raise ValueError(
-            f"--layout {' '.join(layouts) or '(none)'}: give distinct layouts among {', '.join(values(ScanLayout))}"
+            f"--layout {' '.join(layouts) or '(none)'}: give distinct layouts among {', '.join(available)}"
         )
-    if any(x != ScanLayout.WALNUT for x in layouts) and tuple(params.orbits) != (2,):
-        raise ValueError(
-            f"--layout {' '.join(layouts)}: scan.yaml and NXtomo hold one circular orbit with the source in the "
-            f"detector centre's plane; simulate --orbits 2 (got orbits {list(params.orbits)})"
-        )
-    if ScanLayout.NXTOMO in layouts and params.corrections:
-        raise ValueError(
-            "--layout nxtomo: NXtomo has no field for the simulated detector tilt and row offset; add "
-            "--no-corrections (an ideal circular geometry) to write it"
-        )
+    degrees = _degree_angles(layouts)
+    orbits = {o: simulation_orbit(params, o, degree_angles=degrees) for o in params.orbits}
+    for layout in layouts:
+        try:
+            available[layout][0].check_orbits(orbits)
+        except ValueError as exc:
+            raise ValueError(f"--layout {layout}: {exc}") from None
     return layouts
+
+
+def _degree_angles(layouts: tuple[str, ...]) -> bool:
+    """Degree angles in every layout when one of them stores degrees (so all hold one geometry)."""
+    available = write_layouts()
+    return any(available[x][0].stores_degrees for x in layouts)
 
 
 def _layout_dirs(out_dir: Path, layouts: tuple[str, ...]) -> dict[str, Path]:
     if len(layouts) == 1:
         return {layouts[0]: out_dir}
     return {x: out_dir / x for x in layouts}
-
-
-def _scan_description(params: SimulationParameters, suffix: str, read_noise: float) -> dict:
-    """The ``scan.yaml`` of the simulated orbit-2 scan (:mod:`ctuq.data.scan_file`; lengths in mm)."""
-    corr = _corrections(params, 2)
-    n = int(params.n_projections) - 1
-    return {
-        "format": FORMAT_TAG,
-        "units": "mm",
-        "geometry": {
-            "type": ScanGeometry.CONE.value,
-            "source_object_distance": float(params.source_origin),
-            "object_detector_distance": float(params.source_detector - params.source_origin),
-            "centre_of_rotation_offset": -corr["offset_u_px"] if corr["offset_u_px"] else 0.0,
-        },
-        "detector": {
-            "rows": int(params.det_rows),
-            "columns": int(params.det_cols),
-            "pixel_size": float(params.pixel_size),
-            "row_pixel_size": params.v_pixel_size,
-            "row_offset": float(corr["offset_v_px"]),
-            "tilt": float(corr["tilt_deg"]),
-        },
-        "angles": {"unit": AngleUnit.DEGREE.value, "start": 0.0, "stop": 360.0, "count": n},
-        "measurements": {
-            "type": MeasurementKind.COUNTS.value,
-            "projections": f"projections.{suffix}",
-            "flats": f"flats.{suffix}",
-            "darks": f"darks.{suffix}",
-            "read_noise": float(read_noise),
-        },
-        "volume": {"shape": list(params.gt_shape), "voxel_size": float(params.gt_voxel_size)},
-        "ground_truth": f"ground_truth.{suffix}",
-    }
-
-
-def _write_array(path: Path, array: np.ndarray, compress: bool) -> None:
-    if path.suffix == ".npy":
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as fh:
-                np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
-    else:
-        _write_tiff(path, array, compress)
 
 
 def simulate_scan(
@@ -497,7 +439,7 @@ def simulate_scan(
     preset: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
-    layouts: tuple[str, ...] | str = (ScanLayout.WALNUT.value,),
+    layouts: tuple[str, ...] | str = (WalnutFormat.name,),
 ) -> dict:
     """Simulate a scan and write it to ``out_dir`` in the walnut layout (module docstring), or in other layouts.
 
@@ -518,13 +460,13 @@ def simulate_scan(
     progress : bool
         Progress bars on stderr.
     layouts : str or tuple of str
-        :class:`ctuq.options.ScanLayout` values (:func:`check_layouts`): ``walnut`` (default), ``yaml-npy``
-        (``scan.yaml`` + ``.npy`` arrays), ``yaml-tiff`` (``scan.yaml`` + TIFF stacks), ``nxtomo`` (``scan.nxs``).
-        One layout is written into ``out_dir``; several into ``out_dir/<layout>/``, each with the sidecar. Every
-        layout holds the same uint16 counts (yaml/NXtomo: the ``N−1`` distinct angles in geometry-row order,
-        ``(angle, row, column)``; flats ``(2, row, column)`` before and after, one dark) and ground truth; when a
-        layout other than walnut is written the angles are ``360·k/(N−1)`` degrees (:func:`orbit_vectors`), so
-        each layout's geometry is bit-identical.
+        ``--layout`` names of registered formats (:func:`check_layouts`): ``walnut`` (default), ``yaml-npy``
+        (``scan.yaml`` + ``.npy`` arrays), ``yaml-tiff`` (``scan.yaml`` + TIFF stacks), ``nxtomo`` (``scan.nxs``),
+        or a format of your own. One layout is written into ``out_dir``; several into ``out_dir/<layout>/``, each
+        with the sidecar. Every layout holds the same uint16 counts (yaml/NXtomo: the ``N−1`` distinct angles in
+        geometry-row order, ``(angle, row, column)``; flats ``(2, row, column)`` before and after, one dark) and
+        ground truth; when a layout that stores degrees is written the angles are ``360·k/(N−1)`` degrees
+        (:func:`orbit_vectors`), so each layout's geometry is bit-identical.
 
     Returns
     -------
@@ -543,9 +485,9 @@ def simulate_scan(
     if phantom is None:
         phantom = walnut_phantom(params.seed)
     dirs = _layout_dirs(out_dir, layouts)
-    walnut_dir = dirs.get(ScanLayout.WALNUT.value)
-    others = [x for x in layouts if x != ScanLayout.WALNUT]
-    degree_angles = bool(others)
+    available = write_layouts()
+    degree_angles = _degree_angles(layouts)
+    others = [x for x in layouts if x != WalnutFormat.name]
 
     sidecar: dict[str, Any] = {
         "format": "ctuq simulated walnut scan",
@@ -569,10 +511,12 @@ def simulate_scan(
     }
     if others:  # a walnut-only sidecar stays byte-identical to the one written before layouts existed
         sidecar["layouts"] = {x: str(d.relative_to(out_dir)) if d != out_dir else "." for x, d in dirs.items()}
+    if degree_angles:
         sidecar["conventions"]["geometry_rows"] = (
             "cone_vec: source xyz, detector centre xyz, u step xyz, v step xyz (mm); row k at angle "
             "radians(360*k/(N-1) degrees); rows 0 and N-1 identical"
         )
+    if others:
         sidecar["conventions"]["other_layouts"] = (
             "scan.yaml / scan.nxs: the N-1 distinct angles in geometry-row order, (angle, row, column) uint16 counts "
             "P (not flipped); flats (2, row, column), darks (1, row, column); ground truth (n_z, n_y, n_x)"
@@ -586,28 +530,47 @@ def simulate_scan(
 
     n = int(params.n_projections)
     rows, cols, s = int(params.det_rows), int(params.det_cols), int(params.supersampling)
-    stack = np.empty((n - 1, rows, cols), dtype=np.uint16) if others else None
-    flats_out: list[np.ndarray] = []
-    darks_out: list[np.ndarray] = []
+    nz, ny, nx = params.gt_shape
+    h = float(params.gt_voxel_size)
+    read_noise = float(params.read_noise) if params.noise else 0.0  # the walnut loader's reading of the sidecar
+    # the scan-level facts every writer gets; its orbits and ground truth are filled for the formats written whole
+    content = ScanContent(
+        orbits={},
+        ground_truth=None,
+        gt_shape=params.gt_shape,
+        voxel_size=h,
+        read_noise=read_noise,
+        record=sidecar,
+        title=f"ctuq simulated scan ({preset})",
+    )
+    streams = {}
+    for x in layouts:
+        fmt, options = available[x]
+        writer = fmt.writer(dirs[x], content, compress=params.compress, **options)
+        if writer is not None:
+            streams[x] = writer
+    whole = [x for x in layouts if x not in streams]
     for orbit in params.orbits:
-        folder = (walnut_dir or out_dir) / "Projections" / f"tubeV{orbit}"
-        vec = orbit_vectors(params, orbit, degree_angles=degree_angles)
+        geometry = simulation_orbit(params, orbit, degree_angles=degree_angles)
+        vec = geometry.vectors(closing=True)
         flat_true, dark_true = _detector_patterns(params, orbit)
-        if walnut_dir is not None:
-            with atomic_path(folder / GEOMETRY_NAME) as tmp:
-                np.savetxt(tmp, vec, fmt="%.17g")
         noise_seed = int(params.seed if params.noise_seed is None else params.noise_seed)
         rng = np.random.default_rng([noise_seed, int(orbit), 0xDA4C])
         frames = {DARK_NAME: dark_true.copy()}
         for name in FLAT_NAMES:
             frames[name] = (rng.poisson(flat_true).astype(np.float64) if params.noise else flat_true) + dark_true
+        raw = {}
         for name, frame in frames.items():
             if params.noise:
                 frame = frame + rng.normal(0.0, params.read_noise, size=frame.shape)
-            counts16 = _to_uint16(frame, f"tubeV{orbit}/{name}")
-            (darks_out if name == DARK_NAME else flats_out).append(counts16)
-            if walnut_dir is not None:
-                _write_tiff(folder / name, np.flipud(counts16.T), params.compress)
+            raw[name] = _to_uint16(frame, f"tubeV{orbit}/{name}")
+        flats, darks = np.stack([raw[name] for name in FLAT_NAMES]), raw[DARK_NAME][None]
+        for writer in streams.values():
+            writer.orbit(orbit, geometry, flats, darks)
+        stack = None
+        if whole:
+            stack = np.empty((n - 1, rows, cols), dtype=np.uint16)
+            content.orbits[orbit] = ScanOrbit(geometry, stack, flats, darks)
 
         first = None
         bar = _progress_bar(range(n), total=n, desc=f"simulate tubeV{orbit}", disable=not progress)
@@ -625,59 +588,42 @@ def simulate_scan(
                 counts = prng.poisson(mean) + dark_true + prng.normal(0.0, params.read_noise, size=mean.shape)
             else:
                 counts = mean + dark_true
-            name = projection_file_name(n - 1 - k)
-            counts16 = _to_uint16(counts, f"tubeV{orbit}/{name}")
-            if stack is not None and k < n - 1:
-                stack[k] = counts16
-            if walnut_dir is not None:
-                _write_tiff(folder / name, np.flipud(counts16.T), params.compress)
+            counts16 = _to_uint16(counts, f"tubeV{orbit}/{projection_file_name(n - 1 - k)}")
+            if k < n - 1:
+                for writer in streams.values():
+                    writer.projection(orbit, k, counts16)
+                if stack is not None:
+                    stack[k] = counts16
+            else:  # the closing projection: angle 0 again, its own noise
+                for writer in streams.values():
+                    writer.closing(orbit, counts16)
+                if stack is not None:
+                    content.orbits[orbit].closing = counts16
         sidecar["orbits"][str(orbit)] = {
             "folder": f"Projections/tubeV{orbit}",
             "source_z_mm": float(vec[0, 2]),
             "corrections": ORBIT_CORRECTIONS[orbit] if params.corrections else None,
         }
 
-    nz, ny, nx = params.gt_shape
-    h = float(params.gt_voxel_size)
-    gt_dir = (walnut_dir or out_dir) / "Reconstructions"
     slice_grid = VolumeGeometry((ny, nx), h)
     gt_max = 0.0
-    gt_volume = np.empty((nz, ny, nx), dtype=np.float32) if others else None
+    gt_volume = np.empty((nz, ny, nx), dtype=np.float32) if whole else None
     for k in _progress_bar(range(nz), total=nz, desc="ground truth", disable=not progress):
         z = (k + 0.5 - nz / 2.0) * h
         img = phantom.rasterize(slice_grid, z=z, thickness=h, supersampling=params.gt_supersampling)
         gt_max = max(gt_max, float(img.max()))
+        img32 = img.astype(np.float32)
+        for writer in streams.values():
+            writer.ground_truth_slice(k, img32)
         if gt_volume is not None:
-            gt_volume[k] = img.astype(np.float32)
-        if walnut_dir is not None:
-            _write_tiff(gt_dir / GT_PATTERN.format(k), img.astype(np.float32), params.compress)
+            gt_volume[k] = img32
+    content.ground_truth = gt_volume
 
-    read_noise = float(params.read_noise) if params.noise else 0.0  # the walnut loader's reading of the sidecar
-    for layout in others:
-        d = dirs[layout]
-        flats, darks = np.stack(flats_out), np.stack(darks_out)
-        if layout == ScanLayout.NXTOMO:
-            write_nxtomo(
-                d / "scan.nxs",
-                projections=stack,
-                flats=flats,
-                darks=darks,
-                angles_deg=angle_range_values(0.0, 360.0, n - 1),
-                pixel_size=params.pixel_size,
-                row_pixel_size=params.v_pixel_size,
-                source_object=params.source_origin,
-                object_detector=params.source_detector - params.source_origin,
-                read_noise=read_noise,
-                ground_truth=gt_volume,
-                voxel_size=h,
-                title=f"ctuq simulated scan ({preset})",
-            )
-            continue
-        suffix = "npy" if layout == ScanLayout.YAML_NPY else "tif"
-        for name, array in (("projections", stack), ("flats", flats), ("darks", darks), ("ground_truth", gt_volume)):
-            _write_array(d / f"{name}.{suffix}", array, params.compress)
-        # written last: an interrupted simulation leaves no description that would open a partial scan
-        write_scan_file(d / "scan.yaml", _scan_description(params, suffix, read_noise))
+    for x in whole:
+        fmt, options = available[x]
+        fmt.write(dirs[x], content, compress=params.compress, **options)
+    for writer in streams.values():
+        writer.close()
 
     sidecar["complete"] = True
     sidecar["ground_truth_max"] = gt_max

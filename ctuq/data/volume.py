@@ -3,7 +3,7 @@
 The walnut data are cone beam and their 3D operator needs ASTRA CUDA. To run (and test) the 3D pipeline — 3D
 U-Net DIP, 3D Jacobian products, the posterior over a volume, streaming 3D statistics, orthogonal-slice figures —
 on a CPU, :func:`simulate_parallel_volume` scans the synthetic walnut phantom with parallel rays about ``z`` (one
-detector row per slice) and returns a :class:`~ctuq.data.walnut.CTData` whose operator is the slice-by-slice
+detector row per slice) and returns a :class:`~ctuq.data.problem.CTData` whose operator is the slice-by-slice
 :class:`~ctuq.operators.SlicewiseParallelRayTransform`. The measurements are the phantom's *exact* line integrals
 (not ``T`` of the rasterised phantom: no inverse crime) plus seeded Gaussian noise; the ground truth is the
 phantom averaged over each voxel.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ctuq.data.phantom import EllipsoidPhantom, walnut_phantom
-from ctuq.data.walnut import CTData
+from ctuq.data.problem import CTData
 from ctuq.geometry import VolumeGeometry
 from ctuq.operators import SlicewiseParallelRayTransform
 

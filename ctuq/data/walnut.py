@@ -1,5 +1,6 @@
-"""Loader for the cone-beam walnut layout (Der Sarkissian et al. 2019; DESIGN.md §4) and scans written by
-``ctuq simulate`` in the same layout.
+"""The walnut layout: the cone-beam data set of Der Sarkissian et al. (2019; DESIGN.md §4) and scans written by
+``ctuq simulate`` in the same layout — the format module (:class:`WalnutFormat`: detect, open, write) and its
+source (:class:`WalnutScan`).
 
 A ``Walnut{id}`` folder holds ``Projections/tubeV{1,2,3}/`` (``scan_{:06}.tif`` × N, dark ``di000000.tif``,
 flats ``io000000.tif``/``io000001.tif``, ``scan_geom_corrected.geom`` with N rows of ASTRA ``cone_vec`` vectors in
@@ -10,82 +11,57 @@ ground-truth shape from the slice files. Only the projection files needed are re
 Rules (those of the data set):
 
 * raw image → projection ``P = transpose(flipud(raw))`` (``det_rows × det_cols``);
-* ``−log((P − dark)/(flat − dark))`` with ``flat`` the mean of the two flats;
-* angular subsampling ``ass``: geometry row ``k·ass`` (for ``k·ass < N−1``) pairs with file ``N−1−k·ass``;
-* detector columns: every ``k``-th column starting at column 0 (default, the published sparse setting: it keeps
-  every sample's noise as measured and matches ``c = 60 × 128`` of the papers), or, with
-  ``detector_binning=True``, the mean *transmission* of ``k`` adjacent columns (less noise, wider pixels).
-  ``u`` becomes ``k·u`` and the detector centre moves to the centre of the kept columns, exactly;
+* ``−log((P − dark)/(flat − dark))`` with ``flat`` the mean of the two flats; per-measurement variances as
+  :mod:`ctuq.data.source` derives them (:func:`log_count_variance`), with the read noise ``σ_r`` of the sidecar of
+  a simulated scan and 0 otherwise (:attr:`WalnutScan.read_noise`);
+* the last file repeats the first angle: ``N`` files hold ``N − 1`` distinct angles; angular subsampling ``ass``
+  pairs geometry row ``k·ass`` (for ``k·ass < N−1``) with file ``N−1−k·ass``;
 * ground truth: voxel size from the ``voxel_size`` argument, else the simulation sidecar, else the data set's
   0.1 mm; the grid is centred at the origin and slice ``k`` lies at ``z = (k + ½ − n_z/2)·h`` (ctuq's
   convention, ``ctuq.geometry``).
 
-2D slices (:func:`load_walnut_slice`): the sinogram of the plane ``z`` is read off the detector along the line
-where the plane through the source and the horizontal line ``{(t·ĥ, z)}`` (``ĥ ⊥`` the source direction; it
-contains the central ray through ``(0, 0, z)``) cuts the detector: per angle and column a fractional row, the two
-neighbouring rows linearly interpolated (after the log). For a source in the slice plane (orbit 2, central slice)
-this plane *is* ``z = const`` and the ``fanflat_vec`` geometry built from the 3D vectors (source xy, detector
-points xy) is exact — including a tilted detector, whose row line is then slanted (handled per column). Otherwise
-the rays leave the plane by the cone angle, which is reported in a warning. With ``backend="astra_cuda"`` the
-operator is the exact cone-beam slice model instead (``AstraCudaRayTransform.cone_slice``, GPU). A coarser
-``image_shape`` over the same field of view area-averages the ground truth exactly (box-overlap weights).
-
-3D volumes (:func:`load_walnut_volume`, GPU): the ``cone_vec`` geometry with rows and columns subsampled, the
-ASTRA CUDA operator, the ground-truth volume stacked from all slices and area-averaged to ``image_shape``.
-:func:`read_walnut_volume` / :func:`read_walnut_slice` do everything but build the operator (CPU-testable).
-
-Per-measurement noise variances (``CTData.variances``, same shape and axis order as ``y``): with ``P = p − dark``
-and ``F = mean(flats) − dark`` in counts of one pixel, and ``q = σ_r² + 1/12`` (read noise and the rounding of
-integer counts, per frame), the delta method gives for ``ℓ = −log(P/F)`` (Poisson ``p`` and flats; the flat is the
-mean of two frames, so its terms halve; the dark frame enters both and its noise counts through ``1/P − 1/F``)::
-
-    Var ℓ ≈ 1/P + 1/(2F) + q · (1/P² + 1/(2F²) + (1/P − 1/F)²)            (:func:`log_count_variance`)
-
-in photons, i.e. for a detector gain of one count per photon (a simulated scan's; on real data the gain is
-unknown and the likelihood's learned scale ``σ²`` absorbs it: only the *relative* variances are used). ``σ_r``
-is the sidecar's ``read_noise`` for a simulated scan and 0 otherwise (:attr:`WalnutScan.read_noise`). Binning ``k``
-columns (and rows) averages transmissions ``t_j`` (independent pixels): ``Var(−log mean t) ≈ Σ_j t_j² Var ℓ_j /
-(k t̄)²``; the 2D slice's interpolation between detector rows ``r0`` and ``r0 + 1`` with weight ``w`` gives
-``(1 − w)² Var ℓ_r0 + w² Var ℓ_(r0+1)``. Subsampling keeps each pixel's own variance. The CT front end multiplies
-by ``dip.scale²`` (the data scale) only implicitly: the likelihood takes them normalised to mean 1. Errors that
-the diagonal model leaves out: the flat and dark noise is shared by every angle of a detector pixel (a correlation
-of the rays of one column across angles, of relative size ``1/(2F)`` against ``1/P``).
+Slices and volumes are cut by the one loader (:mod:`ctuq.data.loader`); :func:`load_walnut_slice`,
+:func:`load_walnut_volume`, :func:`read_walnut_slice` and :func:`read_walnut_volume` open a folder and call it with
+the published sparse setting as defaults (60 of 1200 angles, every 6th of 768 columns). Writing
+(:meth:`WalnutFormat.write`, or piece by piece through :meth:`WalnutFormat.writer`, as ``ctuq simulate`` does)
+stores the raw images as ``flipud(P.T)``, the geometry with the closing row, and the content's record as the
+sidecar ``ctuq_simulation.json`` (where a simulated scan's read noise and voxel size live).
 
 Malformed input raises :class:`WalnutFormatError` naming the file and the problem.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import re
-import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import tifffile
 import torch
 
+from ctuq.data import loader
+from ctuq.data.problem import CTData
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, ScanWriter, write_tiff_array
+from ctuq.data.source import ScanSource, detector_record, log_count_variance, positive_int
 from ctuq.errors import CTUQError
-from ctuq.geometry import ProjectionGeometry, VolumeGeometry
-from ctuq.operators import AstraCudaRayTransform, backend_names, make_ray_transform
-from ctuq.options import Backend
-from ctuq.utils import progress as _progress_bar
+from ctuq.options import Backend, MeasurementKind, ScanGeometry
+from ctuq.utils import atomic_path, atomic_write_json
 
 __all__ = [
-    "CTData",
+    "WalnutFormat",
     "WalnutFormatError",
     "WalnutScan",
-    "area_average",
+    "WalnutWriter",
     "default_data_dir",
     "load_walnut_slice",
     "load_walnut_volume",
     "read_walnut_slice",
     "read_walnut_volume",
+    "log_count_variance",
     "DEFAULT_VOXEL_SIZE",
     "SIDECAR_NAME",
     "PROJECTION_PATTERN",
@@ -93,12 +69,11 @@ __all__ = [
     "FLAT_NAMES",
     "GEOMETRY_NAME",
     "GT_PATTERN",
-    "log_count_variance",
 ]
 
 DEFAULT_VOXEL_SIZE = 0.1  # mm, the data set's ground-truth voxel
 DEFAULT_GT_SHAPE = (501, 501, 501)  # the data set's ground truth, used only when a folder has no Reconstructions
-# The file names of the layout (the one home of each; the simulator writes them, the loader reads them).
+# The file names of the layout (the one home of each; the writer writes them, the source reads them).
 SIDECAR_NAME = "ctuq_simulation.json"  # a simulated scan's parameters (absent from the real data set)
 PROJECTION_PATTERN = "scan_{:06}.tif"  # raw projections, in Projections/tubeV{orbit}/
 DARK_NAME = "di000000.tif"
@@ -107,76 +82,13 @@ GEOMETRY_NAME = "scan_geom_corrected.geom"
 GT_PATTERN = "full_AGD_50_{:06}.tiff"  # ground-truth slices, in Reconstructions/
 _PROJ_RX = re.compile(r"^scan_(\d{6})\.tif$")
 _GT_RX = re.compile(r"^full_AGD_50_(\d{6})\.tiff$")
-_CONE_WARN_DEG = 0.01  # below this the slice model is exact to well within detector noise
+_ORBIT_FILES_RX = re.compile(r"^(scan_\d{6}\.tif|di000000\.tif|io00000[01]\.tif|scan_geom_corrected\.geom)$")
 
 
 class WalnutFormatError(CTUQError):
     """A walnut folder, file, shape or value is not what the layout requires; the message names the file.
 
     A user error (:class:`ctuq.errors.CTUQError`, hence also a ``ValueError``)."""
-
-
-@dataclasses.dataclass
-class CTData:
-    """A loaded scan: operator, measurements, ground truth, geometry.
-
-    Attributes
-    ----------
-    op : RayTransform or None
-        ``T`` on the requested device (``None`` from the ``read_*`` functions, which build no operator).
-    y : torch.Tensor
-        Log-transformed projections, ``op.measurement_shape`` — ``(n_angles, n_cols)`` for a slice,
-        ``(n_angles, n_rows, n_cols)`` for a volume — float32, on the device (CPU for ``read_*``); line
-        integrals (dimensionless: mm⁻¹ × mm).
-    ground_truth : torch.Tensor or None
-        ``op.image_shape`` (``(H, W)`` or ``(D, H, W)``), float32, CPU, mm⁻¹; ``None`` without Reconstructions.
-    volume : VolumeGeometry
-        The image grid (mm), centred at the origin (2D: the slice plane).
-    geometry : ProjectionGeometry
-        2D: the slice's ``fanflat_vec`` geometry (also when the operator is the exact cone-beam slice, whose own
-        one-row ``cone_vec`` geometry is ``slice_cone_geometry``); 3D: the subsampled ``cone_vec`` geometry.
-    meta : dict
-        JSON-serialisable record: files and geometry rows used, slice index and ``z``, voxel sizes, detector rows
-        used, subsampling, cone angle, backend, …
-    slice_cone_geometry : ProjectionGeometry or None
-        2D: the exact one-row ``cone_vec`` geometry of the slice (detector centre at the interpolated row).
-    variances : torch.Tensor or None
-        Predicted variance of each measurement from the photon statistics (module docstring), same shape, axis
-        order, dtype and device as ``y``, in data units² for a gain of one count per photon (on real data only the
-        ratios are meaningful); ``None`` where a source has no counts.
-    """
-
-    op: Any
-    y: torch.Tensor
-    ground_truth: torch.Tensor | None
-    volume: VolumeGeometry
-    geometry: ProjectionGeometry
-    meta: dict
-    slice_cone_geometry: ProjectionGeometry | None = None
-    variances: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.variances is not None:
-            v = self.variances
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(self.y.shape):
-                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"CTData: variances must have the sinogram's shape {tuple(self.y.shape)}, got {got}")
-            bad = ~(torch.isfinite(v) & (v > 0))
-            if bad.any():
-                first = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(
-                    f"CTData: variances must be finite and positive; {int(bad.sum())} are not (first at index "
-                    f"{first}: {float(v[first])})"
-                )
-
-
-def log_count_variance(P: np.ndarray, F: np.ndarray, read_noise: float = 0.0) -> np.ndarray:
-    """``Var(−log(P/F))`` per pixel (module docstring): ``P = p − dark``, ``F = mean(flats) − dark`` in counts
-    (arrays of one shape, > 0), ``read_noise`` the per-frame read-noise sd in counts; in photons² / photons, i.e.
-    for one count per photon. The ``1/12`` is the rounding of integer counts."""
-    q = float(read_noise) ** 2 + 1.0 / 12.0
-    iP, iF = 1.0 / P, 1.0 / F
-    return iP + 0.5 * iF + q * (iP * iP + 0.5 * iF * iF + (iP - iF) ** 2)
 
 
 def default_data_dir() -> Path:
@@ -197,35 +109,6 @@ def default_data_dir() -> Path:
             f"create it with `ctuq simulate --preset bundled --out {path}`, or set $CTUQ_DATA to a Walnut folder"
         )
     return path
-
-
-# --------------------------------------------------------------------------------------------- resampling
-def _overlap_matrix(n_in: int, n_out: int) -> np.ndarray:
-    """``(n_out, n_in)`` box-overlap weights: output cell ``i`` is the area-weighted mean of the input cells it
-    covers when both grids span the same interval (rows sum to 1; works for any, also non-integer, ratio)."""
-    e_in = np.arange(n_in + 1) / n_in
-    e_out = np.arange(n_out + 1) / n_out
-    lo = np.maximum(e_out[:-1, None], e_in[None, :-1])
-    hi = np.minimum(e_out[1:, None], e_in[None, 1:])
-    return np.clip(hi - lo, 0.0, None) * n_out
-
-
-def area_average(array: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-    """Resample ``array`` onto a grid of ``shape`` covering the same extent by exact area (volume) averaging.
-
-    Each output pixel is the mean of the input over its footprint (box-overlap weights per axis, separable), so
-    the image mean is preserved and constant images stay constant; ratios such as 501 → 128 need no rounding.
-    ``array``: ``(n_0, …)``; returns float64 ``shape``.
-    """
-    out = np.asarray(array, dtype=np.float64)
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != out.ndim or min(shape) < 1:
-        raise ValueError(f"area_average: target shape {shape} does not fit an array of shape {out.shape}")
-    for axis, n_out in enumerate(shape):
-        if out.shape[axis] != n_out:
-            w = _overlap_matrix(out.shape[axis], n_out)
-            out = np.moveaxis(np.tensordot(w, out, axes=([1], [axis])), 0, axis)
-    return out
 
 
 # --------------------------------------------------------------------------------------------- the folder
@@ -262,8 +145,9 @@ def _contiguous(indices: list[int], folder: Path, pattern: str) -> int:
     return n
 
 
-class WalnutScan:
-    """One orbit of a ``Walnut{id}`` folder: validated layout, geometry vectors and file access.
+class WalnutScan(ScanSource):
+    """One orbit of a ``Walnut{id}`` folder (a :class:`~ctuq.data.source.ScanSource`): validated layout, geometry
+    vectors and file access.
 
     Opening reads only the geometry file, TIFF headers and the folder listings; pixel data are read on demand.
 
@@ -295,6 +179,12 @@ class WalnutScan:
         Per-frame read-noise sd (counts) used for :attr:`CTData.variances`: the sidecar's for a simulated scan
         with noise, else 0.
     """
+
+    format = "walnut"
+    geometry_type = ScanGeometry.CONE.value
+    measurement = MeasurementKind.COUNTS.value
+    n_flats, n_darks = len(FLAT_NAMES), 1
+    error = WalnutFormatError
 
     def __init__(self, path: str | os.PathLike, orbit: int = 2, voxel_size: float | None = None):
         self.path = Path(path)
@@ -457,53 +347,49 @@ class WalnutScan:
         """File name ``scan_{file_index:06}.tif``."""
         return f"scan_{int(file_index):06}.tif"
 
-    def transmission(self, file_index: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """``(P − dark)/(flat − dark)`` on the pixels ``rows × cols`` of projection file ``file_index``:
-        ``(len(rows), len(cols))``. Raises naming the file when ``flat ≤ dark`` or ``P ≤ dark`` there."""
-        P, F = self.corrected_counts(file_index, rows, cols)
-        return P / F
+    def projection(self, index: int) -> np.ndarray:
+        """Projection file ``index`` (``scan_{index:06}.tif``) as a ``(det_rows, det_cols)`` float64 array of counts
+        (:meth:`read_image`)."""
+        return self.read_image(self.projection_name(index))
 
-    def corrected_counts(self, file_index: int, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(P − dark, flat − dark)`` in counts on the pixels ``rows × cols`` of projection file ``file_index``,
-        each ``(len(rows), len(cols))``, > 0 (their ratio is :meth:`transmission`; with :func:`log_count_variance`
-        they give the measurement's variance). Raises naming the file when ``flat ≤ dark`` or ``P ≤ dark``."""
-        rows, cols = np.asarray(rows), np.asarray(cols)
-        d = self.dark()[np.ix_(rows, cols)]
-        f = self.flat()[np.ix_(rows, cols)]
-        bad = f <= d
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
-            raise WalnutFormatError(
-                f"{self.proj_dir}: flat field ≤ dark at {int(bad.sum())} used pixels (first at detector row "
-                f"{rows[r]}, column {cols[c]}: mean of {FLAT_NAMES[0]}/{FLAT_NAMES[1]} = {f[r, c]:g}, "
-                f"{DARK_NAME} = {d[r, c]:g}); the flat-field correction would divide by ≤ 0"
-            )
-        name = self.projection_name(file_index)
-        p = self.read_image(name)[np.ix_(rows, cols)]
-        bad = p <= d
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
-            raise WalnutFormatError(
-                f"{self.proj_dir / name}: {int(bad.sum())} used pixels have counts ≤ dark, i.e. non-positive "
-                f"transmission (first at detector row {rows[r]}, column {cols[c]}: {p[r, c]:g} ≤ {d[r, c]:g}); "
-                f"−log is undefined there"
-            )
-        return p - d, f - d
+    def flat_dark(self) -> tuple[np.ndarray, np.ndarray]:
+        """The mean of the two flats and the dark frame, ``(det_rows, det_cols)`` (counts)."""
+        dark = self.dark()
+        return self.flat(), dark
+
+    def flat_error(self, n_bad: int, row: int, col: int, flat: float, dark: float) -> WalnutFormatError:
+        return WalnutFormatError(
+            f"{self.proj_dir}: flat field ≤ dark at {n_bad} used pixels (first at detector row {row}, column {col}: "
+            f"mean of {FLAT_NAMES[0]}/{FLAT_NAMES[1]} = {flat:g}, {DARK_NAME} = {dark:g}); the flat-field "
+            f"correction would divide by ≤ 0"
+        )
+
+    def counts_error(self, index: int, n_bad: int, row: int, col: int, counts: float, dark: float):
+        return WalnutFormatError(
+            f"{self.proj_dir / self.projection_name(index)}: {n_bad} used pixels have counts ≤ dark, i.e. "
+            f"non-positive transmission (first at detector row {row}, column {col}: {counts:g} ≤ {dark:g}); −log "
+            f"is undefined there"
+        )
+
+    def geometry_error(self, problem: str, *, slice_plane: bool = False) -> WalnutFormatError:
+        where = self.proj_dir if slice_plane else self.proj_dir / GEOMETRY_NAME
+        return WalnutFormatError(f"{where}: {problem}")
 
     # ------------------------------------------------------------------ geometry
     def angle_plan(self, angular_subsampling: int) -> tuple[np.ndarray, np.ndarray]:
         """Geometry rows ``k·ass < N−1`` and their files ``N−1−k·ass``: two int arrays."""
-        ass = _positive_int(angular_subsampling, "angular_subsampling")
+        ass = positive_int(angular_subsampling, "angular_subsampling")
         rows = np.arange(0, self.n_files - 1, ass)
         return rows, (self.n_files - 1) - rows
 
-    def ground_truth_grid(self) -> VolumeGeometry:
-        """The 3D ground-truth grid ``(n_z, n_y, n_x)``, voxel :attr:`voxel_size`, centred at the origin."""
-        return VolumeGeometry(self.gt_shape, self.voxel_size)
+    @property
+    def n_distinct_angles(self) -> int:
+        """Distinct angles: the files less the last, which repeats the first angle."""
+        return self.n_files - 1
 
-    def slice_z(self, slice_index: int) -> float:
-        """Height (mm) of ground-truth slice ``slice_index``: ``(k + ½ − n_z/2)·h``."""
-        return (slice_index + 0.5 - self.gt_shape[0] / 2.0) * self.voxel_size
+    def describe_angles(self) -> str:
+        """``"tubeV2 has 1201 files, 1200 distinct angles"``."""
+        return f"tubeV{self.orbit} has {self.n_files} files, {self.n_files - 1} distinct angles"
 
     def read_ground_truth_slice(self, slice_index: int) -> np.ndarray:
         """Ground-truth slice ``(n_y, n_x)`` float64 (mm⁻¹)."""
@@ -518,189 +404,162 @@ class WalnutScan:
             raise WalnutFormatError(f"{path}: {int((~np.isfinite(img)).sum())} pixels are NaN or Inf")
         return img
 
+    def ground_truth_files(self, slices: Sequence[int]) -> list[str]:
+        """``full_AGD_50_{k:06}.tiff`` of ``slices`` (empty without ground truth)."""
+        return [GT_PATTERN.format(int(k)) for k in slices] if self.has_ground_truth else []
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _column_plan(n_cols: int, step: int, binning: bool) -> tuple[np.ndarray, float]:
-    """Columns to read and the fractional column (pixel units from the detector centre) of the new detector
-    centre. Subsampling keeps columns ``0, k, 2k, …``; binning averages ``k`` adjacent columns per block (the
-    remainder columns at the far end are dropped)."""
-    if step > n_cols:
-        raise ValueError(f"detector_subsampling {step} exceeds the {n_cols} detector columns")
-    if binning:
-        m = n_cols // step
-        cols = np.arange(m * step)
-        centre = (m * step - 1) / 2.0
-    else:
-        cols = np.arange(0, n_cols, step)
-        centre = (cols[0] + cols[-1]) / 2.0
-    return cols, centre - (n_cols - 1) / 2.0
-
-
-def _bin(a: np.ndarray, step: int, axis: int) -> np.ndarray:
-    if step == 1:
-        return a
-    a = np.moveaxis(a, axis, -1)
-    a = a.reshape(*a.shape[:-1], a.shape[-1] // step, step).mean(axis=-1)
-    return np.moveaxis(a, -1, axis)
-
-
-@dataclasses.dataclass
-class _SlicePlan:
-    rows: np.ndarray  # geometry rows used (n_a,)
-    files: np.ndarray  # file indices (n_a,)
-    cols: np.ndarray  # detector columns read
-    col_step: int
-    binning: bool
-    frac_rows: np.ndarray  # (n_a, n_out) fractional detector row per output column
-    fan: ProjectionGeometry
-    cone: ProjectionGeometry
-    z: float
-    cone_angle_deg: float
+    def record(self, rows, files, angular_subsampling, detector_subsampling, binning, cols) -> dict:
+        """The walnut layout's ``CTData.meta`` entries: folder, orbit, files read, preprocessing, ground truth."""
+        det = detector_record(rows, files, angular_subsampling, detector_subsampling, binning, cols)
+        return {
+            "path": str(self.path),
+            "orbit": self.orbit,
+            "projection_folder": str(self.proj_dir),
+            "n_projection_files": self.n_files,
+            "detector_shape": list(self.det_shape),
+            "angular_subsampling": det["angular_subsampling"],
+            "detector_subsampling": det["detector_subsampling"],
+            "detector_binning": det["detector_binning"],
+            "geometry_rows": det["geometry_rows"],
+            "projection_files": [self.projection_name(int(f)) for f in files],
+            "detector_columns": det["detector_columns"],
+            "preprocessing": "-log((P - dark)/(mean(flats) - dark)), P = transpose(flipud(raw))",
+            "variances": "1/P + 1/(2F) + q (1/P^2 + 1/(2F^2) + (1/P - 1/F)^2), P = p - dark, F = mean(flats) - "
+            "dark, q = read_noise^2 + 1/12 (counts; one count per photon), then binning and row interpolation",
+            "read_noise_counts": self.read_noise,
+            "gt_shape": list(self.gt_shape),
+            "gt_voxel_size_mm": self.voxel_size,
+            "gt_voxel_size_source": self.voxel_size_source,
+            "has_ground_truth": self.has_ground_truth,
+            "simulated": self.sidecar is not None,
+        }
 
 
-def _plan_slice(
-    scan: WalnutScan, z: float, angular_subsampling: int, detector_subsampling: int, binning: bool
-) -> _SlicePlan:
-    """Geometry of the detector line through the slice plane at height ``z`` (see the module docstring)."""
-    step = _positive_int(detector_subsampling, "detector_subsampling")
-    rows, files = scan.angle_plan(angular_subsampling)
-    n_rows, n_cols = scan.det_shape
-    cols, centre_off = _column_plan(n_cols, step, binning)
-    vec = scan.vectors[rows]
-    s, d, u, v = vec[:, 0:3], vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]
-    p0 = np.array([0.0, 0.0, z])
-    horiz = np.linalg.norm(s[:, :2], axis=1)
-    if np.any(horiz <= 0):
-        raise WalnutFormatError(f"{scan.proj_dir / GEOMETRY_NAME}: a source lies on the rotation axis")
-    h_dir = np.stack([-s[:, 1], s[:, 0], np.zeros(len(s))], axis=1) / horiz[:, None]
-    normal = np.cross(h_dir, s - p0)  # normal of the plane through the source and the line p0 + t·ĥ
-    nv = np.einsum("ij,ij->i", normal, v)
-    if np.any(np.abs(nv) < 1e-12 * np.linalg.norm(normal, axis=1) * np.linalg.norm(v, axis=1)):
-        raise WalnutFormatError(
-            f"{scan.proj_dir / GEOMETRY_NAME}: the detector columns are parallel to the "
-            f"slice plane at z = {z} mm for some angle"
-        )
-    # Points d + α u + β v on that plane: β = β0 + β1 α (α, β in pixels from the detector centre).
-    beta0 = -np.einsum("ij,ij->i", normal, d - p0) / nv
-    beta1 = -np.einsum("ij,ij->i", normal, u) / nv
-    if binning:
-        alpha = (np.arange(len(cols) // step) * step + (step - 1) / 2.0) - (n_cols - 1) / 2.0
-    else:
-        alpha = cols - (n_cols - 1) / 2.0
-    frac_rows = beta0[:, None] + beta1[:, None] * alpha[None, :] + (n_rows - 1) / 2.0
-    lo, hi = frac_rows.min(), frac_rows.max()
-    if lo < -1e-6 or hi > n_rows - 1 + 1e-6:
-        raise WalnutFormatError(
-            f"{scan.proj_dir}: the slice plane z = {z:.4g} mm meets the detector at rows {lo:.2f} … {hi:.2f}, "
-            f"outside the {n_rows} detector rows 0 … {n_rows - 1}; choose a slice nearer the source plane"
-        )
-    centre = d + centre_off * u + (beta0 + beta1 * centre_off)[:, None] * v
-    u_line = step * (u + beta1[:, None] * v)
-    fan = ProjectionGeometry(
-        "fanflat_vec", (len(alpha),), vectors=np.concatenate([s[:, :2], centre[:, :2], u_line[:, :2]], axis=1)
-    )
-    cone = ProjectionGeometry("cone_vec", (1, len(alpha)), vectors=np.concatenate([s, centre, u_line, v], axis=1))
-    cone_angle = float(np.degrees(np.max(np.arctan2(np.abs(s[:, 2] - z), horiz))))
-    return _SlicePlan(rows, files, cols, step, binning, frac_rows, fan, cone, float(z), cone_angle)
+# --------------------------------------------------------------------------------------------- writing
+class WalnutWriter(ScanWriter):
+    """Writes a scan into the walnut layout file by file as it arrives (:meth:`WalnutFormat.writer`): per orbit
+    ``Projections/tubeV{n}/`` with the geometry (``N = n_angles + 1`` rows, the last repeating the first), the dark,
+    the two flats and ``scan_{N−1−k:06}.tif`` for projection ``k`` (file 0 the closing projection), raw images
+    ``flipud(P.T)``; ``Reconstructions/full_AGD_50_{k:06}.tiff`` per ground-truth slice; the sidecar at
+    :meth:`close` (``content.record``, or the facts the source reads back: voxel size, grid, read noise)."""
+
+    def __init__(self, folder: Path, content: ScanContent, *, compress: bool = True):
+        self.folder = Path(folder)
+        self.content = content
+        self.compress = bool(compress)
+        self._n: dict[int, int] = {}
+        self._first: dict[int, np.ndarray] = {}
+        self._closed: set[int] = set()
+
+    def _orbit_dir(self, number: int) -> Path:
+        return self.folder / "Projections" / f"tubeV{int(number)}"
+
+    def _image(self, path: Path, frame: np.ndarray) -> None:
+        write_tiff_array(path, np.flipud(np.asarray(frame).T), self.compress)
+
+    def orbit(self, number: int, geometry: CircularOrbit, flats: np.ndarray, darks: np.ndarray) -> None:
+        if int(number) not in (1, 2, 3):
+            raise ValueError(f"the walnut layout holds orbits 1, 2 and 3 (tubeV1..3), got orbit {number}")
+        if len(flats) != len(FLAT_NAMES) or len(darks) != 1:
+            raise ValueError(
+                f"the walnut layout holds {len(FLAT_NAMES)} flats and 1 dark per orbit, got {len(flats)} and "
+                f"{len(darks)}"
+            )
+        folder = self._orbit_dir(number)
+        with atomic_path(folder / GEOMETRY_NAME) as tmp:
+            np.savetxt(tmp, geometry.vectors(closing=True), fmt="%.17g")
+        self._image(folder / DARK_NAME, darks[0])
+        for name, frame in zip(FLAT_NAMES, flats):
+            self._image(folder / name, frame)
+        self._n[int(number)] = int(geometry.n_angles)
+
+    def projection(self, number: int, k: int, counts: np.ndarray) -> None:
+        n = self._n[int(number)]
+        if k == 0:
+            self._first[int(number)] = counts
+        self._image(self._orbit_dir(number) / PROJECTION_PATTERN.format(n - int(k)), counts)
+
+    def closing(self, number: int, counts: np.ndarray) -> None:
+        self._image(self._orbit_dir(number) / PROJECTION_PATTERN.format(0), counts)
+        self._closed.add(int(number))
+
+    def ground_truth_slice(self, k: int, image: np.ndarray) -> None:
+        path = self.folder / "Reconstructions" / GT_PATTERN.format(int(k))
+        write_tiff_array(path, np.asarray(image, dtype=np.float32), self.compress)
+
+    def close(self) -> Path:
+        for number in set(self._n) - self._closed:  # no closing projection: the first angle's again
+            self.closing(number, self._first[number])
+        c = self.content
+        record = c.record
+        if record is None:
+            record = {
+                "format": "ctuq scan (walnut layout)",
+                "complete": True,
+                "gt_voxel_size_mm": float(c.voxel_size),
+                "gt_shape": list(c.gt_shape),
+                "parameters": {"read_noise": float(c.read_noise)},
+            }
+        atomic_write_json(self.folder / SIDECAR_NAME, record)
+        return self.folder
 
 
-def _check_image_shape(image_shape, ndim: int) -> tuple[int, ...] | None:
-    if image_shape is None:
-        return None
-    shape = tuple(int(s) for s in image_shape)
-    if len(shape) != ndim or min(shape) < 1:
-        raise ValueError(f"image_shape {tuple(image_shape)} must be {ndim} positive ints")
-    return shape
+class WalnutFormat(ScanFormat):
+    """The walnut data set's folder (module docstring): ``Projections/tubeV{1,2,3}/``, ``Reconstructions/``."""
+
+    name = "walnut"
+    expects = "a walnut folder (Projections/tubeV*/ with scan_NNNNNN.tif, flats, dark and the .geom file)"
+    layouts = {"walnut": {}}
+    error = WalnutFormatError
+
+    @classmethod
+    def folder_lacks(cls) -> str:
+        return "no Projections/tubeV* folder (walnut layout)"
+
+    @classmethod
+    def detect(cls, path: Path) -> Path | None:
+        return path if path.is_dir() and (path / "Projections").is_dir() else None
+
+    @classmethod
+    def open(cls, path: Path, orbit: int = 2) -> WalnutScan:
+        return WalnutScan(path, orbit)
+
+    @classmethod
+    def check_orbits(cls, orbits: Mapping[int, CircularOrbit]) -> None:
+        bad = sorted(set(orbits) - {1, 2, 3})
+        if bad:
+            raise ValueError(f"the walnut layout holds orbits 1, 2 and 3 (tubeV1..3), got orbit {bad[0]}")
+
+    @classmethod
+    def writer(cls, folder: Path, content: ScanContent, *, compress: bool = True, **options) -> WalnutWriter:
+        return WalnutWriter(folder, content, compress=compress, **options)
+
+    @classmethod
+    def write(cls, folder: Path, content: ScanContent, *, compress: bool = True, **options) -> Path:
+        cls.check_orbits({n: o.geometry for n, o in content.orbits.items()})
+        w = cls.writer(folder, content, compress=compress, **options)
+        for number, orbit in content.orbits.items():
+            w.orbit(number, orbit.geometry, orbit.flats, orbit.darks)
+            for k, counts in enumerate(orbit.projections):
+                w.projection(number, k, counts)
+            if orbit.closing is not None:
+                w.closing(number, orbit.closing)
+        if content.ground_truth is not None:
+            for k, image in enumerate(content.ground_truth):
+                w.ground_truth_slice(k, image)
+        return w.close()
+
+    @classmethod
+    def written_files(cls, folder: Path) -> list[Path]:
+        found = []
+        for sub, rx in (("Projections/tubeV*", _ORBIT_FILES_RX), ("Reconstructions", _GT_RX)):
+            for d in Path(folder).glob(sub):
+                if d.is_dir():
+                    found += [p for p in d.iterdir() if p.is_file() and rx.match(p.name)]
+        return found
 
 
-def _coarsened(grid: VolumeGeometry, image_shape: tuple[int, ...] | None) -> VolumeGeometry:
-    if image_shape is None:
-        return grid
-    try:
-        return grid.coarsened(image_shape)
-    except ValueError as exc:
-        raise ValueError(
-            f"image_shape {image_shape} must keep the aspect ratio of the ground-truth grid "
-            f"{grid.shape} (same field of view): {exc}"
-        ) from exc
-
-
-def _check_backend(backend: str, device) -> torch.device:
-    if backend not in backend_names():
-        raise ValueError(f"backend {backend!r} unknown; valid: {list(backend_names())}")
-    return torch.device(device)
-
-
-def _progress(iterable, total: int, desc: str, progress: bool | None):
-    return _progress_bar(iterable, total=total, desc=desc, disable=None if progress is None else not progress)
-
-
-def _binned_variance(t: np.ndarray, var: np.ndarray, steps: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Transmissions ``t`` binned by ``steps`` (rows, columns) and ``Var(−log t̄)`` from the pixels' ``Var(−log t)``:
-    ``Σ t_j² Var_j / (k t̄)²`` over each block of ``k`` pixels (module docstring)."""
-    tb = _bin(_bin(t, steps[0], 0), steps[1], 1)
-    k = steps[0] * steps[1]
-    return tb, _bin(_bin(t * t * var, steps[0], 0), steps[1], 1) / (k * tb * tb)
-
-
-def _read_slice(scan: WalnutScan, plan: _SlicePlan, progress: bool | None) -> tuple[np.ndarray, np.ndarray]:
-    """The slice's sinogram ``(n_angles, n_out)`` and its per-measurement variances (module docstring)."""
-    n_a = len(plan.rows)
-    n_rows = scan.det_shape[0]
-    r0 = np.clip(np.floor(plan.frac_rows).astype(np.int64), 0, n_rows - 2)
-    w = plan.frac_rows - r0  # weight of row r0 + 1
-    out = np.empty(plan.frac_rows.shape)
-    var = np.empty(plan.frac_rows.shape)
-    for a in _progress(range(n_a), n_a, "read projections", progress):
-        need = np.unique(np.concatenate([r0[a], r0[a] + 1]))
-        P, F = scan.corrected_counts(int(plan.files[a]), need, plan.cols)
-        t = P / F
-        v = log_count_variance(P, F, scan.read_noise)
-        if plan.binning:
-            t, v = _binned_variance(t, v, (1, plan.col_step))
-        log_t = -np.log(t)  # (len(need), n_out)
-        pos = np.searchsorted(need, r0[a])
-        j = np.arange(log_t.shape[1])
-        out[a] = (1.0 - w[a]) * log_t[pos, j] + w[a] * log_t[pos + 1, j]
-        var[a] = (1.0 - w[a]) ** 2 * v[pos, j] + w[a] ** 2 * v[pos + 1, j]
-    return out, var
-
-
-def _meta_common(scan: WalnutScan, rows, files, angular_subsampling, detector_subsampling, binning, cols) -> dict:
-    return {
-        "path": str(scan.path),
-        "orbit": scan.orbit,
-        "projection_folder": str(scan.proj_dir),
-        "n_projection_files": scan.n_files,
-        "detector_shape": list(scan.det_shape),
-        "angular_subsampling": int(angular_subsampling),
-        "detector_subsampling": int(detector_subsampling),
-        "detector_binning": bool(binning),
-        "geometry_rows": [int(r) for r in rows],
-        "projection_files": [scan.projection_name(int(f)) for f in files],
-        "detector_columns": {
-            "first": int(cols[0]),
-            "last": int(cols[-1]),
-            "step": int(detector_subsampling),
-            "mode": "bin" if binning else "subsample",
-        },
-        "preprocessing": "-log((P - dark)/(mean(flats) - dark)), P = transpose(flipud(raw))",
-        "variances": "1/P + 1/(2F) + q (1/P^2 + 1/(2F^2) + (1/P - 1/F)^2), P = p - dark, F = mean(flats) - dark, "
-        "q = read_noise^2 + 1/12 (counts; one count per photon), then binning and row interpolation",
-        "read_noise_counts": scan.read_noise,
-        "gt_shape": list(scan.gt_shape),
-        "gt_voxel_size_mm": scan.voxel_size,
-        "gt_voxel_size_source": scan.voxel_size_source,
-        "has_ground_truth": scan.has_ground_truth,
-        "simulated": scan.sidecar is not None,
-    }
-
-
+# --------------------------------------------------------------------------------------------- loading
 def read_walnut_slice(
     path: str | os.PathLike,
     *,
@@ -715,75 +574,16 @@ def read_walnut_slice(
 ) -> CTData:
     """Everything :func:`load_walnut_slice` returns except the operator (``op=None``; ``y`` on the CPU).
 
-    Same parameters as :func:`load_walnut_slice` (minus ``backend``/``device``).
+    Same parameters as :func:`load_walnut_slice` (minus ``backend``/``device``/``heldout``).
     """
-    scan = WalnutScan(path, orbit, voxel_size)
-    image_shape = _check_image_shape(image_shape, 2)
-    plan, volume, k = _slice_setup(
-        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape
-    )
-    return _finish_slice(
-        scan, plan, volume, k, None, "none", angular_subsampling, detector_subsampling, detector_binning, progress
-    )
-
-
-def _slice_setup(scan: WalnutScan, slice_index, angular_subsampling, detector_subsampling, binning, image_shape):
-    n_z = scan.gt_shape[0]
-    k = n_z // 2 if slice_index is None else int(slice_index)
-    if not 0 <= k < n_z:
-        raise ValueError(f"slice_index {slice_index} out of range: the ground truth has {n_z} slices (0 … {n_z - 1})")
-    z = scan.slice_z(k)
-    plan = _plan_slice(scan, z, angular_subsampling, detector_subsampling, binning)
-    if plan.cone_angle_deg > _CONE_WARN_DEG:
-        warnings.warn(
-            f"walnut slice {k} (z = {z:.3f} mm) of orbit {scan.orbit}: the source is not in the slice plane (cone "
-            f"angle up to {plan.cone_angle_deg:.3f}°), so the 2D fan-beam model is approximate; the exact model is "
-            f"backend='astra_cuda' (GPU), or use orbit 2 and a slice at the source height",
-            stacklevel=3,
-        )
-    grid2d = VolumeGeometry(scan.gt_shape[1:], scan.voxel_size)
-    return plan, _coarsened(grid2d, image_shape), k
-
-
-def _finish_slice(scan, plan, volume, k, op, backend, ass, dss, binning, progress) -> CTData:
-    y, var = _read_slice(scan, plan, progress)
-    gt = None
-    gt_files: list[str] = []
-    if scan.has_ground_truth:
-        img = scan.read_ground_truth_slice(k)
-        gt = torch.from_numpy(area_average(img, volume.shape).astype(np.float32))
-        gt_files = [GT_PATTERN.format(k)]
-    meta = _meta_common(scan, plan.rows, plan.files, ass, dss, binning, plan.cols)
-    centre_col = plan.frac_rows.shape[1] // 2
-    meta.update(
-        {
-            "ndim": 2,
-            "slice_index": int(k),
-            "z_mm": plan.z,
-            "image_shape": list(volume.shape),
-            "image_voxel_size_mm": volume.voxel_size,
-            "ground_truth_files": gt_files,
-            "detector_rows_used": [float(r) for r in plan.frac_rows[:, centre_col]],
-            "detector_row_range": [float(plan.frac_rows.min()), float(plan.frac_rows.max())],
-            "cone_angle_deg": plan.cone_angle_deg,
-            "exact_fan_geometry": plan.cone_angle_deg <= _CONE_WARN_DEG,
-            "backend": backend,
-            "operator_geometry": "cone_vec slice" if backend == Backend.ASTRA_CUDA else "fanflat_vec",
-        }
-    )
-    y_t = torch.from_numpy(y.astype(np.float32))
-    var_t = torch.from_numpy(var.astype(np.float32))
-    if op is not None:
-        y_t, var_t = y_t.to(op.device), var_t.to(op.device)
-    return CTData(
-        op=op,
-        y=y_t,
-        ground_truth=gt,
-        volume=volume,
-        geometry=plan.fan,
-        meta=meta,
-        slice_cone_geometry=plan.cone,
-        variances=var_t,
+    return loader.read_slice(
+        WalnutScan(path, orbit, voxel_size),
+        slice_index=slice_index,
+        angular_subsampling=angular_subsampling,
+        detector_subsampling=detector_subsampling,
+        image_shape=image_shape,
+        detector_binning=detector_binning,
+        progress=progress,
     )
 
 
@@ -800,8 +600,10 @@ def load_walnut_slice(
     voxel_size: float | None = None,
     detector_binning: bool = False,
     progress: bool | None = None,
+    heldout: bool = False,
 ) -> CTData:
-    """Load one slice of a walnut scan as a 2D problem: operator, sinogram, ground truth.
+    """Load one slice of a walnut scan as a 2D problem: operator, sinogram, ground truth
+    (:func:`ctuq.data.loader.load_slice` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
 
     Parameters
     ----------
@@ -815,117 +617,29 @@ def load_walnut_slice(
         Use geometry rows ``0, k, 2k, … < N−1`` (20 → 60 angles of the real data's 1200).
     detector_subsampling : int
         Keep every k-th detector column (6 → 128 of 768), or bin k columns with ``detector_binning``.
-    image_shape : (int, int), optional
-        Reconstruction grid over the ground truth's field of view (default: the ground-truth grid); coarser
-        grids get an area-averaged ground truth.
-    backend : {"auto", "sparse", "astra_cuda"}
-        ``auto``/``sparse``: fan-beam sparse matrix (CPU or CUDA); ``astra_cuda``: the exact cone-beam slice
-        operator (GPU only).
-    device : torch.device or str
-        Where the operator and ``y`` live.
+    image_shape, backend, device, detector_binning, progress, heldout
+        As in :func:`ctuq.data.loader.load_slice`.
     voxel_size : float, optional
         Ground-truth voxel edge (mm); default: the simulation sidecar's, else 0.1.
-    detector_binning : bool
-        Average ``detector_subsampling`` adjacent columns (in transmission) instead of picking every k-th.
-    progress : bool, optional
-        Progress bar while reading (default: on unless ``CTUQ_NO_PROGRESS=1``).
 
     Returns
     -------
     CTData
         ``y`` ``(n_angles, n_cols)``, ``ground_truth`` ``image_shape`` (mm⁻¹), ``geometry`` ``fanflat_vec``.
     """
-    device = _check_backend(backend, device)
-    if backend == Backend.ASTRA_CUDA and device.type != "cuda":
-        raise RuntimeError(
-            f"load_walnut_slice: backend 'astra_cuda' (the exact cone-beam slice) needs a CUDA "
-            f"device, got {device}; use backend 'sparse' (fan-beam slice model) on the CPU"
-        )
-    scan = WalnutScan(path, orbit, voxel_size)
-    image_shape = _check_image_shape(image_shape, 2)
-    plan, volume, k = _slice_setup(
-        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape
+    device = loader.check_backend(backend, device)
+    return loader.load_slice(
+        WalnutScan(path, orbit, voxel_size),
+        slice_index=slice_index,
+        angular_subsampling=angular_subsampling,
+        detector_subsampling=detector_subsampling,
+        image_shape=image_shape,
+        backend=backend,
+        device=device,
+        detector_binning=detector_binning,
+        progress=progress,
+        heldout=heldout,
     )
-    # The operator is built before any pixel data are read: a geometry the backend rejects fails fast.
-    if backend == Backend.ASTRA_CUDA:
-        op = AstraCudaRayTransform.cone_slice(volume, plan.z, plan.cone, device=device)
-    else:
-        op = make_ray_transform(volume, plan.fan, backend=backend, device=device)
-    name = Backend.ASTRA_CUDA.value if backend == Backend.ASTRA_CUDA else type(op).__name__
-    return _finish_slice(
-        scan, plan, volume, k, op, name, angular_subsampling, detector_subsampling, detector_binning, progress
-    )
-
-
-# --------------------------------------------------------------------------------------------- volumes
-def _volume_setup(
-    scan: WalnutScan, angular_subsampling, detector_subsampling, detector_row_subsampling, binning, image_shape
-):
-    col_step = _positive_int(detector_subsampling, "detector_subsampling")
-    row_step = (
-        col_step
-        if detector_row_subsampling is None
-        else _positive_int(detector_row_subsampling, "detector_row_subsampling")
-    )
-    rows, files = scan.angle_plan(angular_subsampling)
-    n_rows, n_cols = scan.det_shape
-    cols, col_off = _column_plan(n_cols, col_step, binning)
-    try:
-        drows, row_off = _column_plan(n_rows, row_step, binning)
-    except ValueError as exc:
-        raise ValueError(f"detector_row_subsampling {row_step} exceeds the {n_rows} detector rows") from exc
-    vec = scan.vectors[rows].copy()
-    u, v = vec[:, 6:9].copy(), vec[:, 9:12].copy()
-    vec[:, 3:6] += col_off * u + row_off * v
-    vec[:, 6:9] = col_step * u
-    vec[:, 9:12] = row_step * v
-    n_out_r = len(drows) // row_step if binning else len(drows)
-    n_out_c = len(cols) // col_step if binning else len(cols)
-    geometry = ProjectionGeometry("cone_vec", (n_out_r, n_out_c), vectors=vec)
-    volume = _coarsened(scan.ground_truth_grid(), image_shape)
-    return rows, files, drows, cols, row_step, col_step, geometry, volume
-
-
-def _finish_volume(scan, setup, op, backend, ass, dss, binning, progress) -> CTData:
-    rows, files, drows, cols, row_step, col_step, geometry, volume = setup
-    y = np.empty((len(rows), *geometry.det_shape), dtype=np.float32)
-    var = np.empty_like(y)
-    for a in _progress(range(len(rows)), len(rows), "read projections", progress):
-        P, F = scan.corrected_counts(int(files[a]), drows, cols)
-        t = P / F
-        v = log_count_variance(P, F, scan.read_noise)
-        if binning:
-            t, v = _binned_variance(t, v, (row_step, col_step))
-        y[a] = -np.log(t)
-        var[a] = v
-    gt = None
-    if scan.has_ground_truth:
-        # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
-        # sits in memory at full resolution in float64.
-        n_z = scan.gt_shape[0]
-        planes = np.stack(
-            [
-                area_average(scan.read_ground_truth_slice(k), volume.shape[1:])
-                for k in _progress(range(n_z), n_z, "read ground truth", progress)
-            ]
-        )
-        gt = torch.from_numpy(area_average(planes, volume.shape).astype(np.float32))
-    meta = _meta_common(scan, rows, files, ass, dss, binning, cols)
-    meta.update(
-        {
-            "ndim": 3,
-            "detector_row_subsampling": int(row_step),
-            "detector_rows": {"first": int(drows[0]), "last": int(drows[-1]), "step": int(row_step)},
-            "image_shape": list(volume.shape),
-            "image_voxel_size_mm": volume.voxel_size,
-            "ground_truth_files": [GT_PATTERN.format(k) for k in range(scan.gt_shape[0])] if gt is not None else [],
-            "backend": backend,
-        }
-    )
-    y_t, var_t = torch.from_numpy(y), torch.from_numpy(var)
-    if op is not None:
-        y_t, var_t = y_t.to(op.device), var_t.to(op.device)
-    return CTData(op=op, y=y_t, ground_truth=gt, volume=volume, geometry=geometry, meta=meta, variances=var_t)
 
 
 def read_walnut_volume(
@@ -941,17 +655,14 @@ def read_walnut_volume(
     progress: bool | None = None,
 ) -> CTData:
     """Everything :func:`load_walnut_volume` returns except the operator (``op=None``): runs on the CPU."""
-    scan = WalnutScan(path, orbit, voxel_size)
-    setup = _volume_setup(
-        scan,
-        angular_subsampling,
-        detector_subsampling,
-        detector_row_subsampling,
-        detector_binning,
-        _check_image_shape(image_shape, 3),
-    )
-    return _finish_volume(
-        scan, setup, None, "none", angular_subsampling, detector_subsampling, detector_binning, progress
+    return loader.read_volume(
+        WalnutScan(path, orbit, voxel_size),
+        angular_subsampling=angular_subsampling,
+        detector_subsampling=detector_subsampling,
+        detector_row_subsampling=detector_row_subsampling,
+        image_shape=image_shape,
+        detector_binning=detector_binning,
+        progress=progress,
     )
 
 
@@ -969,40 +680,21 @@ def load_walnut_volume(
     detector_binning: bool = False,
     progress: bool | None = None,
 ) -> CTData:
-    """Load a walnut scan as a 3D cone-beam problem (GPU: ASTRA CUDA operator).
+    """Load a walnut scan as a 3D cone-beam problem (GPU: ASTRA CUDA operator;
+    :func:`ctuq.data.loader.load_volume` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
 
-    Parameters
-    ----------
-    path, orbit, angular_subsampling, voxel_size, detector_binning, progress
-        As in :func:`load_walnut_slice`.
-    detector_subsampling : int
-        Keep every k-th detector column (or bin k with ``detector_binning``).
-    detector_row_subsampling : int, optional
-        The same for detector rows; default: ``detector_subsampling`` (square effective pixels).
-    image_shape : (int, int, int), optional
-        ``(D, H, W)`` over the ground truth's field of view, same aspect ratio (default: the ground-truth grid).
-    backend : {"auto", "astra_cuda"}
-        3D needs ASTRA CUDA; ``"sparse"`` is rejected by :func:`~ctuq.operators.make_ray_transform`.
-    device : torch.device or str
-        A CUDA device; on the CPU the operator construction raises ``make_ray_transform``'s error before any
-        pixel data are read (use :func:`read_walnut_volume` there).
-
-    Returns
-    -------
-    CTData
-        ``y`` ``(n_angles, n_rows, n_cols)``, ``ground_truth`` ``(D, H, W)`` (mm⁻¹), ``geometry`` ``cone_vec``.
+    Parameters as :func:`load_walnut_slice` and :func:`ctuq.data.loader.load_volume` (``detector_row_subsampling``
+    defaults to ``detector_subsampling``; ``image_shape`` is ``(D, H, W)``).
     """
-    device = _check_backend(backend, device)
-    scan = WalnutScan(path, orbit, voxel_size)
-    setup = _volume_setup(
-        scan,
-        angular_subsampling,
-        detector_subsampling,
-        detector_row_subsampling,
-        detector_binning,
-        _check_image_shape(image_shape, 3),
-    )
-    op = make_ray_transform(setup[7], setup[6], backend=backend, device=device)
-    return _finish_volume(
-        scan, setup, op, type(op).__name__, angular_subsampling, detector_subsampling, detector_binning, progress
+    device = loader.check_backend(backend, device)
+    return loader.load_volume(
+        WalnutScan(path, orbit, voxel_size),
+        angular_subsampling=angular_subsampling,
+        detector_subsampling=detector_subsampling,
+        detector_row_subsampling=detector_row_subsampling,
+        image_shape=image_shape,
+        backend=backend,
+        device=device,
+        detector_binning=detector_binning,
+        progress=progress,
     )

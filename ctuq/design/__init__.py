@@ -1,7 +1,7 @@
 """Bayesian experimental design of CT scan angles with the linearised DIP (and isotropic / Matérn-½ priors).
 
 A sparse pilot scan is taken; the design chooses, one at a time, the candidate angles whose measurements are
-expected to tell the most about the image (``docs/design.md``). Pieces, read top to bottom:
+expected to tell the most about the image (``docs/experimental_design.md``). Pieces, read top to bottom:
 
 * :mod:`.candidates` — candidate sets, pilot selection, the equidistant and random baselines, input checks
   (:class:`DesignError`).

@@ -13,11 +13,11 @@ measurements. The criteria (in nats or squared data units, larger is better):
 with ``σ̃² = σ² + η`` and a stabilising jitter ``η = jitter · mean_β mean_i [M_β]_ii`` (relative to the mean
 diagonal of the current blocks, so it scales with the prior; :data:`DEFAULT_JITTER`).
 
-Scale laws (derived in ``docs/design.md``, tested in ``tests/design/test_design.py``): scaling the prior by ``c`` and
-``σ²`` by ``c`` together multiplies every ``M_β`` by ``c``, so ESE values scale by ``c`` and the EIG values do not
-change — both rankings are invariant. Scaling only the prior (or only ``σ²``) leaves the ESE ranking invariant
-exactly when ``σ²`` is negligible against the prior (then ``K_{x|y}`` is linear in ``K`` and free of ``σ²``), and in
-general changes both criteria through the ratio ``σ²/c``.
+Scale laws (derived in ``docs/experimental_design.md``, tested in ``tests/design/test_design.py``): scaling the
+prior by ``c`` and ``σ²`` by ``c`` together multiplies every ``M_β`` by ``c``, so ESE values scale by ``c`` and the
+EIG values do not change — both rankings are invariant. Scaling only the prior (or only ``σ²``) leaves the ESE
+ranking invariant exactly when ``σ²`` is negligible against the prior (then ``K_{x|y}`` is linear in ``K`` and free
+of ``σ²``), and in general changes both criteria through the ratio ``σ²/c``.
 
 Blocks come either exactly (``(n, k, k)``) or from ``m`` zero-mean samples of the candidates' pseudo-measurements
 (``(m, n, k)``: ``M̂_β = (1/m) Σ_j y_jβ y_jβᵀ``, unbiased). For ``m < k`` the log-determinant uses the ``m × m``

@@ -10,8 +10,8 @@
   rows fit the :data:`~ctuq.memory.Budget.DESIGN_ROWS` budget, a quarter of the free memory), because every
   refresh below needs them all.
 * ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹``
-  (:func:`ctuq.priors.scales_from_sq_norms`; for a network without the assembled Jacobian,
-  :func:`ctuq.priors.gprior_scales` with ``exact`` or ``stochastic`` probes), refreshed every
+  (:func:`ctuq.inference.priors.scales_from_sq_norms`; for a network without the assembled Jacobian,
+  :func:`ctuq.inference.priors.gprior_scales` with ``exact`` or ``stochastic`` probes), refreshed every
   ``refresh_every`` acquired angles together with ``a`` — this is what makes the prior adaptive: ``Φ`` and ``s``
   depend on the data.
 * ``a``: by the energy rule (default for the DIP; :func:`ctuq.design.priors.energy_precision` with
@@ -36,11 +36,11 @@ from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
 from ctuq.errors import CheckpointMismatch
 from ctuq.inference import LinearizedFeatures, assemble_features
+from ctuq.inference.priors import gprior_scales, scales_from_sq_norms
 from ctuq.linearize import LinearizedNetwork, count_linearized_weights
 from ctuq.memory import Budget, memory_budget
 from ctuq.options import DenseFeatures as DenseChoice
 from ctuq.options import DesignPriorKind, DesignPriorScale, GPriorMethod
-from ctuq.priors import gprior_scales, scales_from_sq_norms
 from ctuq.reconstruct.dip import fit_dip
 from ctuq.utils import atomic_torch_save
 

@@ -1,8 +1,8 @@
 """The sequential-design engine: condition on chosen angles block by block and score every remaining candidate.
 
-Notation (``docs/design.md``): candidates ``β = 0 … n−1`` with operator blocks ``T^β`` of ``k`` rows; the chosen
-blocks ``τ`` (pilot first); the prior ``K = L diag(s)² Lᵀ / a`` of a :class:`~ctuq.design.model.DesignModel`; the
-measurement covariance of the chosen rows ``C_τ = T^τ K T^τᵀ + σ² I``.
+Notation (``docs/experimental_design.md``): candidates ``β = 0 … n−1`` with operator blocks ``T^β`` of ``k`` rows;
+the chosen blocks ``τ`` (pilot first); the prior ``K = L diag(s)² Lᵀ / a`` of a
+:class:`~ctuq.design.model.DesignModel`; the measurement covariance of the chosen rows ``C_τ = T^τ K T^τᵀ + σ² I``.
 
 One acquisition of ``β`` (``2k`` kernel products ``K x``, sparse projections, and dense work independent of how
 many angles were chosen, apart from the triangular solves with ``C_τ``):

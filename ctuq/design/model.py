@@ -7,7 +7,7 @@ units of the measurements the model is given in (scaled data units for the DIP).
 
 The features of any set of candidate blocks are the core's :class:`ctuq.inference.LinearizedFeatures`
 ``Ψ = T_B L diag(s)`` with ``T_B = op.subset(B)`` as output map, so the posterior object, the sampler and the
-g-prior of :mod:`ctuq.inference` / :mod:`ctuq.priors` apply unchanged.
+g-prior of :mod:`ctuq.inference` (and its :mod:`~ctuq.inference.priors`) apply unchanged.
 """
 
 from __future__ import annotations

@@ -2,16 +2,19 @@
 
 Front ends (CT, experimental design, classification) use one object, :class:`LinearizedPosterior`
 (``setup → fit → sample / mean / log_evidence``, ``state_dict``, ``restrict`` / ``extend``), which composes the
-pieces below: features, prior scales, a likelihood (:mod:`~ctuq.inference.likelihoods`), a solver from the registry
-:data:`SOLVERS` (:mod:`ctuq.inference.solvers`), the Matheron sampler and the sampled EM. It takes keyword
-arguments only; a configuration maps onto them in :func:`ctuq.config.posterior_arguments`.
+pieces below: features, a weight prior (:mod:`~ctuq.inference.priors`), a likelihood
+(:mod:`~ctuq.inference.likelihoods`), a solver from the registry :data:`SOLVERS` (:mod:`ctuq.inference.solvers`), the
+Matheron sampler and the sampled EM. It takes keyword
+arguments only; a configuration maps onto them in :func:`ctuq.pipeline.uq_settings.posterior_arguments`.
 
-Modules: :mod:`~ctuq.inference.features` (Ψ), :mod:`~ctuq.inference.kernel` (K̄, C, dense assembly),
+Modules: :mod:`~ctuq.inference.features` (Ψ), :mod:`~ctuq.inference.priors` (the weight priors ``v − ṽ = L w``: the
+prior package, contract, registry :data:`PRIORS`, one module per prior), :mod:`~ctuq.inference.kernel` (K̄, C, dense
+assembly, column norms),
 :mod:`~ctuq.inference.checks` (argument checks), :mod:`~ctuq.inference.solvers` (the solver package: contract,
 registry, cost model, one module per solver), :mod:`~ctuq.inference.sampler`, :mod:`~ctuq.inference.em`,
 :mod:`~ctuq.inference.likelihoods`, :mod:`~ctuq.inference.posterior`, :mod:`~ctuq.inference.distributed`,
 :mod:`~ctuq.inference.reference` (dense float64 reference). The shared contract tests of solvers and feature
-operators are :mod:`ctuq.testing`.
+operators and priors are :mod:`ctuq.testing`.
 
 ``w ~ N(0, a⁻¹ I)`` (``d`` weights), ``ε ~ N(0, σ² I)`` (``c`` targets). This package imports nothing CT-specific:
 it sees a feature operator ``Ψ`` (batched ``Ψ``/``Ψᵀ`` row products) and the targets ``ỹ``, so CT
@@ -23,11 +26,14 @@ Where DESIGN.md §1 lives in the code:
 equation                                              implementation
 ====================================================  =========================================================
 ``Φu``, ``Φᵀr`` (Jacobian of ``g`` at ``ṽ``)             :class:`ctuq.linearize.LinearizedNetwork` ``jvp``/``vjp``
-``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :func:`ctuq.priors.gprior_scales`
+``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :class:`GPrior`, :func:`gprior_scales`
+                                                      (``priors/gprior.py``)
 ``Ψ₀ = L Φ``; ``Ψ = Ψ₀ diag(s)``; dense ``Ψ``          :class:`LinearizedFeatures`; :class:`ScaledFeatures`;
                                                       :class:`DenseFeatures` (``features.py``)
-block prior ``Ψ = Ψ₀ L`` (TV-PredCP), its type-II MAP  :class:`BlockFeatures` (``block_features.py``);
-                                                      :func:`fit_block_prior` (``prior_fit.py``)
+any prior ``Ψ = Ψ₀ L``; TV-PredCP, its type-II MAP    :class:`WeightPrior` (``priors/base.py``);
+                                                      :class:`BlockFeatures` (``block_features.py``);
+                                                      :class:`TVPredCPPrior`, :func:`fit_block_prior`
+                                                      (``priors/tv_predcp.py``)
 ``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (``kernel.py``, a LinearOperator)
 ``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
 ``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
@@ -83,7 +89,21 @@ from ctuq.inference.likelihoods import (
     Likelihood,
 )
 from ctuq.inference.posterior import LinearizedPosterior
-from ctuq.inference.prior_fit import fit_block_prior, mll_gradient
+from ctuq.inference.priors import (
+    PRIORS,
+    DiagonalPrior,
+    GPrior,
+    IsotropicPrior,
+    PriorError,
+    TVPredCPPrior,
+    WeightPrior,
+    column_sq_norms,
+    fit_block_prior,
+    gprior_scales,
+    isotropic_scales,
+    mll_gradient,
+    scales_from_sq_norms,
+)
 from ctuq.inference.reference import DenseLinearGaussian
 from ctuq.inference.sampler import (
     PosteriorSamples,
@@ -142,8 +162,19 @@ __all__ = [
     "LinearizedFeatures",
     "ScaledFeatures",
     "BlockFeatures",
+    "PRIORS",
+    "WeightPrior",
+    "DiagonalPrior",
+    "GPrior",
+    "IsotropicPrior",
+    "TVPredCPPrior",
+    "PriorError",
     "fit_block_prior",
     "mll_gradient",
+    "gprior_scales",
+    "scales_from_sq_norms",
+    "isotropic_scales",
+    "column_sq_norms",
     "RowSubsetFeatures",
     "RowScaledFeatures",
     "StackedFeatures",

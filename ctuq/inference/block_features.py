@@ -1,11 +1,11 @@
-"""``Ψ = Ψ₀ L``: features under a block prior ``v = L w`` (:mod:`ctuq.priors.tv_predcp`).
+"""``Ψ = Ψ₀ L``: features under any weight prior ``v = L w`` (:mod:`ctuq.inference.priors`).
 
-The block-prior counterpart of :class:`~ctuq.inference.features.ScaledFeatures` (``L = diag(s)``): a weight prior is
+The general counterpart of :class:`~ctuq.inference.features.ScaledFeatures` (``L = diag(s)``): a weight prior is
 the map from standard weights ``w ~ N(0, a⁻¹ I)`` to network weights, so with ``L`` the linear model is the usual one
 in ``w`` and every solver, the sampler and the EM run on ``Ψ = Ψ₀ L`` unchanged. ``L`` is given as an object with
 ``apply`` (rows ``W`` ``(B, d)`` → ``L w``) and ``apply_t`` (rows → ``Lᵀ r``), e.g. a
-:class:`~ctuq.priors.tv_predcp.TVPredCPPrior`; products cost what ``Ψ₀``'s cost (``L`` is block diagonal with
-``9 × 9`` blocks) and both operators count them.
+:class:`~ctuq.inference.priors.WeightPrior` such as :class:`~ctuq.inference.priors.TVPredCPPrior` (whose ``L`` is
+block diagonal with ``9 × 9`` blocks); products cost what ``Ψ₀``'s cost plus ``L``'s, and both operators count them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class BlockFeatures(FeatureOperator):
         super().__init__()
         if not (hasattr(weight_map, "apply") and hasattr(weight_map, "apply_t")):
             raise TypeError(f"BlockFeatures: weight_map needs apply and apply_t, got {type(weight_map).__name__}")
-        if getattr(weight_map, "d", base.n_features) != base.n_features:
+        if getattr(weight_map, "d", None) not in (None, base.n_features):
             raise ValueError(
                 f"BlockFeatures: the weight map is for d = {weight_map.d}, the features have d = {base.n_features}"
             )

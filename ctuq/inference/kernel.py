@@ -12,15 +12,24 @@ Layout: linear_operator works on columns (``K̄ @ X`` with ``X`` ``(c, k)``); th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from linear_operator.operators import LinearOperator
 
 from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import DenseFeatures, FeatureOperator
-from ctuq.priors import column_sq_norms
+from ctuq.options import GPriorMethod, values
 from ctuq.utils import progress as _progress_bar
 
-__all__ = ["KernelOperator", "measurement_covariance", "assemble_features", "assemble_kernel", "kernel_diagonal"]
+__all__ = [
+    "KernelOperator",
+    "measurement_covariance",
+    "assemble_features",
+    "assemble_kernel",
+    "kernel_diagonal",
+    "column_sq_norms",
+]
 
 
 class KernelOperator(LinearOperator):
@@ -129,6 +138,94 @@ def measurement_covariance(
     return scaled.add_diagonal(torch.tensor(s2_f, dtype=kernel.dtype, device=kernel.device))
 
 
+# ---------------------------------------------------------------------------------------------- Gram diagonals
+# The squared column norms of an operator from products with its transpose: the g-prior's diag(Ψ₀ᵀΨ₀)
+# (ctuq.inference.priors.gprior) and, applied to Ψᵀ, the kernel diagonal below. They live here, below the
+# priors package, because that package imports this module (the TV-PredCP fit builds KernelOperators).
+def _draw_rademacher(shape, generator: torch.Generator, dtype, device) -> torch.Tensor:
+    z = torch.randint(0, 2, shape, generator=generator, device=generator.device, dtype=torch.int8)
+    return (2 * z - 1).to(device=device, dtype=dtype)
+
+
+def _apply(A_rmatvec, R: torch.Tensor, n_rows: int, d: int | None) -> torch.Tensor:
+    out = A_rmatvec(R)
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != R.shape[0]:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"A_rmatvec must map (B, {n_rows}) to (B, d); for input {tuple(R.shape)} it returned {got}")
+    if d is not None and out.shape[1] != d:
+        raise ValueError(f"A_rmatvec returned {out.shape[1]} columns for one chunk but {d} for an earlier one")
+    return out
+
+
+def column_sq_norms(
+    A_rmatvec: Callable[[torch.Tensor], torch.Tensor],
+    n_rows: int,
+    *,
+    method: str = "exact",
+    n_probes: int = 256,
+    chunk_size: int = 64,
+    generator: torch.Generator | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> torch.Tensor:
+    """Squared column norms ``‖A_{:,i}‖²`` ``(d,)`` float64 of ``A`` (``n_rows × d``) from products with ``Aᵀ``.
+
+    Parameters
+    ----------
+    A_rmatvec : callable
+        ``R`` ``(B, n_rows)`` → ``Aᵀ R`` rows ``(B, d)``.
+    n_rows : int
+        ``c``, the number of rows of ``A``.
+    method : {"exact", "stochastic"}
+        ``n_rows`` products with unit vectors (exact), or ``n_probes`` Rademacher probes ``z ∈ {±1}^c``:
+        ``n̂_i = (1/m) Σ_k (Aᵀ z_k)_i²`` is unbiased (``E[z zᵀ] = I``) with relative standard deviation at most
+        ``√(2/m)`` (:mod:`ctuq.inference.priors.gprior` derives it).
+    n_probes : int
+        Probes for ``"stochastic"``.
+    chunk_size : int
+        Rows handed to ``A_rmatvec`` per call (bounds the ``(chunk, d)`` result held at once).
+    generator, seed
+        Random source of the probes (``seed`` seeds a fresh CPU generator when ``generator`` is None).
+    dtype, device
+        Of the unit vectors / probes handed to ``A_rmatvec``; the result is accumulated in float64.
+    progress : bool
+        Show a progress bar over chunks.
+    """
+    if method not in values(GPriorMethod):
+        raise ValueError(f"column_sq_norms: method must be 'exact' or 'stochastic', got {method!r}")
+    if not isinstance(n_rows, int) or n_rows < 1:
+        raise ValueError(f"column_sq_norms: n_rows must be a positive int, got {n_rows!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"column_sq_norms: chunk_size must be a positive int, got {chunk_size!r}")
+    device = torch.device(device)
+    total: torch.Tensor | None = None
+    d: int | None = None
+    if method == GPriorMethod.EXACT:
+        n = n_rows
+    else:
+        if not isinstance(n_probes, int) or n_probes < 1:
+            raise ValueError(f"column_sq_norms: n_probes must be a positive int, got {n_probes!r}")
+        n = n_probes
+        if generator is None:
+            generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    starts = range(0, n, chunk_size)
+    for start in _progress_bar(starts, total=len(starts), desc=f"column norms ({method})", disable=not progress):
+        stop = min(n, start + chunk_size)
+        if method == "exact":
+            R = torch.zeros((stop - start, n_rows), dtype=dtype, device=device)
+            R[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+        else:
+            R = _draw_rademacher((stop - start, n_rows), generator, dtype, device)
+        G = _apply(A_rmatvec, R, n_rows, d)
+        d = G.shape[1]
+        part = G.double().pow(2).sum(0)
+        total = part if total is None else total + part
+    assert total is not None
+    return total if method == "exact" else total / n
+
+
 def kernel_diagonal(
     features: FeatureOperator,
     *,
@@ -142,7 +239,7 @@ def kernel_diagonal(
 
     ``"exact"``: ``c`` rmatvecs (VJPs). ``"stochastic"``: ``n_probes`` matvecs (JVPs) with Rademacher
     ``z ∈ {±1}^d``: ``E[(Ψ z)_j²] = ‖Ψ_{j,:}‖²`` (unbiased; relative std ≤ ``√(2/n_probes)``, as for
-    :func:`ctuq.priors.column_sq_norms`, whose estimator this is applied to ``Ψᵀ``).
+    :func:`column_sq_norms`, whose estimator this is applied to ``Ψᵀ``).
     """
     c, d = features.n_outputs, features.n_features
     if method == "exact":

@@ -4,9 +4,10 @@ It holds everything the inference of DESIGN.md §1 needs and nothing CT-specific
 
 * the unscaled features ``Ψ₀`` (``c × d``; CT: ``T Φ``, classification: ``B^(1/2) Φ``) and the targets ``ỹ``
   (``c``; any offset ``δ`` already added);
-* the prior scales ``s`` (g-prior, exact or stochastic; isotropic; or given) and hence ``Ψ = Ψ₀ diag(s)``, or a
-  block prior ``v = L w`` (:data:`ctuq.priors.BLOCK_PRIORS`, e.g. TV-PredCP) and hence ``Ψ = Ψ₀ L``, its
-  hyperparameters fitted in :meth:`LinearizedPosterior.setup` (type-II MAP, :mod:`ctuq.inference.prior_fit`);
+* the weight prior ``v − ṽ = L w`` (:mod:`ctuq.inference.priors`: a :class:`~ctuq.inference.priors.WeightPrior`
+  from the registry :data:`~ctuq.registry.PRIORS`, e.g. the g-prior ``L = diag(s)``, exact or stochastic, the
+  isotropic prior, given scales, or the TV-PredCP block prior) and hence ``Ψ = Ψ₀ L``; the prior fits its own
+  hyperparameters, if it has any, in :meth:`LinearizedPosterior.setup` (TV-PredCP: type-II MAP);
 * the likelihood (:mod:`ctuq.inference.likelihoods`) with its ``σ²``, and the prior precision ``a``; a likelihood
   with per-row noise variances ``σ² D`` (:class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`) is
   handled by whitening: the solvers, the g-prior, the sampler and the EM see ``D^(−1/2) Ψ₀`` and ``D^(−1/2) ỹ``
@@ -22,7 +23,7 @@ Lifecycle (the same for every front end)::
 
     post = LinearizedPosterior(features, targets, prior="gprior", likelihood=GaussianLikelihood(σ², True),
                                a=100.0, solver="auto", seed=0)
-    post.setup()                        # prior scales s, Ψ, solver set-up   (stage "scales", then "solver")
+    post.setup()                        # the prior (fit, Ψ), solver set-up   (stage "scales", then "solver")
     post.fit(max_steps=5, n_samples=16) # sampled (or exact) EM for a (and σ²)   (stage "em" after each step)
     for i, chunk in post.sample_outputs(1024, chunk_size=64, seed=1): ...   # zero-mean image samples
     post.mean(); post.log_evidence()    # w*; exact evidence where the solver is exact
@@ -34,11 +35,12 @@ Every stage calls an optional ``on_stage(name)`` hook after it finished, which i
 finished work (the stored scales, decomposition and EM state are reused), so a killed run resumes exactly.
 
 A solver that :attr:`~ctuq.inference.solvers.base.Solver.assembles_features` (``exact_primal``) gets ``Ψ₀``
-assembled (``d`` JVPs): the exact g-prior then comes from its column norms at no further cost, and every later
-solve is dense. That is a property of the solver, so it lives here and not in a front end.
+assembled (``d`` JVPs) and the prior builds a dense ``Ψ`` from it (the exact g-prior then comes from its column
+norms at no further cost), so every later solve is dense. That is a property of the solver, so it lives here and not
+in a front end.
 
 The core takes keyword arguments only; the mapping from a configuration (the CT ``uq`` section) to these
-arguments is :func:`ctuq.config.posterior_arguments`.
+arguments is :func:`ctuq.pipeline.uq_settings.posterior_arguments`.
 """
 
 from __future__ import annotations
@@ -50,20 +52,13 @@ from typing import Any
 import torch
 
 from ctuq.errors import CheckpointMismatch
-from ctuq.inference.block_features import BlockFeatures
 from ctuq.inference.checks import check_hyper, check_targets
 from ctuq.inference.distributed import LocalShard, Shard
 from ctuq.inference.em import EMResult, SampledEM
-from ctuq.inference.features import (
-    DenseFeatures,
-    FeatureOperator,
-    RowScaledFeatures,
-    ScaledFeatures,
-    stack_features,
-)
+from ctuq.inference.features import FeatureOperator, RowScaledFeatures, stack_features
 from ctuq.inference.kernel import assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
-from ctuq.inference.prior_fit import fit_block_prior
+from ctuq.inference.priors import DiagonalPrior, GPrior, PriorProblem, WeightPrior
 from ctuq.inference.sampler import PosteriorSamples, posterior_mean, sample_chunks
 from ctuq.inference.solvers import (
     SOLVERS,
@@ -75,8 +70,8 @@ from ctuq.inference.solvers import (
     solver_choices,
     solver_kwargs,
 )
-from ctuq.options import EMUpdate, GPriorMethod, Prior, values
-from ctuq.priors import BLOCK_PRIORS, gprior_scales, scales_from_sq_norms
+from ctuq.options import EMUpdate, GPriorMethod, values
+from ctuq.registry import PRIORS
 
 __all__ = ["LinearizedPosterior", "POSTERIOR_STATE_VERSION"]
 
@@ -92,21 +87,23 @@ class LinearizedPosterior:
         Unscaled ``Ψ₀`` (``c × d``).
     targets : torch.Tensor
         ``ỹ`` ``(c,)``.
-    prior : {"gprior", "isotropic", "tv_predcp"} (:class:`~ctuq.options.Prior`), torch.Tensor or a block prior
-        Prior scaling, the scales ``s`` ``(d,)`` themselves (e.g. kept from an earlier posterior), or a block prior
-        ``v = L w`` (:data:`~ctuq.priors.BLOCK_PRIORS`: by name, built from ``prior_options``, or an instance such
-        as a fitted :class:`~ctuq.priors.TVPredCPPrior`). A block prior not yet fitted is fitted in :meth:`setup`
-        (type-II MAP, :func:`~ctuq.inference.prior_fit.fit_block_prior`; it also sets ``σ²`` when the likelihood
-        learns it); the features are then ``Ψ₀ L`` (:class:`~ctuq.inference.block_features.BlockFeatures`).
+    prior : str, torch.Tensor or WeightPrior
+        The weight prior ``v − ṽ = L w`` (:mod:`ctuq.inference.priors`): a name of :data:`~ctuq.registry.PRIORS`
+        (``"gprior"``, ``"isotropic"``, ``"tv_predcp"``, or any registered later), made with ``prior_options``
+        (:meth:`WeightPrior.create <ctuq.inference.priors.WeightPrior.create>`); the scales ``s`` ``(d,)``
+        themselves (a :class:`~ctuq.inference.priors.DiagonalPrior`, e.g. kept from an earlier posterior); or an
+        instance (such as a fitted :class:`~ctuq.inference.priors.TVPredCPPrior`). A prior with hyperparameters that
+        are not final is fitted in :meth:`setup` (TV-PredCP: type-II MAP; it also sets ``σ²`` when the likelihood
+        learns it); the features are then ``Ψ = Ψ₀ L``.
     prior_options : dict, optional
-        Keyword arguments of a block prior given by name (e.g. ``image_shape``, ``rate``, ``steps``, ``lr``,
-        ``probes`` for ``"tv_predcp"``), plus optionally ``param_shapes`` (default: the linearised parameters of
-        ``features.network``) and ``image_map`` (rows of network weights → network outputs, the ``Φ`` of the
-        hyperprior's prior samples; default ``features.network_matvec``).
+        Options of a prior given by name (its :meth:`~ctuq.inference.priors.WeightPrior.option_names`; e.g.
+        ``steps``, ``scale``, ``image_shape``, ``param_shapes`` (default: the linearised parameters of
+        ``features.network``) and ``image_map`` (network weights → outputs, default ``features.network_matvec``) for
+        ``"tv_predcp"``); for a given instance, what it takes from the posterior (TV-PredCP: ``image_map``).
     gprior_method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
-        Exact column norms (``c`` VJPs) or ``gprior_probes`` probes.
+        The g-prior's column norms, exact (``c`` VJPs) or by ``gprior_probes`` probes (its ``method`` option).
     gprior_probes : int
-        Probes of the stochastic g-prior.
+        Probes of the stochastic g-prior (its ``probes`` option).
     likelihood : Likelihood, optional
         Default ``GaussianLikelihood(1.0)``. A ``DiagonalGaussianLikelihood`` (noise ``σ² D``) must have one
         variance per target; the posterior then whitens by ``D^(−1/2)`` (module docstring).
@@ -156,23 +153,6 @@ class LinearizedPosterior:
         log: Callable[[str], None] | None = None,
         shard: Shard | None = None,
     ):
-        if isinstance(prior, torch.Tensor):
-            if tuple(prior.shape) != (features.n_features,):
-                raise ValueError(
-                    f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
-                    f"got {tuple(prior.shape)}"
-                )
-        elif not isinstance(prior, str) and type(prior) in BLOCK_PRIORS.values():
-            if prior.d != features.n_features:
-                raise ValueError(
-                    f"LinearizedPosterior: the block prior is for d = {prior.d}, the features have d = "
-                    f"{features.n_features}"
-                )
-        elif prior not in values(Prior):
-            raise ValueError(
-                f"LinearizedPosterior: prior must be one of {list(values(Prior))}, the scales "
-                f"themselves or a block prior, got {prior!r}"
-            )
         if gprior_method not in values(GPriorMethod):
             raise ValueError(
                 f"LinearizedPosterior: gprior_method must be one of {list(values(GPriorMethod))}, got {gprior_method!r}"
@@ -181,13 +161,11 @@ class LinearizedPosterior:
             raise ValueError(f"LinearizedPosterior: solver must be one of {list(solver_choices())}, got {solver!r}")
         self.base = features
         self.targets = check_targets(targets, features, "LinearizedPosterior")
-        self.block_prior, self._image_map = self._make_block_prior(prior, dict(prior_options or {}), features)
-        if isinstance(prior, torch.Tensor):
-            self.prior = prior
-        else:
-            self.prior = str(prior) if self.block_prior is None else self.block_prior.name
-        self.gprior_method = str(gprior_method)
-        self.gprior_probes = int(gprior_probes)
+        options = dict(prior_options or {})
+        if isinstance(prior, str) and prior in PRIORS and issubclass(PRIORS[prior], GPrior):
+            # the g-prior's options, given as this constructor's own arguments (before there were other priors)
+            options = {"method": str(gprior_method), "probes": int(gprior_probes), **options}
+        self.weight_prior = self._make_prior(prior, options, features)
         self.likelihood = likelihood if likelihood is not None else GaussianLikelihood(1.0)
         self._row_scales = self._check_row_scales()
         self.a, _ = check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
@@ -203,9 +181,6 @@ class LinearizedPosterior:
         # set by setup() / fit() / load_state_dict()
         self.solver_name: str | None = None
         self.cost_estimates: dict[str, SolverCostEstimate] | None = None
-        self.scales: torch.Tensor | None = (
-            prior.detach().to(features.device, features.dtype) if isinstance(prior, torch.Tensor) else None
-        )
         self.features: FeatureOperator | None = None
         self.solver: Solver | None = None
         self.em: SampledEM | None = None
@@ -219,65 +194,39 @@ class LinearizedPosterior:
         """Noise variance ``σ²`` (the likelihood's)."""
         return self.likelihood.sigma2
 
-    # ------------------------------------------------------------------------------------------ block priors
+    # ------------------------------------------------------------------------------------------ prior
     @staticmethod
-    def _make_block_prior(prior, options: dict, features: FeatureOperator):
-        """``(block prior or None, image map or None)`` of the ``prior`` argument (class docstring)."""
-        image_map = options.pop("image_map", None)
-        param_shapes = options.pop("param_shapes", None)
-        if isinstance(prior, str) and prior in BLOCK_PRIORS:
-            if param_shapes is None:
-                net = getattr(features, "network", None)
-                if net is None:
-                    raise ValueError(
-                        f"LinearizedPosterior: prior {prior!r} needs prior_options['param_shapes'] (these features "
-                        f"have no network to read the parameter shapes from)"
-                    )
-                param_shapes = {n: tuple(t.shape) for n, t in net.unflatten(net.params()).items()}
-            block = BLOCK_PRIORS[prior](param_shapes, **options)
-            if block.d != features.n_features:
+    def _make_prior(prior, options: dict, features: FeatureOperator) -> WeightPrior:
+        """The :class:`~ctuq.inference.priors.WeightPrior` of the ``prior`` argument (class docstring)."""
+        if isinstance(prior, WeightPrior):
+            prior.attach(features, **options)
+            return prior
+        if isinstance(prior, torch.Tensor):
+            if tuple(prior.shape) != (features.n_features,):
                 raise ValueError(
-                    f"LinearizedPosterior: prior {prior!r} covers {block.d} weights, the features have "
-                    f"{features.n_features}"
+                    f"LinearizedPosterior: prior scales must have shape ({features.n_features},), "
+                    f"got {tuple(prior.shape)}"
                 )
-        elif not isinstance(prior, (str, torch.Tensor)) and type(prior) in BLOCK_PRIORS.values():
-            block = prior
-        else:
-            if options:
-                raise ValueError(
-                    f"LinearizedPosterior: prior_options {sorted(options)} are for a block prior, not {prior!r}"
-                )
-            return None, None
-        if image_map is None and hasattr(features, "network_matvec"):
-            image_map = features.network_matvec
-        if image_map is None and not block.fitted:
+            made = DiagonalPrior(prior.detach().to(features.device, features.dtype))
+            made.attach(features, **options)
+            return made
+        if not isinstance(prior, str) or prior not in PRIORS:
             raise ValueError(
-                f"LinearizedPosterior: fitting the {block.name} prior needs prior_options['image_map'] (network "
-                f"weights → outputs); these features have no network_matvec"
+                f"LinearizedPosterior: prior must be one of {list(PRIORS.names())}, the scales "
+                f"themselves or a WeightPrior, got {prior!r}"
             )
-        return block, image_map
+        return PRIORS[prior].create(features, **options)
 
-    def _fit_block_prior(self, base: FeatureOperator) -> None:
-        """Type-II MAP of the block prior on the whitened ``Ψ₀`` ``base`` (sets ``σ²`` when it is learned)."""
-        block = self.block_prior
-        self.say(f"{block.name} prior: type-II MAP of {block.n_hyper} hyperparameters ({block.steps} steps)")
-        t0 = time.perf_counter()
-        learn = bool(self.likelihood.learn_noise)
-        s2 = fit_block_prior(
-            block,
-            base,
-            self.whitened_targets,
-            a=self.a,
-            sigma2=self.sigma2,
-            image_map=self._image_map,
-            learn_noise=learn,
-            seed=self.seed,
-            progress=self.progress,
-            log=self.say,
-        )
-        if learn:
-            self.likelihood.sigma2 = s2
-        self.timings["prior_fit"] = time.perf_counter() - t0
+    @property
+    def prior(self) -> str:
+        """The weight prior's name (``"gprior"``, ``"isotropic"``, ``"tv_predcp"``, ``"scales"`` for given ones)."""
+        return self.weight_prior.name
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """The scales ``s`` ``(d,)`` of a diagonal prior once known (``None`` for other priors and before
+        :meth:`setup` computed them)."""
+        return self.weight_prior.scales if isinstance(self.weight_prior, DiagonalPrior) else None
 
     # ------------------------------------------------------------------------------------------ whitening
     def _check_row_scales(self) -> torch.Tensor | None:
@@ -350,33 +299,31 @@ class LinearizedPosterior:
         self.timings["route"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        dense = None
         if SOLVERS[name].assembles_features:
             self.say(f"assembling Ψ₀ ({self.n_outputs} × {self.n_features}) with {self.n_features} JVPs")
             if self._assembled is None:
                 self._assembled = assemble_features(self.base, by="columns", chunk_size=64, progress=self.progress)
-            white = self._assembled if self._row_scales is None else self._assembled * self._row_scales[:, None]
-            if self.block_prior is not None:
-                # the fit's many products with Ψ₀ in float32 (twice as fast; CG stops at rtol 1e-3 anyway)
-                self._set_up_block_prior(DenseFeatures(white.to(self.base.dtype)))
-                self.features = DenseFeatures(self.block_prior.apply_t(white.double()).to(white.dtype))
-            elif self.scales is None:
-                # Exact column norms are free once Ψ₀ is assembled (a stochastic g-prior is not needed here).
-                self.scales = (
-                    torch.ones(self.n_features, dtype=self.base.dtype, device=self.base.device)
-                    if self.prior == Prior.ISOTROPIC
-                    else scales_from_sq_norms(self._assembled_sq_norms()).to(self.base.dtype)
-                )
-            if self.block_prior is None:
-                self.features = DenseFeatures(white * self.scales.double()[None, :])
-        elif self.block_prior is not None:
-            self._set_up_block_prior(self._whitened(self.base))
-            self.features = BlockFeatures(self._whitened(self.base), self.block_prior)
-        else:
-            if self.scales is None and "scales" in self._pending:
-                self.scales = self._pending["scales"].to(device=self.base.device, dtype=self.base.dtype)
-            if self.scales is None:
-                self.scales = self._prior_scales()
-            self.features = ScaledFeatures(self._whitened(self.base), self.scales)
+            dense = self._assembled if self._row_scales is None else self._assembled * self._row_scales[:, None]
+        self.weight_prior.restore(self._pending)
+        done = self.weight_prior.setup(
+            PriorProblem(
+                self._whitened(self.base),
+                self.whitened_targets,
+                a=self.a,
+                sigma2=self.sigma2,
+                learn_noise=bool(self.likelihood.learn_noise),
+                dense=dense,
+                seed=self.seed,
+                progress=self.progress,
+                log=self.say,
+            )
+        )
+        self.features = done.features
+        if done.sigma2 is not None and self.likelihood.learn_noise:
+            self.likelihood.sigma2 = done.sigma2
+        if done.fit_seconds is not None:
+            self.timings["prior_fit"] = done.fit_seconds
         self.timings["gprior"] = time.perf_counter() - t0
         hook("scales")
 
@@ -388,45 +335,6 @@ class LinearizedPosterior:
         )
         hook("solver")
         return self
-
-    def _set_up_block_prior(self, base: FeatureOperator) -> None:
-        """Restore the block prior's stored hyperparameters, or fit them when they are not final yet."""
-        if "prior_state" in self._pending:
-            self.block_prior.load_state_dict(self._pending["prior_state"])
-        if not self.block_prior.fitted:
-            self._fit_block_prior(base)
-
-    def _current_prior(self):
-        """What a derived posterior takes as its ``prior``: the block prior, the computed scales, or the name."""
-        if self.block_prior is not None:
-            return self.block_prior
-        return self.scales if self.scales is not None else self.prior
-
-    def _assembled_sq_norms(self) -> torch.Tensor:
-        """Squared column norms ``(d,)`` of the whitened assembled ``Ψ₀`` (the exact g-prior's)."""
-        if self._row_scales is None:
-            return self._assembled.pow(2).sum(0)
-        return (self._assembled * self._row_scales.to(self._assembled)[:, None]).pow(2).sum(0)
-
-    def _prior_scales(self) -> torch.Tensor:
-        # the g-prior of the whitened features: the diagonal of Ψ₀ᵀ D⁻¹ Ψ₀, the Fisher information of the weights
-        b = self._whitened(self.base)
-        if self.prior == Prior.ISOTROPIC:
-            return gprior_scales(None, method="isotropic", n_features=b.n_features, dtype=b.dtype, device=b.device)
-        n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.gprior_probes
-        self.say(f"g-prior scales ({self.gprior_method}, {n} VJPs)")
-        return gprior_scales(
-            b.rmatvec,
-            b.n_outputs,
-            method=self.gprior_method,
-            n_features=b.n_features,
-            n_probes=self.gprior_probes,
-            seed=self.seed,
-            dtype=b.dtype,
-            device=b.device,
-            chunk_size=64,
-            progress=self.progress,
-        )
 
     def _build_solver(self, name: str) -> Solver:
         """The registered solver ``name`` with its options (:func:`~ctuq.inference.solvers.solver_kwargs`), its
@@ -587,9 +495,7 @@ class LinearizedPosterior:
             raise ValueError(
                 "LinearizedPosterior: these features have no network to map weights to outputs; pass output_map="
             )
-        if self.block_prior is not None:
-            return self.base.network_matvec(self.block_prior.apply(weights.to(self.base.dtype)).to(self.base.dtype))
-        return self.base.network_matvec(weights.to(self.base.dtype) * self.scales)
+        return self.base.network_matvec(self.weight_prior.apply(weights.to(self.base.dtype)).to(self.base.dtype))
 
     def sample_outputs(
         self, n: int, *, chunk_size: int = 64, seed: int = 0, start_chunk: int = 0, chunks: Iterable[int] | None = None
@@ -606,9 +512,7 @@ class LinearizedPosterior:
         other = LinearizedPosterior(
             base,
             targets,
-            prior=self._current_prior(),
-            gprior_method=self.gprior_method,
-            gprior_probes=self.gprior_probes,
+            prior=self.weight_prior.derived(),
             likelihood=likelihood,
             a=self.a,
             solver=self.solver_option,
@@ -621,11 +525,8 @@ class LinearizedPosterior:
             shard=self.shard,
         )
         if self._output_map is None and hasattr(self.base, "network_matvec") and not hasattr(base, "network_matvec"):
-            net_base = self.base
-            if other.block_prior is not None:
-                other._output_map = lambda W: net_base.network_matvec(other.block_prior.apply(W.to(net_base.dtype)))
-            else:
-                other._output_map = lambda W: net_base.network_matvec(W.to(net_base.dtype) * other.scales)
+            net_base, prior = self.base, other.weight_prior
+            other._output_map = lambda W: net_base.network_matvec(prior.apply(W.to(net_base.dtype)).to(net_base.dtype))
         other._assembled = assembled
         return other
 
@@ -659,18 +560,16 @@ class LinearizedPosterior:
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Everything to resume (tensors and plain values; ``torch.load(..., weights_only=True)``-loadable):
-        solver name, scales, the solver's decomposition (CG preconditioner / dual eigendecomposition), the EM
-        state, ``a`` and the likelihood."""
+        solver name, the prior's entries (:meth:`~ctuq.inference.priors.WeightPrior.checkpoint`: a diagonal prior's
+        scales, fitted hyperparameters), the solver's decomposition (CG preconditioner / dual eigendecomposition), the
+        EM state, ``a`` and the likelihood."""
         state: dict[str, Any] = {
             "version": POSTERIOR_STATE_VERSION,
             "solver_name": self.solver_name,
             "a": float(self.a),
             "likelihood": self.likelihood.state_dict(),
         }
-        if self.scales is not None:
-            state["scales"] = self.scales.detach().cpu()
-        if self.block_prior is not None and self.block_prior.fitted:
-            state["prior_state"] = self.block_prior.state_dict()
+        state.update(self.weight_prior.checkpoint())
         if self.solver is not None:
             state["solver_state"] = self.solver.state_dict()
         if self.em is not None:
@@ -696,16 +595,17 @@ class LinearizedPosterior:
             self._pending["solver_name"] = name
             if "solver_state" in state:  # None is meaningful: CG without a preconditioner
                 self._pending["solver_state"] = state["solver_state"]
-        for key in ("scales", "em", "prior_state"):
-            if state.get(key) is not None:
-                self._pending[key] = state[key]
+        # the EM's state and the prior's entries (WeightPrior.checkpoint: "scales", "prior_state")
+        for key, value in state.items():
+            if key not in ("version", "solver_name", "solver_state", "a", "likelihood") and value is not None:
+                self._pending[key] = value
         self.a, _ = check_hyper(state["a"], self.sigma2, "LinearizedPosterior.load_state_dict")
         self.likelihood.load_state_dict(state["likelihood"])
 
     def summary(self) -> dict:
-        """Plain numbers for reports: ``c``, ``d``, solver, ``a``, ``σ²``, EM steps, g-prior scale range."""
-        s = self.scales
-        out = {
+        """Plain numbers for reports: ``c``, ``d``, solver, ``a``, ``σ²``, EM steps, and ``prior``: the weight prior's
+        :meth:`~ctuq.inference.priors.WeightPrior.summary` (a diagonal prior's scale range, TV-PredCP's blocks)."""
+        return {
             "c": int(self.n_outputs),
             "d": int(self.n_features),
             "solver": self.solver_name,
@@ -713,17 +613,8 @@ class LinearizedPosterior:
             "sigma2": float(self.sigma2),
             "likelihood": self.likelihood.name,
             "em_steps": len(self.em_trace),
+            "prior": self.weight_prior.summary(),
         }
-        if self.block_prior is not None:
-            out["prior"] = self.block_prior.summary()
-        if s is not None:
-            pos = s[s > 0]
-            out["scales"] = {
-                "zero": int((s == 0).sum()),
-                "min": float(pos.min()) if pos.numel() else None,
-                "max": float(s.max()),
-            }
-        return out
 
     def __repr__(self) -> str:
         return (

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ctuq.options import UNET_PRESETS
+
 __all__ = ["UNet", "UNetConfig", "PRESETS", "build_unet", "make_net_input", "count_parameters"]
 
 
@@ -89,11 +91,7 @@ class UNetConfig:
 # 'small': the CPU demo network at 128² (~0.1M parameters: fits the 2-minute DIP budget on 2 cores and keeps
 #          the linearised inference affordable).
 # 'tiny':  unit tests.
-PRESETS: dict[str, dict] = {
-    "walnut": dict(channels=(128,) * 6, skip_channels=(0, 0, 0, 0, 4, 4)),
-    "small": dict(channels=(8, 16, 32, 32, 32), skip_channels=(0, 4, 4, 4, 4)),
-    "tiny": dict(channels=(8, 8, 8), skip_channels=(0, 2, 2)),
-}
+PRESETS: dict[str, dict] = UNET_PRESETS  # the table lives with its vocabulary (ctuq.options), where the config reads it
 
 
 def _groups(channels: int, wanted: int) -> int:

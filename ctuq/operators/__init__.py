@@ -1,7 +1,8 @@
 """Ray transforms ``T`` / ``Tᵀ`` (DESIGN.md §1) and analytic reconstructions.
 
 Backends share the :class:`RayTransform` interface (batched, angle-major, differentiable, device-aware) and are
-registered by name in :data:`RAY_TRANSFORM_IMPLS` (:mod:`.registry`, ODL's ``RAY_TRAFO_IMPLS`` pattern):
+registered by name in :data:`ctuq.registry.RAY_TRANSFORMS` (also :data:`RAY_TRANSFORM_IMPLS`; :mod:`.registry`, ODL's
+``RAY_TRAFO_IMPLS`` pattern):
 
 * ``sparse`` (:mod:`.sparse`) — :class:`SparseRayTransform`: 2D parallel/fan geometries as an assembled sparse
   matrix (ASTRA CPU projectors), exact adjoint, CPU and CUDA; and :class:`SlicewiseParallelRayTransform`: 3D
@@ -22,6 +23,7 @@ from ctuq.operators.base import RayTransform, ShapeError
 from ctuq.operators.fbp import fbp, fdk  # rebinds the names from the submodule to the functions
 from ctuq.operators.registry import (
     RAY_TRANSFORM_IMPLS,
+    RAY_TRANSFORMS,
     available_impls,
     backend_names,
     make_ray_transform,
@@ -35,6 +37,7 @@ __all__ = [
     "SparseRayTransform",
     "SlicewiseParallelRayTransform",
     "AstraCudaRayTransform",
+    "RAY_TRANSFORMS",
     "RAY_TRANSFORM_IMPLS",
     "available_impls",
     "backend_names",

@@ -14,8 +14,9 @@ which is what the inference core sees. ``forward`` and ``adjoint`` are different
 A backend that :func:`~ctuq.operators.make_ray_transform` can build by name also sets the class attributes
 ``geometry_kinds``, ``devices``, ``dtypes``, ``exact_adjoint`` and ``auto_ndims`` and implements the class
 methods :meth:`RayTransform.available` (its availability flag) and :meth:`RayTransform.from_geometry`; it is then
-one line of :data:`ctuq.operators.registry.RAY_TRANSFORM_IMPLS`, and the contract tests
-(``tests/operators/test_ray_transform_contract.py``) run on it wherever it is available.
+one line ``RAY_TRANSFORMS.register(...)`` (:data:`ctuq.registry.RAY_TRANSFORMS`, in :mod:`ctuq.operators.registry`),
+and the shipped contract (:class:`ctuq.testing.RayTransformContract`, run over every registered backend by
+``tests/operators/test_ray_transform_contract.py``) checks it wherever it is available.
 """
 
 from __future__ import annotations

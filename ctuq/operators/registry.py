@@ -1,15 +1,17 @@
 """The ray-transform backends by name, and the one factory that builds an operator from a name (``backend=``).
 
-In the manner of ODL's ``RAY_TRAFO_IMPLS`` (``odl.applications.tomo``): :data:`RAY_TRANSFORM_IMPLS` maps each
-backend name to its :class:`~ctuq.operators.base.RayTransform` class, and each class carries its availability
-flag (:meth:`~ctuq.operators.base.RayTransform.available`), the geometry kinds, devices and dtypes it supports,
-whether its adjoint is exact, and its builder (:meth:`~ctuq.operators.base.RayTransform.from_geometry`).
-:func:`available_impls` is the mapping restricted to the backends whose flag holds on this machine.
+In the manner of ODL's ``RAY_TRAFO_IMPLS`` (``odl.applications.tomo``): :data:`ctuq.registry.RAY_TRANSFORMS` (also
+importable here as :data:`RAY_TRANSFORM_IMPLS`) maps each backend name to its :class:`~ctuq.operators.base.RayTransform`
+class, and each class carries its availability flag (:meth:`~ctuq.operators.base.RayTransform.available`), the
+geometry kinds, devices and dtypes it supports, whether its adjoint is exact, and its builder
+(:meth:`~ctuq.operators.base.RayTransform.from_geometry`). :func:`available_impls` is the mapping restricted to the
+backends whose flag holds on this machine.
 
-Adding a backend is one file (the class, with those attributes) plus one line in :data:`RAY_TRANSFORM_IMPLS`
-(and its name in :class:`ctuq.options.Backend`, the vocabulary configs validate against; a test keeps the two
-equal). ``tests/operators/test_ray_transform_contract.py`` then runs the ray-transform contract on it over every
-geometry kind it declares, wherever it is available.
+Adding a backend is one file (the class, with those attributes) plus one registry line below (or
+``@RAY_TRANSFORMS.register`` on a class with a ``name`` attribute, wherever it is defined). It is then a value of
+``data.backend`` (the config reads the registry) and of ``make_ray_transform(backend=...)``, and the shipped
+contract :class:`ctuq.testing.RayTransformContract`, which ``tests/operators/test_ray_transform_contract.py`` runs
+over every registered backend, checks it over every geometry kind it declares, wherever it is available.
 
 The availability flags are evaluated when asked, not at import: probing CUDA at import would initialise the
 driver in every process that imports ctuq, and naming a backend that is not available here must still give that
@@ -25,14 +27,25 @@ from ctuq.operators.astra_cuda import AstraCudaRayTransform
 from ctuq.operators.base import RayTransform
 from ctuq.operators.sparse import SparseRayTransform
 from ctuq.options import Backend
+from ctuq.registry import RAY_TRANSFORMS
 
-__all__ = ["RAY_TRANSFORM_IMPLS", "available_impls", "backend_names", "resolve_backend", "make_ray_transform"]
+__all__ = [
+    "RAY_TRANSFORMS",
+    "RAY_TRANSFORM_IMPLS",
+    "available_impls",
+    "backend_names",
+    "resolve_backend",
+    "make_ray_transform",
+]
 
-#: Every ray-transform backend by name, in the order ``backend="auto"`` prefers them (one line per backend).
-RAY_TRANSFORM_IMPLS: dict[str, type[RayTransform]] = {
-    Backend.SPARSE.value: SparseRayTransform,
-    Backend.ASTRA_CUDA.value: AstraCudaRayTransform,
-}
+RAY_TRANSFORMS.set_base(RayTransform)
+# The registry lines, in the order backend="auto" prefers them.
+RAY_TRANSFORMS.register(SparseRayTransform, name=Backend.SPARSE.value)
+RAY_TRANSFORMS.register(AstraCudaRayTransform, name=Backend.ASTRA_CUDA.value)
+
+#: :data:`ctuq.registry.RAY_TRANSFORMS` under its earlier name (every ray-transform backend by name, in the order
+#: ``backend="auto"`` prefers them).
+RAY_TRANSFORM_IMPLS = RAY_TRANSFORMS
 
 
 def available_impls() -> dict[str, type[RayTransform]]:
@@ -42,8 +55,9 @@ def available_impls() -> dict[str, type[RayTransform]]:
 
 
 def backend_names() -> tuple[str, ...]:
-    """The valid values of a ``backend`` option: ``"auto"`` and every registered backend (for ``choices=``)."""
-    return (Backend.AUTO.value, *RAY_TRANSFORM_IMPLS)
+    """The valid values of a ``backend`` option: ``"auto"`` and every registered backend
+    (:meth:`ctuq.registry.Registry.choices`)."""
+    return RAY_TRANSFORMS.choices()
 
 
 def resolve_backend(backend: str, ndim: int) -> str:

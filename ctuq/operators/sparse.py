@@ -1,6 +1,6 @@
 """The ``sparse`` backend: the ray transform as an assembled sparse matrix, built with ASTRA's CPU projectors.
 
-Two operators, one backend (:data:`ctuq.operators.registry.RAY_TRANSFORM_IMPLS` ``"sparse"``):
+Two operators, one backend (:data:`ctuq.registry.RAY_TRANSFORMS` ``"sparse"``):
 
 * :class:`SparseRayTransform` — 2D parallel and fan beams (``parallel``, ``parallel_vec``, ``fanflat``,
   ``fanflat_vec``);

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ctuq.config import UQConfig
+from ctuq.config.engine import get_value, to_dict
 from ctuq.errors import CheckpointMismatch
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_MOMENTS_SHARD_PATTERN
 from ctuq.utils import atomic_torch_save, check_fingerprint
@@ -38,7 +39,9 @@ __all__ = [
 
 UQ_STATE_VERSION = 2  # 1: ctuq 0.1 (samples kept per chunk, routes dense/exact/cg)
 
-# Settings that change the numbers of a run, always in the fingerprint.
+# Settings that change the numbers of a run, always in the fingerprint. The solver options among them keep the flat
+# names they had before the solvers' config sections (uq.rank is uq.cg.rank: UQConfig.legacy_keys), so that the
+# fingerprint of the same settings stays the same dict and checkpoints written before still resume.
 _FINGERPRINT_KEYS = (
     "prior",
     "gprior_method",
@@ -102,13 +105,37 @@ def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: 
         "seed": int(seed),
     }
     for key in _FINGERPRINT_KEYS:
-        fp[key] = getattr(settings, key)
+        fp[key] = get_value(settings, key)
     defaults = UQConfig()
     for key in _LATER_KEYS:
-        baseline = _LATER_BASELINES.get(key, getattr(defaults, key))
-        if getattr(settings, key) != baseline:
-            fp[key] = getattr(settings, key)
+        baseline = _LATER_BASELINES.get(key, get_value(defaults, key))
+        if get_value(settings, key) != baseline:
+            fp[key] = get_value(settings, key)
+    fp.update(_other_solver_options(settings))
     return fp
+
+
+def _other_solver_options(settings: UQConfig) -> dict:
+    """The options of the solvers' config sections that no flat key stands for (``uq.cg.initial_rank``, a later
+    solver's), as ``"cg.initial_rank": value`` where they differ from their defaults; and a key that an old name
+    stands for besides its first (``first_order_tol`` → ``sdd.rtol``, ``sgd.rtol``) where it differs from that name's
+    value. Settings that never touch them leave the fingerprint as it was."""
+    first: dict[str, str | None] = {}
+    for old, targets in UQConfig.legacy_keys.items():
+        first[targets[0]] = None
+        for target in targets[1:]:
+            first[target] = old
+    out = {}
+    for name, section in settings.solver_sections.items():
+        defaults = to_dict(type(section)())
+        for key, value in to_dict(section).items():
+            path = f"{name}.{key}"
+            if path in first and first[path] is None:
+                continue  # in the fingerprint under its flat name
+            baseline = get_value(settings, first[path]) if path in first else defaults[key]
+            if value != baseline:
+                out[path] = value
+    return out
 
 
 def load_uq_checkpoint(path: Path, fingerprint: dict) -> dict:

@@ -193,7 +193,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
     write_config(cfg, out)
 
     # ---------------------------------------------------------------- scan, candidates, pilot
-    data, scan_path, warnings = load_scan(cfg, device, progress=progress)
+    data, scan_path, warnings = load_scan(cfg, device, progress=progress, heldout=False)
     for w in warnings:
         _logger.warning(w)
     op = data.op

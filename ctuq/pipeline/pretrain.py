@@ -121,7 +121,7 @@ def pretrain(
     out = Path(out)
     _check_out_file(out)
     device = resolve_device(cfg.device)
-    d, path, warnings = load_scan(cfg, device, progress=progress)
+    d, path, warnings = load_scan(cfg, device, progress=progress, heldout=False)
     for msg in warnings:
         _log.warning(msg)
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     stack.tif            reconstruction, std, |error|, ground truth (those present) as channels (output.stack)
     results.h5           every image above and the geometry: voxel grid, projection vectors (output.hdf5)
     ctuq.log             every message of the run, timestamped; appended by --resume and ``ctuq uq`` (module ctuq.log)
-    heldout_rows.npz     the held-out check's rows (only when the scan has unused angles; ctuq.pipeline.calibration)
+    heldout_rows.npz     the held-out check's rows (only when the scan has unused angles; ctuq.calibration)
     dip_checkpoint.pt    DIP checkpoint: weights, optimizer, RNG, history (``--resume`` continues from it)
     dip_model.pt         the fitted DIP: best weights, fixed input, architecture (``ctuq.models.model_file``)
     uq_state.pt          inference checkpoint: the posterior after the g-prior, the solver set-up, each EM step

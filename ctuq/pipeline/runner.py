@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import functools
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import yaml
 
+from ctuq import calibration as cal
 from ctuq import interrupt
 from ctuq.config import Config, ConfigError
-from ctuq.options import NoiseModel
-from ctuq.pipeline import calibration as calib
+from ctuq.errors import CTUQError, OutDirError
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.phases import (
@@ -27,7 +30,8 @@ from ctuq.pipeline.phases import (
     phase_write,
 )
 from ctuq.pipeline.scan import check_device
-from ctuq.pipeline.uq_phase import phase_uq
+from ctuq.pipeline.uq import UQRun
+from ctuq.pipeline.uq_phase import phase_uq, saved_heldout_rows, write_heldout
 from ctuq.utils import atomic_path, resolve_device
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "reconstruct",
     "rerun_uq",
     "check_run",
+    "fitted_posterior",
     "reconstruct_problem",
 ]
 
@@ -213,18 +218,18 @@ def check_run(
     *,
     progress: bool = True,
     device: torch.device | None = None,
-) -> tuple[RunState, calib.HeldoutResult]:
-    """Programmatic ``ctuq uq RUN --check``: the held-out check (:mod:`ctuq.pipeline.calibration`) of the finished
-    run in ``out_dir``, writing only ``heldout.json`` and ``heldout_calibration.png``.
+) -> tuple[RunState, cal.HeldoutRows]:
+    """Programmatic ``ctuq uq RUN --check``: the held-out check (:mod:`ctuq.calibration`) of the finished run in
+    ``out_dir``, writing only ``heldout.json`` and ``heldout_calibration.png``.
 
     When the run saved its held-out rows (``heldout_rows.npz``, every run since they exist), they are rescored
-    with the current statistic in seconds. Otherwise it reloads the scan, restores the fitted DIP and the fitted
-    posterior (resumed from a temporary copy of
-    ``uq_state.pt``, else set up and fitted afresh with ``cfg.uq``; :func:`ctuq.pipeline.calibration.
-    fitted_posterior`), projects ``calibration.HELDOUT_SAMPLES`` posterior samples onto the scan's unused angles
-    and scores them, saving the rows for the next check. Every other file of the folder is left untouched.
-    Returns the state (timings in
-    ``state.timings``) and the :class:`~ctuq.pipeline.calibration.HeldoutResult`.
+    with the current statistic in seconds, without opening the scan (rows saved before the bias model get its
+    weights from the loaded scan's held-out rows first, :func:`ctuq.pipeline.uq_phase.saved_heldout_rows`).
+    Otherwise it loads the scan (its held-out rows come with it), restores the fitted DIP and the fitted posterior
+    (resumed from a temporary copy of ``uq_state.pt``, else set up and fitted afresh with ``cfg.uq``), projects
+    ``ctuq.calibration.HELDOUT_SAMPLES`` posterior samples onto the scan's unused angles and scores them, saving
+    the rows for the next check. Every other file of the folder is left untouched. Returns the state (timings in
+    ``state.timings``) and the scored :class:`~ctuq.calibration.HeldoutRows`.
 
     Raises
     ------
@@ -235,46 +240,95 @@ def check_run(
     """
     out_dir = Path(out_dir)
     rf.require_run_folder(out_dir)
-    calib.require_finished_uq_run(out_dir)
+    _require_finished_uq_run(out_dir)
     device = device if device is not None else resolve_device(cfg.device)
     check_device(cfg, device)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
+    command = f"ctuq uq {out_dir} --check"
     t0 = time.perf_counter()
-    # rows saved before the bias model get its weights from the scan's held-out operator (saved back)
-    saved = calib.read_heldout_rows_with_bias(out_dir, cfg, device, seed=cfg.seed + 1)
+
+    def loaded():  # the scan, loaded once, only when the saved rows need it
+        if state.data is None:
+            run_phases(state, [Phase("load", phase_load)])
+        return state.data
+
+    saved = saved_heldout_rows(out_dir, loaded, seed=cfg.seed + 1)
     if saved is not None:  # the run kept its held-out rows: rescore them, no posterior to rebuild
-        result, meta = saved
-        result.report = calib.score_rows(result, {**meta, "command": f"ctuq uq {out_dir} --check"}, seed=cfg.seed + 1)
+        saved.meta["command"] = command
+        saved.score(seed=cfg.seed + 1)
         state.timings["check"] = time.perf_counter() - t0
-        result.report["seconds"] = state.timings["check"]
-        result.report["timings"] = dict(state.timings)
+        saved.report["seconds"] = state.timings["check"]
+        saved.report["timings"] = dict(state.timings)
         state.log(f"rescored the held-out rows the run saved ({rf.HELDOUT_ROWS_NAME}); no posterior rebuilt")
-        calib.write_heldout(out_dir, result, figure=cfg.output.figure, rows=False)
-        return state, result
-    held, reason = calib.heldout_data(cfg, device, progress=progress)
+        write_heldout(out_dir, saved, figure=cfg.output.figure, rows_file=False)
+        return state, saved
+    held = loaded().heldout
     if held is None:
-        calib.raise_no_heldout(out_dir, reason)
-    state.timings["heldout_load"] = time.perf_counter() - t0
-    run_phases(state, [Phase("load", phase_load), Phase("restore_dip", phase_restore_dip)])
+        raise CTUQError(f"RUN_DIR {out_dir}: no held-out check: {state.data.heldout_reason}")
+    run_phases(state, [Phase("restore_dip", phase_restore_dip)])
     t0 = time.perf_counter()
-    run = calib.fitted_posterior(state, log=state.log)
+    run = fitted_posterior(state, log=state.log)
     state.timings["posterior"] = time.perf_counter() - t0
-    result = calib.run_heldout_check(
+    rows = cal.run_heldout_check(
         run.posterior,
         state.images["dip"].detach().cpu(),
         cfg.dip.scale,
         held,
-        n_samples=min(calib.HELDOUT_SAMPLES, cfg.uq.samples),
+        # uq.noise = auto: the model the fitted posterior resolved from the scan (its likelihood gives the noise)
+        noise_model=run.noise.model,
+        n_samples=min(cal.HELDOUT_SAMPLES, cfg.uq.samples),
         chunk_size=cfg.uq.sample_chunk,
         seed=cfg.seed + 1,
-        command=f"ctuq uq {out_dir} --check",
-        # uq.noise = auto: the model the fitted posterior resolved from the scan
-        per_ray=run.settings.noise == NoiseModel.PER_RAY,
+        command=command,
     )
-    state.timings["check"] = result.report["seconds"]
-    result.report["timings"] = dict(state.timings)
-    calib.write_heldout(out_dir, result, figure=cfg.output.figure)
-    return state, result
+    state.timings["check"] = rows.report["seconds"]
+    rows.report["timings"] = dict(state.timings)
+    write_heldout(out_dir, rows, figure=cfg.output.figure)
+    return state, rows
+
+
+def _require_finished_uq_run(run_dir: Path) -> None:
+    """Refuse ``--check`` on a folder that is not a finished run with the uncertainty phase (one-line
+    :class:`~ctuq.errors.OutDirError` naming the folder and the missing file)."""
+    if not (run_dir / rf.METRICS_NAME).is_file():
+        raise OutDirError(
+            f"RUN_DIR {run_dir}: not a finished run (no {rf.METRICS_NAME}); finish it with `ctuq reconstruct "
+            f"--resume --out {run_dir}` first"
+        )
+    if not (run_dir / rf.STD_NAME).is_file():
+        raise OutDirError(
+            f"RUN_DIR {run_dir}: the run has no uncertainty phase (no {rf.STD_NAME}); run `ctuq uq {run_dir}` first"
+        )
+
+
+def fitted_posterior(state: RunState, *, log: Callable[[str], None] | None = None) -> UQRun:
+    """The fitted posterior of the finished run in ``state.out_dir`` without touching its files: the inference
+    checkpoint (``uq_state.pt``) is copied into a temporary folder and resumed there (no EM step is repeated);
+    without one the set-up and EM run afresh. ``state`` holds the loaded scan and the restored DIP. Returns the
+    :class:`ctuq.pipeline.uq.UQRun` after :meth:`~ctuq.pipeline.uq.UQRun.fit`."""
+    with tempfile.TemporaryDirectory(prefix="ctuq-check-") as tmp:
+        saved = state.out_dir / rf.UQ_STATE_NAME
+        if saved.is_file():
+            shutil.copy2(saved, Path(tmp) / rf.UQ_STATE_NAME)
+        elif log is not None:
+            log(f"no {rf.UQ_STATE_NAME} in {state.out_dir}: setting up and fitting the posterior afresh")
+        run = UQRun(
+            state.model,
+            state.net_input,
+            state.op,
+            state.y,
+            scale=state.cfg.dip.scale,
+            settings=state.cfg.uq,
+            seed=state.cfg.seed,
+            work_dir=tmp,
+            resume=saved.is_file(),
+            progress=state.progress,
+            log=log,
+            # uq.noise = per_ray whitens with the scan's per-measurement variances: without them it refuses
+            variances=state.data.variances if state.data is not None else None,
+        )
+        run.set_up().fit()
+    return run
 
 
 def reconstruct_problem(

@@ -6,8 +6,11 @@ projection angles — and only then reads pixel data. A setting the scan can giv
 published config states (``data.expect_angles`` / ``data.expect_columns``) loads with a warning saying what the
 scan gives instead and why.
 
-The scan's format (walnut folder, ``scan.yaml``, NXtomo) is detected by :mod:`ctuq.data.formats`, and its
-loader called through that registry; the walnut layout keeps its own loader and numbers.
+The scan's format (walnut folder, ``scan.yaml``, NXtomo, any registered one) is detected by
+:mod:`ctuq.data.formats`, and the opened :class:`~ctuq.data.source.ScanSource` loaded by the one loader
+(:mod:`ctuq.data.loader`). The scan is read once: a 2D slice comes with the rows of the angles the run does not use
+(``CTData.heldout``, or ``CTData.heldout_reason`` saying why there are none), so nothing opens the scan again
+after loading.
 
 Errors are :class:`ctuq.errors.DataError` / :class:`~ctuq.errors.DeviceError` (option or scan folder first);
 the loaders' own errors (:class:`~ctuq.data.walnut.WalnutFormatError`, :class:`~ctuq.data.projections.
@@ -17,13 +20,15 @@ ScanFormatError`: damaged or missing files, malformed descriptions) pass through
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ctuq import data as ctdata
 from ctuq.config import Config
 from ctuq.data.formats import open_scan
+from ctuq.data.loader import load_slice, load_volume
+from ctuq.data.problem import CTData
+from ctuq.data.source import ScanSource
+from ctuq.data.walnut import default_data_dir
 from ctuq.errors import DataError, DeviceError
 from ctuq.geometry import VolumeGeometry
 
@@ -46,19 +51,11 @@ def data_path(cfg: Config) -> Path:
     Raises ``FileNotFoundError`` naming ``data.path`` when it does not exist.
     """
     if cfg.data.path is None:
-        return ctdata.default_data_dir()
+        return default_data_dir()
     path = Path(cfg.data.path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder or file (set it with --data PATH)")
     return path
-
-
-def _angles_text(scan: Any) -> tuple[int, str]:
-    """Distinct angles of ``scan`` and how it holds them (for messages): the walnut layout's last file repeats the
-    first angle; the other formats' projections are all distinct."""
-    if isinstance(scan, ctdata.WalnutScan):
-        return scan.n_files - 1, f"tubeV{scan.orbit} has {scan.n_files} files, {scan.n_files - 1} distinct angles"
-    return scan.n_files, f"it has {scan.n_files} projections"
 
 
 def check_device(cfg: Config, device: torch.device) -> None:
@@ -77,8 +74,9 @@ def check_device(cfg: Config, device: torch.device) -> None:
         )
 
 
-def check_scan_setting(scan: Any, cfg: Config) -> None:
-    """Check ``cfg.data`` against the opened :class:`~ctuq.data.WalnutScan` ``scan`` before pixels are read.
+def check_scan_setting(scan: ScanSource, cfg: Config) -> None:
+    """Check ``cfg.data`` against the opened scan (any format's :class:`~ctuq.data.source.ScanSource`) before
+    pixels are read.
 
     Raises
     ------
@@ -116,7 +114,7 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
                 f"ground-truth grid {list(grid.shape)} ({scan.path}); the field of view is kept, so "
                 f"use a shape with the same aspect ratio"
             ) from None
-    distinct, holds = _angles_text(scan)
+    distinct, holds = scan.n_distinct_angles, scan.describe_angles()
     kept = count_kept(distinct, dc.angular_subsampling)
     if kept < dc.min_angles:
         fits = [k for k in range(distinct, 0, -1) if count_kept(distinct, k) >= dc.min_angles]
@@ -133,7 +131,7 @@ def check_scan_setting(scan: Any, cfg: Config) -> None:
         )
 
 
-def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[int, ...]) -> list[str]:
+def expected_setting_warnings(scan: ScanSource, cfg: Config, measurement_shape: tuple[int, ...]) -> list[str]:
     """Warnings (one line each) when the loaded ``measurement_shape`` ``(n_angles, [n_rows,] n_cols)`` differs
     from ``data.expect_angles`` / ``data.expect_columns`` (the setting a published config states): what the scan
     gave, why, and the subsampling that would give the expected setting on this scan if there is one."""
@@ -143,7 +141,7 @@ def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[i
     want_c = dc.expect_columns if dc.expect_columns is not None else got_c
     if (got_a, got_c) == (want_a, want_c):
         return []
-    distinct, n_cols = _angles_text(scan)[0], scan.det_shape[1]
+    distinct, n_cols = scan.n_distinct_angles, scan.det_shape[1]
     why = []
     if got_a != want_a:
         why.append(f"its {distinct} distinct angles, one in {dc.angular_subsampling}, leave {got_a}")
@@ -168,14 +166,21 @@ def expected_setting_warnings(scan: Any, cfg: Config, measurement_shape: tuple[i
     ]
 
 
-def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tuple[Any, Path, list[str]]:
-    """Load the scan of ``cfg.data`` onto ``device`` after checking the setting against it.
+def load_scan(
+    cfg: Config, device: torch.device, *, progress: bool = True, heldout: bool = True
+) -> tuple[CTData, Path, list[str]]:
+    """Load the scan of ``cfg.data`` onto ``device`` after checking the setting against it, reading it once.
+
+    ``heldout``: also read the angles ``data.angular_subsampling`` leaves out (2D slices) into ``CTData.heldout``,
+    for the held-out check (the run's own rows are the same either way); callers that never check (``ctuq design``,
+    ``ctuq pretrain``) pass ``False``.
 
     Returns
     -------
     data : ctuq.data.CTData
         Operator, sinogram ``y`` (``(n_angles, n_cols)`` or ``(n_angles, n_rows, n_cols)``, on ``device``), ground
-        truth (``image_shape``, mm⁻¹, or ``None``).
+        truth (``image_shape``, mm⁻¹, or ``None``); ``heldout`` (:class:`~ctuq.data.HeldoutData`: ``T_h`` on
+        ``device``, ``y_h``, geometry rows, absolute variances) or ``None`` with ``heldout_reason``.
     path : Path
         The scan folder or file (``data.path``).
     warnings : list of str
@@ -189,7 +194,7 @@ def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tu
     dc = cfg.data
     check_device(cfg, device)
     path = data_path(cfg)
-    fmt, scan = open_scan(path, dc.orbit)
+    _fmt, scan = open_scan(path, dc.orbit)
     check_scan_setting(scan, cfg)
     kwargs = dict(
         angular_subsampling=dc.angular_subsampling,
@@ -200,7 +205,7 @@ def load_scan(cfg: Config, device: torch.device, *, progress: bool = True) -> tu
         progress=progress,
     )
     if dc.ndim == 2:
-        d = fmt.load_slice(scan, slice_index=dc.slice_index, **kwargs)
+        d = load_slice(scan, slice_index=dc.slice_index, heldout=heldout, **kwargs)
     else:
-        d = fmt.load_volume(scan, **kwargs)
+        d = load_volume(scan, heldout=heldout, **kwargs)
     return d, path, expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))

@@ -11,8 +11,9 @@ from typing import Any
 
 from ctuq.data.phantom import make_phantom
 from ctuq.data.simulate import SimulationParameters, check_layouts, estimate_work, simulate_scan
+from ctuq.data.walnut import WalnutFormat
 from ctuq.errors import CTUQError, OutDirError
-from ctuq.options import PhantomKind, ScanLayout, values
+from ctuq.options import PhantomKind, values
 from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.run_folder import check_writable_folder
 
@@ -37,7 +38,7 @@ def simulate(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     phantom: str = PhantomKind.WALNUT,
-    layouts: tuple[str, ...] | str = (ScanLayout.WALNUT.value,),
+    layouts: tuple[str, ...] | str = (WalnutFormat.name,),
 ) -> dict[str, Any]:
     """Simulate the scan of ``preset`` with ``overrides`` (fields of :class:`ctuq.data.SimulationParameters`;
     ``None`` values ignored) into the folder ``out``.
@@ -46,8 +47,9 @@ def simulate(
     analytic line integrals; the default, unchanged) or ``textured`` (:func:`ctuq.data.phantom.textured_phantom`:
     multi-scale texture, line integrals through its fine voxelised image, sub-rays per detector pixel).
 
-    ``layouts`` (``--layout``, :class:`ctuq.options.ScanLayout`): the file layouts to write the same scan in
-    (:func:`ctuq.data.simulate.simulate_scan`): one into ``out``, several into ``out/<layout>/``.
+    ``layouts`` (``--layout``, :func:`ctuq.data.formats.write_layouts`: the layouts of the registered formats): the
+    file layouts to write the same scan in (:func:`ctuq.data.simulate.simulate_scan`): one into ``out``, several into
+    ``out/<layout>/``.
 
     Warns through ``log`` (default: a logged warning, ``ctuq simulate: warning: ...`` on the terminal) when the
     work would take more than half an hour. Returns ``{"out", "params", "sidecar", "bytes" (files written),

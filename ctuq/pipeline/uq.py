@@ -13,14 +13,17 @@ What is CT here, and only that (DESIGN.md §1):
   from the photon statistics (:attr:`ctuq.data.CTData.variances`, data units²) normalised to mean 1 — so ``σ²``
   stays the mean noise variance in scaled units, and ``σ² / (scale² · mean(Var y))`` is the detector gain the fit
   implies (counts per photon; 1 for a simulated scan whose residual is noise only); ``σ²₀`` is then the whitened
-  DIP residual ``mean((T g(ṽ) − y)²/d)``;
+  DIP residual ``mean((T g(ṽ) − y)²/d)``. ``uq.noise`` is resolved once per run (:func:`resolve_noise` →
+  :class:`ResolvedNoise`, recorded in ``stats["noise"]``); the likelihood it builds carries ``D`` and its normaliser
+  and answers the noise variance of the scan's held-out rows itself (``noise_variance_of``);
 * the run-folder checkpoints of ``work_dir`` and the streaming image statistics
   (:class:`ctuq.metrics.SampleMoments`): pixelwise and p×p patch second moments are running sums over sample
   chunks, so no image sample is kept in memory unless asked (``keep_samples``) or written
   (``settings.save_samples``).
 
 Everything else — prior scales, solver choice and set-up, sampled EM, Matheron samples — is the posterior's; the
-``uq`` config section becomes its keyword arguments through :func:`ctuq.config.posterior_arguments`.
+``uq`` config section becomes its keyword arguments through
+:func:`ctuq.pipeline.uq_settings.posterior_arguments`.
 
 A run (:func:`run_linearized_uq`) is four steps of one :class:`UQRun`: set up or resume → fit (sampled EM) →
 stream moments (prediction samples into running sums) → report (:class:`UQResult`).
@@ -55,19 +58,17 @@ from pathlib import Path
 import torch
 
 from ctuq import interrupt
-from ctuq.config import UQConfig, check_section, posterior_arguments
+from ctuq.config import UQConfig, check_section
 from ctuq.errors import CTUQError
-from ctuq.figures import new_figure, save_figure
 from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
 from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
-from ctuq.inference.solvers import SOLVERS
 from ctuq.linearize import LinearizedNetwork, MemoryBudgetError
 from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
 from ctuq.metrics import SampleMoments, inner_square_roi
-from ctuq.options import NoiseModel, Prior
+from ctuq.options import NoiseModel
 from ctuq.pipeline import checkpoints
 from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
-from ctuq.priors.tv_predcp import anisotropic_tv
+from ctuq.pipeline.uq_settings import posterior_arguments
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
@@ -82,10 +83,8 @@ __all__ = [
     "moments_bytes",
     "check_moments_memory",
     "statistics_roi",
-    "relative_variances",
+    "ResolvedNoise",
     "resolve_noise",
-    "plot_prior_trace",
-    "PRIOR_TRACE_FIGURE",
 ]
 
 MOMENTS_CHECKPOINT_SECONDS = 60.0
@@ -168,41 +167,85 @@ def ct_features(
     return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
 
 
-def resolve_noise(noise, variances, measurement_shape) -> tuple[NoiseModel, str]:
-    """The noise model a run uses and why: ``(model, reason)`` with ``model`` ``homoscedastic`` or ``per_ray``.
+@dataclasses.dataclass(frozen=True)
+class ResolvedNoise:
+    """The noise model of one run: ``uq.noise`` resolved against the scan, once (:func:`resolve_noise`), and what
+    follows from it.
 
-    ``noise`` is ``uq.noise``; ``auto`` (the default) resolves to ``per_ray`` when ``variances`` (the scan's
-    per-measurement variances, ``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`) are given and
-    every one is finite and positive, else to ``homoscedastic`` (``reason`` says which, in one line). An explicit
-    ``per_ray`` is returned as it is: :func:`relative_variances` then refuses unusable variances instead of falling
-    back."""
-    noise = NoiseModel(noise)
-    if noise != NoiseModel.AUTO:
-        return noise, f"uq.noise = {noise}"
-    if variances is None:
-        return NoiseModel.HOMOSCEDASTIC, "uq.noise = auto: the scan has no per-measurement variances (no raw counts)"
+    Attributes
+    ----------
+    setting : str
+        ``uq.noise`` as configured (``homoscedastic``, ``per_ray`` or ``auto``).
+    model : NoiseModel
+        What it resolved to: ``homoscedastic`` or ``per_ray``.
+    reason : str
+        Why, in one line (recorded in ``metrics.json["uq"]["stats"]["noise"]``).
+    measurement_variances : torch.Tensor or None
+        ``per_ray``: the scan's per-measurement variances as given (``measurement_shape``, data units²,
+        :attr:`ctuq.data.CTData.variances`); ``None`` otherwise.
+    relative : torch.Tensor or None
+        ``per_ray``: ``d = v / mean(v)`` ``(c,)`` float64 on the CPU, mean 1, so ``σ²`` stays the mean noise variance.
+    normaliser : float or None
+        ``per_ray``: ``mean(v)`` (data units²), what other rows' variances are divided by too
+        (:meth:`ctuq.inference.DiagonalGaussianLikelihood.noise_variance_of`).
+    """
+
+    setting: str
+    model: NoiseModel
+    reason: str
+    measurement_variances: torch.Tensor | None = None
+    relative: torch.Tensor | None = None
+    normaliser: float | None = None
+
+    @property
+    def automatic(self) -> bool:
+        """The model was chosen by ``uq.noise = auto`` (worth a log line saying which)."""
+        return self.setting == NoiseModel.AUTO
+
+    def likelihood(self, sigma2: float, learn_noise: bool) -> GaussianLikelihood:
+        """The likelihood of the linear model (``σ²`` in scaled data units²): ``N(0, σ² I)``, or ``N(0, σ² D)`` with
+        ``D = diag(d)`` carrying :attr:`normaliser` (so it answers the held-out rows' noise variance itself)."""
+        if self.relative is None:
+            return GaussianLikelihood(sigma2, learn_noise)
+        return DiagonalGaussianLikelihood(sigma2, learn_noise, variances=self.relative, normaliser=self.normaliser)
+
+    def record(self) -> dict:
+        """``{"setting", "model", "reason"}`` (plain strings), for ``metrics.json["uq"]["stats"]["noise"]``."""
+        return {"setting": str(self.setting), "model": str(self.model), "reason": self.reason}
+
+
+def resolve_noise(settings: UQConfig, variances, measurement_shape) -> ResolvedNoise:
+    """``settings.noise`` (``uq.noise``) resolved against the scan's per-measurement variances ``variances``
+    (``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`, or ``None``): the only place that reads
+    it; everything downstream asks the returned :class:`ResolvedNoise` or the likelihood it builds.
+
+    ``auto`` (the default) resolves to ``per_ray`` when the variances are given and every one is finite and positive,
+    else to ``homoscedastic`` (the reason says which, in one line). An explicit ``per_ray`` with missing or unusable
+    variances is refused: :class:`~ctuq.errors.CTUQError` naming ``uq.noise`` and the shape or value.
+    """
+    setting = NoiseModel(settings.noise)
+    if setting == NoiseModel.HOMOSCEDASTIC:
+        return ResolvedNoise(str(setting), setting, f"uq.noise = {setting}")
+    if setting == NoiseModel.PER_RAY:
+        reason = f"uq.noise = {setting}"
+    elif variances is None:
+        reason = "uq.noise = auto: the scan has no per-measurement variances (no raw counts)"
+        return ResolvedNoise(str(setting), NoiseModel.HOMOSCEDASTIC, reason)
+    else:
+        reason = "uq.noise = auto: per-ray variances from the scan's photon statistics"
     try:
-        _checked_variances(variances, measurement_shape, NoiseModel.AUTO)
+        v = _checked_variances(variances, measurement_shape, setting)
     except CTUQError as err:
-        return NoiseModel.HOMOSCEDASTIC, f"{err}; using homoscedastic noise"
-    return NoiseModel.PER_RAY, "uq.noise = auto: per-ray variances from the scan's photon statistics"
-
-
-def relative_variances(variances, settings: UQConfig, measurement_shape) -> torch.Tensor | None:
-    """The relative noise variances ``d`` ``(c,)`` float64, mean 1, of the ``per_ray`` noise model from the scan's
-    per-measurement variances ``variances`` (``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`);
-    ``None`` when ``settings.noise`` is (or, for ``auto``, resolves to) ``homoscedastic`` (:func:`resolve_noise`).
-    :class:`~ctuq.errors.CTUQError` naming ``uq.noise`` and the shape or value when ``per_ray`` was asked for and
-    they are missing or unusable."""
-    model, _ = resolve_noise(settings.noise, variances, measurement_shape)
-    if model != NoiseModel.PER_RAY:
-        return None
-    return _checked_variances(variances, measurement_shape, settings.noise)
+        if setting == NoiseModel.PER_RAY:
+            raise
+        return ResolvedNoise(str(setting), NoiseModel.HOMOSCEDASTIC, f"{err}; using homoscedastic noise")
+    mean = v.mean()
+    return ResolvedNoise(str(setting), NoiseModel.PER_RAY, reason, variances, v / mean, float(mean))
 
 
 def _checked_variances(variances, measurement_shape, noise) -> torch.Tensor:
-    """``variances`` flat float64 on the CPU, divided by their mean; :class:`CTUQError` naming ``uq.noise = noise``
-    when they are missing, of another shape than ``measurement_shape``, or not all finite and positive."""
+    """``variances`` flat float64 on the CPU; :class:`CTUQError` naming ``uq.noise = noise`` when they are missing,
+    of another shape than ``measurement_shape``, or not all finite and positive."""
     shape = tuple(int(n) for n in measurement_shape)
     if variances is None:
         raise CTUQError(
@@ -220,7 +263,7 @@ def _checked_variances(variances, measurement_shape, noise) -> torch.Tensor:
             f"uq.noise = '{noise}': {int(bad.sum())} measurement variances are not finite and positive (first at "
             f"flat index {i} of the {shape} sinogram: {float(v[i])})"
         )
-    return v / v.mean()
+    return v
 
 
 def ct_posterior(
@@ -235,21 +278,19 @@ def ct_posterior(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     shard=None,
-    variances: torch.Tensor | None = None,
+    noise: ResolvedNoise,
 ):
     """The (not yet set-up) posterior of a fitted DIP: ``(posterior, network, info)``.
 
-    ``info`` holds ``g0`` (the DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2``
-    (``‖T g(ṽ) − y‖²/c``, scaled units), ``initial_sigma2`` and ``noise`` (``uq.noise``; for ``per_ray`` also
-    ``variance_mean``, the mean of ``variances`` in data units², and the range of the relative variances ``d``).
-    ``y`` (``op.measurement_shape``) is in data units (mm, not scaled); ``variances`` (same shape, data units²) are
-    the scan's per-measurement variances, used with ``uq.noise = per_ray`` (:func:`relative_variances`).
+    ``noise`` is the run's resolved noise model (:func:`resolve_noise`): it builds the likelihood, and with
+    ``per_ray`` its relative variances ``d`` whiten the DIP residual that gives ``σ²₀``. ``info`` holds ``g0`` (the
+    DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2`` (``‖T g(ṽ) − y‖²/c``, scaled
+    units), ``initial_sigma2`` and ``noise`` (the model; for ``per_ray`` also ``variance_mean``, the mean of the
+    measurement variances in data units², and the range of ``d``). ``y`` (``op.measurement_shape``) is in data units
+    (mm, not scaled).
     """
     settings = settings or UQConfig()
-    rel = relative_variances(variances, settings, op.measurement_shape)
-    noise_model = NoiseModel.HOMOSCEDASTIC if rel is None else NoiseModel.PER_RAY
-    if settings.noise == NoiseModel.AUTO and log is not None:
-        log(f"noise model: {noise_model} ({resolve_noise(settings.noise, variances, op.measurement_shape)[1]})")
+    rel = noise.relative
     budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
     net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
     y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
@@ -259,14 +300,14 @@ def ct_posterior(
         delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
         residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
     dip_noise = float(residual.double().pow(2).mean())
-    info: dict = {"noise": str(noise_model)}
+    info: dict = {"noise": str(noise.model)}
     if rel is None:
         white_noise = dip_noise
     else:
         white_noise = float((residual.double().cpu().pow(2) / rel).mean())
         info.update(
             {
-                "variance_mean": float(variances.double().mean()),
+                "variance_mean": float(noise.measurement_variances.double().mean()),
                 "relative_variance_min": float(rel.min()),
                 "relative_variance_max": float(rel.max()),
                 "whitened_residual_sigma2": white_noise,
@@ -277,21 +318,8 @@ def ct_posterior(
         raise FloatingPointError(
             "the DIP fits the data exactly (zero residual); set uq.noise_variance to a positive value"
         )
-    likelihood = (
-        GaussianLikelihood(sigma2_0, settings.learn_noise)
-        if rel is None
-        else DiagonalGaussianLikelihood(sigma2_0, settings.learn_noise, variances=rel)
-    )
+    likelihood = noise.likelihood(sigma2_0, settings.learn_noise)
     args = posterior_arguments(settings)
-    if "prior_options" in args:
-        # TV-PredCP: the TV is of images of op.image_shape; its rate is uq.tv_predcp.scale per TV of the reconstruction
-        tv = float(anisotropic_tv(g0[None].double(), op.image_shape).abs().sum())
-        if not tv > 0:
-            raise CTUQError(
-                "uq.prior = tv_predcp: the reconstruction is constant (zero TV), so uq.tv_predcp.scale has no unit"
-            )
-        args["prior_options"].update(image_shape=tuple(op.image_shape), rate=settings.tv_predcp.scale / tv)
-        info["tv_reconstruction"] = tv
     posterior = LinearizedPosterior(
         base,
         y_s + delta,
@@ -302,34 +330,11 @@ def ct_posterior(
         shard=shard,
         **args,
     )
+    # the prior completes its options from the reconstruction, in images of op.image_shape (TV-PredCP: its rate is
+    # uq.tv_predcp.scale per TV of the reconstruction)
+    posterior.weight_prior.prepare(output=g0, output_shape=tuple(op.image_shape))
     info.update({"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)})
     return posterior, net, info
-
-
-PRIOR_TRACE_FIGURE = "tv_predcp_trace.png"
-
-
-def plot_prior_trace(path, trace: list[dict], dpi: int = 120) -> Path:
-    """The type-II MAP trace of a block prior (:func:`ctuq.inference.prior_fit.fit_block_prior` records) against
-    step: lengthscales ``ℓ_b``, variances ``σ²_b`` (log axes), ``σ²``, the data fit ``−½ỹᵀC⁻¹ỹ`` and the log
-    hyperprior. Returns ``path``."""
-    steps = [r["step"] for r in trace]
-    panels = [
-        ("lengthscale", "lengthscales ℓ_b", True),
-        ("variance", "variances σ²_b", True),
-        ("sigma2", "noise σ²", True),
-        ("data_fit", "−½ ỹᵀC⁻¹ỹ", False),
-        ("log_hyperprior", "log p_TV(ℓ)", False),
-    ]
-    fig = new_figure(None, (3.2 * len(panels), 3.0), dpi)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (key, label, log) in zip(axes, panels):
-        ax.plot(steps, [r[key] for r in trace], lw=1)
-        if log:
-            ax.set_yscale("log")
-        ax.set(title=label, xlabel="step")
-        ax.grid(alpha=0.3)
-    return save_figure(fig, path)
 
 
 def statistics_roi(settings: UQConfig, image_shape):
@@ -391,13 +396,11 @@ class UQRun:
     ):
         settings = settings or UQConfig()
         check_section(settings, "uq")
-        # uq.noise = auto becomes the model it resolves to for the whole run: the posterior, the checkpoint's
-        # fingerprint and the held-out check all see one noise model
-        self.noise_setting = str(settings.noise)
-        noise_model, self.noise_reason = resolve_noise(settings.noise, variances, op.measurement_shape)
-        if noise_model != settings.noise:
-            settings = dataclasses.replace(settings, noise=noise_model.value)
-        relative_variances(variances, settings, op.measurement_shape)  # fail before the DIP is linearised
+        # uq.noise resolved once, before the DIP is linearised (an unusable per_ray fails here): the posterior's
+        # likelihood, the stats and the held-out check all take this one model; the settings carry the model it
+        # resolved to, so the checkpoint's fingerprint holds the model actually used (as before auto existed)
+        self.noise = resolve_noise(settings, variances, op.measurement_shape)
+        settings = dataclasses.replace(settings, noise=self.noise.model.value)
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
@@ -413,14 +416,13 @@ class UQRun:
                 "different ranks); use uq.save_samples"
             )
         self.model, self.net_input, self.op, self.y = model, net_input, op, y
-        self.variances = variances
         self.scale, self.settings, self.seed, self.shard = scale, settings, seed, shard
         self.resume, self.keep_samples = resume, keep_samples
         self.moments_checkpoint_seconds = moments_checkpoint_seconds
         self.progress = progress and shard.is_root
         self.say = (log or (lambda _msg: None)) if shard.is_root else (lambda _msg: None)
-        if self.noise_setting == NoiseModel.AUTO:
-            self.say(f"noise model: {noise_model} ({self.noise_reason})")
+        if self.noise.automatic:
+            self.say(f"noise model: {self.noise.model} ({self.noise.reason})")
         self.work = Path(work_dir) if work_dir is not None else None
         if self.work is not None:
             self.work.mkdir(parents=True, exist_ok=True)
@@ -477,7 +479,7 @@ class UQRun:
             progress=self.progress,
             log=self.say,
             shard=self.shard,
-            variances=self.variances,
+            noise=self.noise,
         )
         self.timings["offset"] = time.perf_counter() - t0  # linearisation and the offset's one JVP
         self.products["offset"] = {"jvp": self.net.n_jvp, "vjp": self.net.n_vjp}
@@ -619,7 +621,7 @@ class UQRun:
     def report(self) -> UQResult:
         """The :class:`UQResult` of the finished steps: std and mean in mm⁻¹, sizes, solver and g-prior statistics,
         timings and products (rank 0 gets the statistics; other ranks ``None``)."""
-        st, op, shard, posterior = self.settings, self.op, self.shard, self.posterior
+        op, shard, posterior = self.op, self.shard, self.posterior
         timings = self.timings
         timings.update({k: v for k, v in posterior.timings.items() if k != "em"})
         timings["em"] = posterior.timings.get("em", 0.0)
@@ -640,31 +642,13 @@ class UQRun:
             "prediction_cg_max_residual": max(cg_res) if cg_res else None,
             "em_converged": bool(self.em_result.converged),
             "em_steps": int(self.em_result.steps),
-            "noise": {"setting": self.noise_setting, "model": str(st.noise), "reason": self.noise_reason},
+            "noise": self.noise.record(),
             **posterior.solver.report(),
         }
-        if "scales" in post:
-            # an assembling solver has every column of Ψ₀ at hand: its g-prior is exact whatever was asked
-            stats["gprior"] = {
-                "method": (
-                    Prior.ISOTROPIC.value
-                    if st.prior == Prior.ISOTROPIC
-                    else "exact"
-                    if SOLVERS[solver_name].assembles_features
-                    else st.gprior_method
-                ),
-                "zero_scales": post["scales"]["zero"],
-                "scale_min": post["scales"]["min"],
-                "scale_max": post["scales"]["max"],
-            }
-        if posterior.block_prior is not None:
-            stats["prior"] = {
-                **post["prior"],
-                "tv_reconstruction": self.info.get("tv_reconstruction"),
-                "trace": [dict(r) for r in posterior.block_prior.trace],
-            }
-            if self.work is not None and shard.is_root and posterior.block_prior.trace:
-                plot_prior_trace(self.work / PRIOR_TRACE_FIGURE, posterior.block_prior.trace)
+        # the prior's own report (g-prior / isotropic: uq.stats.gprior; TV-PredCP: uq.stats.prior) and figures
+        stats[posterior.weight_prior.summary_key] = post["prior"]
+        if self.work is not None and shard.is_root:
+            posterior.weight_prior.figures(self.work)
         if "variance_mean" in self.info:
             # σ² d_i is ray i's variance in scaled units; Var y_i = g · v_i for a gain of g counts per photon
             stats["per_ray"] = {

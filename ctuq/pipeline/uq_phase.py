@@ -1,36 +1,45 @@
 """The uncertainty phase of a run: linearised inference around the fitted DIP
 (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, the uncertainty figures and the UQ sections of
-metrics.json; then the held-out check on the scan's unused angles (:mod:`ctuq.pipeline.calibration`,
-``metrics.json["uq"]["heldout"]``, ``heldout_calibration.png``) and, with ``uq.calibration: heldout``, the std map
-rescaled by its ``k``, with ``uq.calibration: bias``, ``sqrt(std² + τ² M)`` with its bias std ``τ`` inside the object
-mask ``M`` (``std.tif``; ``std_uncalibrated.tif`` keeps the posterior's)."""
+metrics.json; then the held-out check on the scan's unused angles (:mod:`ctuq.calibration`, on the rows the loaded
+problem carries: ``metrics.json["uq"]["heldout"]``, ``heldout_rows.npz``, ``heldout_calibration.png``) and the
+calibration method ``uq.calibration`` names applied to ``std.tif`` (``std_uncalibrated.tif`` keeps the posterior's),
+every other registered method scored beside it (:data:`ctuq.registry.CALIBRATIONS`).
+
+The run-folder side of the check lives here too: :func:`write_heldout` (the check's files in a run folder) and
+:func:`saved_heldout_rows` (a finished run's saved rows, with the bias weights of rows saved before the bias model).
+"""
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
+import tifffile
 
+from ctuq import calibration as cal
 from ctuq import figures
-from ctuq.metrics import SampleMoments, uq_summary_from_moments
-from ctuq.options import Calibration, NoiseModel, Prior
+from ctuq.data.problem import HELDOUT_GIVEN_IN_CODE
+from ctuq.errors import CTUQError, OutDirError
+from ctuq.metrics import uq_summary_from_moments
 from ctuq.outputs import write_tiff
-from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.checkpoints import shard_moments_files
 from ctuq.pipeline.phases import RunState
 from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
+from ctuq.registry import CALIBRATIONS, PRIORS
 
-__all__ = ["phase_uq", "resolve_calibration", "scaled_moments", "biased_moments"]
+__all__ = ["phase_uq", "auto_calibration", "write_heldout", "saved_heldout_rows"]
 
 
 def phase_uq(state: RunState) -> None:
     """Linearised inference (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, UQ figures and metrics.
 
-    Reads ``state.model``/``state.net_input`` (the fitted DIP), ``state.op``/``state.y``; checkpoints into the run
-    folder (``uq_state.pt``, ``uq_moments.pt``) and resumes from there with ``--resume``. The statistics stream:
-    no image sample is kept in memory; ``uq.save_samples`` writes them to ``samples/``.
+    Reads ``state.model``/``state.net_input`` (the fitted DIP), ``state.op``/``state.y`` and the loaded problem's
+    variances and held-out rows (``state.data``); checkpoints into the run folder (``uq_state.pt``,
+    ``uq_moments.pt``) and resumes from there with ``--resume``. The statistics stream: no image sample is kept in
+    memory; ``uq.save_samples`` writes them to ``samples/``.
     """
     cfg = state.cfg
     if state.model is None:
@@ -54,8 +63,9 @@ def phase_uq(state: RunState) -> None:
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
     heldout, skipped = _heldout_check(state, res)
-    mode = resolve_calibration(cfg.uq.calibration, heldout is not None, prior=cfg.uq.prior)
-    if cfg.uq.calibration == Calibration.AUTO:
+    setting = str(cfg.uq.calibration)
+    mode = cal.resolve_calibration(setting, heldout is not None, auto_calibration(cfg.uq.prior))
+    if setting == cal.AUTO:
         state.log(f"calibration: {mode} (uq.calibration = auto; {'a held-out check ran' if heldout else skipped})")
         if heldout is None and state.shard is not None and state.shard.distributed:
             # the same run in one process applies the bias model: say so rather than differ silently
@@ -63,24 +73,17 @@ def phase_uq(state: RunState) -> None:
                 "uq.calibration = auto: a sharded run has no held-out check, so std.tif is the posterior's own "
                 "(a run in one process would add the held-out bias model); rerun `ctuq uq` in one process for it"
             )
-    k = heldout.k if heldout is not None and mode == Calibration.HELDOUT else None
-    # the bias model (τ², its mask): applied with uq.calibration = bias, scored for comparison otherwise
-    bias = _bias_model(heldout, res.mean)
-    applied_bias = bias if mode == Calibration.BIAS else None
-    if mode != Calibration.NONE and k is None and applied_bias is None:
+    # every registered method fitted on the check's rows (none without a check): the chosen one is applied to
+    # std.tif, the others that change the map are scored beside it from the same posterior
+    fitted = {name: CALIBRATIONS[name].fit(heldout, res.mean) for name in CALIBRATIONS}
+    chosen = fitted[mode]
+    applied = chosen if chosen is not None and chosen.changes_std else None
+    if chosen is None:
         state.warn(f"uq.calibration = {mode}: no held-out check, so std.tif is the uncalibrated posterior std")
-    if k is not None:
+    if applied is not None:
         write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std, voxel_size=state.voxel_size)
-        res.std = res.std * k
-        state.log(f"uq.calibration = heldout: std.tif = posterior std × {k:.3f}")
-    elif applied_bias is not None:
-        write_tiff(state.out_dir / rf.STD_UNCALIBRATED_NAME, res.std, voxel_size=state.voxel_size)
-        if applied_bias["tau"] > 0:  # τ = 0 leaves the posterior's map bit for bit
-            res.std = (res.std.double().pow(2) + applied_bias["variance"]).sqrt().to(res.std.dtype)
-        state.log(
-            f"uq.calibration = bias: std.tif = sqrt(posterior std² + τ² M), τ = {applied_bias['tau']:.3g} mm⁻¹ "
-            f"inside {100 * applied_bias['mask_fraction']:.0f} % of the pixels"
-        )
+        res.std = applied.apply_std(res.std)
+        state.log(applied.log_line())
     else:
         (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
     write_tiff(state.out_dir / rf.STD_NAME, res.std, voxel_size=state.voxel_size)
@@ -99,30 +102,24 @@ def phase_uq(state: RunState) -> None:
         uq_metrics["heldout"] = heldout.report
     else:
         uq_metrics["heldout_skipped"] = skipped
-    uq_metrics["calibration"] = {"mode": str(mode), "setting": str(cfg.uq.calibration), "k": k}
-    if mode == Calibration.BIAS:
-        uq_metrics["calibration"].update(
-            {key: (applied_bias or {}).get(key) for key in ("tau", "tau_se", "tau_interval_95", "mask_fraction")}
-        )
+    report = chosen.report() if chosen is not None else CALIBRATIONS[mode].unfitted_report()
+    uq_metrics["calibration"] = {"mode": mode, "setting": setting, **report}
+    scored = [m for m in fitted.values() if m is not None and m.changes_std and m is not applied]
     state.metrics["em_trace"] = res.em_trace
     if state.ground_truth is not None:
         gt = state.ground_truth.detach().cpu()
         posterior_moments = res.moments
-        if k is not None or applied_bias is not None:
+        if applied is not None:
             # the posterior's own numbers, for the evidence that the recalibration helps (or not)
             uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
-            res.moments = scaled_moments(res.moments, k) if k is not None else _with_bias(res.moments, applied_bias)
-        if heldout is not None and k is None:
-            # what uq.calibration = heldout would score, from the same posterior: the evidence for (or against) the
-            # rescaling without a second inference (the calibration study reads it)
-            rescaled = scaled_moments(posterior_moments, heldout.k)
-            uq_metrics["summary_recalibrated"] = {**uq_summary_from_moments(gt, res.mean, rescaled), "k": heldout.k}
-        if bias is not None and applied_bias is None:
-            # likewise what uq.calibration = bias would score
-            biased = _with_bias(posterior_moments, bias)
-            uq_metrics["summary_bias"] = {
-                **uq_summary_from_moments(gt, res.mean, biased),
-                **{key: bias[key] for key in ("tau", "tau_se", "mask_fraction")},
+            res.moments = applied.apply_moments(res.moments)
+        for method in scored:
+            # what that uq.calibration would score, from the same posterior: the evidence for (or against) it
+            # without a second inference (the calibration study reads it)
+            moments = method.apply_moments(posterior_moments)
+            uq_metrics[method.summary_name()] = {
+                **uq_summary_from_moments(gt, res.mean, moments),
+                **method.summary_record(),
             }
         summary = uq_summary_from_moments(gt, res.mean, res.moments)
         state.metrics["marginal_ll"] = summary["marginal_ll"]
@@ -138,9 +135,9 @@ def phase_uq(state: RunState) -> None:
     state.metrics["uq"] = uq_metrics
     state.uq_result = res
     if heldout is not None:  # the rows always (`ctuq uq RUN --check` rescores them), the figure when asked
-        calib.write_heldout(state.out_dir, heldout, json_file=False, figure=cfg.output.figure)
+        write_heldout(state.out_dir, heldout, json_file=False, figure=cfg.output.figure)
     if cfg.output.figure:
-        _uq_figures(state, res)
+        _uq_figures(state, res, applied, scored)
     # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
     # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
@@ -150,131 +147,89 @@ def phase_uq(state: RunState) -> None:
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
 
 
-def resolve_calibration(calibration, checked: bool, prior: str = Prior.GPRIOR) -> Calibration:
-    """The recalibration a run applies: ``uq.calibration`` itself, except ``auto`` (the default), which is ``none``
-    without a held-out check (``checked``: the scan has unused angles) and otherwise ``bias`` for the g-prior and
-    ``heldout`` for ``uq.prior = tv_predcp`` (docs/calibration.md: ``bias`` with per-ray noise was the g-prior's best
-    combination in the calibration study; TV-PredCP's posterior is 3–5× too narrow everywhere, which the global ``k``
-    fixes and a bias inside the object does not)."""
-    calibration = Calibration(calibration)
-    if calibration != Calibration.AUTO:
-        return calibration
-    if not checked:
-        return Calibration.NONE
-    return Calibration.HELDOUT if prior == Prior.TV_PREDCP else Calibration.BIAS
+def auto_calibration(prior: str) -> str:
+    """The calibration method ``uq.calibration = auto`` means for the weight prior ``prior`` (a name of
+    :data:`ctuq.registry.PRIORS`) when the scan has held-out angles: the prior class's own ``auto_calibration``
+    (the bias model for the g-prior; the global ``k`` for TV-PredCP, whose posterior is 3–5× too narrow everywhere,
+    which a bias inside the object does not fix: docs/calibration.md)."""
+    return PRIORS[prior].auto_calibration
 
 
-def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
-    """A copy of ``moments`` whose samples are ``k ×`` those fed to it (covariances × ``k²``): the statistics of the
-    recalibrated posterior."""
-    out = copy.deepcopy(moments)
-    sd = moments.state_dict()
-    sd = {
-        **sd,
-        "sum_sq": sd["sum_sq"] * (k * k),
-        "patch_sums": {p: t * (k * k) for p, t in sd["patch_sums"].items()},
-    }
-    return out.load_state_dict(sd)
-
-
-def biased_moments(moments: SampleMoments, variance: torch.Tensor) -> SampleMoments:
-    """A copy of ``moments`` whose covariance has ``diag(variance)`` added (``variance``: ``image_shape``, mm⁻²,
-    e.g. the bias model's ``τ² M``): pixel variances and every patch covariance of the joint LL gain it on their
-    diagonal, as if the samples had an independent pixel noise of that variance. ``moments`` is left unchanged.
-
-    The sums are exact, not sampled: fed through :meth:`SampleMoments.update` as ``P²`` deterministic images
-    (``P`` the largest patch size) that each carry ``sqrt(k · variance)`` on one residue class of (row, column)
-    modulo ``P``; two pixels of one patch never share a class, so no cross term appears."""
-    k = moments.n_samples
-    var = torch.as_tensor(variance, dtype=torch.float64)
-    if tuple(var.shape) != moments.image_shape or not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
-        raise ValueError(
-            f"biased_moments: variance must be finite, ≥ 0 and of shape {moments.image_shape}, got {tuple(var.shape)}"
-        )
-    sd = moments.state_dict()
-    extra = copy.deepcopy(moments).load_state_dict(
-        {
-            **sd,
-            "n_samples": 0,
-            "sum_sq": torch.zeros_like(sd["sum_sq"]),
-            "patch_sums": {p: torch.zeros_like(t) for p, t in sd["patch_sums"].items()},
-        }
-    )
-    period = max(moments.patch_sizes)
-    amp = (var * k).sqrt()
-    rows = torch.arange(amp.shape[-2]) % period
-    cols = torch.arange(amp.shape[-1]) % period
-    for a in range(period):
-        on_row = (rows == a).to(torch.float64)[:, None]
-        extra.update(torch.stack([amp * (on_row * (cols == b).to(torch.float64)[None, :]) for b in range(period)]))
-    ed = extra.state_dict()
-    out = copy.deepcopy(moments)
-    return out.load_state_dict(
-        {
-            **sd,
-            "sum_sq": sd["sum_sq"] + ed["sum_sq"],
-            "patch_sums": {p: t + ed["patch_sums"][p] for p, t in sd["patch_sums"].items()},
-        }
-    )
-
-
-def _with_bias(moments: SampleMoments, bias: dict) -> SampleMoments:
-    """``moments`` with the bias model's ``τ² M`` added (:func:`biased_moments`); ``moments`` itself when ``τ = 0``."""
-    return biased_moments(moments, bias["variance"]) if bias["tau"] > 0 else moments
-
-
-def _bias_model(heldout: calib.HeldoutResult | None, mean: torch.Tensor) -> dict | None:
-    """The held-out check's bias model on the image: ``tau`` (mm⁻¹), ``tau_se`` (bootstrap, else curvature; ``None``
-    when ``τ = 0``), ``tau_interval_95``, ``mask_fraction`` and ``variance`` ``τ² M`` (``mean``'s shape, float64
-    mm⁻²; :func:`ctuq.pipeline.calibration.bias_variance`); ``None`` without a check or a bias fit."""
-    fit = heldout.bias if heldout is not None else None
-    if fit is None:
-        return None
-    tau = float(fit["tau"])
-    variance, fraction = calib.bias_variance(mean, tau)
-    se = fit["se_bootstrap"] if fit.get("se_bootstrap") is not None else fit.get("se_curvature")
-    return {
-        "tau": tau,
-        "tau_se": se,
-        "tau_interval_95": fit.get("interval_95"),
-        "mask_fraction": fraction,
-        "variance": torch.from_numpy(variance),
-    }
-
-
-def _heldout_check(state: RunState, res) -> tuple[calib.HeldoutResult | None, str]:
-    """``(result, "")``: the held-out check of the run's posterior; ``(None, reason)`` with the one-line reason also
-    on stderr when it cannot run (it goes into ``metrics.json["uq"]["heldout_skipped"]``)."""
-    reason = ""
-    if state.metrics.get("data", {}).get("source") == "given in code":
-        reason = "the problem was given in code, not as a scan with unused angles"
-    elif state.shard is not None and state.shard.distributed:
+def _heldout_check(state: RunState, res) -> tuple[cal.HeldoutRows | None, str]:
+    """``(rows, "")``: the held-out check of the run's posterior on the loaded problem's held-out rows;
+    ``(None, reason)`` with the one-line reason also logged when it cannot run (it goes into
+    ``metrics.json["uq"]["heldout_skipped"]``)."""
+    held = state.data.heldout if state.data is not None else None
+    if state.shard is not None and state.shard.distributed:
         reason = "a sharded run; run `ctuq uq RUN --check` on the finished folder"
-    held = None
-    if not reason:
-        held, reason = calib.heldout_data(state.cfg, state.device, progress=False)
-    if held is None:
+    elif held is None:  # why the loaded problem has none (a problem given in code says so too)
+        reason = state.data.heldout_reason if state.data is not None else HELDOUT_GIVEN_IN_CODE
+    else:
+        reason = ""
+    if reason:
         state.log(f"held-out check skipped: {reason}")
         return None, reason
-    result = calib.run_heldout_check(
+    rows = cal.run_heldout_check(
         res.posterior,
         res.mean,
         state.cfg.dip.scale,
         held,
+        # the noise model the run resolved (uq.noise = auto) is recorded; the rows' noise comes from its likelihood
+        noise_model=res.stats["noise"]["model"],
         # the std map's own first samples (same seed): no more than the run drew (a short run stays short)
-        n_samples=min(calib.HELDOUT_SAMPLES, state.cfg.uq.samples),
+        n_samples=min(cal.HELDOUT_SAMPLES, state.cfg.uq.samples),
         chunk_size=state.cfg.uq.sample_chunk,
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
-        # the noise model the run resolved (uq.noise = auto): the held-out rows get the same one
-        per_ray=res.stats["noise"]["model"] == NoiseModel.PER_RAY,
     )
-    state.log(calib.verdict(result.report) + f" [{result.report['seconds']:.1f} s]")
-    return result, ""
+    state.log(cal.verdict(rows.report) + f" [{rows.report['seconds']:.1f} s]")
+    return rows, ""
 
 
-def _uq_figures(state: RunState, res) -> None:
-    """The uncertainty figures of the run folder (names: :mod:`ctuq.pipeline.run_folder`)."""
+def write_heldout(
+    out_dir: Path, rows: cal.HeldoutRows, *, json_file: bool = True, figure: bool = True, rows_file: bool = True
+) -> None:
+    """The check's files in the run folder ``out_dir``: ``heldout.json`` (with ``json_file``),
+    ``heldout_calibration.png`` (with ``figure``) and ``heldout_rows.npz`` (with ``rows_file``), each atomically."""
+    out_dir = Path(out_dir)
+    cal.write_report(
+        rows,
+        json_path=out_dir / rf.HELDOUT_NAME if json_file else None,
+        figure_path=out_dir / rf.HELDOUT_FIGURE if figure else None,
+    )
+    if rows_file:
+        cal.write_rows(out_dir / rf.HELDOUT_ROWS_NAME, rows)
+
+
+def saved_heldout_rows(run_dir: Path, load_data: Callable[[], Any], *, seed: int) -> cal.HeldoutRows | None:
+    """The held-out rows the finished run in ``run_dir`` saved (``heldout_rows.npz``, unscored), or ``None`` when
+    it has none. Rows saved before the bias model get their bias weights from the run's held-out operator and the
+    object mask of its ``reconstruction.tif`` (``seed``: the check's, ``run seed + 1``), saved back into the file
+    atomically (rows and sizes unchanged); ``load_data()`` gives the loaded problem (:class:`ctuq.data.CTData`,
+    called only then). :class:`~ctuq.errors.CTUQError` when the scan has no held-out rows any more,
+    :class:`~ctuq.errors.OutDirError` when they do not match the saved ones."""
+    run_dir = Path(run_dir)
+    path = run_dir / rf.HELDOUT_ROWS_NAME
+    rows = cal.read_rows(path)
+    if rows is None or rows.bias_weight is not None:
+        return rows
+    data = load_data()
+    if data.heldout is None:
+        raise CTUQError(f"{path}: no bias weights for the saved rows: {data.heldout_reason}")
+    if data.heldout.op.c != rows.residual.size:
+        raise OutDirError(
+            f"{path}: {rows.residual.size} saved rows, but the scan of config.yaml holds {data.heldout.op.c} held-out "
+            f"rows; rerun `ctuq uq {run_dir}`"
+        )
+    reconstruction = tifffile.imread(run_dir / rf.RECONSTRUCTION_NAME).astype(np.float64)
+    rows = cal.add_bias_weights(rows, data.heldout.op, reconstruction, seed=seed)
+    cal.write_rows(path, rows)
+    return rows
+
+
+def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, scored: list) -> None:
+    """The uncertainty figures of the run folder (names: :mod:`ctuq.pipeline.run_folder`); the calibration figure
+    has the curve of the ``applied`` calibration method and of each ``scored`` one."""
     out = state.out_dir
     gt = state.ground_truth.detach().cpu() if state.ground_truth is not None else None
     roi = statistics_roi(state.cfg.uq, res.std.shape)
@@ -299,32 +254,17 @@ def _uq_figures(state: RunState, res) -> None:
             titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"],
         )
         summary = state.uq_summary
-        cal = summary["calibration"]
-        curves = {"linearised DIP": (cal["levels"], cal["coverage"])}
+        posterior_curve = (summary["calibration"]["levels"], summary["calibration"]["coverage"])
+        curves = {"linearised DIP": posterior_curve}
         before = state.metrics["uq"].get("summary_uncalibrated")
-        if before is not None:  # uq.calibration = heldout or bias: the recalibrated std and the posterior's own
-            cal_metrics = state.metrics["uq"]["calibration"]
-            label = (
-                f"std × {cal_metrics['k']:.3g}"
-                if cal_metrics["k"] is not None
-                else f"sqrt(std² + τ² M), τ = {cal_metrics['tau']:.3g}"
-            )
+        if applied is not None:  # the recalibrated std and the posterior's own
             curves = {
-                f"linearised DIP, {label} (held-out)": curves["linearised DIP"],
+                f"linearised DIP, {applied.label()} (held-out)": posterior_curve,
                 "linearised DIP (uncalibrated)": (before["calibration"]["levels"], before["calibration"]["coverage"]),
             }
-        recal = state.metrics["uq"].get("summary_recalibrated")
-        if recal is not None:  # not uq.calibration = heldout: what the held-out k would give, for comparison
-            curves[f"std × {recal['k']:.3g} (held-out k, not applied)"] = (
-                recal["calibration"]["levels"],
-                recal["calibration"]["coverage"],
-            )
-        bias = state.metrics["uq"].get("summary_bias")
-        if bias is not None:  # what the held-out bias model would give
-            curves[f"sqrt(std² + τ² M), τ = {bias['tau']:.3g} (not applied)"] = (
-                bias["calibration"]["levels"],
-                bias["calibration"]["coverage"],
-            )
+        for method in scored:  # what each other method would give, for comparison
+            scores = state.metrics["uq"][method.summary_name()]["calibration"]
+            curves[method.label(applied=False)] = (scores["levels"], scores["coverage"])
         figures.plot_calibration(out / rf.CALIBRATION_FIGURE, curves)
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})
         figures.plot_error_vs_std(out / rf.ERROR_VS_STD_FIGURE, abs_err, res.std, roi)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ctuq.data import CTData, walnut
+from ctuq.data import CTData, source, walnut
 from ctuq.data.simulate import SimulationParameters, simulate_scan
-from ctuq.data.walnut import log_count_variance, read_walnut_slice
+from ctuq.data.source import log_count_variance
+from ctuq.data.walnut import read_walnut_slice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,23 +49,23 @@ def realisations(tmp_path_factory):
     ``single_flat`` / ``no_flat`` are the subsampled reading with the wrong formulas above."""
     folder = tmp_path_factory.mktemp("noise") / "Walnut1"
     readings = {
-        "subsample": ({"detector_subsampling": 1}, walnut.log_count_variance),
-        "bin2": ({"detector_subsampling": 2, "detector_binning": True}, walnut.log_count_variance),
+        "subsample": ({"detector_subsampling": 1}, source.log_count_variance),
+        "bin2": ({"detector_subsampling": 2, "detector_binning": True}, source.log_count_variance),
         "single_flat": ({"detector_subsampling": 1}, _single_flat),
         "no_flat": ({"detector_subsampling": 1}, _no_flat),
     }
     out = {name: ([], []) for name in readings}
-    right = walnut.log_count_variance
+    right = source.log_count_variance  # the walnut layout's two flats and one dark (count_variance calls it)
     try:
         for k in range(N_REALISATIONS):
             simulate_scan(folder, _params(100 + k), overwrite=True, progress=False)
             for name, (kw, formula) in readings.items():
-                walnut.log_count_variance = formula
+                source.log_count_variance = formula
                 d = read_walnut_slice(folder, angular_subsampling=1, progress=False, **kw)
                 out[name][0].append(d.y.double())
                 out[name][1].append(d.variances.double())
     finally:
-        walnut.log_count_variance = right
+        source.log_count_variance = right
     return {k: (torch.stack(y), torch.stack(v)) for k, (y, v) in out.items()}
 
 

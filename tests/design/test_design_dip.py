@@ -40,8 +40,8 @@ def problem():
 
 def test_dip_prior_scales_precision_and_refresh(problem):
     from ctuq.inference import LinearizedFeatures
+    from ctuq.inference.priors import gprior_scales
     from ctuq.linearize import LinearizedNetwork
-    from ctuq.priors import gprior_scales
 
     p = problem
     ds = DesignConfig(refresh_every=2, dense="always", samples=32)

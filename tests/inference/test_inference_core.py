@@ -63,9 +63,9 @@ def _problem_with_spectrum(eigs, d, seed=0):
 def unet_features():
     """Ψ = L Φ diag(s) (ScaledFeatures of LinearizedFeatures) for a float64 tiny U-Net (8×8, d = 5008), L random
     24 × 64, exact g-prior s."""
+    from ctuq.inference.priors import gprior_scales
     from ctuq.linearize import LinearizedNetwork
     from ctuq.models import build_unet, make_net_input
-    from ctuq.priors import gprior_scales
 
     torch.manual_seed(0)
     net = LinearizedNetwork(build_unet("tiny").double(), make_net_input((8, 8), seed=1).double(), mode="recompute")
@@ -612,9 +612,9 @@ def test_solver_choice_by_cost():
 
 # ----------------------------------------------------------------------------------------------- float32 network
 def test_float32_network_pipeline_cg_matches_exact():
+    from ctuq.inference.priors import gprior_scales
     from ctuq.linearize import LinearizedNetwork
     from ctuq.models import build_unet, make_net_input
-    from ctuq.priors import gprior_scales
 
     torch.manual_seed(0)
     # The production set-up: mode "linearize", float32, the first JVP traced inside linear_operator's matmul.
@@ -643,7 +643,7 @@ def test_float32_network_pipeline_cg_matches_exact():
 def test_core_imports_nothing_ct_specific():
     code = (
         "import sys\n"
-        "import ctuq.inference, ctuq.linearize, ctuq.priors\n"
+        "import ctuq.inference, ctuq.linearize, ctuq.inference.priors\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('astra', 'odl') "
         "or m.startswith('ctuq.operators') or m.startswith('ctuq.data') or m.startswith('ctuq.reconstruct'))\n"
         "print(','.join(bad))\n"

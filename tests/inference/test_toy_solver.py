@@ -93,11 +93,13 @@ def test_the_posterior_builds_it_by_name():
 
 def test_the_config_reads_the_registry_when_it_validates():
     assert "toy_cholesky" in solver_choices()
-    cfg = load_config(None, ["uq.solver=toy_cholesky"])
-    assert cfg.uq.solver == "toy_cholesky"
+    cfg = load_config(None, ["uq.solver=toy_cholesky", "uq.toy_cholesky.jitter=1e-9"])
+    assert cfg.uq.solver == "toy_cholesky" and cfg.uq.toy_cholesky.jitter == 1e-9  # its options: a config section
     check_section(UQConfig(solver="toy_cholesky"), "uq")
     with pytest.raises(ConfigError, match=r"uq.solver must be one of \[.*'toy_cholesky'\], got 'toy_qr'"):
         load_config(None, ["uq.solver=toy_qr"])
+    with pytest.raises(ConfigError, match=r"uq.toy_cholesky.jitter must be a number, got 'big'"):
+        load_config(None, ["uq.toy_cholesky.jitter=big"])
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -133,6 +135,8 @@ def test_the_uq_command_runs_it(tmp_path):
                 "--set",
                 "uq.solver=toy_cholesky",
                 "--set",
+                "uq.toy_cholesky.jitter=0.0",
+                "--set",
                 "uq.samples=8",
                 "--set",
                 "uq.sample_chunk=8",
@@ -153,3 +157,4 @@ def test_the_uq_command_runs_it(tmp_path):
     assert metrics["uq"]["solver"] == metrics["uq"]["stats"]["route"] == "toy_cholesky"
     assert metrics["uq"]["n_samples"] == 8
     assert metrics["config"]["uq"]["solver"] == "toy_cholesky"
+    assert metrics["config"]["uq"]["toy_cholesky"] == {"jitter": 0.0}

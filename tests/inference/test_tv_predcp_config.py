@@ -3,7 +3,8 @@ arguments (the default g-prior's arguments unchanged), and one-line errors for b
 
 import pytest
 
-from ctuq.config import ConfigError, TVPredCPConfig, UQConfig, check_section, load_config, posterior_arguments
+from ctuq.config import ConfigError, TVPredCPConfig, UQConfig, check_section, load_config
+from ctuq.pipeline.uq_settings import posterior_arguments
 
 
 def test_tv_predcp_is_a_prior_and_its_section_maps_to_prior_options():

@@ -1,8 +1,9 @@
-"""The held-out calibration check of a CT run (:mod:`ctuq.pipeline.calibration`), ``uq.calibration: heldout`` and
-``ctuq uq RUN --check``, end to end on a tiny simulated scan."""
+"""The held-out calibration check of a CT run (:mod:`ctuq.calibration` driven by :mod:`ctuq.pipeline.uq_phase`),
+``uq.calibration: heldout`` and ``ctuq uq RUN --check``, end to end on a tiny simulated scan; after loading, neither
+the uncertainty phase nor ``--check`` opens the scan again."""
 
+import ast
 import hashlib
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,13 +13,16 @@ import pytest
 import tifffile
 import torch
 
+from ctuq import calibration as cal
 from ctuq.cli import main
 from ctuq.config import load_config
 from ctuq.metrics import heldout_check
-from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline import runner
+from ctuq.pipeline import uq as pipeline_uq
 from ctuq.pipeline.phases import RunState, phase_load, phase_restore_dip
-from ctuq.studies.calibration import score_run
+from ctuq.pipeline.runner import fitted_posterior
+from ctuq.pipeline.scan import load_scan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,11 +62,11 @@ def test_every_run_with_uq_records_the_check(run):
     assert recal["k"] == h["scale"]["k"]
     assert recal["mean_std"] == pytest.approx(h["scale"]["k"] * m["uq"]["summary"]["mean_std"], rel=1e-3)
     # the rows are saved, and rescoring them reproduces the run's check
-    rows, meta = calib.read_heldout_rows(run)
+    rows = cal.read_rows(run / rf.HELDOUT_ROWS_NAME)
     assert rows.residual.shape == rows.variance.shape == rows.noise_variance.shape == (h["n_rows"],)
     assert rows.photon_variance.shape == (h["n_rows"],) and np.all(rows.photon_variance > 0)  # simulated counts
-    assert meta["n_angles"] == h["n_angles"] and meta["n_samples"] == h["n_samples"] == 64  # ≤ uq.samples
-    again = calib.score_rows(rows, meta, seed=1)
+    assert rows.meta["n_angles"] == h["n_angles"] and rows.meta["n_samples"] == h["n_samples"] == 64  # ≤ uq.samples
+    again = rows.score(seed=1)
     assert again["scale"]["k"] == pytest.approx(h["scale"]["k"], rel=1e-9)
     assert again["scale_photon"]["k"] == pytest.approx(h["scale_photon"]["k"], rel=1e-9)
 
@@ -86,7 +90,7 @@ class _Scaled:
     """A posterior whose image samples are ``factor ×`` another's: its std map is ``factor ×`` the original."""
 
     def __init__(self, posterior, factor):
-        self.posterior, self.factor, self.sigma2 = posterior, factor, posterior.sigma2
+        self.posterior, self.factor, self.likelihood = posterior, factor, posterior.likelihood
 
     def sample_outputs(self, n, **kwargs):
         for i, images, ps in self.posterior.sample_outputs(n, **kwargs):
@@ -98,16 +102,15 @@ def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
     state = RunState(cfg=cfg, out_dir=run, device=torch.device("cpu"), progress=False, command="uq")
     phase_load(state)
     phase_restore_dip(state)
-    posterior = calib.fitted_posterior(state).posterior
-    held, reason = calib.heldout_data(cfg, state.device)
-    assert reason == ""
+    run_ = fitted_posterior(state)
+    held = state.data.heldout
+    assert held is not None and state.data.heldout_reason == ""
     recon = state.images["dip"].detach().cpu()
-    base = calib.run_heldout_check(posterior, recon, cfg.dip.scale, held, n_samples=128, seed=cfg.seed + 1)
+    kw = dict(noise_model=run_.noise.model, n_samples=128, seed=cfg.seed + 1)
+    base = cal.run_heldout_check(run_.posterior, recon, cfg.dip.scale, held, **kw)
     assert not base.report["scale"]["at_bound"]
     for factor in (0.5, 2.0):
-        res = calib.run_heldout_check(
-            _Scaled(posterior, factor), recon, cfg.dip.scale, held, n_samples=128, seed=cfg.seed + 1
-        )
+        res = cal.run_heldout_check(_Scaled(run_.posterior, factor), recon, cfg.dip.scale, held, **kw)
         # the check reports the scaled std as too narrow (×0.5) or too wide (×2) by the factor ...
         assert res.k == pytest.approx(base.k / factor, rel=0.10)
         # ... and the recalibrated std (factor × k × std) is the unscaled run's k × std to within 10 %
@@ -140,7 +143,8 @@ def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
 
 def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_path):
     """uq.noise=per_ray: the held-out rows' noise is σ² d_h with d normalised like the fitted rows' (mean 1 over the
-    used rows), so rows of more photons get less noise; a per-ray run's check says which noise model it used."""
+    used rows: the posterior's likelihood answers it), so rows of more photons get less noise; a per-ray run's check
+    says which noise model it used."""
     copy = tmp_path / "per_ray"
     shutil.copytree(run, copy)
     assert main(["uq", str(copy), "--set", "uq.noise=per_ray", "--no-progress"]) == 0
@@ -148,9 +152,9 @@ def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_
     rep = m["uq"]["heldout"]
     assert rep["noise_model"] == "per_ray" and np.isfinite(rep["scale"]["k"])
     cfg = load_config(copy / "config.yaml")
-    held, reason = calib.heldout_data(cfg, torch.device("cpu"))
-    assert reason == "" and held.relative_variances.shape == (held.op.c,)
-    d = held.relative_variances
+    rows = cal.read_rows(copy / rf.HELDOUT_ROWS_NAME)
+    d = rows.noise_variance / (m["uq"]["sigma2"] / cfg.dip.scale**2)  # σ² d_h in sinogram units, over σ²
+    assert d.shape == (rep["n_rows"],)
     assert d.min() > 0 and d.max() / d.min() > 1.05  # the rows differ: a per-row noise, not one σ²
     assert 0.5 < d.mean() < 2.0  # held-out and used rows come from the same scan: comparable variances
     # --check on a per-ray run without saved rows rebuilds its posterior, which needs the scan's variances too
@@ -219,34 +223,15 @@ def test_a_broken_rows_file_is_a_one_line_error(run, tmp_path, capsys, content, 
 
 def test_no_unused_angles_is_said_in_one_line(run):
     cfg = load_config(run / "config.yaml", ["data.angular_subsampling=1"])
-    held, reason = calib.heldout_data(cfg, torch.device("cpu"))
-    assert held is None and "no unused angles" in reason and "K-fold" in reason and "\n" not in reason
+    data = load_scan(cfg, torch.device("cpu"), progress=False)[0]
+    reason = data.heldout_reason
+    assert data.heldout is None and "no unused angles" in reason and "K-fold" in reason and "\n" not in reason
 
 
 def test_bad_calibration_value_names_the_key(capsys):
     assert main(["reconstruct", "--no-uq", "--set", "uq.calibration=sometimes"]) == 2
     err = capsys.readouterr().err
     assert "uq.calibration" in err and "heldout" in err
-
-
-def test_the_bias_model_experiment_runs_and_its_image_oracle_is_calibrated(run, tmp_path):
-    """scripts/heldout_bias_experiment.py (docs/calibration.md) on the tiny run: every method scored, and the
-    image-space oracle's (k, τ) fit is at a stationary point, where scaling both by c scales the std by c, so its
-    right scale is 1 (to the Nelder–Mead tolerance)."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "heldout_bias_experiment.py"
-    spec = importlib.util.spec_from_file_location("heldout_bias_experiment", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main([str(run), "--out", str(tmp_path / "exp")]) == 0
-    (res,) = json.loads((tmp_path / "exp" / "results.json").read_text())
-    methods = [s["method"] for s in res["scores"]]
-    assert len(methods) == 5 and methods[0] == "posterior" and "oracle" in methods[-1]
-    assert res["scores"][-1]["right_scale"] == pytest.approx(1.0, abs=2e-3)
-    posterior = score_run(run)  # the study's scores of the same std map: the same inner square and numbers
-    for key in ("right_scale", "coverage_0.9", "marginal_ll", "oracle_ll"):
-        assert res["scores"][0][key] == pytest.approx(posterior[key], rel=1e-3)
-    assert all(np.isfinite(v) for v in res["evidence"].values())
-    assert "| posterior |" in (tmp_path / "exp" / "table.md").read_text()
 
 
 class _NoMatrix:
@@ -263,12 +248,92 @@ def test_bias_weights_without_a_matrix_agree_with_the_exact_ones(run):
     """w = (T ∘ T) M: exact from the sparse matrix; 64 Rademacher probes otherwise (unbiased, per-row relative s.d.
     ≤ sqrt(2/64) ≈ 18 %): the mean over rows agrees within 3 % (its s.d. is under 1 % here), seed 0."""
     cfg = load_config(run / "config.yaml")
-    held, _reason = calib.heldout_data(cfg, torch.device("cpu"))
-    mask = calib.object_mask(tifffile.imread(run / rf.RECONSTRUCTION_NAME))
+    held = load_scan(cfg, torch.device("cpu"), progress=False)[0].heldout
+    mask = cal.object_mask(tifffile.imread(run / rf.RECONSTRUCTION_NAME))
     assert 0 < mask.mean() < 1
-    exact = calib.bias_weight(held.op, mask)
-    probed = calib.bias_weight(_NoMatrix(held.op), mask, seed=0)
+    exact = cal.bias_weight(held.op, mask)
+    probed = cal.bias_weight(_NoMatrix(held.op), mask, seed=0)
     dense = held.op.csr.to_dense().double().numpy()
     np.testing.assert_allclose(exact, (dense**2) @ mask.ravel(), rtol=1e-10)
     assert probed.mean() == pytest.approx(exact.mean(), rel=0.03)
     assert np.corrcoef(probed, exact)[0, 1] > 0.9
+
+
+def _hide_the_scan_after_loading(monkeypatch, scan, hidden):
+    """``phase_load`` as the runner calls it, then the scan folder moved away: any later read of it fails."""
+
+    def load_then_hide(state):
+        phase_load(state)
+        scan.rename(hidden)
+
+    monkeypatch.setattr(runner, "phase_load", load_then_hide)
+
+
+def _count_noise_resolutions(monkeypatch):
+    calls = []
+    real = pipeline_uq.resolve_noise
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_uq, "resolve_noise", counted)
+    return calls
+
+
+@pytest.mark.slow
+def test_after_loading_neither_the_uq_phase_nor_check_opens_the_scan(tiny_scan, tiny_uq_args, tmp_path, monkeypatch):
+    """The held-out rows come with the loaded problem: a fresh run whose scan disappears right after its load phase
+    still makes its check (and resolves uq.noise once), and so does ``--check`` on its folder without
+    ``heldout_rows.npz`` (it loads the scan itself, once, then rebuilds the posterior and projects onto it)."""
+    scan, hidden = tmp_path / "scan" / "Walnut1", tmp_path / "hidden"
+    shutil.copytree(tiny_scan, scan)
+    out = tmp_path / "run"
+    _hide_the_scan_after_loading(monkeypatch, scan, hidden)
+    calls = _count_noise_resolutions(monkeypatch)
+    assert main(["reconstruct", "--data", str(scan), "--out", str(out), *tiny_uq_args]) == 0
+    assert not scan.exists() and len(calls) == 1
+    m = json.loads((out / rf.METRICS_NAME).read_text())
+    assert m["uq"]["heldout"]["n_angles"] > 0 and m["uq"]["calibration"]["mode"] == "bias"
+    hidden.rename(scan)
+    (out / rf.HELDOUT_ROWS_NAME).unlink()
+    assert main(["uq", str(out), "--check", "--no-progress"]) == 0
+    assert not scan.exists() and (out / rf.HELDOUT_ROWS_NAME).is_file()
+    again = json.loads((out / rf.HELDOUT_NAME).read_text())
+    assert again["scale"]["k"] == pytest.approx(m["uq"]["heldout"]["scale"]["k"], rel=1e-6)
+
+
+def _noise_reads(path: Path) -> list[tuple[str, str]]:
+    """``(innermost enclosing function, source)`` of every ``NoiseModel(...)`` call and every ``<settings>.noise``
+    read in ``path``."""
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            parsed = isinstance(child, ast.Call) and ast.unparse(child.func).split(".")[-1] == "NoiseModel"
+            read = isinstance(child, ast.Attribute) and child.attr == "noise"
+            if read and ast.unparse(child.value).split(".")[-1] in ("settings", "uq", "st"):
+                found.append((where, ast.unparse(child)))
+            elif parsed:
+                found.append((where, ast.unparse(child)))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), "<module>")
+    return found
+
+
+def test_uq_noise_is_read_in_one_function_only():
+    """``uq.noise`` is resolved in exactly one function (:func:`ctuq.pipeline.uq.resolve_noise`): no other code of
+    the package parses it (``NoiseModel(...)``) or reads it from a config section (``settings.noise``,
+    ``cfg.uq.noise``)."""
+    package = Path(cal.__file__).resolve().parents[1]
+    found = {
+        (path.relative_to(package.parent).as_posix(), where, text)
+        for path in sorted(package.rglob("*.py"))
+        for where, text in _noise_reads(path)
+    }
+    assert found == {
+        ("ctuq/pipeline/uq.py", "resolve_noise", "NoiseModel(settings.noise)"),
+        ("ctuq/pipeline/uq.py", "resolve_noise", "settings.noise"),
+    }

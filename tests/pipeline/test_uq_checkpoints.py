@@ -4,7 +4,7 @@ version and fingerprint checks, and the refusals of a sharded resume — without
 import pytest
 import torch
 
-from ctuq.config import UQConfig
+from ctuq.config import UQConfig, load_config
 from ctuq.errors import CheckpointMismatch, is_user_error
 from ctuq.inference import LocalShard
 from ctuq.pipeline import checkpoints
@@ -78,3 +78,95 @@ def test_fingerprint_names_later_settings_only_when_changed():
     plain = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="homoscedastic"))
     assert "noise" not in plain and plain == {k: v for k, v in base.items() if k != "noise"}
     assert checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="per_ray"))["noise"] == "per_ray"
+
+
+# What uq_fingerprint gave before the solvers' config sections (computed with the code of that time, for the Net, Op
+# and y of the test above): checkpoints written then carry these dicts and must still resume.
+FINGERPRINT_BEFORE = {
+    "image_shape": [2, 2],
+    "c": 6,
+    "d": 3,
+    "y_sum": 12.0,
+    "weights_sum": 3.0,
+    "weights_sq_sum": 5.0,
+    "scale": 2.0,
+    "seed": 0,
+    "prior": "gprior",
+    "gprior_method": "exact",
+    "gprior_probes": 256,
+    "solver": "auto",
+    "preconditioner": "nystrom",
+    "rank": 400,
+    "oversampling": 10,
+    "cg_tol": 0.001,
+    "cg_max_iter": 150,
+    "em_steps": 5,
+    "em_samples": 16,
+    "em_tol": 0.01,
+    "prior_precision": 100.0,
+    "noise_variance": None,
+    "learn_noise": True,
+    "samples": 1024,
+    "sample_chunk": 64,
+    "roi": "inner_square",
+    "patch_sizes": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    "noise": "auto",
+}
+FLAT_OVERRIDES = [
+    "uq.solver=cg",
+    "uq.rank=20",
+    "uq.cg_tol=1e-5",
+    "uq.first_order_tol=1e-3",
+    "uq.sdd_batch=7",
+    "uq.adaptive_rank=true",
+]
+FLAT_BEFORE = dict(
+    FINGERPRINT_BEFORE,
+    solver="cg",
+    rank=20,
+    cg_tol=1e-5,
+    em_steps=50,
+    em_tol=1e-3,
+    adaptive_rank=True,
+    sdd_batch=7,
+    first_order_tol=1e-3,
+)
+NESTED_OVERRIDES = [
+    "uq.solver=cg",
+    "uq.cg.rank=20",
+    "uq.cg.rtol=1e-5",
+    "uq.sdd.rtol=1e-3",
+    "uq.sgd.rtol=1e-3",
+    "uq.sdd.batch_size=7",
+    "uq.cg.adaptive_rank=true",
+]
+
+
+def _fingerprint(settings):
+    class Net:
+        d = 3
+
+        @staticmethod
+        def params():
+            return torch.arange(3.0)
+
+    class Op:
+        image_shape, c = (2, 2), 6
+
+    return checkpoints.uq_fingerprint(Net, Op, torch.ones(2, 3), 2.0, 0, settings)
+
+
+def test_the_fingerprint_of_the_same_settings_is_the_dict_of_before():
+    assert _fingerprint(UQConfig()) == FINGERPRINT_BEFORE
+    # old flat keys and the sections they stand for: the same dict as before
+    for overrides in (FLAT_OVERRIDES, NESTED_OVERRIDES):
+        fp = _fingerprint(load_config("demo", overrides).uq)
+        assert fp == FLAT_BEFORE
+
+
+def test_options_without_a_flat_key_join_the_fingerprint_when_changed():
+    fp = _fingerprint(load_config("demo", ["uq.cg.initial_rank=50", "uq.sgd.rtol=0.05", "uq.sdd.lanczos_steps=9"]).uq)
+    assert fp["cg.initial_rank"] == 50 and fp["sdd.lanczos_steps"] == 9
+    # sgd.rtol differs from first_order_tol (which is sdd.rtol): both are recorded
+    assert fp["sgd.rtol"] == 0.05 and "first_order_tol" not in fp
+    assert "cg.initial_rank" not in _fingerprint(UQConfig())

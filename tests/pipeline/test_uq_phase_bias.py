@@ -1,4 +1,4 @@
-"""``uq.calibration: bias`` (:mod:`ctuq.pipeline.uq_phase`, :mod:`ctuq.pipeline.calibration`): the held-out bias
+"""``uq.calibration: bias`` (:mod:`ctuq.pipeline.uq_phase`, :class:`ctuq.calibration.BiasModel`): the held-out bias
 model ``sqrt(std² + τ² M)`` applied to ``std.tif`` and scored, and the bias weights of rows saved before it, end to
 end on the tiny simulated scan."""
 
@@ -10,12 +10,12 @@ import pytest
 import tifffile
 import torch
 
+from ctuq.calibration import BiasModel, biased_moments, object_mask, read_rows, resolve_calibration
 from ctuq.cli import main
 from ctuq.metrics import SampleMoments, inner_square_roi
-from ctuq.pipeline import calibration as calib
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.uq_phase import biased_moments, resolve_calibration
-from ctuq.studies.calibration import heldout_report, score_run
+from ctuq.pipeline.uq_phase import auto_calibration
+from ctuq.studies.calibration import heldout_rows, score_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,7 @@ def test_calibration_bias_writes_sqrt_std2_plus_tau2_mask(biased):
     assert cal["tau"] == m["uq"]["heldout"]["bias"]["tau"] > 0  # the tiny run's DIP bias leaves room for τ
     assert cal["tau_se"] > 0 and cal["tau_interval_95"][0] < cal["tau"] < cal["tau_interval_95"][1]
     std, raw = tifffile.imread(biased / rf.STD_NAME), tifffile.imread(biased / rf.STD_UNCALIBRATED_NAME)
-    mask = calib.object_mask(tifffile.imread(biased / rf.RECONSTRUCTION_NAME))
+    mask = object_mask(tifffile.imread(biased / rf.RECONSTRUCTION_NAME))
     assert mask.mean() == pytest.approx(cal["mask_fraction"], abs=1e-12) and 0 < cal["mask_fraction"] < 1
     np.testing.assert_allclose(std, np.sqrt(raw.astype(np.float64) ** 2 + cal["tau"] ** 2 * mask), rtol=1e-6)
     assert np.array_equal(std[mask == 0], raw[mask == 0])  # outside the object the posterior's map as it is
@@ -109,24 +109,26 @@ def test_the_default_auto_is_none_without_unused_angles(tiny_scan, tiny_uq_args,
 
 
 def test_auto_resolves_by_the_check_and_the_prior():
-    """``auto``: nothing without a held-out check; the bias model for the g-prior; the global ``k`` for TV-PredCP,
-    whose posterior is too narrow everywhere (docs/calibration.md); an explicit value is kept as it is."""
-    assert resolve_calibration("auto", checked=False) == "none"
-    assert resolve_calibration("auto", checked=False, prior="tv_predcp") == "none"
-    assert resolve_calibration("auto", checked=True) == "bias"
-    assert resolve_calibration("auto", checked=True, prior="isotropic") == "bias"
-    assert resolve_calibration("auto", checked=True, prior="tv_predcp") == "heldout"
-    for value in ("none", "heldout", "bias"):
-        assert resolve_calibration(value, checked=True, prior="tv_predcp") == value
-    with pytest.raises(ValueError):
-        resolve_calibration("biased", checked=True)
+    """``auto``: nothing without a held-out check; the bias model for the g-prior (and the isotropic prior); the
+    global ``k`` for TV-PredCP, whose posterior is too narrow everywhere (docs/calibration.md): each prior class says
+    which (``auto_calibration``); an explicit value is kept as it is."""
+    for prior, want in (("gprior", "bias"), ("isotropic", "bias"), ("tv_predcp", "heldout")):
+        preferred = auto_calibration(prior)
+        assert preferred == want
+        assert resolve_calibration("auto", checked=False, preferred=preferred) == "none"
+        assert resolve_calibration("auto", checked=True, preferred=preferred) == want
+        for value in ("none", "heldout", "bias"):
+            assert resolve_calibration(value, checked=True, preferred=preferred) == value
 
 
 def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatch):
     """τ = 0 (the fit found no room for a bias): ``std.tif`` is the posterior's, bit for bit, and so are its scores."""
-    fit = calib.HeldoutResult.bias.fget
-    zero = {"tau": 0.0, "zero": True, "se_bootstrap": None, "se_curvature": None, "interval_95": None}
-    monkeypatch.setattr(calib.HeldoutResult, "bias", property(lambda self: {**fit(self), **zero}))
+    fit = BiasModel.fit
+
+    def no_room(rows, reconstruction=None):  # the bias fit at the lower end of its range: τ = 0, no s.e.
+        return BiasModel(0.0, fit(rows, reconstruction).mask)
+
+    monkeypatch.setattr(BiasModel, "fit", staticmethod(no_room))
     copy = tmp_path / "zero"
     shutil.copytree(run, copy)
     assert main(["uq", str(copy), "--set", "uq.calibration=bias", "--no-progress"]) == 0
@@ -161,15 +163,15 @@ def test_rows_saved_before_the_bias_model_get_their_weights(run, tmp_path, capsy
     for folder in (check, study):
         shutil.copytree(run, folder)
         weight = _strip_bias_weight(folder)
-        assert calib.read_heldout_rows(folder)[0].bias_weight is None
+        assert read_rows(folder / rf.HELDOUT_ROWS_NAME).bias_weight is None
     assert main(["uq", str(check), "--check", "--no-progress"]) == 0
     assert "bias inside the object" in capsys.readouterr().out
     assert json.loads((check / rf.HELDOUT_NAME).read_text())["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
-    assert heldout_report(study)["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
+    assert heldout_rows(study).report["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
     for folder in (check, study):  # saved back: the next rescoring reads them
-        rows, meta = calib.read_heldout_rows(folder)
+        rows = read_rows(folder / rf.HELDOUT_ROWS_NAME)
         np.testing.assert_allclose(rows.bias_weight, weight, rtol=1e-5)
-        assert meta == calib.read_heldout_rows(run)[1]
+        assert rows.meta == read_rows(run / rf.HELDOUT_ROWS_NAME).meta
 
 
 def test_rows_of_another_scan_layout_are_a_one_line_error(run, tmp_path, capsys):

@@ -11,10 +11,11 @@ import torch
 from ctuq.config import TVPredCPConfig
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import DenseLinearGaussian
+from ctuq.inference.priors import TVPredCPPrior
+from ctuq.inference.priors.tv_predcp import anisotropic_tv
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
-from ctuq.pipeline.uq import PRIOR_TRACE_FIGURE, UQSettings, run_linearized_uq
-from ctuq.priors.tv_predcp import anisotropic_tv
+from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 
 SCALE = 3.0
 
@@ -52,8 +53,9 @@ def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path
         model, net_input, op, y, scale=SCALE, settings=settings, work_dir=tmp_path, progress=False, keep_samples=True
     )
     post = res.posterior
-    prior = post.block_prior
-    assert prior.fitted and len(prior.trace) == 5 and (tmp_path / PRIOR_TRACE_FIGURE).is_file()
+    prior = post.weight_prior
+    assert isinstance(prior, TVPredCPPrior)
+    assert prior.fitted and len(prior.trace) == 5 and (tmp_path / TVPredCPPrior.TRACE_FIGURE).is_file()
     assert res.stats["prior"]["prior"] == "tv_predcp" and len(res.stats["prior"]["trace"]) == 5
     conv = res.stats["prior"]["convergence"]  # the fit's convergence check reaches metrics.json
     assert conv["steps"] == 5 and conv["optimizer"] == "lbfgs" and isinstance(conv["converged"], bool)
@@ -62,6 +64,7 @@ def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path
         g0 = model(net_input).reshape(1, -1).double()
     tv = float(anisotropic_tv(g0, (16, 16)).abs().sum())
     assert prior.rate == pytest.approx(settings.tv_predcp.scale / tv, rel=1e-6)
+    assert res.stats["prior"]["tv_reconstruction"] == pytest.approx(tv, rel=1e-6)
     # dense reference: Φ by autograd, Ψ = T Φ L, std = sqrt(diag(Φ L Σ Lᵀ Φᵀ)) / scale
     ref_model = copy.deepcopy(model).double().eval()
     names = [n for n, p in ref_model.named_parameters() if p.ndim > 1]

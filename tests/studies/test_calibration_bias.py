@@ -7,19 +7,21 @@ import numpy as np
 import pytest
 import tifffile
 
+from ctuq.calibration import HeldoutRows
 from ctuq.pipeline import run_folder as rf
 from ctuq.studies.calibration import aggregate, markdown_table, score_run
 
 
-def _report(tau: float) -> dict:
-    """The parts of a held-out check report the study reads."""
-    return {
+def _report(tau: float) -> HeldoutRows:
+    """Scored held-out rows with the parts of the report the study reads (the rows themselves are not)."""
+    report = {
         "scale": {"k": 1.0, "se_bootstrap": 0.05},
         "coverage_headline": {"0.5": 0.5, "0.9": 0.9, "0.95": 0.95},
         "image_variance_fraction": 0.2,
         "z": {"mean": 0.0, "std": 1.0},
-        "bias": {"tau": tau, "zero": tau == 0.0},
+        "bias": {"tau": tau, "zero": tau == 0.0, "se_bootstrap": None, "se_curvature": None},
     }
+    return HeldoutRows(np.zeros(2), np.ones(2), 1.0, np.arange(2), report=report)
 
 
 def _run(folder, seed: int):
@@ -50,7 +52,7 @@ def test_the_bias_map_is_scored_beside_the_posterior(tmp_path):
     assert z["right_scale"] == pytest.approx(s["right_scale"], rel=1e-12)
     assert score_run(tmp_path / "a", "heldout", heldout=_report(0.01))["bias"] is None
     without = _report(0.01)
-    del without["bias"]
+    del without.report["bias"]
     assert score_run(tmp_path / "a", heldout=without)["bias"] is None  # rows saved before the bias model
 
 
@@ -60,10 +62,15 @@ def test_aggregate_and_table_summarise_the_bias_model(tmp_path):
             _run(tmp_path / f"r{i}", i), heldout=_report(tau))}
         for i, tau in enumerate((0.01, 0.0))
     ]  # fmt: skip
-    rows = aggregate(records)
+    rows = aggregate(records, {"right_scale": [0.85, 1.15]})
     b = rows[0]["bias"]
     assert b["n"] == 2 and b["n_tau_positive"] == 1 and b["n_ll_at_least_posterior"] == 2
-    assert b["n_right_scale_in_gate"] == 1  # τ = 0.01 is right; τ = 0 keeps the posterior's 1.9
+    assert b["n_right_scale_in_target"] == 1  # τ = 0.01 is right; τ = 0 keeps the posterior's 1.9
     assert b["tau"][0] == pytest.approx(0.005)
-    text = markdown_table(rows, [], {}, "cmd")
+    text = markdown_table(rows, [], {}, "cmd", targets={"right_scale": [0.85, 1.15]})
     assert "Held-out bias inside the object" in text and "| 60 | c | 2 | 1 |" in text
+    assert "right scale ∈ [0.85, 1.15]" in text and "## Targets" not in text  # no gates: no targets table
+    # without a target nothing is counted against one, and the table shows the measured numbers only
+    plain = aggregate(records)
+    assert "n_right_scale_in_target" not in plain[0]["bias"]
+    assert "∈ [" not in markdown_table(plain, [], {}, "cmd")

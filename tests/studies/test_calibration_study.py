@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tifffile
 
+from ctuq.calibration import HeldoutRows, joint_ll_at_scale
 from ctuq.config import ConfigError, load_config
 from ctuq.metrics import uq_summary
 from ctuq.pipeline import run_folder as rf
@@ -23,7 +24,7 @@ from ctuq.studies.calibration import (
     aggregate,
     check_combinations,
     gate_report,
-    joint_ll_at_scale,
+    parse_target,
     run_study,
     score_run,
 )
@@ -81,9 +82,30 @@ def test_gates_report_margins():
     assert math.isclose(st["k_image_rows"]["after"][0], 0.75) and st["k_image_rows"]["within_10pc"] == 1
     assert "k_photon" not in st
     assert math.isclose(rows[0]["right_scale"][0], 1.1) and math.isclose(rows[0]["right_scale"][1], 0.1)
-    g = gate_report(rows)[0]["gates"]
+    assert gate_report(rows) == [] and gate_report(rows, {}) == []  # no target is built in
+    targets = dict(parse_target(t) for t in ("right_scale=0.85:1.15", "coverage_0.9=:0.89", "min_ll_margin=0:"))
+    assert targets == {"right_scale": [0.85, 1.15], "coverage_0.9": [None, 0.89], "min_ll_margin": [0.0, None]}
+    g = gate_report(rows, targets)[0]["gates"]
+    assert list(g) == list(targets)
     assert g["right_scale"]["pass"] and math.isclose(g["right_scale"]["margin"], 0.05)
-    assert not g["ll_above_oracle"]["pass"] and math.isclose(g["ll_above_oracle"]["margin"], -0.1)
+    assert not g["coverage_0.9"]["pass"] and math.isclose(g["coverage_0.9"]["margin"], -0.01)
+    assert not g["min_ll_margin"]["pass"] and math.isclose(g["min_ll_margin"]["margin"], -0.1)
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("right_scale", "expected METRIC=LOW:HIGH"),
+        ("right_scale=a:1", "expected METRIC=LOW:HIGH"),
+        ("sharpness=0:1", "the metric must be one of coverage_0.5"),
+        ("right_scale=:", "give at least one bound"),
+        ("right_scale=2:1", "low ≤ high"),
+    ],
+)
+def test_bad_targets_are_one_line_errors(tmp_path, capsys, text, fragment):
+    assert _script().main(["--tiny", "--out", str(tmp_path / "s"), "--target", text]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"calibration_study.py: --target {text}: ") and fragment in err[0]
 
 
 def test_unknown_keys_make_a_combination_unavailable_up_front():
@@ -122,7 +144,7 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, argv, message):
 def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     out = tmp_path / "study"
     script = _script()
-    assert script.main(["--tiny", "--out", str(out)]) == 0
+    assert script.main(["--tiny", "--out", str(out), "--target", "right_scale=0.85:1.15"]) == 0
     res = json.loads((out / "results.json").read_text())
     combos = {r["combination"] for r in res["records"]}
     assert "gprior-homoscedastic-none" in combos
@@ -130,9 +152,14 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     for r in res["records"]:
         s = r["scores"]
         assert 0 <= s["coverage_0.9"] <= 1 and s["right_scale"] > 0 and math.isfinite(s["marginal_ll"])
-    assert any(r["content"] == "textured" for r in res["table"]) and res["gates"]
+    assert any(r["content"] == "textured" for r in res["table"]) and res["options"]["targets"]
+    assert [set(g["gates"]) for g in res["gates"]] == [{"right_scale"}] * len(res["gates"]) and res["gates"]
     md = (out / "results.md").read_text()
-    assert "| 8 | gprior-homoscedastic-none | all | 2 |" in md and "Acceptance gates" in md
+    assert (
+        "| 8 | gprior-homoscedastic-none | all | 2 |" in md
+        and "## Targets" in md
+        and "right_scale ∈ [0.85, 1.15]" in md
+    )
     assert (out / "calibration.png").stat().st_size > 10_000
     for name in res["unavailable"]:
         assert f"`{name}`" in md
@@ -145,7 +172,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
 
     stamps = finished_files()
     capsys.readouterr()
-    assert script.main(["--tiny", "--resume", "--out", str(out)]) == 0
+    assert script.main(["--tiny", "--resume", "--out", str(out)]) == 0  # the targets may change: no number does
     err = capsys.readouterr().err
     assert "fitting the DIP" not in err and "simulating" not in err
     # only combinations that failed (e.g. an option whose data the scan lacks) are tried again
@@ -188,12 +215,13 @@ def test_heldout_calibration_is_scored_from_the_same_run(tmp_path):
     (tmp_path / rf.METRICS_NAME).write_text(
         json.dumps({"uq": {"summary": summary, "summary_recalibrated": recal, "n_samples": 8}})
     )
-    heldout = {
+    report = {
         "scale": {"k": 2.0, "se_bootstrap": 0.1},
         "coverage_headline": {"0.5": 0.5, "0.9": 0.9, "0.95": 0.95},
         "image_variance_fraction": 0.3,
         "z": {"mean": 0.0, "std": 1.0},
     }
+    heldout = HeldoutRows(np.zeros(2), np.ones(2), 1.0, np.arange(2), report=report)
     none = score_run(tmp_path, "none", heldout)
     cal = score_run(tmp_path, "heldout", heldout)
     assert none["k"] is None and cal["k"] == 2.0
@@ -209,6 +237,7 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
     next scan, its rows count the scans it covers, and it fails the gates as a whole. The scans, DIP fits,
     inferences and scores are replaced by stand-ins: what is checked is the study's bookkeeping."""
     opts = {**DEFAULTS, **TINY, "noises": ["homoscedastic", "per_ray"], "calibrations": ["none"]}
+    opts["targets"] = {"coverage_0.9": [0.86, 0.94], "min_ll_margin": [0.0, None]}
     ran = []
 
     def fake_scans(opts, out, log):
@@ -235,7 +264,7 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
     monkeypatch.setattr(cal, "prepare_scans", fake_scans)
     monkeypatch.setattr(cal, "_fit_dip", fake_dip)
     monkeypatch.setattr(cal, "_run_combination", fake_run)
-    monkeypatch.setattr(cal, "heldout_report", lambda run: None)
+    monkeypatch.setattr(cal, "heldout_rows", lambda run: None)
     monkeypatch.setattr(cal, "score_run", fake_score)
     res = run_study(opts, tmp_path / "study", "test")
 
@@ -251,5 +280,5 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
     assert all(v["pass"] for v in gates["gprior-per_ray-none"]["gates"].values())
     assert gates["gprior-per_ray-none"]["failed_runs"] == 1 and not gates["gprior-per_ray-none"]["pass"]
     md = (tmp_path / "study" / "results.md").read_text()
-    assert "| FAIL (1 run failed) |" in md
+    assert "| FAIL (1 run failed) |" in md and "coverage_0.9 ∈ [0.86, 0.94]" in md
     assert "- `gprior-per_ray` on walnut_0, 8 angles: CG did not converge in 500 iterations" in md

@@ -4,13 +4,15 @@ Where things are:
 
 * :mod:`.base`: the contract (:class:`Solver`, :class:`ExactSolver`), :class:`SolveStats`,
   :class:`ConvergenceWarning`, :func:`relative_residual`;
-* :mod:`.registry`: :data:`SOLVERS` (registry name → class, filled by ``@register_solver``), the option rule;
+* :mod:`.registry`: the functions of :data:`ctuq.registry.SOLVERS` (registry name → class, filled by
+  ``@SOLVERS.register``; re-exported here as :data:`SOLVERS`), the option rule;
 * :mod:`.cost`: :class:`Workload`, the cost model, ``solver="auto"`` (:func:`choose_solver`),
   :func:`resolve_solver`, :func:`make_solver`;
 * one module per solver family: :mod:`.exact` (``exact_primal``, ``exact_dual``), :mod:`.cg` (``cg``, with
   :mod:`.preconditioners`), :mod:`.sdd` and :mod:`.sgd` (on :mod:`.first_order`).
 
-A new solver is one module here plus one import line below (its ``@register_solver`` does the rest).
+A new solver is one module here plus one import line below (its ``@SOLVERS.register`` does the rest; its
+``Options`` become the config section ``uq.<name>``).
 """
 
 from ctuq.inference.solvers.base import (

@@ -9,35 +9,55 @@ Every solver has one lifecycle, so the posterior, the sampler and the EM treat t
     solver.state_dict()                            # what setup built (plain tensors/numbers), or None
 
 A solver class owns its registry name (:attr:`Solver.name`), a one-line :attr:`Solver.summary`, what it offers
-(:attr:`~Solver.exact`, :attr:`~Solver.assembles_features`, :attr:`~Solver.warm_starts`), its options (the
-keyword-only parameters of its ``__init__``: :meth:`Solver.option_names`), its cost estimate
-(:meth:`Solver.estimate_cost`, used by ``solver="auto"``), its state, and what a front end reports about it
-(:meth:`Solver.report`, :meth:`Solver.describe`). :class:`ExactSolver` adds the exact quantities the EM uses
-instead of samples (``γ``, ``‖w*‖²``, ``‖ỹ − Ψw*‖²``, the log evidence) from one decomposition.
+(:attr:`~Solver.exact`, :attr:`~Solver.assembles_features`, :attr:`~Solver.warm_starts`), its options
+(:attr:`Solver.Options`, below), its cost estimate (:meth:`Solver.estimate_cost`, used by ``solver="auto"``), its
+state, and what a front end reports about it (:meth:`Solver.report`, :meth:`Solver.describe`).
+:class:`ExactSolver` adds the exact quantities the EM uses instead of samples (``γ``, ``‖w*‖²``, ``‖ỹ − Ψw*‖²``,
+the log evidence) from one decomposition.
 
-Adding a solver: subclass :class:`Solver` (or :class:`ExactSolver`) in a new module of this package, decorate it
-with :func:`~ctuq.inference.solvers.registry.register_solver`, and import the module in the package
-``__init__`` (the one registry line).
+Options, in one place: a solver's options are the keyword-only parameters of its ``__init__``, declared once as
+the dataclass :attr:`Solver.Options` (fields made with :func:`ctuq.options.option`: default, bounds, help). The
+``__init__`` takes its defaults from it (``rank: int = Options.rank``); a class that declares ``Options`` whose
+names or defaults differ from its ``__init__``'s is refused when the class is defined. :meth:`Solver.option_names`
+and the run configuration's section ``uq.<name>`` (``uq.cg.rank``, ...) are read from it, leaving out
+:attr:`Solver.runtime_options` (what the posterior supplies itself). A class that declares no ``Options`` gets one
+derived from its ``__init__`` (without help or bounds).
+
+Adding a solver: subclass :class:`Solver` (or :class:`ExactSolver`) in a new module of this package, register it
+with ``@SOLVERS.register`` (:data:`ctuq.registry.SOLVERS`), and import the module in the package ``__init__``
+(the one registry line).
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import inspect
+import typing
 import warnings
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ctuq.inference.checks import check_rhs
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import KernelOperator, measurement_covariance
+from ctuq.options import option
+from ctuq.registry import SOLVERS
 
 if TYPE_CHECKING:  # annotations only: cost.py imports the registry, which imports this module
     from ctuq.inference.solvers.cost import SolverCostEstimate, Workload
 
-__all__ = ["ConvergenceWarning", "SolveStats", "relative_residual", "warn_not_converged", "Solver", "ExactSolver"]
+__all__ = [
+    "ConvergenceWarning",
+    "SolveStats",
+    "relative_residual",
+    "warn_not_converged",
+    "NoOptions",
+    "Solver",
+    "ExactSolver",
+]
 
 
 class ConvergenceWarning(RuntimeWarning):
@@ -112,10 +132,73 @@ def warn_not_converged(stats: SolveStats, rtol: float, max_iter: int, *, stackle
     )
 
 
+@dataclasses.dataclass
+class NoOptions:
+    """A solver without options."""
+
+
+def _keyword_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _options_from_init(cls: type) -> type:
+    """The ``Options`` of a solver class that declares none: its ``__init__``'s keyword-only parameters, with their
+    annotations and defaults (no help, no bounds; a parameter without a default is a required field)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations naming what only a type checker sees: the engine then takes any value
+        hints = {}
+    fields = []
+    for name, p in _keyword_parameters(cls).items():
+        meta = dict(option().metadata)
+        if p.default is inspect.Parameter.empty:
+            field = dataclasses.field(metadata=meta)
+        elif isinstance(p.default, (list, dict, set)):
+            field = dataclasses.field(default_factory=lambda v=p.default: copy.copy(v), metadata=meta)
+        else:
+            field = dataclasses.field(default=p.default, metadata=meta)
+        fields.append((name, hints.get(name, Any), field))
+    options = dataclasses.make_dataclass(f"{cls.__name__}Options", fields, kw_only=True)
+    options.__module__, options.__qualname__ = cls.__module__, f"{cls.__qualname__}.Options"
+    options.__doc__ = f"The keyword-only parameters of {cls.__name__}.__init__ (the class declares no Options)."
+    return options
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return inspect.Parameter.empty
+
+
+def _check_options(cls: type) -> None:
+    """Refuse a declared ``Options`` whose names or defaults are not those of ``cls.__init__``."""
+    options = cls.Options
+    if not dataclasses.is_dataclass(options):
+        raise TypeError(f"{cls.__name__}.Options must be a dataclass of option() fields, got {options!r}")
+    declared = {f.name: f for f in dataclasses.fields(options)}
+    params = _keyword_parameters(cls)
+    if set(declared) != set(params):
+        raise TypeError(
+            f"{cls.__name__}.Options declares {sorted(declared)} but {cls.__name__}.__init__ takes the keyword-only "
+            f"options {sorted(params)}; declare each option once, in Options, and take its default from there"
+        )
+    for name, f in declared.items():
+        want, got = _field_default(f), params[name].default
+        if not (want is got or want == got):
+            raise TypeError(
+                f"{cls.__name__}: option {name!r} defaults to {got!r} in __init__ but to {want!r} in Options; "
+                f"write the default once (in Options) and use it in __init__ ({name}=Options.{name})"
+            )
+
+
 class Solver(abc.ABC):
     """Applies ``C⁻¹`` for ``C = K̄/a + σ² I``: ``solve(rhs, a, sigma2) -> (X, SolveStats)`` for rows ``(k, c)``.
 
-    Subclasses take ``features`` (``Ψ``, ``c × d``) first and their options as keyword-only arguments.
+    Subclasses take ``features`` (``Ψ``, ``c × d``) first and their options as keyword-only arguments, declared in
+    :attr:`Options` (module docstring).
 
     Attributes
     ----------
@@ -131,6 +214,13 @@ class Solver(abc.ABC):
     warm_starts : bool
         Whether :class:`~ctuq.inference.em.SampledEM` should pass the previous step's solutions as ``x0`` (the
         first-order solvers; CG and the exact solvers keep their numbers independent of earlier calls).
+    Options : type
+        The dataclass of the solver's options (its ``__init__``'s keyword-only parameters; fields made with
+        :func:`ctuq.options.option`: default, bounds, help), from which :meth:`option_names` and the config section
+        ``uq.<name>`` derive.
+    runtime_options : frozenset of str
+        Options the posterior supplies itself when the solver takes them (its ``seed``, its ``progress`` flag):
+        not configuration, so the config derives no key for them.
     features : FeatureOperator
         ``Ψ``.
     kernel : KernelOperator
@@ -142,9 +232,18 @@ class Solver(abc.ABC):
     exact: ClassVar[bool] = False
     assembles_features: ClassVar[bool] = False
     warm_starts: ClassVar[bool] = False
+    Options: ClassVar[type] = NoOptions
+    runtime_options: ClassVar[frozenset[str]] = frozenset({"seed", "progress"})
 
     features: FeatureOperator
     kernel: KernelOperator
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "Options" in cls.__dict__:
+            _check_options(cls)
+        else:
+            cls.Options = _options_from_init(cls)
 
     def __init__(self, features: FeatureOperator):
         self.features = features
@@ -153,9 +252,9 @@ class Solver(abc.ABC):
     # ------------------------------------------------------------------------------------------ class facts
     @classmethod
     def option_names(cls) -> frozenset[str]:
-        """The options this solver takes: the keyword-only parameters of its ``__init__``."""
-        params = inspect.signature(cls.__init__).parameters.values()
-        return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        """The options this solver takes: the fields of :attr:`Options` (its ``__init__``'s keyword-only
+        parameters)."""
+        return frozenset(f.name for f in dataclasses.fields(cls.Options))
 
     @classmethod
     def estimate_cost(
@@ -252,3 +351,6 @@ class ExactSolver(Solver):
     @abc.abstractmethod
     def log_evidence(self, y_tilde: torch.Tensor, a: float, sigma2: float) -> float:
         """``log N(ỹ; 0, C)`` in nats."""
+
+
+SOLVERS.set_base(Solver)

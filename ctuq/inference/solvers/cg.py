@@ -8,7 +8,7 @@ for every ``(a, σ²)``.
 
 Why not linear_operator's ``linear_cg`` (measured:
 ``tests/inference/test_inference_core.py::test_pcg_uses_fewer_products_than_linear_cg`` and
-``scripts/benchmark_inference.py --compare-cg``): ``linear_cg``
+``scripts/benchmark_cg.py --backends``): ``linear_cg``
 
 1. always runs at least 11 iterations (it only tests convergence from iteration 10 on), while with a rank-400
    preconditioner the published problems converge in ≤ 10; on a preconditioned test problem (c = 200, 5
@@ -31,6 +31,7 @@ measured in float32 on a U-Net kernel at rtol 1e-3: recursive 9.820e-4 vs true 9
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -51,8 +52,8 @@ from ctuq.inference.solvers.preconditioners import (
     pivoted_cholesky_eig,
     randomized_eig,
 )
-from ctuq.inference.solvers.registry import register_solver
-from ctuq.options import CGBackend, Preconditioner, values
+from ctuq.options import CGBackend, Preconditioner, option, values
+from ctuq.registry import SOLVERS
 
 __all__ = ["pcg", "CGSolver"]
 
@@ -150,7 +151,7 @@ def pcg(
     return X, stats
 
 
-@register_solver
+@SOLVERS.register
 class CGSolver(Solver):
     """Preconditioned CG on ``C = K̄/a + σ² I`` with a ``K̄``-only preconditioner built once (in :meth:`setup`).
 
@@ -164,25 +165,13 @@ class CGSolver(Solver):
     preconditioner : {"nystrom", "halko", "pivoted_cholesky", "none"} or LowRankEig
         How to build ``K̄ ≈ U Λ Uᵀ`` (see :mod:`ctuq.inference.solvers.preconditioners`), or a ready
         decomposition (e.g. one built for another solver on the same features).
-    rank, oversampling : int
-        Preconditioner rank ``r`` and oversampling ``p`` (published: 400, 5-10).
-    rtol, max_iter
-        CG tolerance (relative, per right-hand side) and iteration cap.
-    backend : {"pcg", "linear_cg"}
-        :func:`pcg` (default) or linear_operator's ``linear_cg`` (comparison only; module docstring).
-    seed : int
-        Seeds the random test matrix of the randomised preconditioner (a CPU generator).
-    pivoted_diagonal : {"exact", "stochastic"}
-        How pivoted Cholesky gets ``diag(K̄)``.
-    adaptive_rank : bool
-        Grow a single-pass Nyström preconditioner in rounds until its smallest eigenvalue ``λ_r`` satisfies
-        ``λ_r/a < rank_threshold · σ²`` at the ``(a, σ²)`` of the first solve (or of
-        :meth:`build_preconditioner`), with ``rank`` as the cap (:func:`~ctuq.inference.solvers.
-        preconditioners.adaptive_nystrom_eig`); ``preconditioner`` must be ``"nystrom"``. Off by default (fixed rank).
-    rank_threshold : float
-        The stated multiple of ``σ²`` of the adaptive rule (default 1).
-    initial_rank : int
-        First round of the adaptive rule (default 100; rounds grow by 1.5×).
+    **options
+        The other fields of :class:`CGSolver.Options` (defaults, bounds and meaning there): ``rank``,
+        ``oversampling``, ``rtol``, ``max_iter``, ``backend``, ``seed``, ``pivoted_diagonal``, ``adaptive_rank``
+        (grow a single-pass Nyström preconditioner in rounds until its smallest eigenvalue ``λ_r`` satisfies
+        ``λ_r/a < rank_threshold · σ²`` at the ``(a, σ²)`` of the first solve or of :meth:`build_preconditioner`,
+        with ``rank`` as the cap: :func:`~ctuq.inference.solvers.preconditioners.adaptive_nystrom_eig`),
+        ``rank_threshold``, ``initial_rank``.
     """
 
     name = "cg"
@@ -190,21 +179,52 @@ class CGSolver(Solver):
         "preconditioned conjugate gradients on C = K̄/a + σ²I with a low-rank K̄ preconditioner (fixed or adaptive rank)"
     )
 
+    @dataclasses.dataclass
+    class Options:
+        """The options of :class:`CGSolver` (the config section ``uq.cg``)."""
+
+        preconditioner: str = option(
+            Preconditioner.NYSTROM.value,
+            choices=values(Preconditioner),
+            help="CG preconditioner (randomised low-rank K̄, built once)",
+        )
+        rank: int = option(400, ge=1, help="preconditioner rank r (published: 400; the cap with adaptive_rank)")
+        oversampling: int = option(10, ge=0, help="preconditioner oversampling p (published: 5-10)")
+        rtol: float = option(1e-3, gt=0.0, lt=1.0, help="CG relative tolerance (per right-hand side)")
+        max_iter: int = option(150, ge=1, help="CG iteration cap")
+        backend: str = option(
+            CGBackend.PCG.value,
+            choices=values(CGBackend),
+            help="pcg (deflating batched PCG) or linear_operator's linear_cg (comparison only)",
+        )
+        seed: int = option(0, ge=0, help="seeds the random test matrix of the randomised preconditioner")
+        pivoted_diagonal: str = option(
+            "exact", choices=("exact", "stochastic"), help="how pivoted Cholesky gets diag(K̄)"
+        )
+        adaptive_rank: bool = option(
+            False,
+            help="grow the Nyström preconditioner until λ_r/a < rank_threshold·σ² (at the initial a, σ²), at most rank",
+        )
+        rank_threshold: float = option(
+            1.0, gt=0.0, help="adaptive_rank: the multiple of σ² below which λ_r/a stops the growth"
+        )
+        initial_rank: int = option(100, ge=1, help="adaptive_rank: the first round's rank (rounds grow by 1.5×)")
+
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        preconditioner: str | LowRankEig = "nystrom",
-        rank: int = 400,
-        oversampling: int = 10,
-        rtol: float = 1e-3,
-        max_iter: int = 150,
-        backend: str = "pcg",
-        seed: int = 0,
-        pivoted_diagonal: str = "exact",
-        adaptive_rank: bool = False,
-        rank_threshold: float = 1.0,
-        initial_rank: int = 100,
+        preconditioner: str | LowRankEig = Options.preconditioner,
+        rank: int = Options.rank,
+        oversampling: int = Options.oversampling,
+        rtol: float = Options.rtol,
+        max_iter: int = Options.max_iter,
+        backend: str = Options.backend,
+        seed: int = Options.seed,
+        pivoted_diagonal: str = Options.pivoted_diagonal,
+        adaptive_rank: bool = Options.adaptive_rank,
+        rank_threshold: float = Options.rank_threshold,
+        initial_rank: int = Options.initial_rank,
     ):
         if isinstance(preconditioner, str) and preconditioner not in values(Preconditioner):
             raise ValueError(

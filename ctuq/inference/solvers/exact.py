@@ -6,6 +6,7 @@ further Jacobian cost (:class:`ExactEigSolver`; registry names ``"exact_primal"`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -16,10 +17,21 @@ from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import assemble_features, assemble_kernel
 from ctuq.inference.solvers.base import ExactSolver, SolveStats, relative_residual
 from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
-from ctuq.inference.solvers.registry import register_solver
-from ctuq.options import ExactSide, values
+from ctuq.options import ExactSide, option, values
+from ctuq.registry import SOLVERS
 
-__all__ = ["ExactEigSolver", "ExactPrimalSolver", "ExactDualSolver"]
+__all__ = ["ExactOptions", "ExactEigSolver", "ExactPrimalSolver", "ExactDualSolver"]
+
+
+@dataclasses.dataclass
+class ExactOptions:
+    """The options of the exact solvers (the config sections ``uq.exact_primal``, ``uq.exact_dual``)."""
+
+    chunk_size: int = option(64, ge=1, help="rows per Jacobian-product call while assembling Ψ or K̄")
+    memory_budget: int | None = option(
+        None, ge=1, help="bytes for storing Ψᵀ while assembling K̄ (the dual side); null: automatic"
+    )
+    progress: bool = option(False, help="a progress bar while assembling (the posterior passes its own)")
 
 
 class ExactEigSolver(ExactSolver):
@@ -50,24 +62,26 @@ class ExactEigSolver(ExactSolver):
     ----------
     features : FeatureOperator
         ``Ψ``.
-    chunk_size : int
-        Rows per product call while assembling.
-    memory_budget : int, optional
-        Bytes for storing ``Ψᵀ`` during dual assembly (see :func:`~ctuq.inference.kernel.assemble_kernel`).
-    progress : bool
-        Progress bar while assembling.
-    side : {"auto", "dual", "primal"}
-        Which Gram matrix to decompose (above).
+    **options
+        The fields of :class:`ExactEigSolver.Options`: ``chunk_size``, ``memory_budget`` (bytes for storing ``Ψᵀ``
+        during dual assembly, see :func:`~ctuq.inference.kernel.assemble_kernel`), ``progress``, and ``side``
+        (which Gram matrix to decompose, above).
     """
+
+    @dataclasses.dataclass
+    class Options(ExactOptions):
+        """The options of :class:`ExactEigSolver`: those of the registered sides, and the side."""
+
+        side: str = option(ExactSide.AUTO.value, choices=values(ExactSide), help="which Gram matrix to decompose")
 
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        chunk_size: int = 64,
-        memory_budget: int | None = None,
-        progress: bool = False,
-        side: str = "auto",
+        chunk_size: int = Options.chunk_size,
+        memory_budget: int | None = Options.memory_budget,
+        progress: bool = Options.progress,
+        side: str = Options.side,
     ):
         if side not in values(ExactSide):
             raise ValueError(f"ExactEigSolver: side must be 'auto', 'dual' or 'primal', got {side!r}")
@@ -249,7 +263,7 @@ class ExactEigSolver(ExactSolver):
         )
 
 
-@register_solver
+@SOLVERS.register
 class ExactPrimalSolver(ExactEigSolver):
     """:class:`ExactEigSolver` on the primal side: assemble ``Ψ`` (``d`` JVPs) and eigendecompose the ``d × d``
     Gram ``ΨᵀΨ``. The posterior assembles ``Ψ₀`` for it (so the exact g-prior comes free) and hands it dense
@@ -259,13 +273,15 @@ class ExactPrimalSolver(ExactEigSolver):
     summary = "assemble Ψ (d JVPs) and eigendecompose the d × d Gram ΨᵀΨ; small networks (d < c)"
     assembles_features = True
 
+    Options = ExactOptions
+
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        chunk_size: int = 64,
-        memory_budget: int | None = None,
-        progress: bool = False,
+        chunk_size: int = ExactOptions.chunk_size,
+        memory_budget: int | None = ExactOptions.memory_budget,
+        progress: bool = ExactOptions.progress,
     ):
         super().__init__(
             features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress, side=ExactSide.PRIMAL
@@ -276,7 +292,7 @@ class ExactPrimalSolver(ExactEigSolver):
         return None
 
 
-@register_solver
+@SOLVERS.register
 class ExactDualSolver(ExactEigSolver):
     """:class:`ExactEigSolver` on the dual side: assemble ``K̄ = ΨΨᵀ`` (``c`` VJPs) and eigendecompose it; the
     state is the eigendecomposition."""
@@ -284,13 +300,15 @@ class ExactDualSolver(ExactEigSolver):
     name = "exact_dual"
     summary = "assemble K̄ = ΨΨᵀ (c VJPs) and eigendecompose it (c × c); small c"
 
+    Options = ExactOptions
+
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        chunk_size: int = 64,
-        memory_budget: int | None = None,
-        progress: bool = False,
+        chunk_size: int = ExactOptions.chunk_size,
+        memory_budget: int | None = ExactOptions.memory_budget,
+        progress: bool = ExactOptions.progress,
     ):
         super().__init__(
             features, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress, side=ExactSide.DUAL

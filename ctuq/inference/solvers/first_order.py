@@ -20,6 +20,7 @@ generators seeded by ``seed``: results do not depend on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -29,8 +30,9 @@ import torch
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import KernelOperator
 from ctuq.inference.solvers.base import ConvergenceWarning, Solver, SolveStats
+from ctuq.options import option
 
-__all__ = ["lanczos_top_eigenvalue", "FirstOrderSolver"]
+__all__ = ["FirstOrderOptions", "lanczos_top_eigenvalue", "FirstOrderSolver"]
 
 
 def lanczos_top_eigenvalue(kernel: KernelOperator, n_steps: int = 20, *, seed: int = 0) -> tuple[float, int]:
@@ -74,6 +76,28 @@ def lanczos_top_eigenvalue(kernel: KernelOperator, n_steps: int = 20, *, seed: i
     top = float(theta[-1])
     resid = abs(betas[m - 1] * float(S[-1, -1]))
     return max(top + resid, 0.0), products
+
+
+@dataclasses.dataclass
+class FirstOrderOptions:
+    """The options every first-order solver takes (the fields its ``Options`` inherits; defaults from the CPU
+    tuning table in docs/notebook/engineering.md)."""
+
+    momentum: float = option(0.99, ge=0.0, lt=1.0, help="Nesterov momentum ρ")
+    max_iter: int = option(
+        1000, ge=1, help="iteration budget per solve (each iteration: one VJP + one JVP per unconverged row)"
+    )
+    rtol: float = option(
+        1e-2,
+        gt=0.0,
+        lt=1.0,
+        help="relative residual at which a solve stops early (above it at the budget: a warning)",
+    )
+    seed: int = option(0, ge=0, help="seeds the Lanczos start vector and any random coordinate blocks")
+    lanczos_steps: int = option(20, ge=1, help="kernel products spent on λ_max(K̄)")
+    lambda_max: float | None = option(
+        None, gt=0.0, help="a known λ_max(K̄) (e.g. from a checkpoint): no Lanczos products; null: estimate it"
+    )
 
 
 class FirstOrderSolver(Solver):

@@ -17,8 +17,8 @@ Ways to get the decomposition:
 * :func:`randomized_eig` ``method="halko"``: Halko, Martinsson & Tropp 2011 alg. 5.6 (range finder ``Q = orth(K̄Ω)``,
   then the Nyström factorisation ``K̄Q (QᵀK̄Q)⁻¹ QᵀK̄``), ``2(r + p)`` kernel products.
 
-  Which one is default, and why (measured: ``scripts/benchmark_inference.py --compare-preconditioners --preset
-  tiny --size 64 --c 1024 --detectors 64``; CG iterations to rtol 1e-3, max over the right-hand sides, aσ² = 1,
+  Which one is default, and why (measured: ``scripts/benchmark_cg.py --preset tiny --size 64
+  --c 1024 --detectors 64``; CG iterations to rtol 1e-3, max over the right-hand sides, aσ² = 1,
   p = 10; kernel products of the preconditioner in brackets)::
 
       kernel                          rank r   single-pass r   alg. 5.6 r   single-pass 2r+p   piv. Cholesky r

@@ -1,9 +1,11 @@
-"""The solver registry: registry name → solver class, filled by the classes themselves.
+"""The solver registry's functions: :data:`ctuq.registry.SOLVERS` (registry name → solver class) and the option rule.
 
-A solver module decorates its class with :func:`register_solver`; the package ``__init__`` imports every solver
-module, so importing :mod:`ctuq.inference.solvers` fills :data:`SOLVERS`. Everything that offers a choice of solver
-(the posterior, ``solver="auto"``, the config's ``uq.solver``, ``--help``) reads :data:`SOLVERS` when it needs it,
-so a solver registered later (e.g. in a test) is available everywhere.
+The registry itself is :data:`ctuq.registry.SOLVERS` (a :class:`ctuq.registry.Registry` whose provider is this
+package, base class :class:`~ctuq.inference.solvers.base.Solver`): a solver module registers its class with
+``@SOLVERS.register``, and the package ``__init__`` imports every solver module, so the first lookup fills it.
+Everything that offers a choice of solver (the posterior, ``solver="auto"``, the config's ``uq.solver``, ``--help``)
+reads the registry when it needs it, so a solver registered later (e.g. in a test) is available everywhere. The
+functions below are the registry's operations under the names the package has always had.
 
 Solver options (:func:`solver_kwargs`): one mapping serves every solver. Flat keys go to whichever solver takes them
 (its :meth:`~ctuq.inference.solvers.base.Solver.option_names`); a nested mapping under a registry name
@@ -15,40 +17,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ctuq.inference.solvers.base import Solver
-from ctuq.options import SolverAlias, values
+from ctuq.registry import SOLVERS
 
 __all__ = ["SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options", "solver_kwargs"]
 
-SOLVERS: dict[str, type[Solver]] = {}
-"""Every registered solver, by name, in registration order."""
-
 
 def register_solver(cls: type[Solver]) -> type[Solver]:
-    """Class decorator: add ``cls`` to :data:`SOLVERS` under ``cls.name`` (a new, non-empty name that is not one
-    of the :class:`~ctuq.options.SolverAlias` values)."""
-    if not (isinstance(cls, type) and issubclass(cls, Solver)):
-        raise TypeError(f"register_solver: {cls!r} is not a Solver subclass")
-    name = cls.name
-    if not isinstance(name, str) or not name or name in values(SolverAlias):
-        raise ValueError(
-            f"register_solver: {cls.__name__}.name must be a non-empty string other than "
-            f"{list(values(SolverAlias))}, got {name!r}"
-        )
-    if name in SOLVERS and SOLVERS[name] is not cls:
-        raise ValueError(f"register_solver: the name {name!r} is taken by {SOLVERS[name].__name__}")
-    SOLVERS[name] = cls
-    return cls
+    """``SOLVERS.register(cls)``: add ``cls`` (a :class:`Solver` subclass) under ``cls.name``, a new, non-empty name
+    that is not one of the :class:`~ctuq.options.SolverAlias` values; usable as a class decorator."""
+    return SOLVERS.register(cls)
 
 
 def unregister_solver(name: str) -> None:
     """Remove ``name`` from :data:`SOLVERS` (tests that register a solver of their own clean up with this)."""
-    SOLVERS.pop(name, None)
+    SOLVERS.unregister(name)
 
 
 def solver_choices() -> tuple[str, ...]:
     """Every value of a ``solver=`` option now: ``"auto"`` (by estimated cost), ``"exact"`` (the cheaper exact
     side), then the registry names."""
-    return (*values(SolverAlias), *SOLVERS)
+    return SOLVERS.choices()
 
 
 def check_solver_options(options: Mapping, where: str = "LinearizedPosterior") -> None:

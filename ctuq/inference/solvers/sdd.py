@@ -18,7 +18,7 @@ Cost for CT. A GP kernel row ``K_i`` costs ``O(c)`` kernel evaluations, so a blo
 ``r/c`` of a full gradient. ``K̄ = ΨΨᵀ`` of a linearised network has no cheap rows: ``K̄_{i,:} ℓ = Ψ_i (Ψᵀ ℓ)``
 needs the full VJP ``Ψᵀℓ`` and a JVP whose output is every measurement, so **every step costs one VJP + one JVP
 per right-hand side whatever the block size**. A block then only discards most of a gradient that was paid
-for; the measured consequence (``scripts/benchmark_inference.py --compare-solvers``, table in docs/NOTES.md) is
+for; the measured consequence (``scripts/benchmark_solvers.py``, table in docs/NOTES.md) is
 that the full-batch form (``batch_size=None``, the default) needs the fewest products, and blocks are kept for the
 comparison only. Because the full residual ``C ℓ − b`` is computed in every step anyway, the early stop on
 ``rtol`` (per row, at the look-ahead point) costs nothing.
@@ -38,6 +38,7 @@ look-ahead point has the smaller residual. Residuals in :class:`~ctuq.inference.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
@@ -47,25 +48,15 @@ from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.solvers.base import SolveStats, relative_residual
 from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
-from ctuq.inference.solvers.first_order import FirstOrderSolver
-from ctuq.inference.solvers.registry import register_solver
+from ctuq.inference.solvers.first_order import FirstOrderOptions, FirstOrderSolver
+from ctuq.options import option
+from ctuq.registry import SOLVERS
 from ctuq.utils import derived_seed_words
 
 __all__ = ["SDDSolver", "SDD_DEFAULTS"]
 
-SDD_DEFAULTS = {
-    "step_size": 1.0,
-    "momentum": 0.99,
-    "batch_size": None,
-    "max_iter": 1000,
-    "rtol": 1e-2,
-    "averaging": None,
-}
-"""Defaults of :class:`SDDSolver` (``averaging=None``: the published ``χ = 100/max_iter``). The step size and
-budget are from the CPU tuning table in docs/NOTES.md (full batch)."""
 
-
-@register_solver
+@SOLVERS.register
 class SDDSolver(FirstOrderSolver):
     """Stochastic dual descent on ``½uᵀCu − uᵀb``, batched over right-hand sides (module docstring).
 
@@ -73,18 +64,14 @@ class SDDSolver(FirstOrderSolver):
     ----------
     features : FeatureOperator
         ``Ψ`` (``c × d``).
-    step_size : float
-        ``β·λ_max(C)`` (scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.34 is stable for the full batch with the default
-        ``ρ = 0.99``).
-    momentum : float
-        Nesterov momentum ``ρ ∈ [0, 1)``.
-    batch_size : int or None
-        Coordinates per block ``r`` (drawn uniformly with replacement, independently per row and step);
-        ``None`` or ``≥ c``: the full gradient.
-    averaging : float or None
-        ``χ ∈ (0, 1]`` of the geometric average; ``None``: ``min(1, 100/max_iter)``; ``1``: no averaging.
-    max_iter, rtol, seed, lanczos_steps, lambda_max
-        See :class:`~ctuq.inference.solvers.first_order.FirstOrderSolver`.
+    **options
+        The fields of :class:`SDDSolver.Options` (defaults, bounds and meaning there): ``step_size``
+        (``β·λ_max(C)``, scale free; ``< (2+2ρ)/(1+2ρ)`` ≈ 1.34 is stable for the full batch with the default
+        ``ρ = 0.99``), ``batch_size`` (coordinates per block ``r``, drawn uniformly with replacement, independently
+        per row and step; ``None`` or ``≥ c``: the full gradient), ``averaging`` (``χ ∈ (0, 1]`` of the geometric
+        average; ``None``: ``min(1, 100/max_iter)``; ``1``: no averaging), and those of
+        :class:`~ctuq.inference.solvers.first_order.FirstOrderOptions` (``momentum``, ``max_iter``, ``rtol``,
+        ``seed``, ``lanczos_steps``, ``lambda_max``).
     """
 
     name = "sdd"
@@ -92,19 +79,36 @@ class SDDSolver(FirstOrderSolver):
         "stochastic dual descent on ½uᵀCu − uᵀb (Nesterov, iterate averaging; full batch or coordinate blocks); large c"
     )
 
+    @dataclasses.dataclass
+    class Options(FirstOrderOptions):
+        """The options of :class:`SDDSolver` (the config section ``uq.sdd``); the step size and budget are from the
+        CPU tuning table in docs/notebook/engineering.md (full batch)."""
+
+        step_size: float = option(
+            1.0, gt=0.0, help="step size in units of 1/λ_max(C) (scale free; ≲ 1.34 is stable with momentum 0.99)"
+        )
+        batch_size: int | None = option(
+            None,
+            ge=1,
+            help="coordinate block size; null: full batch (every CT step costs a full JVP + VJP anyway)",
+        )
+        averaging: float | None = option(
+            None, gt=0.0, le=1.0, help="χ of the geometric iterate average; null: min(1, 100/max_iter); 1: none"
+        )
+
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        step_size: float = SDD_DEFAULTS["step_size"],
-        momentum: float = SDD_DEFAULTS["momentum"],
-        batch_size: int | None = SDD_DEFAULTS["batch_size"],
-        averaging: float | None = SDD_DEFAULTS["averaging"],
-        max_iter: int = SDD_DEFAULTS["max_iter"],
-        rtol: float = SDD_DEFAULTS["rtol"],
-        seed: int = 0,
-        lanczos_steps: int = 20,
-        lambda_max: float | None = None,
+        step_size: float = Options.step_size,
+        momentum: float = Options.momentum,
+        batch_size: int | None = Options.batch_size,
+        averaging: float | None = Options.averaging,
+        max_iter: int = Options.max_iter,
+        rtol: float = Options.rtol,
+        seed: int = Options.seed,
+        lanczos_steps: int = Options.lanczos_steps,
+        lambda_max: float | None = Options.lambda_max,
     ):
         super().__init__(
             features,
@@ -236,3 +240,10 @@ class SDDSolver(FirstOrderSolver):
         return cost_estimate(
             "sdd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
         )
+
+
+SDD_DEFAULTS = {
+    k: getattr(SDDSolver.Options, k) for k in ("step_size", "momentum", "batch_size", "max_iter", "rtol", "averaging")
+}
+"""Defaults of :class:`SDDSolver` (read from :class:`SDDSolver.Options`; ``averaging=None``: the published
+``χ = 100/max_iter``)."""

@@ -39,12 +39,13 @@ Precision: in float32 (the networks' dtype) the primal route has an accuracy flo
 ``g = Ψᵀ(Ψℓ − r)/σ² + aℓ`` cancel and ``u = (r − Ψℓ)/σ²`` subtracts nearly equal vectors, so the dual residual
 cannot fall below about ``ε₃₂ · κ(C)`` (``ε₃₂ ≈ 1.2e-7``). Measured on the CPU benchmark problem (small U-Net
 kernel, ``κ = 1.4·10⁶``): SGD stalls at a relative residual of 0.14–0.41 in float32 and reaches 7e-3 in float64,
-while SDD reaches 7e-3 in both (``scripts/benchmark_inference.py --compare-solvers``; docs/NOTES.md). Prefer
+while SDD reaches 7e-3 in both (``scripts/benchmark_solvers.py``; docs/NOTES.md). Prefer
 ``sdd`` when ``κ`` is large and the products run in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -53,25 +54,14 @@ from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.solvers.base import SolveStats, relative_residual
 from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
-from ctuq.inference.solvers.first_order import FirstOrderSolver
-from ctuq.inference.solvers.registry import register_solver
-from ctuq.options import LRDecay, values
+from ctuq.inference.solvers.first_order import FirstOrderOptions, FirstOrderSolver
+from ctuq.options import LRDecay, option, values
+from ctuq.registry import SOLVERS
 
 __all__ = ["SGDSolver", "SGD_DEFAULTS"]
 
-SGD_DEFAULTS = {
-    "lr": 1.0,
-    "momentum": 0.99,
-    "max_iter": 1000,
-    "rtol": 1e-2,
-    "lr_decay": "none",
-    "clip": None,
-    "check_every": 10,
-}
-"""Defaults of :class:`SGDSolver`, from the CPU tuning table in docs/NOTES.md."""
 
-
-@register_solver
+@SOLVERS.register
 class SGDSolver(FirstOrderSolver):
     """Primal gradient descent with Nesterov momentum on ``f(z)`` (module docstring), batched over rows.
 
@@ -79,37 +69,45 @@ class SGDSolver(FirstOrderSolver):
     ----------
     features : FeatureOperator
         ``Ψ`` (``c × d``).
-    lr : float
-        ``η₀ · λ_max(ΨᵀΨ/σ² + aI)`` (scale free; ≲ 1.34 is stable with the default ``ρ = 0.99``).
-    momentum : float
-        Nesterov momentum ``ρ ∈ [0, 1)``.
-    lr_decay : {"linear", "none"}
-        Linear decay of the step to 0 over ``max_iter`` (published) or a constant step.
-    clip : float or None
-        Clip each row's gradient norm to ``clip ×`` its first-iteration norm; ``None``: no clipping.
-    check_every : int
-        Iterations between exact residual checks (one JVP per unconverged row each).
-    max_iter, rtol, seed, lanczos_steps, lambda_max
-        See :class:`~ctuq.inference.solvers.first_order.FirstOrderSolver`.
+    **options
+        The fields of :class:`SGDSolver.Options` (defaults, bounds and meaning there): ``lr``
+        (``η₀ · λ_max(ΨᵀΨ/σ² + aI)``, scale free; ≲ 1.34 is stable with the default ``ρ = 0.99``), ``lr_decay``
+        (``"linear"``: the step decays to 0 over ``max_iter``, as published; ``"none"``: constant), ``clip`` (clip
+        each row's gradient norm to ``clip ×`` its first-iteration norm; ``None``: no clipping), ``check_every``
+        (iterations between exact residual checks, one JVP per unconverged row each), and those of
+        :class:`~ctuq.inference.solvers.first_order.FirstOrderOptions` (``momentum``, ``max_iter``, ``rtol``,
+        ``seed``, ``lanczos_steps``, ``lambda_max``).
     """
 
     name = "sgd"
     summary = "primal sample-then-optimise: Nesterov gradient descent over the weights, C⁻¹r = (r − Ψz*)/σ²; large c"
 
+    @dataclasses.dataclass
+    class Options(FirstOrderOptions):
+        """The options of :class:`SGDSolver` (the config section ``uq.sgd``), from the CPU tuning table in
+        docs/notebook/engineering.md."""
+
+        lr: float = option(1.0, gt=0.0, help="step in units of 1/λ_max(ΨᵀΨ/σ² + aI) (scale free)")
+        lr_decay: str = option(LRDecay.NONE.value, choices=values(LRDecay), help="learning-rate schedule")
+        clip: float | None = option(None, gt=0.0, help="gradient clip (× the first step's gradient norm); null: none")
+        check_every: int = option(
+            10, ge=1, help="iterations between exact residual checks (one JVP per unconverged row each)"
+        )
+
     def __init__(
         self,
         features: FeatureOperator,
         *,
-        lr: float = SGD_DEFAULTS["lr"],
-        momentum: float = SGD_DEFAULTS["momentum"],
-        lr_decay: str = SGD_DEFAULTS["lr_decay"],
-        clip: float | None = SGD_DEFAULTS["clip"],
-        check_every: int = SGD_DEFAULTS["check_every"],
-        max_iter: int = SGD_DEFAULTS["max_iter"],
-        rtol: float = SGD_DEFAULTS["rtol"],
-        seed: int = 0,
-        lanczos_steps: int = 20,
-        lambda_max: float | None = None,
+        lr: float = Options.lr,
+        momentum: float = Options.momentum,
+        lr_decay: str = Options.lr_decay,
+        clip: float | None = Options.clip,
+        check_every: int = Options.check_every,
+        max_iter: int = Options.max_iter,
+        rtol: float = Options.rtol,
+        seed: int = Options.seed,
+        lanczos_steps: int = Options.lanczos_steps,
+        lambda_max: float | None = Options.lambda_max,
     ):
         super().__init__(
             features,
@@ -223,3 +221,9 @@ class SGDSolver(FirstOrderSolver):
         return cost_estimate(
             "sgd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
         )
+
+
+SGD_DEFAULTS = {
+    k: getattr(SGDSolver.Options, k) for k in ("lr", "momentum", "max_iter", "rtol", "lr_decay", "clip", "check_every")
+}
+"""Defaults of :class:`SGDSolver` (read from :class:`SGDSolver.Options`)."""

@@ -1,6 +1,6 @@
-"""The TV-PredCP type-II MAP (ctuq.inference.prior_fit.fit_block_prior): the L-BFGS fit with fixed Hutchinson probes
-reaches a stationary point of the exact MAP objective and stops there (convergence criterion met, early stop), the
-variance floor holds, the convergence record reaches the state, and bad settings are one-line errors."""
+"""The TV-PredCP type-II MAP (ctuq.inference.priors.tv_predcp.fit_block_prior): the L-BFGS fit with fixed Hutchinson
+probes reaches a stationary point of the exact MAP objective and stops there (convergence criterion met, early stop),
+the variance floor holds, the convergence record reaches the state, and bad settings are one-line errors."""
 
 import math
 
@@ -9,16 +9,17 @@ import torch
 from tv_toy import IMAGE, SHAPES, toy_problem
 
 from ctuq.inference import DenseFeatures
-from ctuq.inference.prior_fit import (
+from ctuq.inference.priors import PriorError, TVPredCPPrior, tv_predcp
+from ctuq.inference.priors.tv_predcp import (
     CONVERGENCE_PATIENCE,
     MACKAY_WARMUP,
     block_gprior_variances,
     fit_block_prior,
     mll_gradient,
+    tap_grams,
+    tv_predcp_terms,
     variance_floor,
 )
-from ctuq.priors import PriorError, TVPredCPPrior
-from ctuq.priors.tv_predcp import tap_grams, tv_predcp_terms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,9 +142,7 @@ def test_a_gradient_whose_cg_did_not_converge_is_refused(monkeypatch):
     """CG capped at 1 iteration with a rank-8 preconditioner on c = 60 cannot reach rtol 1e-3: without the dense
     fallback (more rows than EXACT_FALLBACK_ROWS) the fit says so in one line naming the setting that helps, instead
     of stepping (and converging) on a wrong gradient."""
-    from ctuq.inference import prior_fit
-
-    monkeypatch.setattr(prior_fit, "EXACT_FALLBACK_ROWS", 59)
+    monkeypatch.setattr(tv_predcp, "EXACT_FALLBACK_ROWS", 59)
     Phi, Psi0, y = _problem()
     with pytest.raises(PriorError, match="CG did not converge.*uq.tv_predcp.precond_rank") as info:
         _fit(Psi0, y, Phi, steps=10, probes=8, cg_max_iter=1)
@@ -166,10 +165,8 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
     """An L-BFGS direction along which every trial step fails (here: a direction pushed onto the coordinate with the
     smallest gradient, and an oracle that refuses any step dominated by that coordinate, as a derailed CG solve
     would) makes the fit forget its curvature pairs and take a gradient step, instead of stopping with an error."""
-    from ctuq.inference import prior_fit
-
     poisoned = {"k": None, "calls": 0, "refused": 0, "last": None}
-    two_loop = prior_fit._two_loop
+    two_loop = tv_predcp._two_loop
 
     def bad_two_loop(g, pairs):
         free = g != 0
@@ -179,7 +176,7 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
         p[k] = math.copysign(1e6, float(g[k]))  # still an ascent direction: g·p > 0
         return p
 
-    call = prior_fit._GradientOracle.__call__
+    call = tv_predcp._GradientOracle.__call__
 
     def refusing_call(self, theta, sigma2):
         x = torch.cat([theta.detach(), torch.tensor([math.log(sigma2)], dtype=torch.float64)])
@@ -193,9 +190,9 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
         poisoned["last"] = x
         return out
 
-    monkeypatch.setattr(prior_fit, "_two_loop", bad_two_loop)
-    monkeypatch.setattr(prior_fit._GradientOracle, "__call__", refusing_call)
+    monkeypatch.setattr(tv_predcp, "_two_loop", bad_two_loop)
+    monkeypatch.setattr(tv_predcp._GradientOracle, "__call__", refusing_call)
     Phi, Psi0, y = _problem()
     p, _ = _fit(Psi0, y, Phi, steps=12, probes=8)
-    assert poisoned["calls"] >= 1 and poisoned["refused"] >= prior_fit.LINE_SEARCH_TRIES
+    assert poisoned["calls"] >= 1 and poisoned["refused"] >= tv_predcp.LINE_SEARCH_TRIES
     assert p.fitted and sum(r["phase"] == "lbfgs" for r in p.trace) >= 2  # it went on after the failed search

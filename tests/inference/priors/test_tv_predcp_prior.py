@@ -1,17 +1,22 @@
-"""The TV-PredCP block prior itself (ctuq.priors.tv_predcp): block layout, L = blockdiag(σ chol K), the hyperprior's
-closed forms against an exact dense computation and against finite differences, state round trip, bad inputs."""
+"""The TV-PredCP block prior itself (ctuq.inference.priors.tv_predcp): block layout, L = blockdiag(σ chol K), the
+hyperprior's closed forms against an exact dense computation and against finite differences, state round trip, bad
+inputs; prepare (image shape and rate from the output), its options, summary and trace figure."""
 
+import dataclasses
 import io
+import json
 import math
 
 import pytest
 import torch
 from tv_toy import IMAGE, SHAPES
 
+from ctuq.inference import DenseFeatures
+from ctuq.inference.priors import PriorError, PriorProblem, TVPredCPPrior
+from ctuq.inference.priors.tv_predcp import anisotropic_tv, block_layout, tap_distances, tap_grams, tv_predcp_terms
 from ctuq.linearize import default_linearized_parameters
 from ctuq.models import build_unet
-from ctuq.priors import BLOCK_PRIORS, PriorError, TVPredCPPrior
-from ctuq.priors.tv_predcp import anisotropic_tv, block_layout, tap_distances, tap_grams, tv_predcp_terms
+from ctuq.registry import PRIORS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +167,7 @@ def test_state_round_trip_and_a_mismatched_state_is_refused():
 
 
 def test_registered_under_its_option_name():
-    assert BLOCK_PRIORS["tv_predcp"] is TVPredCPPrior
+    assert PRIORS["tv_predcp"] is TVPredCPPrior
 
 
 @pytest.mark.parametrize(
@@ -189,3 +194,67 @@ def test_a_network_without_3x3_convolutions_is_refused():
     with pytest.raises(PriorError, match="no 3×3 convolution") as info:
         TVPredCPPrior({"0.weight": (5, 3), "2.weight": (2, 5)}, image_shape=IMAGE)
     assert "\n" not in str(info.value) and "uq.prior=gprior" in str(info.value)
+
+
+def test_prepare_takes_the_image_shape_and_the_rate_per_tv_of_the_output():
+    p = TVPredCPPrior(SHAPES, scale=0.5)
+    assert p.image_shape is None and p.rate == 1.0
+    output = torch.arange(math.prod(IMAGE), dtype=torch.float32) ** 1.5
+    p.prepare(output=output, output_shape=IMAGE)
+    tv = float(anisotropic_tv(output[None].double(), IMAGE).abs().sum())
+    assert p.image_shape == IMAGE and p.output_tv == tv and p.rate == 0.5 / tv
+    summary = p.summary()
+    assert summary["rate"] == p.rate and summary["tv_reconstruction"] == tv and summary["trace"] == []
+    with pytest.raises(PriorError, match="constant") as info:
+        p.prepare(output=torch.ones(math.prod(IMAGE)), output_shape=IMAGE)
+    assert "\n" not in str(info.value)
+    with pytest.raises(PriorError, match="29 values"):
+        p.prepare(output=output[:-1], output_shape=IMAGE)
+
+
+def test_a_fit_without_an_image_shape_says_what_is_missing():
+    Phi = _phi(73)
+    p = TVPredCPPrior(SHAPES, steps=2)
+    p.image_map = lambda W: W @ Phi.T
+    problem = PriorProblem(DenseFeatures(torch.ones(4, 73, dtype=torch.float64)), torch.ones(4), a=1.0, sigma2=1.0)
+    with pytest.raises(PriorError, match=r"no image shape.*prepare"):
+        p.setup(problem)
+
+
+def test_its_options_are_the_uq_tv_predcp_section():
+    fields = {f.name: f for f in dataclasses.fields(TVPredCPPrior.Options)}
+    assert list(fields) == [
+        "scale",
+        "steps",
+        "optimizer",
+        "tol",
+        "max_step",
+        "lr",
+        "probes",
+        "tv_samples",
+        "lengthscale",
+        "variance",
+        "precond_rank",
+    ]
+    assert all(f.metadata["help"] for f in fields.values()) and fields["optimizer"].metadata["choices"] == (
+        "lbfgs",
+        "adam",
+    )
+    p = TVPredCPPrior(SHAPES, image_shape=IMAGE)
+    for name, value in dataclasses.asdict(TVPredCPPrior.Options()).items():
+        got = math.exp(float(p.log_lengthscale[0])) if name == "lengthscale" else getattr(p, name, None)
+        if name == "variance":
+            got = math.exp(float(p.log_variance[0]))
+        assert got == pytest.approx(value), name
+    with pytest.raises(PriorError, match=r"unknown option\(s\) \['sale'\]"):
+        TVPredCPPrior(SHAPES, sale=1.0)
+
+
+def test_summary_and_the_trace_figure(tmp_path):
+    p = _prior()
+    assert p.figures(tmp_path) == []
+    keys = ("lengthscale", "variance", "sigma2", "data_fit", "log_hyperprior")
+    p.trace = [{"step": k, **{key: [1.0 + k] if key in keys[:2] else 1.0 + k for key in keys}} for k in range(3)]
+    (path,) = p.figures(tmp_path)
+    assert path == tmp_path / TVPredCPPrior.TRACE_FIGURE and path.stat().st_size > 0
+    assert json.loads(json.dumps(p.summary()))["trace"] == p.trace

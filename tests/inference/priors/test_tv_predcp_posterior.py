@@ -13,9 +13,8 @@ from tv_toy import D_W, IMAGE, SHAPES, toy_problem
 
 from ctuq.inference import DenseFeatures, DenseLinearGaussian, GaussianLikelihood, LinearizedPosterior
 from ctuq.inference.block_features import BlockFeatures
-from ctuq.inference.prior_fit import mll_gradient
-from ctuq.priors import TVPredCPPrior
-from ctuq.priors.tv_predcp import tap_grams, tv_predcp_terms
+from ctuq.inference.priors import TVPredCPPrior
+from ctuq.inference.priors.tv_predcp import mll_gradient, tap_grams, tv_predcp_terms
 from ctuq.testing import FeatureContract
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -171,14 +170,14 @@ def test_checkpoint_round_trip_restores_the_fitted_prior_without_refitting(tmp_p
     again = LinearizedPosterior(DenseFeatures(Psi0), y, prior_options={**opts, "image_map": no_image_map}, **kw)
     again.load_state_dict(state)
     again.setup()
-    assert torch.equal(again.block_prior.theta(), post.block_prior.theta())
-    assert again.block_prior.trace == post.block_prior.trace
+    assert torch.equal(again.weight_prior.theta(), post.weight_prior.theta())
+    assert again.weight_prior.trace == post.weight_prior.trace
     assert again.sigma2 == post.sigma2
     assert torch.equal(again.mean(), post.mean())
     again.fit(max_steps=3)
     assert again.a == post.a
     sub = post.restrict(torch.arange(10))
-    assert sub.block_prior is post.block_prior
+    assert sub.weight_prior is post.weight_prior
     sub.setup()
     assert sub.features.n_outputs == 10
 
@@ -200,6 +199,6 @@ def test_bad_prior_arguments_are_clear():
         LinearizedPosterior(
             DenseFeatures(Psi0), y, prior="tv_predcp", prior_options={"image_shape": IMAGE, "param_shapes": SHAPES}
         )
-    with pytest.raises(ValueError, match="are for a block prior"):
+    with pytest.raises(ValueError, match=r"prior_options \['steps'\] are not options of the 'gprior' prior"):
         LinearizedPosterior(DenseFeatures(Psi0), y, prior="gprior", prior_options={"steps": 3})
     assert np.isfinite(float(Psi0.sum()))

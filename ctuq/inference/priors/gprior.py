@@ -1,4 +1,5 @@
-"""Diagonal weight priors, the scales ``s`` of ``v = diag(s) w``: g-prior (exact or stochastic) and isotropic.
+"""The g-prior, the scales ``s`` of ``v = diag(s) w`` (exact or stochastic column norms), and the scale functions
+the other front ends use (:class:`GPrior`; the isotropic prior ``s = 1`` is :mod:`.isotropic`).
 
 The g-prior (DESIGN.md §1) puts the same prior variance on every weight *in units of its effect on the data*:
 ``s_i = [Φᵀ Lᵀ L Φ]_ii^(−1/2) = 1 / ‖A_{:,i}‖`` with ``A = L Φ`` (``c × d``; CT: ``L = T``). Scaled weights
@@ -33,8 +34,9 @@ an input pixel that is non-zero in a handful of training images) gets a prior st
 ``1/√(min n)``, thousands of times the median, and any test input that excites it (noise, blur) gets a logit
 variance to match. The classifier uses it (``LinearizedLaplace(gprior_floor=...)``); CT keeps ``δ = 0``.
 
-Random probes are drawn from ``generator`` (a ``torch.Generator``; default: a CPU generator seeded with
-``seed``); a CPU generator gives the same probes on every device.
+The estimator itself is :func:`~ctuq.inference.kernel.column_sq_norms` (it lives in the kernel module, which the
+priors build on; it is re-exported here). Random probes are drawn from ``generator`` (a ``torch.Generator``;
+default: a CPU generator seeded with ``seed``); a CPU generator gives the same probes on every device.
 """
 
 from __future__ import annotations
@@ -44,92 +46,12 @@ from collections.abc import Callable
 
 import torch
 
-from ctuq.options import GPriorMethod, Prior, values
-from ctuq.utils import progress as _progress_bar
+from ctuq.inference.kernel import column_sq_norms
+from ctuq.inference.priors.base import DiagonalPrior, PriorError, PriorProblem
+from ctuq.options import GPriorMethod, values
+from ctuq.registry import PRIORS
 
-__all__ = ["column_sq_norms", "gprior_scales", "isotropic_scales", "scales_from_sq_norms"]
-
-
-def _draw_rademacher(shape, generator: torch.Generator, dtype, device) -> torch.Tensor:
-    z = torch.randint(0, 2, shape, generator=generator, device=generator.device, dtype=torch.int8)
-    return (2 * z - 1).to(device=device, dtype=dtype)
-
-
-def _apply(A_rmatvec, R: torch.Tensor, n_rows: int, d: int | None) -> torch.Tensor:
-    out = A_rmatvec(R)
-    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != R.shape[0]:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"A_rmatvec must map (B, {n_rows}) to (B, d); for input {tuple(R.shape)} it returned {got}")
-    if d is not None and out.shape[1] != d:
-        raise ValueError(f"A_rmatvec returned {out.shape[1]} columns for one chunk but {d} for an earlier one")
-    return out
-
-
-def column_sq_norms(
-    A_rmatvec: Callable[[torch.Tensor], torch.Tensor],
-    n_rows: int,
-    *,
-    method: str = "exact",
-    n_probes: int = 256,
-    chunk_size: int = 64,
-    generator: torch.Generator | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    progress: bool = False,
-) -> torch.Tensor:
-    """Squared column norms ``‖A_{:,i}‖²`` ``(d,)`` of ``A`` (``n_rows × d``) from products with ``Aᵀ``.
-
-    Parameters
-    ----------
-    A_rmatvec : callable
-        ``R`` ``(B, n_rows)`` → ``Aᵀ R`` rows ``(B, d)``.
-    n_rows : int
-        ``c``, the number of rows of ``A``.
-    method : {"exact", "stochastic"}
-        ``n_rows`` products with unit vectors, or ``n_probes`` Rademacher probes (see the module docstring).
-    n_probes : int
-        Probes for ``"stochastic"``.
-    chunk_size : int
-        Rows handed to ``A_rmatvec`` per call (bounds the ``(chunk, d)`` result held at once).
-    generator, seed
-        Random source of the probes (``seed`` seeds a fresh CPU generator when ``generator`` is None).
-    dtype, device
-        Of the unit vectors / probes handed to ``A_rmatvec``; the result is accumulated in float64.
-    progress : bool
-        Show a progress bar over chunks.
-    """
-    if method not in values(GPriorMethod):
-        raise ValueError(f"column_sq_norms: method must be 'exact' or 'stochastic', got {method!r}")
-    if not isinstance(n_rows, int) or n_rows < 1:
-        raise ValueError(f"column_sq_norms: n_rows must be a positive int, got {n_rows!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"column_sq_norms: chunk_size must be a positive int, got {chunk_size!r}")
-    device = torch.device(device)
-    total: torch.Tensor | None = None
-    d: int | None = None
-    if method == GPriorMethod.EXACT:
-        n = n_rows
-    else:
-        if not isinstance(n_probes, int) or n_probes < 1:
-            raise ValueError(f"column_sq_norms: n_probes must be a positive int, got {n_probes!r}")
-        n = n_probes
-        if generator is None:
-            generator = torch.Generator(device="cpu").manual_seed(int(seed))
-    starts = range(0, n, chunk_size)
-    for start in _progress_bar(starts, total=len(starts), desc=f"column norms ({method})", disable=not progress):
-        stop = min(n, start + chunk_size)
-        if method == "exact":
-            R = torch.zeros((stop - start, n_rows), dtype=dtype, device=device)
-            R[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-        else:
-            R = _draw_rademacher((stop - start, n_rows), generator, dtype, device)
-        G = _apply(A_rmatvec, R, n_rows, d)
-        d = G.shape[1]
-        part = G.double().pow(2).sum(0)
-        total = part if total is None else total + part
-    assert total is not None
-    return total if method == "exact" else total / n
+__all__ = ["GPrior", "column_sq_norms", "gprior_scales", "isotropic_scales", "scales_from_sq_norms"]
 
 
 def scales_from_sq_norms(
@@ -201,7 +123,7 @@ def gprior_scales(
     dtype, device
         Of the probes and of the returned scales.
     """
-    if method == Prior.ISOTROPIC:
+    if method == "isotropic":
         return isotropic_scales(n_features, dtype=dtype, device=device)  # type: ignore[arg-type]
     if A_rmatvec is None or n_rows is None:
         raise ValueError(f"gprior_scales: method {method!r} needs A_rmatvec and n_rows")
@@ -229,3 +151,62 @@ def isotropic_scales(
     if not isinstance(n_features, int) or n_features < 1:
         raise ValueError(f"isotropic_scales: n_features must be a positive int, got {n_features!r}")
     return torch.ones(n_features, dtype=dtype, device=torch.device(device))
+
+
+@PRIORS.register
+class GPrior(DiagonalPrior):
+    """The g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` of the whitened features (module docstring): every weight has the same
+    prior variance in units of its effect on the data (the diagonal of ``Ψ₀ᵀ D⁻¹ Ψ₀``, the weights' Fisher
+    information). Computed on the first build: from the assembled ``Ψ₀`` exactly at no further cost, else by
+    :func:`gprior_scales` (``c`` VJPs exact, ``probes`` VJPs stochastic, seeded by the posterior's seed).
+
+    Parameters
+    ----------
+    method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
+        Column norms of the matrix-free ``Ψ₀`` (``LinearizedPosterior(gprior_method=...)``, ``uq.gprior_method``).
+    probes : int
+        Rademacher probes of the stochastic method (``gprior_probes``).
+    scales : torch.Tensor, optional
+        Given scales ``(d,)`` (final; e.g. from a stored state).
+    """
+
+    name = "gprior"
+    summary_key = "gprior"  # metrics.json has kept the diagonal priors' summary under uq.stats.gprior
+
+    def __init__(self, method: str = "exact", probes: int = 256, scales: torch.Tensor | None = None):
+        super().__init__(scales)
+        if method not in values(GPriorMethod):
+            raise PriorError(f"GPrior: method must be one of {list(values(GPriorMethod))}, got {method!r}")
+        if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
+            raise PriorError(f"GPrior: probes must be a positive int, got {probes!r}")
+        self.gprior_method = str(method)
+        self.probes = int(probes)
+
+    @property
+    def method(self) -> str:
+        """``exact`` when computed from the assembled ``Ψ₀`` (whatever was asked), else the asked method."""
+        return GPriorMethod.EXACT.value if self.from_dense else self.gprior_method
+
+    def compute_scales(self, problem: PriorProblem) -> torch.Tensor:
+        b = problem.features
+        n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.probes
+        problem.say(f"g-prior scales ({self.gprior_method}, {n} VJPs)")
+        return gprior_scales(
+            b.rmatvec,
+            b.n_outputs,
+            method=self.gprior_method,
+            n_features=b.n_features,
+            n_probes=self.probes,
+            seed=problem.seed,
+            dtype=b.dtype,
+            device=b.device,
+            chunk_size=64,
+            progress=problem.progress,
+        )
+
+    def dense_scales(self, problem: PriorProblem) -> torch.Tensor:
+        # exact column norms are free once Ψ₀ is assembled: no stochastic estimate is needed
+        return scales_from_sq_norms(problem.dense.pow(2).sum(0)).to(problem.features.dtype)
+
+    def __repr__(self) -> str:
+        return f"GPrior(method={self.gprior_method!r}, probes={self.probes}, d={self.d})"

@@ -1,4 +1,5 @@
-"""ctuq.priors: g-prior scales (exact, stochastic, isotropic) against a dense Jacobian; kernel diagonal."""
+"""ctuq.inference.priors.gprior: g-prior scales (exact, stochastic, isotropic) against a dense Jacobian; kernel
+diagonal."""
 
 import math
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 from ctuq.inference import DenseFeatures, LinearizedFeatures, ScaledFeatures, kernel_diagonal
+from ctuq.inference.priors import column_sq_norms, gprior_scales, isotropic_scales, scales_from_sq_norms
 from ctuq.linearize import LinearizedNetwork
 from ctuq.models import build_unet, make_net_input
-from ctuq.priors import column_sq_norms, gprior_scales, isotropic_scales, scales_from_sq_norms
 
 
 @pytest.fixture(scope="module")

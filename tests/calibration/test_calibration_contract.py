@@ -1,0 +1,86 @@
+"""The calibration-method contract (:class:`ctuq.testing.CalibrationContract`) over every registered method, the
+registry (:data:`ctuq.registry.CALIBRATIONS`) and what ``uq.calibration = auto`` resolves to."""
+
+import numpy as np
+import pytest
+
+from ctuq.calibration import BiasModel, HeldoutScale, NoCalibration, resolve_calibration
+from ctuq.registry import CALIBRATIONS
+from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def disk(n: int = 24) -> np.ndarray:
+    """A reconstruction: a disk of 0.05 mm⁻¹ on an empty background (its object mask is the disk)."""
+    yy, xx = np.mgrid[:n, :n]
+    return 0.05 * (((yy - (n - 1) / 2) ** 2 + (xx - (n - 1) / 2) ** 2) < (n / 3) ** 2).astype(np.float64)
+
+
+# One case per built-in method; 40000 synthetic rows (seed 0) with the answer known. The s.e. of k and of τ there is
+# about 2-4 % (curvature; test_heldout.py, test_heldout_bias.py), so 10 % is at least 2.5 s.e.
+CASES = {
+    "none": lambda: CalibrationCase(NoCalibration, synthetic_heldout_rows(k=2.0), disk()),
+    "heldout": lambda: CalibrationCase(HeldoutScale, synthetic_heldout_rows(k=2.0), disk(), {"k": 2.0}, 0.10),
+    "bias": lambda: CalibrationCase(BiasModel, synthetic_heldout_rows(tau=4e-3), disk(), {"tau": 4e-3}, 0.10),
+}
+
+
+class TestNone(CalibrationContract):
+    def make_case(self):
+        return CASES["none"]()
+
+
+class TestHeldoutScale(CalibrationContract):
+    def make_case(self):
+        return CASES["heldout"]()
+
+
+class TestBiasModel(CalibrationContract):
+    def make_case(self):
+        return CASES["bias"]()
+
+
+def test_every_built_in_method_has_a_contract_case_in_registration_order():
+    built_in = [name for name, cls in CALIBRATIONS.items() if cls.__module__.startswith("ctuq.")]
+    assert built_in == list(CASES) == ["none", "heldout", "bias"]
+    assert CALIBRATIONS.choices()[:4] == ("auto", "none", "heldout", "bias")
+    # the keys metrics.json has always had for the scores of the methods not applied
+    assert HeldoutScale.summary_name() == "summary_recalibrated" and BiasModel.summary_name() == "summary_bias"
+
+
+def test_auto_resolves_by_the_check_and_the_preferred_method():
+    """``auto``: nothing without a held-out check; else the method the prior prefers; an explicit value is kept as
+    it is; an unknown one is refused naming the valid values."""
+    for preferred in ("bias", "heldout"):
+        assert resolve_calibration("auto", checked=False, preferred=preferred) == "none"
+        assert resolve_calibration("auto", checked=True, preferred=preferred) == preferred
+        for value in ("none", "heldout", "bias"):
+            assert resolve_calibration(value, checked=True, preferred=preferred) == value
+    with pytest.raises(ValueError, match=r"uq.calibration must be one of \['auto', 'none', 'heldout', 'bias'"):
+        resolve_calibration("biased", checked=True, preferred="bias")
+    with pytest.raises(ValueError, match="'tv' is not registered"):
+        resolve_calibration("auto", checked=True, preferred="tv")
+
+
+def test_tau_zero_and_the_identity_leave_the_map_bit_for_bit():
+    std = np.random.default_rng(0).uniform(1e-3, 2e-3, (24, 24)).astype(np.float32)
+    assert BiasModel(0.0, disk() > 0).apply_std(std) is std
+    assert NoCalibration().apply_std(std) is std
+    # τ > 0 changes the object's pixels only, and the same way from torch and numpy (one formula)
+    biased = BiasModel(1e-3, disk() > 0).apply_std(std)
+    assert np.array_equal(biased[disk() == 0], std[disk() == 0]) and np.all(biased[disk() > 0] > std[disk() > 0])
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [((-1e-3, np.ones((4, 4))), "tau must be finite and ≥ 0"), ((1e-3, np.full((4, 4), 0.5)), "mask must be")],
+)
+def test_bad_bias_model_arguments_are_named(args, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        BiasModel(*args)
+
+
+def test_a_bad_scale_is_named():
+    with pytest.raises(ValueError, match="HeldoutScale: k must be positive"):
+        HeldoutScale(0.0)
