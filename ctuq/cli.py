@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import shlex
 import sys
 
@@ -24,7 +25,9 @@ from ctuq import __version__, interrupt
 from ctuq.commands import COMMANDS
 from ctuq.errors import debug_requested, format_user_error, is_user_error
 from ctuq.log import configure_logging
-from ctuq.utils import tune_malloc
+from ctuq.registry import lazy_module
+
+utils = lazy_module("ctuq.utils")  # torch: imported when a command runs, not to print --help
 
 _DEBUG_HELP = "show the Python traceback of errors (also: environment variable CTUQ_DEBUG=1)"
 _QUIET_HELP = "only warnings and errors on the terminal, no progress bars (the run's ctuq.log still gets everything)"
@@ -42,17 +45,43 @@ def _add_verbosity(parser: argparse.ArgumentParser, default) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ctuq`` parser with one sub-parser per available command (and ``--debug`` on each)."""
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]+?)(?: <[^>]+>)?`")
+
+
+def plain(text: str) -> str:
+    """Docstring markup as a terminal shows it: ``:func:`~a.b.c``` → ``c``, ````x```` → ``x``."""
+    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), text)
+    return text.replace("``", "")
+
+
+class _PlainSubparsers(argparse._SubParsersAction):
+    """Sub-parsers whose descriptions, help and epilogs lose their docstring markup (:func:`plain`)."""
+
+    def add_parser(self, name, **kwargs):
+        for key in ("description", "help", "epilog"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = plain(kwargs[key])
+        return super().add_parser(name, **kwargs)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ctuq`` parser: every command of :data:`~ctuq.commands.COMMANDS` listed with its summary, and the full
+    sub-parser (with ``--debug``, ``-q``, ``-v``) of ``command`` only, or of every command when ``command`` is
+    ``None`` (its module imported to build it: the modules are light, their work is imported when they run)."""
     parser = argparse.ArgumentParser(
         prog="ctuq",
         description="Computed-tomography uncertainty: deep-image-prior reconstruction with error bars.",
+        epilog="`ctuq COMMAND --help` describes a command's options; README.md has examples.",
     )
     parser.add_argument("--version", action="version", version=f"ctuq {__version__}")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     _add_verbosity(parser, 0)
+    parser.register("action", "parsers", _PlainSubparsers)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for _name, module in COMMANDS.items():
+    for name, (module, summary) in COMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=summary, add_help=False)  # listed in `ctuq --help`, never run from here
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -66,11 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_in(argv: list[str]) -> str:
+    """The command ``argv`` runs (its first word that names one), or ``""`` (top-level options, ``--help``)."""
+    return next((a for a in argv if a in COMMANDS), "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ctuq`` command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (0, 2 for a
     user error, 130/143 when stopped by SIGINT/SIGTERM: :mod:`ctuq.interrupt`)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_in(words))
+    args = parser.parse_args(words)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
@@ -79,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     _log.debug(f"ctuq {__version__}, Python {sys.version.split()[0]}: {command_line}")
     if args.verbosity < 0 and hasattr(args, "no_progress"):
         args.no_progress = True
-    tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
+    utils.tune_malloc()  # keep freed host memory for reuse (glibc): fewer page faults in long runs
     try:
         with interrupt.handling():  # SIGINT/SIGTERM: checkpoint at the next safe point, then Interrupted
             return int(args.func(args) or 0)

@@ -8,8 +8,10 @@ existing file at ``path`` untouched) and returns the path. The PNG measures exac
 layout), so callers and tests can rely on its size.
 
 Images are ``(H, W)`` slices or ``(D, H, W)`` volumes (torch tensors on any device, or numpy arrays) in
-image units; volumes are shown by their central slice ``D // 2``. ROIs take every form
-:mod:`ctuq.metrics` accepts and are drawn as a rectangle (or a contour for non-rectangular masks).
+image units, ``unit`` (default :data:`IMAGE_UNIT`, ctuq's attenuation in mm⁻¹: every colour bar and image axis
+carries it); volumes are shown by their central slice ``D // 2``. ROIs take every form :mod:`ctuq.metrics` accepts
+and are drawn as a dashed cyan rectangle (or a contour for non-rectangular masks), named in a legend under the
+panels. Every text (titles, tick and colour-bar labels, legends) lies inside the figure.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from ctuq import metrics as _metrics
@@ -30,6 +33,9 @@ from ctuq.outputs import central_slice
 from ctuq.utils import atomic_path, to_numpy
 
 __all__ = [
+    "IMAGE_UNIT",
+    "ROI_LABEL",
+    "plot_reconstructions",
     "plot_uq_panels",
     "plot_uq_comparison",
     "plot_calibration",
@@ -42,6 +48,10 @@ __all__ = [
     "save_figure",
 ]
 
+#: The unit of ctuq's images (linear attenuation): the default label of every colour bar and image axis.
+IMAGE_UNIT = "mm⁻¹"
+#: What the dashed outline on image panels is (the region the statistics are computed in).
+ROI_LABEL = "evaluation region (statistics computed inside)"
 _PANEL_IN = 3.2  # inches per image panel
 _ERR_CMAP = "inferno"
 _CLIP_QUANTILE = 0.999  # error/std colour scale: robust to a few hot pixels, shown by the colour bar's arrow
@@ -109,13 +119,23 @@ def _robust_max(arrays: Sequence[np.ndarray], masks: Sequence[np.ndarray | None]
     return top if top > 0 else max(float(np.max(v)) for v in vals) or 1.0
 
 
-def _image_panel(fig, ax, arr, title, kw, roi2d, extend="neither"):
+def _image_panel(fig, ax, arr, title, kw, roi2d, extend="neither", unit: str | None = IMAGE_UNIT):
     im = ax.imshow(arr, interpolation="nearest", **kw)
     ax.set_title(title, fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
     _draw_roi(ax, roi2d)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend=extend)
+    cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend=extend)
+    if unit:
+        cb.set_label(unit)
+
+
+def _roi_legend(fig, roi2d) -> None:
+    """Name the dashed outline in one legend under the panels (nothing without an ROI)."""
+    if roi2d is None or not roi2d.any():
+        return
+    handle = Line2D([], [], color="cyan", ls="--", lw=1.0)
+    fig.legend([handle], [ROI_LABEL], loc="outside lower center", fontsize=8, frameon=False)
 
 
 def _uq_triplet(reconstruction, abs_error, std, ground_truth, where):
@@ -140,6 +160,44 @@ def _uq_triplet(reconstruction, abs_error, std, ground_truth, where):
 
 
 # ============================================================================================ image panels
+def plot_reconstructions(
+    path: str | os.PathLike,
+    images: Mapping[str, torch.Tensor | np.ndarray],
+    *,
+    ground_truth=None,
+    psnrs: Mapping[str, float | None] | None = None,
+    error_of: str | None = "DIP",
+    unit: str | None = IMAGE_UNIT,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
+    """One row: ground truth (if given), each image of ``images`` (``{name: (H, W) or (D, H, W)}``, image units;
+    titles with their PSNR from ``psnrs``, dB) on the ground truth's grey scale, and ``|images[error_of] − ground
+    truth|``; every colour bar labelled with ``unit``. Volumes are shown by their central slice. Default size
+    ``3.2 in × panels`` by 3.6 in. Returns ``path``."""
+    where = "plot_reconstructions"
+    if not isinstance(images, Mapping) or not images:
+        raise ValueError(f"{where}: images must be a non-empty dict name -> image")
+    arrays = {k: central_slice(_image(v, k, where)) for k, v in images.items()}
+    gt = central_slice(_image(ground_truth, "ground_truth", where)) if ground_truth is not None else None
+    ref = gt if gt is not None else next(iter(arrays.values()))
+    grey = {"cmap": "gray", "vmin": float(ref.min()), "vmax": float(ref.max())}
+    panels = [("ground truth", gt, grey)] if gt is not None else []
+    for name, arr in arrays.items():
+        p = (psnrs or {}).get(name)
+        panels.append((name + (f"\nPSNR {p:.2f} dB" if p is not None else ""), arr, grey))
+    if gt is not None and error_of in arrays:
+        err = np.abs(arrays[error_of] - gt)
+        panels.append(
+            (f"|{error_of} − ground truth|", err, {"cmap": "magma", "vmin": 0.0, "vmax": float(err.max()) or 1.0})
+        )
+    fig = new_figure(figsize, (_PANEL_IN * len(panels), 3.3), dpi)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, arr, kw) in zip(axes, panels):
+        _image_panel(fig, ax, arr, title, kw, None, unit=unit)
+    return save_figure(fig, path)
+
+
 def plot_uq_panels(
     path: str | os.PathLike,
     reconstruction,
@@ -150,6 +208,7 @@ def plot_uq_panels(
     *,
     roi=None,
     error_vmax: float | None = None,
+    unit: str | None = IMAGE_UNIT,
     dpi: int = 120,
     figsize: tuple[float, float] | None = None,
 ) -> Path:
@@ -160,8 +219,9 @@ def plot_uq_panels(
     truth|``. |error| and std share one colour scale ``[0, error_vmax]`` so they can be compared pixel for
     pixel; by default ``error_vmax`` is the larger 99.9th percentile of the two maps (inside the ROI when
     given). Grey levels follow the ground truth's range when given, else the reconstruction's. ``titles``:
-    one per panel (3, or 4 with a ground truth). ``roi``: drawn as a dashed outline on every panel.
-    Default size: ``3.2 in × panels`` wide, 3 in high. Returns ``path``.
+    one per panel (3, or 4 with a ground truth). ``roi``: drawn as a dashed outline on every panel and named in a
+    legend under them. ``unit``: every colour bar's label. Default size: ``3.2 in × panels`` wide, 3.3 in high.
+    Returns ``path``.
     """
     where = "plot_uq_panels"
     rec, err, sd, gt = _uq_triplet(reconstruction, abs_error, std, ground_truth, where)
@@ -179,17 +239,18 @@ def plot_uq_panels(
         raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
     # one "extend" for both maps keeps their colour bars identical
     extend = "max" if max(err.max(), sd.max()) > vmax else "neither"
-    fig = new_figure(figsize, (_PANEL_IN * len(panels), 3.0), dpi)
+    fig = new_figure(figsize, (_PANEL_IN * len(panels), 3.3), dpi)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for i, (ax, (name, arr)) in enumerate(zip(axes, panels)):
         arr = central_slice(arr)
         title = titles[i] if titles is not None else name
         if name in ("|error|", "std"):
-            _image_panel(fig, ax, arr, title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend)
+            kw = {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}
+            _image_panel(fig, ax, arr, title, kw, roi2d, extend, unit)
         else:
-            _image_panel(
-                fig, ax, arr, title, {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())}, roi2d
-            )
+            kw = {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())}
+            _image_panel(fig, ax, arr, title, kw, roi2d, unit=unit)
+    _roi_legend(fig, roi2d)
     return save_figure(fig, path)
 
 
@@ -206,6 +267,7 @@ def plot_orthogonal_slices(
     index: Sequence[int] | None = None,
     roi=None,
     error_vmax: float | None = None,
+    unit: str | None = IMAGE_UNIT,
     dpi: int = 100,
     figsize: tuple[float, float] | None = None,
 ) -> Path:
@@ -216,8 +278,9 @@ def plot_orthogonal_slices(
     ``abs_error=None`` computes ``|reconstruction − ground truth|``). ``index = (k, i, j)``: the planes
     ``[k, :, :]`` (z), ``[:, i, :]`` (y) and ``[:, :, j]`` (x), default the centre voxel. |error| and std share one
     colour scale over all planes (default the larger 99.9th percentile of the two volumes, inside the ROI when
-    given), grey levels follow the ground truth (else the reconstruction). ``roi``: drawn on every plane. Default
-    size ``3.2 in × columns`` by ``3 in × 3`` rows. Returns ``path``.
+    given), grey levels follow the ground truth (else the reconstruction). ``roi``: drawn on every plane and named
+    in a legend; ``unit``: every colour bar's label. Default size ``3.2 in × columns`` by ``3 in × 3`` rows (plus
+    the legend). Returns ``path``.
     """
     where = "plot_orthogonal_slices"
     rec, err, sd, gt = _uq_triplet(reconstruction, abs_error, std, ground_truth, where)
@@ -239,25 +302,19 @@ def plot_orthogonal_slices(
         ("std", sd),
     ]
     cuts = ((lambda a: a[k], f"z = {k}"), (lambda a: a[:, i, :], f"y = {i}"), (lambda a: a[:, :, j], f"x = {j}"))
-    fig = new_figure(figsize, (_PANEL_IN * len(columns), 3.0 * 3), dpi)
+    fig = new_figure(figsize, (_PANEL_IN * len(columns), 3.0 * 3 + 0.3), dpi)
     axes = fig.subplots(3, len(columns), squeeze=False)
     for r, (cut, label) in enumerate(cuts):
         roi2d = None if mask is None else cut(mask)
         for cidx, (name, arr) in enumerate(columns):
             title = f"{name}, {ORTHOGONAL_PLANES[r].split()[0]} {label}"
             if name in ("|error|", "std"):
-                _image_panel(
-                    fig, axes[r, cidx], cut(arr), title, {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend
-                )
+                kw = {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}
+                _image_panel(fig, axes[r, cidx], cut(arr), title, kw, roi2d, extend, unit)
             else:
-                _image_panel(
-                    fig,
-                    axes[r, cidx],
-                    cut(arr),
-                    title,
-                    {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())},
-                    roi2d,
-                )
+                kw = {"cmap": "gray", "vmin": float(grey.min()), "vmax": float(grey.max())}
+                _image_panel(fig, axes[r, cidx], cut(arr), title, kw, roi2d, unit=unit)
+    _roi_legend(fig, None if mask is None else mask[k])
     return save_figure(fig, path)
 
 
@@ -268,6 +325,7 @@ def plot_uq_comparison(
     *,
     roi=None,
     error_vmax: float | None = None,
+    unit: str | None = IMAGE_UNIT,
     dpi: int = 120,
     figsize: tuple[float, float] | None = None,
 ) -> Path:
@@ -276,8 +334,9 @@ def plot_uq_comparison(
     ``methods``: ``{name: (reconstruction, abs_error, std)}`` with images of one shape (``(H, W)`` or
     ``(D, H, W)``, image units; ``abs_error`` may be ``None`` when ``ground_truth`` is given). All rows share
     one grey scale and one |error|/std colour scale (default: the largest 99.9th percentile of any error or
-    std map, inside the ROI when given), so methods compare at a glance. Default size
-    ``9.6 in × 2.9 in per row``. Returns ``path``.
+    std map, inside the ROI when given), so methods compare at a glance. ``roi``: drawn and named in a legend;
+    ``unit``: every colour bar's label. Default size ``9.6 in × 2.9 in per row`` (plus the legend). Returns
+    ``path``.
     """
     where = "plot_uq_comparison"
     if not isinstance(methods, Mapping) or not methods:
@@ -300,16 +359,16 @@ def plot_uq_comparison(
     if not (vmax > 0 and math.isfinite(vmax)):
         raise ValueError(f"{where}: error_vmax must be finite and > 0, got {error_vmax!r}")
     extend = "max" if max(float(a.max()) for a in maps) > vmax else "neither"
-    fig = new_figure(figsize, (3 * _PANEL_IN, 2.9 * len(rows)), dpi)
+    fig = new_figure(figsize, (3 * _PANEL_IN, 2.9 * len(rows) + 0.3), dpi)
     axes = fig.subplots(len(rows), 3, squeeze=False)
     for i, (name, (rec, err, sd)) in enumerate(rows.items()):
         col_titles = ("reconstruction", "|error|", "std") if i == 0 else ("", "", "")
-        _image_panel(fig, axes[i, 0], rec, col_titles[0], {"cmap": "gray", "vmin": lo, "vmax": hi}, roi2d)
+        _image_panel(fig, axes[i, 0], rec, col_titles[0], {"cmap": "gray", "vmin": lo, "vmax": hi}, roi2d, unit=unit)
         for j, arr in ((1, err), (2, sd)):
-            _image_panel(
-                fig, axes[i, j], arr, col_titles[j], {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}, roi2d, extend
-            )
+            kw = {"cmap": _ERR_CMAP, "vmin": 0.0, "vmax": vmax}
+            _image_panel(fig, axes[i, j], arr, col_titles[j], kw, roi2d, extend, unit)
         axes[i, 0].set_ylabel(name, fontsize=11)
+    _roi_legend(fig, roi2d)
     return save_figure(fig, path)
 
 
@@ -329,12 +388,13 @@ def plot_calibration(
     *,
     title: str | None = None,
     dpi: int = 120,
-    figsize: tuple[float, float] | None = (4.5, 4.5),
+    figsize: tuple[float, float] | None = None,
 ) -> Path:
     """Empirical coverage against nominal credible-interval mass, one line per method, with ``y = x``.
 
     ``curves``: ``{name: (levels, coverage)}``, equal-length 1D sequences in [0, 1] (as returned by
-    :func:`ctuq.metrics.coverage`). Lines below the diagonal are over-confident. Returns ``path``.
+    :func:`ctuq.metrics.coverage`). Lines below the diagonal are over-confident. The legend sits under the axes,
+    off the curves; default size 4.8 in wide, 4.4 in plus a line per curve high. Returns ``path``.
     """
     where = "plot_calibration"
     if not isinstance(curves, Mapping) or not curves:
@@ -356,7 +416,8 @@ def plot_calibration(
         ):
             raise ValueError(f"{where}: curves[{name!r}] levels and coverage must lie in [0, 1]")
         data[name] = (lv, cov)
-    fig = new_figure(figsize, (4.5, 4.5), dpi)
+    # the legend goes under the axes (off the curves): the figure grows by a line per entry
+    fig = new_figure(figsize, (4.8, 4.4 + 0.22 * (len(data) + 1)), dpi)
     ax = fig.subplots()
     ax.plot([0, 1], [0, 1], color="0.5", ls="--", lw=1, label="perfect calibration")
     for name, (lv, cov) in data.items():
@@ -371,7 +432,7 @@ def plot_calibration(
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize=8, frameon=False)
     return save_figure(fig, path)
 
 
@@ -417,7 +478,7 @@ def plot_heldout_calibration(
         )
     ax_c.set(xlim=(0, 1), ylim=(0, 1), xlabel="nominal level", ylabel="held-out coverage", aspect="equal")
     ax_c.grid(alpha=0.3)
-    ax_c.legend(fontsize=8, loc="upper left")
+    ax_c.legend(fontsize=8, loc="lower right")
     centres = 0.5 * (edges[1:] + edges[:-1])
     ax_z.bar(centres, dens, width=np.diff(edges), color="C0", alpha=0.6, label="held-out z")
     grid = np.linspace(edges[0], edges[-1], 301)
@@ -478,6 +539,7 @@ def plot_error_vs_std(
     *,
     bins: int = 100,
     log: bool = True,
+    unit: str | None = IMAGE_UNIT,
     dpi: int = 120,
     figsize: tuple[float, float] | None = None,
 ) -> Path:
@@ -487,7 +549,7 @@ def plot_error_vs_std(
     counted), or ``abs_error`` is a dict ``{name: (abs_error, std)}`` and ``std`` is ``None``: one panel per
     method, all on the same bins and colour scale. Bins: :func:`ctuq.metrics.error_std_histogram` (shared
     edges for both axes, logarithmic when ``log``). Pixels above the line have larger errors than their std.
-    Default size ``4.2 in per panel × 3.8 in``. Returns ``path``.
+    ``unit``: both axes' unit. Default size ``4.2 in per panel × 3.8 in``. Returns ``path``.
     """
     where = "plot_error_vs_std"
     if isinstance(abs_error, Mapping):
@@ -524,11 +586,12 @@ def plot_error_vs_std(
         if log:
             ax.set_xscale("log")
             ax.set_yscale("log")
-        ax.set(xlim=rng, ylim=rng, xlabel="std", ylabel="|error|")
+        suffix = f" ({unit})" if unit else ""
+        ax.set(xlim=rng, ylim=rng, xlabel=f"std{suffix}", ylabel=f"|error|{suffix}")
         if name:
             ax.set_title(name)
         ax.legend(fontsize=8, loc="upper left")
-    fig.colorbar(mesh, ax=list(axes), label="pixels")
+    fig.colorbar(mesh, ax=list(axes), label="pixels per bin")
     return save_figure(fig, path)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "configure_logging",
     "ensure_console_logging",
     "run_log",
+    "duration",
 ]
 
 ROOT_LOGGER = "ctuq"
@@ -244,3 +245,12 @@ def _exit_record(logger: logging.Logger, exc: BaseException) -> logging.LogRecor
     else:
         msg = f"stopped: {type(exc).__name__} {exc}".rstrip()
     return logger.makeRecord(_log.name, logging.ERROR, __file__, 0, msg, None, None)
+
+
+def duration(seconds: float) -> str:
+    """A time as a person reads it in a log line: ``"40 s"``, ``"3.2 min"`` or ``"5.1 h"``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -13,7 +13,6 @@ back for napari. The pixel values are those of the float32 array, bit for bit; r
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib.metadata as md
 import math
 import os
@@ -25,13 +24,11 @@ from pathlib import Path
 import numpy as np
 import tifffile
 import torch
-from matplotlib.figure import Figure
 
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.utils import atomic_path, atomic_write_json, atomic_write_tiff, to_numpy
 
 __all__ = [
-    "new_run_dir",
     "package_versions",
     "voxel_size_of",
     "imagej_kwargs",
@@ -41,24 +38,9 @@ __all__ = [
     "write_stack",
     "write_results_h5",
     "read_results_h5",
-    "write_figure",
     "write_metrics",
     "central_slice",
 ]
-
-
-def new_run_dir(root: str | os.PathLike = "runs") -> Path:
-    """A fresh folder ``root/<YYYYmmdd-HHMMSS>[-N]`` (created; ``-N`` appended if the second is taken)."""
-    root = Path(root)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        path = root / (stamp if n == 0 else f"{stamp}-{n}")
-        try:
-            path.mkdir(parents=True, exist_ok=False)
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a new run folder under {root}")
 
 
 def package_versions() -> dict[str, str | None]:
@@ -256,49 +238,6 @@ def read_results_h5(
 def central_slice(image: np.ndarray) -> np.ndarray:
     """2D images unchanged; 3D volumes ``(D, H, W)``: the central ``(H, W)`` slice (for figures)."""
     return image if image.ndim == 2 else image[image.shape[0] // 2]
-
-
-def write_figure(
-    path: str | os.PathLike,
-    images: Mapping[str, torch.Tensor | np.ndarray],
-    *,
-    ground_truth: torch.Tensor | np.ndarray | None = None,
-    psnrs: Mapping[str, float | None] | None = None,
-    error_of: str | None = "DIP",
-    dpi: int = 120,
-) -> Path:
-    """A one-row PNG: ground truth (if given), each image in ``images`` (titles with their PSNR), and
-    ``|images[error_of] − ground truth|``. Volumes are shown by their central slice. Written atomically.
-
-    Drawn on a stand-alone ``Figure`` (Agg canvas, no pyplot state), as :mod:`ctuq.figures` does."""
-    panels: list[tuple[str, np.ndarray, dict]] = []
-    gt = central_slice(to_numpy(ground_truth)) if ground_truth is not None else None
-    arrays = {k: central_slice(to_numpy(v)) for k, v in images.items()}
-    ref = gt if gt is not None else next(iter(arrays.values()))
-    vmin, vmax = float(ref.min()), float(ref.max())
-    if gt is not None:
-        panels.append(("ground truth", gt, {"vmin": vmin, "vmax": vmax, "cmap": "gray"}))
-    for name, arr in arrays.items():
-        p = (psnrs or {}).get(name)
-        title = f"{name}" + (f"\nPSNR {p:.2f} dB" if p is not None else "")
-        panels.append((title, arr, {"vmin": vmin, "vmax": vmax, "cmap": "gray"}))
-    if gt is not None and error_of in arrays:
-        err = np.abs(arrays[error_of] - gt)
-        panels.append(
-            (f"|{error_of} − ground truth|", err, {"vmin": 0.0, "vmax": float(err.max()) or 1.0, "cmap": "magma"})
-        )
-    fig = Figure(figsize=(3.2 * len(panels), 3.6))
-    axes = fig.subplots(1, len(panels), squeeze=False)
-    for ax, (title, arr, kw) in zip(axes[0], panels):
-        im = ax.imshow(arr, **kw)
-        ax.set_title(title, fontsize=10)
-        ax.set_axis_off()
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
-    fig.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=dpi, format="png")
-    return path
 
 
 def write_metrics(path: str | os.PathLike, metrics: Mapping) -> Path:

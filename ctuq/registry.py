@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 __all__ = [
+    "lazy_module",
+    "LazyModule",
     "Registry",
     "RegistryError",
     "SOLVERS",
@@ -38,6 +40,32 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class LazyModule:
+    """A module imported on first attribute access (:func:`lazy_module`)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._module = None
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):  # copy/pickle/introspection probes must not trigger the import
+            raise AttributeError(attr)
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}{'' if self._module is None else ' (imported)'}>"
+
+
+def lazy_module(name: str) -> LazyModule:
+    """The module ``name`` (dotted), imported when an attribute of it is first read: for the command line, whose
+    parsers (``--help``) must not pay for torch and the pipeline (issue 36: help in under a second). Written at a
+    module's top like an import (``runner = lazy_module("ctuq.pipeline.runner")``); ``tests/test_import_graph.py``
+    counts it as an import of ``name`` made at run time."""
+    return LazyModule(name)
 
 
 class RegistryError(KeyError):

@@ -1,7 +1,7 @@
-"""Contract tests shipped with ctuq: one test base class per abstraction of the inference core.
+"""Contract tests shipped with ctuq: one test base class per extensible abstraction.
 
-As linear_operator ships ``LinearOperatorTestCase``, ctuq ships the checks every solver and every feature operator
-must pass; a test module subclasses a contract and gives only a factory (and, where needed, tolerances)::
+As linear_operator ships ``LinearOperatorTestCase``, ctuq ships the checks every implementation must pass; a test
+module subclasses a contract and gives only a factory (and, where needed, tolerances)::
 
     from ctuq.testing import SolverContract
 
@@ -19,15 +19,10 @@ must pass; a test module subclasses a contract and gives only a factory (and, wh
 warm starts (``x0``); resuming the EM mid-way through :class:`~ctuq.inference.LinearizedPosterior` (bitwise
 equal traces); the class facts (name, summary, options, cost estimate, report); and bad input (rhs shape, ``a ≤ 0``,
 ``σ² ≤ 0``, NaN). :class:`FeatureContract` checks adjointness ``⟨Ψu, v⟩ = ⟨u, Ψᵀv⟩`` within round-off, agreement
-with the dense matrix, columns, row restriction, stacking, product counters and bad shapes.
-
-:class:`RayTransformContract` checks a ray-transform backend (or every registered one) over every geometry kind it
-declares: adjointness, the dense matrix, batches, flat views, autograd, angle subsets, dtypes/devices and bad shapes.
-
-:class:`ScanFormatContract` checks a scan format (or every registered one): a small scan written and opened again
-equals what was written bit for bit (geometry, counts, flats and darks, ground truth, line integrals and variances),
-a subsampled load splits the scan into used and held-out rows bit for bit, and damaged files are one-line errors
-naming the file.
+with the dense matrix, columns, row restriction, stacking, product counters and bad shapes. The contracts of
+likelihoods (:class:`LikelihoodContract`), calibration methods (:class:`CalibrationContract`), weight priors
+(:class:`PriorContract`), ray-transform backends (:class:`RayTransformContract`) and scan formats
+(:class:`ScanFormatContract`) list their checks in their own docstrings.
 
 This module imports pytest: it is for test suites, and nothing in ctuq imports it.
 """
@@ -43,6 +38,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,6 +91,23 @@ def _reference_solve(Psi: torch.Tensor, R: torch.Tensor, a: float, sigma2: float
     P = Psi.double().numpy()
     C = P @ P.T / a + sigma2 * np.eye(P.shape[0])
     return np.linalg.solve(C, R.double().numpy().T).T
+
+
+def _saved(state):
+    """``state`` after ``torch.save`` and ``torch.load(weights_only=True)`` (what a checkpoint file gives back)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _check_sample_covariance(zeta: np.ndarray, cov: np.ndarray, tol: float) -> None:
+    """Samples ``zeta`` ``(n, d)`` whitened by the covariance ``cov`` ``(d, d)`` have every entry of their second
+    moment within ``tol · √(2/n)`` of the identity."""
+    w, V = np.linalg.eigh(cov)
+    white = zeta @ (V / np.sqrt(w))  # Σ^(−1/2) ζ in the eigenbasis: N(0, I)
+    dev = np.abs(white.T @ white / len(zeta) - np.eye(cov.shape[0])).max()
+    assert dev <= tol * np.sqrt(2.0 / len(zeta)), dev
 
 
 @dataclasses.dataclass
@@ -207,11 +220,7 @@ class SolverContract:
         zeta = sample_posterior(feats, solver, a, s2, self.n_samples, generator=gen).weights.double().numpy()
         P = Psi.numpy()
         cov = np.linalg.inv(P.T @ P / s2 + a * np.eye(P.shape[1]))
-        w, V = np.linalg.eigh(cov)
-        white = zeta @ (V / np.sqrt(w))  # Σ^(−1/2) ζ in the eigenbasis: N(0, I)
-        S = white.T @ white / self.n_samples
-        dev = np.abs(S - np.eye(S.shape[0])).max()
-        assert dev <= self.sample_tol * np.sqrt(2.0 / self.n_samples), dev
+        _check_sample_covariance(zeta, cov, self.sample_tol)
 
     # ------------------------------------------------------------------------------------------ state
     def test_state_round_trip_is_bitwise(self, case, problem):
@@ -221,11 +230,7 @@ class SolverContract:
         first = case.factory(feats)
         first.setup(a, s2)
         X1, _ = first.solve(R, a, s2)
-        state = first.state_dict()
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        buf.seek(0)
-        state = torch.load(buf, weights_only=True)
+        state = _saved(first.state_dict())
         second = case.factory(feats)
         second.load_state_dict(state)
         before = (feats.n_matvec, feats.n_rmatvec)
@@ -272,11 +277,8 @@ class SolverContract:
         full.fit(max_steps=3, n_samples=4, tol=0.0)
         part = make()
         part.fit(max_steps=1, n_samples=4, tol=0.0)
-        buf = io.BytesIO()
-        torch.save(part.state_dict(), buf)
-        buf.seek(0)
         resumed = make()
-        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        resumed.load_state_dict(_saved(part.state_dict()))
         resumed.fit(max_steps=3, n_samples=4, tol=0.0)
         keys = ("a", "sigma2", "gamma", "a_new", "sigma2_new")
         assert [[r[k] for k in keys] for r in resumed.em_trace] == [[r[k] for k in keys] for r in full.em_trace]
@@ -517,19 +519,11 @@ class LikelihoodContract:
         if lik.learn_noise:  # a state that differs from a fresh likelihood's
             lik.sigma2 = lik.noise_update(2.0 * n, n, 0.5)
         state = lik.state_dict()
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        buf.seek(0)
-        for st in (state, torch.load(buf, weights_only=True)):
+        for st in (state, _saved(state)):
             fresh = copy.deepcopy(pristine)
             fresh.load_state_dict(st)
-            again = fresh.state_dict()
-            assert again.keys() == state.keys() and fresh.sigma2 == lik.sigma2
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    assert torch.equal(again[key], value), key
-                else:
-                    assert again[key] == value, key
+            assert fresh.sigma2 == lik.sigma2
+            _same_state(fresh.state_dict(), state)
         with pytest.raises(ValueError, match="not"):
             copy.deepcopy(pristine).load_state_dict({**state, "name": "no_such_likelihood"})
 
@@ -820,10 +814,7 @@ class PriorContract:
     def test_state_round_trip_is_bitwise(self, problem):
         first = self.make_prior(problem.features)
         built = self._set_up(first, problem).features.to_dense()
-        buf = io.BytesIO()
-        torch.save(first.state_dict(), buf)
-        buf.seek(0)
-        state = torch.load(buf, weights_only=True)
+        state = _saved(first.state_dict())
         second = self.make_prior(problem.features)
         second.load_state_dict(state)
         _same_state(second.state_dict(), state)
@@ -848,11 +839,8 @@ class PriorContract:
             )
 
         first = make().setup()
-        buf = io.BytesIO()
-        torch.save(first.state_dict(), buf)
-        buf.seek(0)
         again = make()
-        again.load_state_dict(torch.load(buf, weights_only=True))
+        again.load_state_dict(_saved(first.state_dict()))
         again.setup()
         assert torch.equal(again.mean(), first.mean())
 
@@ -875,10 +863,7 @@ class PriorContract:
         n = self.n_samples
         Z = torch.cat([ps.weights.double() for _, ps in post.sample(n, chunk_size=500, seed=0)]).numpy()
         cov = ref.posterior_covariance(self.a, self.sigma2)
-        w, V = np.linalg.eigh(cov)
-        white = Z @ (V / np.sqrt(w))  # Σ^(−1/2) ζ in the eigenbasis: N(0, I)
-        dev = np.abs(white.T @ white / n - np.eye(cov.shape[0])).max()
-        assert dev <= self.sample_tol * np.sqrt(2.0 / n), dev
+        _check_sample_covariance(Z, cov, self.sample_tol)
 
     # ------------------------------------------------------------------------------------------ bad input
     def test_options_out_of_bounds_are_refused_in_one_line(self, problem):
@@ -1299,23 +1284,13 @@ def _largest_written(fmt: type[ScanFormat], path: Path) -> Path:
     return max(files, key=lambda p: (p.stat().st_size, str(p)))
 
 
-def _truncate_largest(fmt: type[ScanFormat]) -> Damage:
+def _damage_largest(fmt: type[ScanFormat], name: str, damage: Callable[[Path], Any]) -> Damage:
     def apply(path: Path) -> str:
         victim = _largest_written(fmt, path)
-        data = victim.read_bytes()
-        victim.write_bytes(data[: len(data) // 2])
+        damage(victim)
         return victim.name
 
-    return Damage("truncated file", apply)
-
-
-def _delete_largest(fmt: type[ScanFormat]) -> Damage:
-    def apply(path: Path) -> str:
-        victim = _largest_written(fmt, path)
-        victim.unlink()
-        return victim.name
-
-    return Damage("missing file", apply)
+    return Damage(name, apply)
 
 
 @dataclasses.dataclass
@@ -1380,6 +1355,11 @@ class ScanFormatContract:
     def _orbit(content: ScanContent) -> ScanOrbit:
         return content.orbits[2] if 2 in content.orbits else next(iter(content.orbits.values()))
 
+    @staticmethod
+    def _mean_frames(orbit: ScanOrbit) -> tuple[np.ndarray, np.ndarray]:
+        """The mean flat and dark of what was written (float64, the readers' summation)."""
+        return tuple(f.astype(np.float64).sum(axis=0) * (1.0 / len(f)) for f in (orbit.flats, orbit.darks))
+
     # ------------------------------------------------------------------------------------------ class facts
     def test_class_facts(self, scan_format, written):
         fmt = scan_format
@@ -1420,10 +1400,8 @@ class ScanFormatContract:
         for f in sorted(set(range(scan.n_files)) - {int(f) for f in files}):  # kept beyond the distinct angles
             want = orbit.closing if orbit.closing is not None else orbit.projections[0]
             assert np.array_equal(scan.projection(f), want.astype(np.float64)), f"closing projection (file {f})"
-        flat, dark = scan.flat_dark()
         assert (scan.n_flats, scan.n_darks) == (len(orbit.flats), len(orbit.darks))
-        assert np.array_equal(flat, orbit.flats.astype(np.float64).sum(axis=0) * (1.0 / len(orbit.flats)))
-        assert np.array_equal(dark, orbit.darks.astype(np.float64).sum(axis=0) * (1.0 / len(orbit.darks)))
+        assert all(np.array_equal(got, want) for got, want in zip(scan.flat_dark(), self._mean_frames(orbit)))
         assert scan.read_noise == content.read_noise
 
     def test_ground_truth_round_trip(self, scan, written):
@@ -1437,8 +1415,7 @@ class ScanFormatContract:
     def test_line_integrals_and_variances(self, scan, written):
         _path, content = written
         orbit = self._orbit(content)
-        flat = orbit.flats.astype(np.float64).sum(axis=0) * (1.0 / len(orbit.flats))
-        dark = orbit.darks.astype(np.float64).sum(axis=0) * (1.0 / len(orbit.darks))
+        flat, dark = self._mean_frames(orbit)
         all_rows, all_cols = np.arange(orbit.det_shape[0]), np.arange(orbit.det_shape[1])
         rows, files = scan.angle_plan(1)
         for k, f in zip(rows, files):
@@ -1483,7 +1460,13 @@ class ScanFormatContract:
     def test_damaged_files_are_one_line_errors_naming_the_file(self, case, scan_format, written, tmp_path):
         path, _content = written
         source = path if path.is_dir() else path.parent
-        damages = [_truncate_largest(scan_format), _delete_largest(scan_format), *case.damages]
+        damages = [
+            _damage_largest(
+                scan_format, "truncated file", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+            ),
+            _damage_largest(scan_format, "missing file", Path.unlink),
+            *case.damages,
+        ]
         for i, damage in enumerate(damages):
             copy_dir = tmp_path / f"damage{i}"
             shutil.copytree(source, copy_dir)

@@ -3,8 +3,8 @@
 
 What it reproduces: the solver comparison of docs/NOTES.md ("Solver comparison on a real CT problem": the solve
 table, the real-network table) and, with ``--tune``, the SDD/SGD tuning and sampled-EM tables of
-docs/notebook/engineering.md, on which the defaults ``SDD_DEFAULTS`` / ``SGD_DEFAULTS`` and ``uq.solver: auto``'s
-choice rest::
+docs/notebook/engineering.md, on which the defaults of ``SDDSolver.Options`` / ``SGDSolver.Options`` and
+``uq.solver: auto``'s choice rest::
 
     python scripts/benchmark_solvers.py --run RUN --cache small_eig.pt --fo-budget 20000 --adaptive-cap 3000 \\
         --rank-thresholds 1 4 16 --real-rhs 4 --threads 1 [--sdd-momentum 0.99] [--tune]

@@ -1,24 +1,21 @@
 import os
 
-import pytest
-import torch
-
-from ctuq.data.simulate import simulate_scan
-
+# One thread in every thread pool (torch's, and numpy's/scipy's OpenBLAS, which read these variables when they load,
+# after this file; subprocesses inherit them). The tests' problems are tiny, so a second thread gains nothing on an
+# idle machine, while on the two shared CI cores its hand-offs cost ~10 ms per operation (measured: 1.2 s vs 32 s
+# for the same EM) and a spinning OpenBLAS thread can take several times a test's own CPU time.
+for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_pool, "1")
 os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
-# Two cores on CI: keep torch from oversubscribing them.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+import shutil  # noqa: E402
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module of tiny problems: OpenMP hand-offs cost ~10 ms per operation when the two CI
-    cores are shared (measured: 1.2 s vs 32 s for the same EM), and gloo subprocesses must not oversubscribe the
-    cores; restored afterwards. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiny import NO_FIGURES, sets, tiny_args  # noqa: E402
+
+from ctuq.cli import main  # noqa: E402
+from ctuq.data.simulate import simulate_scan  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,20 +28,25 @@ def tiny_scan(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_uq_args():
-    """``ctuq reconstruct`` arguments for a seconds-long run with uncertainty on :func:`tiny_scan`: 32² image, every
-    2nd angle used (the other half held out for the held-out check), 60 DIP iterations without TV, 64 posterior
-    samples, 3 EM steps."""
-    settings = (
-        "data.image_shape=[32, 32]",
-        "data.angular_subsampling=2",
-        "data.detector_subsampling=3",
-        "dip.iterations=60",
-        "tv.enabled=false",
-        "uq.samples=64",
-        "uq.em_steps=3",
-    )
-    return [arg for setting in settings for arg in ("--set", setting)] + ["--no-progress"]
+def tiny_run(tiny_scan, tmp_path_factory):
+    """``ctuq reconstruct`` with uncertainty on :func:`tiny_scan` with the default settings otherwise (per-ray noise,
+    the held-out bias model applied, figures), finished once per session. Read it; copy it to change it. A module
+    that registers a solver or prior of its own requests it before registering: a run's config.yaml has a section
+    for every registered one, which a later config load without it refuses."""
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_args()]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run_none(tiny_run, tmp_path_factory):
+    """:func:`tiny_run` with its uncertainty phase rerun (``ctuq uq``) under ``uq.calibration: none`` and without
+    figures: the posterior's own std map, every calibration method scored beside it. Read it; copy it to change it;
+    reruns on a copy write no figures unless asked."""
+    out = tmp_path_factory.mktemp("tiny_run_none") / "run"
+    shutil.copytree(tiny_run, out)
+    assert main(["uq", str(out), *sets("uq.calibration=none", *NO_FIGURES), "--no-progress"]) == 0
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

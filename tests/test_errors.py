@@ -1,6 +1,8 @@
 """The error contract of every command: a user error prints one line ``ctuq <command>: <file or option>: <problem>``
 on stderr and exits 2; ``--debug`` / ``CTUQ_DEBUG=1`` show the traceback; programming errors keep theirs. Also the
-minimum-angle refusals and the published-setting warning."""
+minimum-angle refusals and the published-setting warning. A damaged scan or a setting the scan cannot meet is refused
+while the scan loads: those cases check the user error :func:`~ctuq.pipeline.scan.load_scan` raises (the line the
+command prints after ``ctuq reconstruct: ``), and one of them the command itself."""
 
 import json
 import os
@@ -14,26 +16,16 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import QUICK, TINY_SETTINGS, tiny_args
 
 from ctuq.cli import main
-from ctuq.errors import CTUQError, DataError, OutDirError, is_user_error
+from ctuq.config import load_config
+from ctuq.data import SimulationParameters, simulate_scan
+from ctuq.errors import CTUQError, DataError, OutDirError, format_user_error, is_user_error
+from ctuq.pipeline.scan import load_scan
 
 REPO = Path(__file__).resolve().parents[1]
-# Seconds per run: 16 angles × 32 columns, a 32² image, 2 DIP iterations, no TV, no inference.
-FAST = [
-    "--no-uq",
-    "--no-progress",
-    "--set",
-    "data.image_shape=[32, 32]",
-    "--set",
-    "data.angular_subsampling=2",
-    "--set",
-    "data.detector_subsampling=3",
-    "--set",
-    "dip.iterations=2",
-    "--set",
-    "tv.enabled=false",
-]
+FAST = tiny_args(*QUICK, uq=False)  # seconds per run: 16 angles × 32 columns, 32², 2 DIP iterations, no inference
 
 
 @pytest.fixture
@@ -55,6 +47,18 @@ def _proj(folder: Path) -> Path:
 
 def _rewrite(path: Path, fn) -> None:
     tifffile.imwrite(path, fn(tifffile.imread(path)))
+
+
+def load_error(scan, *overrides) -> str:
+    """Load ``scan`` with the tiny settings and ``overrides``; check the error is a user error of one line; return
+    that line (what ``ctuq reconstruct`` prints after ``ctuq reconstruct: ``)."""
+    cfg = load_config(None, [*TINY_SETTINGS, *QUICK, *overrides], **{"data.path": str(scan)})
+    with pytest.raises(Exception) as info:
+        load_scan(cfg, torch.device("cpu"), progress=False)
+    assert is_user_error(info.value), info.value
+    line = format_user_error(info.value)
+    assert "\n" not in line
+    return line
 
 
 def one_line_error(capsys, argv, *, command="reconstruct", only_line=True) -> str:
@@ -126,36 +130,37 @@ def _bad_ground_truth(scan):
     ],
     ids=lambda f: f.__name__.strip("_"),
 )
-def test_damaged_scan_is_one_line_naming_the_file(damage, broken, tmp_path, capsys):
+def test_damaged_scan_is_one_line_naming_the_file(damage, broken):
     pattern = damage(broken)
-    line = one_line_error(capsys, ["reconstruct", "--data", str(broken), "--out", str(tmp_path / "run"), *FAST])
+    line = load_error(broken)
     assert re.search(pattern, line), line
 
 
-def test_empty_folder_and_missing_folder_and_wrong_orbit(tiny_scan, tmp_path, capsys):
+def test_the_command_prints_a_damaged_scans_line_and_exits_2(broken, tmp_path, capsys):
+    pattern = _corrupt_projection(broken)
+    line = one_line_error(capsys, ["reconstruct", "--data", str(broken), "--out", str(tmp_path / "run"), *FAST])
+    assert line == f"ctuq reconstruct: {load_error(broken)}" and re.search(pattern, line)
+
+
+def test_empty_folder_and_missing_folder_and_wrong_orbit(tiny_scan, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = one_line_error(capsys, ["reconstruct", "--data", str(empty), "--out", str(tmp_path / "a"), *FAST])
+    line = load_error(empty)
     assert str(empty) in line and "no Projections/tubeV* folder" in line
-    line = one_line_error(
-        capsys, ["reconstruct", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "b"), *FAST]
-    )
-    assert line.startswith(f"ctuq reconstruct: data.path '{tmp_path / 'nowhere'}': no such scan folder")
-    line = one_line_error(
-        capsys, ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "c"), *FAST, "--set", "data.orbit=1"]
-    )
+    line = load_error(tmp_path / "nowhere")
+    assert line.startswith(f"data.path '{tmp_path / 'nowhere'}': no such scan folder")
+    line = load_error(tiny_scan, "data.orbit=1")
     assert "tubeV1: projection folder missing (orbit 1); this scan has tubeV2" in line
 
 
 # ------------------------------------------------------------------------------------------------ settings and device
-def test_slice_and_subsampling_out_of_range_name_the_option(tiny_scan, tmp_path, capsys):
-    common = ["reconstruct", "--data", str(tiny_scan), "--out", str(tmp_path / "run"), *FAST]
-    line = one_line_error(capsys, [*common, "--set", "data.slice_index=5"])
-    assert line.startswith("ctuq reconstruct: data.slice_index: 5 is out of range") and "5 ground-truth slices" in line
-    line = one_line_error(capsys, [*common, "--set", "data.detector_subsampling=200"])
-    assert line.startswith("ctuq reconstruct: data.detector_subsampling: 200 exceeds the 96 detector columns")
-    line = one_line_error(capsys, [*common, "--set", "data.image_shape=[32, 40]"])
-    assert line.startswith("ctuq reconstruct: data.image_shape: [32, 40] changes the aspect ratio")
+def test_slice_and_subsampling_out_of_range_name_the_option(tiny_scan):
+    line = load_error(tiny_scan, "data.slice_index=5")
+    assert line.startswith("data.slice_index: 5 is out of range") and "5 ground-truth slices" in line
+    line = load_error(tiny_scan, "data.detector_subsampling=200")
+    assert line.startswith("data.detector_subsampling: 200 exceeds the 96 detector columns")
+    line = load_error(tiny_scan, "data.image_shape=[32, 40]")
+    assert line.startswith("data.image_shape: [32, 40] changes the aspect ratio")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
@@ -268,45 +273,21 @@ def test_programming_errors_keep_their_traceback(tiny_scan, tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------------ angles
-def test_a_scan_with_two_angles_is_refused(tmp_path, capsys):
-    from ctuq.data import SimulationParameters, simulate_scan
-
+def test_a_scan_with_two_angles_is_refused(tmp_path):
     scan = tmp_path / "Walnut2"
     simulate_scan(scan, SimulationParameters.preset("tiny", n_projections=3, gt_shape=(1, 32, 32)), progress=False)
-    common = [
-        "reconstruct",
-        "--data",
-        str(scan),
-        "--out",
-        str(tmp_path / "run"),
-        *FAST,
-        "--set",
-        "data.angular_subsampling=1",
-        "--set",
-        "data.image_shape=null",
-    ]
-    line = one_line_error(capsys, common)
-    assert line.startswith(f"ctuq reconstruct: {scan}: only 2 projection angles left")
+    setting = ("data.angular_subsampling=1", "data.image_shape=null")
+    line = load_error(scan, *setting)
+    assert line.startswith(f"{scan}: only 2 projection angles left")
     assert "3 files, 2 distinct angles" in line and "data.min_angles = 8" in line
     assert "use a scan with more projections, or set data.min_angles=2 to run anyway" in line
-    assert main([*common, "--set", "data.min_angles=2"]) == 0  # the stated way to force it works
+    cfg = load_config(None, [*TINY_SETTINGS, *setting, "data.min_angles=2"], **{"data.path": str(scan)})
+    assert load_scan(cfg, torch.device("cpu"), progress=False)[0].y.shape[0] == 2  # the stated way to force it works
 
 
-def test_subsampling_that_leaves_one_angle_is_refused(tiny_scan, tmp_path, capsys):
-    line = one_line_error(
-        capsys,
-        [
-            "reconstruct",
-            "--data",
-            str(tiny_scan),
-            "--out",
-            str(tmp_path / "run"),
-            *FAST,
-            "--set",
-            "data.angular_subsampling=32",
-        ],
-    )
-    assert line.startswith(f"ctuq reconstruct: {tiny_scan}: only 1 projection angle left")
+def test_subsampling_that_leaves_one_angle_is_refused(tiny_scan):
+    line = load_error(tiny_scan, "data.angular_subsampling=32")
+    assert line.startswith(f"{tiny_scan}: only 1 projection angle left")
     assert "data.angular_subsampling = 32" in line and "lower data.angular_subsampling to at most 4" in line
 
 
@@ -345,20 +326,16 @@ def test_published_setting_on_the_bundled_scan_warns_and_records_it(tmp_path, mo
     assert m["data"]["measurement_shape"] == [12, 43]
 
 
-def test_a_run_without_problems_records_no_warnings(tiny_scan, tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST]) == 0
-    assert "warning" not in capsys.readouterr().err
-    assert json.loads((out / "metrics.json").read_text())["warnings"] == []
+def test_a_run_without_problems_records_no_warnings(tiny_run):
+    assert " WARNING " not in (tiny_run / "ctuq.log").read_text()  # the log has every message the terminal had
+    assert json.loads((tiny_run / "metrics.json").read_text())["warnings"] == []
 
 
 # ------------------------------------------------------------------------------------------------ ctuq uq
-def test_uq_command_errors_are_one_line(tiny_scan, tmp_path, capsys):
+def test_uq_command_errors_are_one_line(tiny_run_none, tmp_path, capsys):
     line = one_line_error(capsys, ["uq", str(tmp_path / "nowhere")], command="uq")
     assert line.startswith(f"ctuq uq: {tmp_path / 'nowhere' / 'config.yaml'}: does not exist")
-    out = tmp_path / "run"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *FAST]) == 0
-    capsys.readouterr()
+    out = shutil.copytree(tiny_run_none, tmp_path / "run")
     (out / "dip_model.pt").write_bytes(b"garbage")
     line = one_line_error(capsys, ["uq", str(out), "--no-progress"], command="uq", only_line=False)
     assert line.startswith(f"ctuq uq: {out / 'dip_model.pt'}: not a readable torch file")

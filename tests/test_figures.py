@@ -52,8 +52,11 @@ def test_uq_panels_png_size_and_shared_error_std_scale(tmp_path, captured):
     clim_err, clim_std = (ax.get_images()[0].get_clim() for ax in axes[2:])
     assert clim_err == clim_std and clim_err[0] == 0.0 and clim_err[1] < 10.0
     assert len(axes[3].patches) == 1  # the ROI rectangle
-    # default size: 3 panels × 3.2 in by 3 in
-    assert _png_shape(F.plot_uq_panels(tmp_path / "d.png", rec, err, std, dpi=DPI)) == (3 * DPI, round(9.6 * DPI))
+    # default size: 3 panels × 3.2 in by 3.3 in (the region's legend under them)
+    assert _png_shape(F.plot_uq_panels(tmp_path / "d.png", rec, err, std, dpi=DPI)) == (
+        round(3.3 * DPI),
+        round(9.6 * DPI),
+    )
 
 
 def test_uq_panels_of_a_volume_show_the_central_slice_and_compute_the_error(tmp_path, captured):

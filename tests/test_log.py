@@ -5,6 +5,7 @@ import logging
 import re
 
 import pytest
+from tiny import QUICK, TINY_SETTINGS, sets
 
 from ctuq.cli import main
 from ctuq.errors import CTUQError
@@ -14,21 +15,7 @@ from ctuq.pipeline.run_folder import LOG_NAME
 # A line of ctuq.log: local time to the millisecond, level, logger, message.
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR)\s+ctuq(\.\w+)*: \S")
 
-FAST = [
-    "--no-uq",
-    "--set",
-    "data.image_shape=[32, 32]",
-    "--set",
-    "data.angular_subsampling=2",
-    "--set",
-    "data.detector_subsampling=3",
-    "--set",
-    "dip.iterations=2",
-    "--set",
-    "tv.enabled=false",
-    "--set",
-    "output.figure=false",
-]
+FAST = ["--no-uq", *sets(*TINY_SETTINGS, *QUICK)]
 
 
 @pytest.fixture(autouse=True)

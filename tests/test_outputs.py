@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import tiny_args
 
 from ctuq.cli import main
 from ctuq.config import ConfigError, load_config
@@ -133,9 +134,7 @@ def test_phase_write_puts_the_std_into_the_stack(tmp_path):
 
 def test_a_run_writes_its_images_at_their_voxel_size(tiny_scan, tmp_path):
     out = tmp_path / "run"
-    fast = ["--no-uq", "--no-progress", "--set", "data.image_shape=[32, 32]", "--set", "data.angular_subsampling=2"]
-    fast += ["--set", "dip.iterations=2", "--set", "output.figure=false", "--set", "output.stack=true"]
-    fast += ["--set", "output.hdf5=true"]
+    fast = tiny_args("dip.iterations=2", "output.figure=false", "output.stack=true", "output.hdf5=true", uq=False)
     assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *fast]) == 0
     voxel = json.loads((out / rf.METRICS_NAME).read_text())["data"]["voxel_size_mm"]
     assert voxel > 0

@@ -1,15 +1,10 @@
 """The calibration-method abstraction: what every recalibration of a std map is, and the ``auto`` rule.
 
 A calibration method (a value of ``uq.calibration``) is one :class:`CalibrationMethod` subclass, registered by name
-in :data:`ctuq.registry.CALIBRATIONS`. It
-
-* fits itself on a run's held-out rows and its reconstruction (:meth:`CalibrationMethod.fit`, from the scored
-  :class:`~ctuq.calibration.check.HeldoutRows`: the per-row arrays and the check's report);
-* applies itself to a std map (:meth:`~CalibrationMethod.apply_std`, torch or numpy, dtype kept) and to the
-  streamed sample moments (:meth:`~CalibrationMethod.apply_moments`), so that the recalibrated map is scored with
-  every statistic of the posterior's own (joint log-likelihoods included);
-* reports itself: its record in ``metrics.json["uq"]["calibration"]`` (:meth:`~CalibrationMethod.report`), the label
-  of its curve in ``calibration.png`` (:meth:`~CalibrationMethod.label`) and its log line.
+in :data:`ctuq.registry.CALIBRATIONS`. It fits itself on a run's scored held-out rows and its reconstruction
+(:meth:`~CalibrationMethod.fit`), applies itself to a std map and to the streamed sample moments (so that the
+recalibrated map is scored with every statistic of the posterior's own, joint log-likelihoods included), and reports
+itself (``metrics.json["uq"]["calibration"]``, its curve's label in ``calibration.png``, its log line).
 
 The uncertainty phase applies the method ``uq.calibration`` names and scores every other registered one beside it
 (``metrics.json["uq"][<its summary_key>]``); the calibration study scores each from the same objects. A new method
@@ -20,6 +15,7 @@ is one module and one registry line (its ``name`` then is a valid ``uq.calibrati
 from __future__ import annotations
 
 import abc
+import copy
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: check.py imports the registered methods' 
     from ctuq.calibration.check import HeldoutRows
     from ctuq.metrics import SampleMoments
 
-__all__ = ["CalibrationMethod", "AUTO", "NONE", "resolve_calibration"]
+__all__ = ["CalibrationMethod", "AUTO", "NONE", "resolve_calibration", "moments_with_sums"]
 
 #: The ``uq.calibration`` value that picks a method per run (:func:`resolve_calibration`; a reserved registry name).
 AUTO = "auto"
@@ -61,6 +57,9 @@ class CalibrationMethod(abc.ABC):
     parameters : tuple of str
         The :meth:`report` entries that identify a fit (not its standard errors): recorded scores are reused for
         this fit only when these agree (:meth:`recorded_joint_ll`).
+    heldout_report_key : str or None
+        The entry of the held-out check's report that scores this method on the check's own rows (its
+        ``coverage_headline``: what the verdict reports for a run that applied it); ``None``: not scored there.
     """
 
     name: ClassVar[str] = ""
@@ -70,6 +69,7 @@ class CalibrationMethod(abc.ABC):
     summary_key: ClassVar[str] = ""
     summary_fields: ClassVar[tuple[str, ...]] = ()
     parameters: ClassVar[tuple[str, ...]] = ()
+    heldout_report_key: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------------------------------ fitting
     @classmethod
@@ -174,6 +174,14 @@ def _same(recorded, fitted) -> bool:
     if isinstance(recorded, (int, float)) and isinstance(fitted, (int, float)):
         return math.isclose(float(recorded), float(fitted), rel_tol=1e-9, abs_tol=0.0)
     return recorded is not None and recorded == fitted
+
+
+def moments_with_sums(moments: SampleMoments, new, **state) -> SampleMoments:
+    """A copy of ``moments`` whose second-moment sums are ``new(sum, key)`` (``key``: ``"sum_sq"`` or a patch size;
+    the recalibrated posterior's), with the other ``state`` entries replaced; ``moments`` is left unchanged."""
+    sd = moments.state_dict()
+    sums = {"sum_sq": new(sd["sum_sq"], "sum_sq"), "patch_sums": {p: new(t, p) for p, t in sd["patch_sums"].items()}}
+    return copy.deepcopy(moments).load_state_dict({**sd, **state, **sums})
 
 
 def resolve_calibration(setting: str, checked: bool, preferred: str) -> str:

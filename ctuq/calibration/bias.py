@@ -9,14 +9,12 @@ scores its rows: ``report["bias"]``). ``M`` is the :func:`object_mask` of the re
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import scipy.sparse as sp
 import torch
 from scipy import ndimage
 
-from ctuq.calibration.base import CalibrationMethod
+from ctuq.calibration.base import CalibrationMethod, moments_with_sums
 from ctuq.metrics import SampleMoments
 from ctuq.registry import CALIBRATIONS
 
@@ -76,15 +74,7 @@ def biased_moments(moments: SampleMoments, variance: torch.Tensor) -> SampleMome
         raise ValueError(
             f"biased_moments: variance must be finite, ≥ 0 and of shape {moments.image_shape}, got {tuple(var.shape)}"
         )
-    sd = moments.state_dict()
-    extra = copy.deepcopy(moments).load_state_dict(
-        {
-            **sd,
-            "n_samples": 0,
-            "sum_sq": torch.zeros_like(sd["sum_sq"]),
-            "patch_sums": {p: torch.zeros_like(t) for p, t in sd["patch_sums"].items()},
-        }
-    )
+    extra = moments_with_sums(moments, lambda t, _key: torch.zeros_like(t), n_samples=0)
     period = max(moments.patch_sizes)
     amp = (var * k).sqrt()
     rows = torch.arange(amp.shape[-2]) % period
@@ -93,14 +83,7 @@ def biased_moments(moments: SampleMoments, variance: torch.Tensor) -> SampleMome
         on_row = (rows == a).to(torch.float64)[:, None]
         extra.update(torch.stack([amp * (on_row * (cols == b).to(torch.float64)[None, :]) for b in range(period)]))
     ed = extra.state_dict()
-    out = copy.deepcopy(moments)
-    return out.load_state_dict(
-        {
-            **sd,
-            "sum_sq": sd["sum_sq"] + ed["sum_sq"],
-            "patch_sums": {p: t + ed["patch_sums"][p] for p, t in sd["patch_sums"].items()},
-        }
-    )
+    return moments_with_sums(moments, lambda t, key: t + (ed["sum_sq"] if key == "sum_sq" else ed["patch_sums"][key]))
 
 
 @CALIBRATIONS.register
@@ -120,6 +103,8 @@ class BiasModel(CalibrationMethod):
     """
 
     name = "bias"
+    #: where the held-out check's report scores this method on the check's own rows (the verdict's coverage)
+    heldout_report_key = "bias"
     summary = "sqrt(std² + τ² M): a white bias of std τ inside the object mask M, fitted on the held-out rows"
     report_keys = ("k", "tau", "tau_se", "tau_interval_95", "mask_fraction")
     summary_key = "summary_bias"

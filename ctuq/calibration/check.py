@@ -92,12 +92,6 @@ class HeldoutRows:
         """The check's recalibration scale of the image std (scored rows)."""
         return float(self.report["scale"]["k"])
 
-    @property
-    def bias(self) -> dict | None:
-        """The bias model's fit (:func:`ctuq.metrics.heldout.fit_bias_variance`: ``tau`` in mm⁻¹ per pixel, its
-        s.e.), or ``None`` for rows without ``bias_weight`` (scored rows)."""
-        return self.report.get("bias")
-
 
 def add_bias_weights(rows: HeldoutRows, op, reconstruction, *, seed: int) -> HeldoutRows:
     """``rows`` with the bias weights of the held-out operator ``op`` (``T_h``) and the object mask of

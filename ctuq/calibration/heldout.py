@@ -8,10 +8,9 @@ covariance × ``k²`` (:func:`scaled_moments`).
 
 from __future__ import annotations
 
-import copy
 import math
 
-from ctuq.calibration.base import CalibrationMethod, recorded_scores
+from ctuq.calibration.base import CalibrationMethod, moments_with_sums, recorded_scores
 from ctuq.metrics import SampleMoments
 from ctuq.registry import CALIBRATIONS
 
@@ -21,14 +20,7 @@ __all__ = ["HeldoutScale", "scaled_moments", "joint_ll_at_scale"]
 def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
     """A copy of ``moments`` whose samples are ``k ×`` those fed to it (covariances × ``k²``): the statistics of the
     recalibrated posterior."""
-    out = copy.deepcopy(moments)
-    sd = moments.state_dict()
-    sd = {
-        **sd,
-        "sum_sq": sd["sum_sq"] * (k * k),
-        "patch_sums": {p: t * (k * k) for p, t in sd["patch_sums"].items()},
-    }
-    return out.load_state_dict(sd)
+    return moments_with_sums(moments, lambda t, _key: t * (k * k))
 
 
 def joint_ll_at_scale(ll_1: float, ll_k0: float, k0: float, k: float) -> float:
@@ -56,6 +48,8 @@ class HeldoutScale(CalibrationMethod):
     """
 
     name = "heldout"
+    #: where the held-out check's report scores this method on the check's own rows (the verdict's coverage)
+    heldout_report_key = "scale"
     summary = "the posterior std × the held-out maximum-likelihood scale k"
     report_keys = ("k",)
     summary_key = "summary_recalibrated"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import NormalDist
 
@@ -10,87 +11,148 @@ import numpy as np
 
 from ctuq import figures
 from ctuq.calibration.check import HeldoutRows
+from ctuq.registry import CALIBRATIONS
 from ctuq.utils import atomic_write_json
 
-__all__ = ["verdict", "table", "write_report"]
+__all__ = ["assess", "verdict", "table", "write_report"]
 
-_LOW_IMAGE_FRACTION = 0.5  # below it the verdict warns that k is dominated by the noise model
+_HEADLINE = ("0.5", "0.9", "0.95")
+_TAIL_Z = 3.0
+_TAIL_EXPECTED = 2.0 * (1.0 - NormalDist().cdf(_TAIL_Z))  # 0.27 % of a Gaussian lies beyond 3 std
+_TAIL_NOTE = 3.0  # a tail this many times heavier than a Gaussian's is worth a clause
+_NOISE_WORDS = {"per_ray": "per-ray photon noise", "homoscedastic": "one noise variance"}
 
 
-def verdict(report: dict) -> str:
-    """One line a user reads the check from: too narrow / too wide / consistent, by how much, on how much data."""
-    sc = report["scale"]
-    k = sc["k"]
-    se = sc["se_bootstrap"] if sc.get("se_bootstrap") is not None else sc["se_curvature"]
-    where = f"(coverage@0.9 {report['coverage_headline']['0.9']:.2f} on {report['n_angles']} held-out angles)"
-    if sc["at_bound"]:
-        return (
-            f"held-out check: the held-out rows do not constrain the image std (k at the search bound, "
-            f"image-variance fraction {report['image_variance_fraction']:.3f}) {where}"
-        )
-    if abs(k - 1.0) <= max(2.0 * se, 0.05):
-        return f"held-out check: std map consistent with the held-out angles, k = {k:.2f} ± {se:.2f} {where}"
-    side = "too narrow" if k > 1 else "too wide"
-    frac = report["image_variance_fraction"]
-    if frac < _LOW_IMAGE_FRACTION:
-        # measured on the demo scan: with the image part at 15 % of the predictive variance, a noise model that is
-        # slightly off moves k far more than the std map's own error; and the rows see line integrals of the error,
-        # whose calibration is not the pixels' (docs/calibration.md)
-        return (
-            f"held-out check: line integrals through the std map {side} by ×{k:.2f} ± {se:.2f} {where}, but the "
-            f"image part is only {100 * frac:.0f} % of the held-out predictive variance and k is not the pixels' "
-            f"scale; do not rescale on it alone (docs/calibration.md)"
-        )
-    return (
-        f"held-out check: std map {side} by ×{k:.2f} ± {se:.2f} {where}; rerun with "
-        f"--set uq.calibration=heldout to rescale"
+def _tolerance(q: float, n_groups: int) -> float:
+    """How far a held-out coverage may stray from ``q`` by chance: two binomial s.e. with one effective sample per
+    held-out angle (the rows of one angle share the reconstruction's errors), at least 0.01."""
+    return max(0.01, 2.0 * math.sqrt(q * (1.0 - q) / max(int(n_groups), 1)))
+
+
+def _shipped(report: dict, calibration: dict | None) -> tuple[dict, str]:
+    """``(coverage at 0.5/0.9/0.95, what it is of)``: the held-out coverage of the error bars the run ships, i.e. with
+    its calibration method applied where the check scored that method on these rows (the method's
+    ``heldout_report_key`` in the report), else the posterior's own."""
+    mode = (calibration or {}).get("mode")
+    key = CALIBRATIONS[mode].heldout_report_key if mode in CALIBRATIONS else None
+    scored = (report.get(key) or {}).get("coverage_headline") if key else None
+    if scored is not None:
+        return scored, "calibrated"
+    return report["coverage_headline"], "posterior"
+
+
+def assess(report: dict, calibration: dict | None = None) -> dict:
+    """The verdict's numbers (JSON-ready): ``coverage`` (held-out coverage at 0.5/0.9/0.95 of the error bars the run
+    ships, :func:`_shipped`), ``tolerance`` per level, ``call`` (``"too narrow"``, ``"too wide"`` or ``"about
+    right"``: at least two of the three levels outside their tolerance on the same side, else about right),
+    ``factor_90`` (what the held-out predictive std would have to be multiplied by for the 90 % intervals to cover 90 %
+    of these rows: the 0.9 quantile of ``|z|`` over 1.645; ``None`` when about right), ``tail`` (fraction of rows
+    beyond 3 std, and the Gaussian's) and what the coverage is of."""
+    coverage, of = _shipped(report, calibration)
+    n_groups = int(report.get("n_groups") or report.get("n_angles") or 1)
+    tol = {q: _tolerance(float(q), n_groups) for q in _HEADLINE}
+    low = sum(coverage[q] < float(q) - tol[q] for q in _HEADLINE)
+    high = sum(coverage[q] > float(q) + tol[q] for q in _HEADLINE)
+    call = "too narrow" if low >= 2 else "too wide" if high >= 2 else "about right"
+    factor = None
+    if call != "about right":
+        factor = _factor_at_90(report, coverage, of)
+    return {
+        "call": call,
+        "coverage": {q: float(coverage[q]) for q in _HEADLINE},
+        "coverage_of": of,
+        "tolerance": tol,
+        "factor_90": factor,
+        "tail": {"beyond_3_std": float(report["z"]["frac_abs_gt_3"]), "gaussian": _TAIL_EXPECTED},
+    }
+
+
+def _factor_at_90(report: dict, coverage: dict, of: str) -> float:
+    """The factor on the held-out predictive std that makes the 90 % intervals cover 90 %: for the posterior, the
+    0.9 quantile of ``|z|`` over 1.645 (``z.abs_quantile_0.9``); for calibrated error bars, whose rows the report
+    scores at 50/90/95 % only, the level whose intervals would cover 90 % interpolated on those three, over 1.645
+    (reports written before the quantile existed take that route too)."""
+    nd = NormalDist()
+    exact = report["z"].get("abs_quantile_0.9")
+    if of == "posterior" and exact is not None:
+        return float(exact) / nd.inv_cdf(0.95)
+    levels = [0.0, *(float(q) for q in _HEADLINE), 1.0]
+    cov = [0.0, *(float(coverage[q]) for q in _HEADLINE), 1.0]
+    q = float(np.interp(0.9, cov, levels))
+    return float(nd.inv_cdf(0.5 * (1.0 + min(q, 0.999))) / nd.inv_cdf(0.95))
+
+
+def verdict(report: dict, calibration: dict | None = None) -> str:
+    """What the check says, in plain words and without contradicting its own numbers: what was checked (held-out
+    angles, noise model), whether the error bars look too narrow, about right or too wide there (:func:`assess`), by
+    how much, and what the run did about it (``calibration``: the run's ``metrics.json["uq"]["calibration"]``,
+    ``mode`` and its parameters). The statistics behind it (the image std's scale ``k``, the image share of the
+    predictive variance, the noise refit) are in ``heldout.json``."""
+    a = assess(report, calibration)
+    cov = a["coverage"]
+    noise = _NOISE_WORDS.get(str(report.get("noise_model")), str(report.get("noise_model", "")))
+    look = a["call"]
+    if look == "about right" and abs(cov["0.9"] - 0.9) > 0.03:  # a visible gap that this many angles cannot resolve
+        look += f" within what {report['n_angles']} angles can tell (±{100 * a['tolerance']['0.9']:.0f} % at 90 %)"
+    head = f"held-out check on {report['n_angles']} unused angles ({noise}): the error bars look {look}"
+    whose = "the posterior's" if a["coverage_of"] == "posterior" else "the calibrated"
+    numbers = (
+        f"{whose} 50/90/95 % intervals cover {100 * cov['0.5']:.0f}/{100 * cov['0.9']:.0f}/{100 * cov['0.95']:.0f} %"
+        " of the held-out measurements"
     )
+    if a["call"] == "too narrow":
+        numbers += f"; they would need to be ×{a['factor_90']:.2f} wider"
+    elif a["call"] == "too wide":
+        numbers += f"; they could be ×{a['factor_90']:.2f} as wide"
+    tail = a["tail"]
+    if tail["beyond_3_std"] > _TAIL_NOTE * tail["gaussian"]:
+        of = "" if a["coverage_of"] == "posterior" else " of the posterior"
+        numbers += (
+            f"; {100 * tail['beyond_3_std']:.1f} % lie beyond 3 std{of} ({100 * tail['gaussian']:.1f} % expected): "
+            f"some rays see larger errors than the std map says"
+        )
+    return f"{head}: {numbers}. {_action(calibration, a['call'])}"
 
 
-def table(report: dict) -> str:
-    """A short text table of the check (nominal vs held-out coverage, z summary, LL, image-variance fraction)."""
-    cov = report["coverage_headline"]
-    rec = report["scale"]["coverage_headline"]
-    z = report["z"]
+def _action(calibration: dict | None, call: str) -> str:
+    """What the run did about it, in one sentence."""
+    mode = (calibration or {}).get("mode")
+    if mode is None:
+        return "Details: heldout.json."
+    if mode == "bias" and calibration.get("tau") is not None:
+        return (
+            f"std.tif includes a bias term fitted on these angles (uq.calibration = bias, τ = "
+            f"{calibration['tau']:.2g} mm⁻¹ inside the object); details: heldout.json."
+        )
+    if mode == "heldout" and calibration.get("k") is not None:
+        return (
+            f"std.tif is the posterior std × {calibration['k']:.3g} fitted on these angles (uq.calibration = heldout)."
+        )
+    if mode == "none":
+        hint = " (--set uq.calibration=bias adds a bias term fitted on these angles)" if call == "too narrow" else ""
+        return f"std.tif is the posterior's own std{hint}; details: heldout.json."
+    return f"std.tif is recalibrated by uq.calibration = {mode}; details: heldout.json."
+
+
+def table(report: dict, calibration: dict | None = None) -> str:
+    """The check as a short text table: what was checked, the held-out coverage at 50/90/95 % of the posterior and
+    of the error bars the run ships, and the 3-std tail (``ctuq uq RUN --check`` prints it above the verdict)."""
+    a = assess(report, calibration)
+    noise = _NOISE_WORDS.get(str(report.get("noise_model")), str(report.get("noise_model", "")))
+    posterior = report["coverage_headline"]
+    shipped = a["coverage_of"] != "posterior"
     lines = [
-        f"held-out angles {report['n_angles']} (rows {report['n_rows']}), used angles {report['n_used_angles']}, "
-        f"{report['n_samples']} posterior samples",
-        f"{'nominal':>10} {'coverage':>10} {'with std×k':>11}",
-        *(f"{q:>10} {cov[q]:>10.3f} {rec[q]:>11.3f}" for q in ("0.5", "0.9", "0.95")),
-        f"z: mean {z['mean']:.3f}, std {z['std']:.3f}, |z| > 3: {z['frac_abs_gt_3']:.4f}",
-        f"held-out LL per row {report['log_likelihood']:.3f} (σ² alone {report['log_likelihood_noise_only']:.3f}, "
-        f"std×k {report['scale']['log_likelihood']:.3f}); image-variance fraction "
-        f"{report['image_variance_fraction']:.3f}",
-        f"k = {report['scale']['k']:.3f} (s.e. bootstrap over angles "
-        f"{report['scale']['se_bootstrap'] if report['scale']['se_bootstrap'] is not None else float('nan'):.3f}, "
-        f"curvature {report['scale']['se_curvature']:.3f})",
+        f"held-out check: {report['n_angles']} unused angles ({report['n_rows']} measurements), "
+        f"{report['n_used_angles']} used; {report['n_samples']} posterior samples; {noise}",
+        f"{'interval':>10} {'covers':>10}" + (f" {'with the calibration':>22}" if shipped else ""),
+        *(
+            f"{100 * float(q):>8.0f} % {posterior[q]:>10.3f}" + (f" {a['coverage'][q]:>22.3f}" if shipped else "")
+            for q in _HEADLINE
+        ),
+        f"beyond 3 std of the posterior: {100 * a['tail']['beyond_3_std']:.2f} % "
+        f"({100 * a['tail']['gaussian']:.2f} % for a Gaussian)",
+        "every statistic (the image std's scale k, the noise refit, the bias τ, log-likelihoods): heldout.json",
     ]
-    joint = report.get("scale_with_noise")
-    if joint is not None:
-        lines.append(
-            f"with σ² refit on the held-out rows too: k = {joint['k']:.3f}, noise std × {joint['noise_scale']:.3f} "
-            f"(LL per row {joint['log_likelihood']:.3f})"
-        )
-    top = report.get("scale_image_rows")
-    if top is not None:
-        lines.append(
-            f"on the {100 * top['fraction']:.0f} % of rows with the largest image part (its fraction "
-            f"{top['image_variance_fraction']:.3f}): k = {top['k']:.3f}"
-        )
-    bias = report.get("bias")
-    if bias is not None:
-        lines.append(
-            "no room for a bias inside the object (τ = 0): the posterior's std as it is"
-            if bias["zero"]
-            else f"bias inside the object, posterior kept (k = 1): τ = {bias['tau']:.3g} mm⁻¹ per pixel "
-            f"(coverage@0.9 {bias['coverage_headline']['0.9']:.3f}, LL per row {bias['log_likelihood']:.3f})"
-        )
-    photon = report.get("scale_photon")
-    if photon is not None:
-        lines.append(
-            f"with the photon-statistics noise instead of σ²: k = {photon['k']:.3f} (image fraction "
-            f"{photon['image_variance_fraction']:.3f})"
-        )
     return "\n".join(lines)
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ctuq.commands import COMMANDS
 from ctuq.config import load_config
-from ctuq.design.candidates import DesignError
-from ctuq.design.greedy import STRATEGIES
 from ctuq.log import run_log
-from ctuq.options import DesignPriorKind, values
+from ctuq.options import Baseline, Criterion, DesignPriorKind, values
 from ctuq.pipeline import run_folder
-from ctuq.pipeline.design import read_angles_file, run_design
+from ctuq.registry import lazy_module
+
+candidates = lazy_module("ctuq.design.candidates")
+design = lazy_module("ctuq.pipeline.design")  # the work: imported when a run starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -26,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq design`` with ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "design",
-        help="choose scan angles after a sparse pilot scan (EIG/ESE with the linearised DIP)",
+        help=COMMANDS["design"].summary,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -73,7 +75,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="N candidate angles evenly spaced among the scan's (default: all of the scan's angles)",
     )
     p.add_argument("--acquire", type=int, metavar="N", help="angles to acquire (design.acquire, default 40)")
-    p.add_argument("--criterion", choices=STRATEGIES, help="eig (default), ese, diag_eig, or a baseline")
+    p.add_argument(
+        "--criterion",
+        choices=(*values(Criterion), *values(Baseline)),
+        help="eig (default), ese, diag_eig, or a baseline",
+    )
     p.add_argument("--prior", choices=values(DesignPriorKind), help="dip (default), isotropic or matern")
     p.add_argument("--samples", type=int, metavar="M", help="pseudo-measurement samples per step (sampled route)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
@@ -87,9 +93,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq design`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
     if args.resume and not args.out:
-        raise DesignError("--resume: needs --out DIR (the design folder to continue)")
+        raise candidates.DesignError("--resume: needs --out DIR (the design folder to continue)")
     if args.pilot is not None and args.pilot_angles is not None:
-        raise DesignError("--pilot-angles: give either --pilot N or --pilot-angles FILE, not both")
+        raise candidates.DesignError("--pilot-angles: give either --pilot N or --pilot-angles FILE, not both")
     # The design chooses among all of the scan's angles unless the user thins them (--set wins over this default).
     overrides = ["data.angular_subsampling=1", "data.min_angles=1", *args.overrides]
     cfg = load_config(
@@ -107,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
             "design.samples": args.samples,
         },
     )
-    pilot_angles = read_angles_file(args.pilot_angles) if args.pilot_angles else None
+    pilot_angles = design.read_angles_file(args.pilot_angles) if args.pilot_angles else None
     out = Path(args.out or run_folder.new_run_folder("runs"))
-    with run_log(out / run_folder.LOG_NAME):
-        run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
+    with run_folder.discard_if_empty(out), run_log(out / run_folder.LOG_NAME):
+        design.run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
     return 0

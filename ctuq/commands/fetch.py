@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ctuq.data.fetch import BASE_URL_ENV, DEFAULT_BASE_URL, N_WALNUTS, WALNUT_RECORDS, fetch_walnut
+from ctuq.commands import COMMANDS
+from ctuq.data.walnut_records import BASE_URL_ENV, DEFAULT_BASE_URL, N_WALNUTS, WALNUT_RECORDS
+from ctuq.registry import lazy_module
+
+fetch = lazy_module("ctuq.data.fetch")  # the downloader: imported when a fetch starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -24,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p = subparsers.add_parser(
         "fetch",
-        help="download a walnut of the Der Sarkissian et al. (2019) data set (resumable, md5-checked)",
+        help=COMMANDS["fetch"].summary,
         description=__doc__.split("\n\n")[0] + "\n\nrecords:\n" + records,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -58,16 +63,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq fetch`` for parsed ``args`` (:func:`ctuq.data.fetch.fetch_walnut`); user errors propagate to
     :func:`ctuq.cli.main`."""
-    res = fetch_walnut(
-        args.number,
-        args.dest,
-        base=args.base_url,
-        record=args.record,
-        keep_archive=args.keep_archive,
-        retries=args.retries,
-        timeout=args.timeout,
-        progress=not args.no_progress,
-    )
+    dest = Path(args.dest)
+    # the folders this fetch creates: dest and any missing parent
+    created = [p for p in (dest, *dest.parents) if not p.exists()]
+    try:
+        res = fetch.fetch_walnut(
+            args.number,
+            dest,
+            base=args.base_url,
+            record=args.record,
+            keep_archive=args.keep_archive,
+            retries=args.retries,
+            timeout=args.timeout,
+            progress=not args.no_progress,
+        )
+    except BaseException:
+        # a fetch that failed before it wrote anything (offline, a bad record) leaves no empty --dest behind; a
+        # partial download stays for the next attempt to resume
+        for folder in created:  # deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     folder = res["folder"]
     if res["archive"] is None:
         what = "already there (nothing downloaded)"

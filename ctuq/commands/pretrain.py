@@ -14,9 +14,12 @@ import argparse
 import logging
 from pathlib import Path
 
+from ctuq.commands import COMMANDS
 from ctuq.config import load_config
 from ctuq.log import run_log
-from ctuq.pipeline.pretrain import pretrain
+from ctuq.registry import lazy_module
+
+pipeline_pretrain = lazy_module("ctuq.pipeline.pretrain")  # the work: imported when a run starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -27,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq pretrain`` with ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "pretrain",
-        help="pretrain the U-Net on simulated walnuts (FBP → image) to start the DIP from",
+        help=COMMANDS["pretrain"].summary,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # no run folder: the log goes beside the weights, OUT.log
     with run_log(Path(f"{args.out}.log")):
-        pretrain(
+        pipeline_pretrain.pretrain(
             cfg,
             args.out,
             phantoms=args.phantoms,

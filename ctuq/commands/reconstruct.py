@@ -10,12 +10,17 @@ Defaults: the bundled ``demo`` config (``ctuq/configs/demo.yaml``) on the bundle
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from ctuq.commands import COMMANDS
 from ctuq.config import load_config
 from ctuq.errors import CTUQError
 from ctuq.log import run_log
-from ctuq.pipeline import reconstruct, run_folder
+from ctuq.pipeline import run_folder
+from ctuq.registry import lazy_module
+
+runner = lazy_module("ctuq.pipeline.runner")  # the work: imported when a run starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -24,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq reconstruct`` with ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "reconstruct",
-        help="DIP reconstruction with FBP/TV baselines; writes a run folder",
+        help=COMMANDS["reconstruct"].summary,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -58,7 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), help="overrides the config's device")
     p.add_argument("--seed", type=int, help="overrides the config's seed")
     p.add_argument(
-        "--resume", action="store_true", help="continue the DIP from the checkpoint in --out (which must be given)"
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from its checkpoints in --out (which must be given): the DIP, then the "
+        "inference; bit-identical to a run that was never interrupted",
     )
     p.add_argument("--no-uq", action="store_true", help="skip the uncertainty phase (reconstruction only)")
     p.add_argument(
@@ -67,12 +75,56 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="also write every posterior image sample to OUT/samples/ (large; = --set uq.save_samples=true)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--config-keys",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="print every config key (or those of SECTION, e.g. uq) with its default and meaning, and exit",
+    )
     p.set_defaults(func=run)
     return p
 
 
+def config_keys(section: str = "") -> str:
+    """Every key of the config (of ``section`` when given: ``"uq"``, ``"uq.cg"``) as ``key = default  # help``
+    lines, the defaults of the bundled ``demo`` config; :class:`~ctuq.errors.CTUQError` for an unknown section."""
+    cfg = load_config(None)
+    node = cfg
+    for part in [p for p in section.split(".") if p]:
+        child = getattr(node, part, None)
+        if child is None or not dataclasses.is_dataclass(child):
+            raise CTUQError(f"--config-keys {section}: not a config section (sections: {_sections(cfg)})")
+        node = child
+    lines: list[str] = []
+    _describe(node, section + "." if section else "", lines)
+    return "\n".join(lines)
+
+
+def _sections(cfg) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
+
+
+def _describe(node, prefix: str, lines: list[str]) -> None:
+    values = dataclasses.asdict(node) if dataclasses.is_dataclass(node) else {}
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if f.name.endswith("_sections") and isinstance(value, object) and not dataclasses.is_dataclass(value):
+            for name in getattr(value, "names", lambda: ())():  # solver and prior sections derived from classes
+                _describe(getattr(node, name), f"{prefix}{name}.", lines)
+            continue
+        if dataclasses.is_dataclass(value):
+            _describe(value, f"{prefix}{f.name}.", lines)
+            continue
+        text = f.metadata.get("help", "")
+        lines.append(f"{prefix}{f.name} = {values.get(f.name, value)!r}" + (f"  # {text}" if text else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq reconstruct`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
+    if args.config_keys is not None:
+        print(config_keys(args.config_keys))
+        return 0
     if args.resume and not args.out:
         raise CTUQError("--resume: needs --out DIR (the run folder to continue)")
     config_path = args.config
@@ -89,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     out_dir = Path(args.out) if args.out else run_folder.new_run_folder("runs")
-    with run_log(out_dir / run_folder.LOG_NAME):
-        state = reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
+    with run_folder.discard_if_empty(out_dir), run_log(out_dir / run_folder.LOG_NAME):
+        state = runner.reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
         state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")
     return 0

@@ -13,13 +13,18 @@ import argparse
 import logging
 from pathlib import Path
 
-from ctuq.data.formats import write_layouts
-from ctuq.data.simulate import SCAN_PRESETS
-from ctuq.data.walnut import WalnutFormat
+from ctuq.commands import COMMANDS
+from ctuq.data.presets import SCAN_PRESETS
 from ctuq.log import run_log
 from ctuq.options import PhantomKind, values
 from ctuq.pipeline.run_folder import LOG_NAME
-from ctuq.pipeline.simulate import simulate
+from ctuq.registry import lazy_module
+
+pipeline_simulate = lazy_module("ctuq.pipeline.simulate")  # the work: imported when a run starts, not for --help
+
+#: The layouts of the built-in scan formats (tests/data/test_formats.py checks them against the registry); a
+#: format registered later adds its own, which --layout accepts too.
+BUILT_IN_LAYOUTS = ("walnut", "yaml-npy", "yaml-tiff", "nxtomo")
 
 __all__ = ["add_parser", "run"]
 
@@ -31,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     presets = "\n".join(f"  {name:8s} {info['help']}" for name, info in SCAN_PRESETS.items())
     p = subparsers.add_parser(
         "simulate",
-        help="simulate a walnut cone-beam scan (walnut data set layout, with ground truth)",
+        help=COMMANDS["simulate"].summary,
         description=__doc__.split("\n\n")[0] + "\n\npresets:\n" + presets,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -54,10 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--layout",
         nargs="+",
-        default=[WalnutFormat.name],
+        default=[BUILT_IN_LAYOUTS[0]],
         metavar="LAYOUT",
-        help=f"file layout(s) of the scan, among {', '.join(write_layouts())} (default walnut; the layouts of "
-        "the registered scan formats): the walnut data set's folder; scan.yaml with .npy arrays "
+        help=f"file layout(s) of the scan, among {', '.join(BUILT_IN_LAYOUTS)} (default walnut) and those of scan "
+        "formats registered in ctuq.registry.DATA_FORMATS: the walnut data set's folder; scan.yaml with .npy arrays "
         "or TIFF stacks; NXtomo (scan.nxs; needs --no-corrections). Several layouts write the same counts and "
         "geometry into DIR/<layout>/ each (docs/data_formats.md)",
     )
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         overrides["compress"] = False
     # deferred: the simulator refuses a non-empty folder, so the log is written once the scan is
     with run_log(Path(args.out) / LOG_NAME, deferred=True):
-        res = simulate(
+        res = pipeline_simulate.simulate(
             args.out,
             args.preset,
             overrides=overrides,
@@ -166,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
         params = res["params"]
         _log.info(
             f"wrote {res['out']} ({' + '.join(res['layouts'])} layout, {args.phantom} phantom, "
-            f"{params.n_projections} projections × "
-            f"orbits {list(params.orbits)}, "
+            f"{params.n_projections - 1} angles × orbits {list(params.orbits)}"
+            + (" (+ the walnut layout's closing projection at the first angle)" if "walnut" in res["layouts"] else "")
+            + ", "
             f"detector {params.det_rows}×{params.det_cols}, ground truth {list(params.gt_shape)} at "
             f"{params.gt_voxel_size} mm; {res['bytes'] / 1e6:.1f} MB) in {res['time_s']:.1f} s"
         )

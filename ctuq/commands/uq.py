@@ -24,13 +24,17 @@ import argparse
 import os
 from pathlib import Path
 
-from ctuq import calibration
+from ctuq.commands import COMMANDS
 from ctuq.config import load_config
-from ctuq.inference import init_from_env, shutdown
 from ctuq.log import run_log
-from ctuq.pipeline import rerun_uq, run_folder
-from ctuq.pipeline.runner import check_run
-from ctuq.utils import resolve_device
+from ctuq.pipeline import run_folder
+from ctuq.registry import lazy_module
+
+# the work: imported when a run starts, not for --help
+calibration = lazy_module("ctuq.calibration")
+shards = lazy_module("ctuq.inference.distributed")
+runner = lazy_module("ctuq.pipeline.runner")
+utils = lazy_module("ctuq.utils")
 
 __all__ = ["add_parser", "run"]
 
@@ -39,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq uq`` with ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "uq",
-        help="rerun only the uncertainty phase on a finished reconstruction folder",
+        help=COMMANDS["uq"].summary,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -94,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
         **{"device": args.device, "uq.save_samples": args.save_samples or None},
     )
     if args.check:  # changes no file but its own two, so not ctuq.log either
-        state, result = check_run(cfg, out_dir, progress=not args.no_progress)
-        print(calibration.table(result.report))
-        print(calibration.verdict(result.report))
+        state, result = runner.check_run(cfg, out_dir, progress=not args.no_progress)
+        applied = state.metrics["uq"]["calibration"]  # the error bars the run ships (its metrics.json)
+        print(calibration.table(result.report, applied))
+        print(calibration.verdict(result.report, applied))
         state.log(f"wrote {out_dir / run_folder.HELDOUT_NAME} in {sum(state.timings.values()):.1f} s")
         return 0
     with run_log(out_dir / run_folder.LOG_NAME):
@@ -106,16 +111,18 @@ def run(args: argparse.Namespace) -> int:
 def _rerun(args: argparse.Namespace, cfg, out_dir: Path) -> int:
     distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not distributed:
-        state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)
+        state = runner.rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s")
         return 0
-    device = resolve_device(cfg.device)
-    shard, device = init_from_env(device.type)
+    device = utils.resolve_device(cfg.device)
+    shard, device = shards.init_from_env(device.type)
     clean = False
     try:
-        state = rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard, device=device)
+        state = runner.rerun_uq(
+            cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard, device=device
+        )
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s on {shard.world_size} rank(s)")
         clean = True
     finally:
-        shutdown(clean=clean)
+        shards.shutdown(clean=clean)
     return 0

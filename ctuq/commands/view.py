@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from ctuq.viewer import view_run
+from ctuq.commands import COMMANDS
+from ctuq.registry import lazy_module
+
+viewer = lazy_module("ctuq.viewer")  # napari and the images: imported when a window opens, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -18,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq view`` with ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "view",
-        help="show a run folder's images in napari at physical scale (needs the 'view' extra)",
+        help=COMMANDS["view"].summary,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -36,5 +39,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``ctuq view`` for parsed ``args`` (returns when the window is closed); user errors propagate to
     :func:`ctuq.cli.main`."""
-    view_run(args.run_dir, grid=not args.overlay)
+    viewer.view_run(args.run_dir, grid=not args.overlay)
     return 0

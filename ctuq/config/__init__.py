@@ -37,7 +37,6 @@ from ctuq.config.schema import (
     load_config,
 )
 from ctuq.options import option
-from ctuq.registry import PRIORS
 
 __all__ = [
     "ConfigError",
@@ -59,12 +58,3 @@ __all__ = [
     "apply_dict",
     "set_value",
 ]
-
-
-def __getattr__(name: str):
-    # The earlier name of the uq.tv_predcp section's class, which is now the prior's own options
-    # (ctuq.inference.priors.TVPredCPPrior.Options); read from the registry when asked, so that importing the
-    # config imports no prior.
-    if name == "TVPredCPConfig":
-        return PRIORS["tv_predcp"].Options
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import functools
 import math
+import operator
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -336,6 +337,9 @@ def _coerce(value: Any, tp) -> Any:
     raise TypeError(f"config: unsupported field type {tp!r}")
 
 
+_BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="), ("lt", operator.lt, "<"))
+
+
 def _check_bounds(value: Any, meta: Mapping, key: str, source: str) -> None:
     items = value if isinstance(value, list) else [value]
     choices = meta.get("choices")
@@ -348,12 +352,7 @@ def _check_bounds(value: Any, meta: Mapping, key: str, source: str) -> None:
             continue
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{source}: {key} must be finite, got {v}")
-        for bound, op, text in (
-            ("ge", lambda a, b: a >= b, ">="),
-            ("gt", lambda a, b: a > b, ">"),
-            ("le", lambda a, b: a <= b, "<="),
-            ("lt", lambda a, b: a < b, "<"),
-        ):
+        for bound, op, text in _BOUNDS:
             b = meta.get(bound)
             if b is not None and not op(v, b):
                 raise ConfigError(f"{source}: {key} must be {text} {b}, got {value!r}")

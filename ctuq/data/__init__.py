@@ -19,27 +19,51 @@
 * :func:`to_astra` / :func:`from_astra` move a loaded scan's geometry to ASTRA (and CIL) and back.
 """
 
-from ctuq.data.astra_geometry import circular_vectors, from_astra, load_astra_vectors, save_astra_vectors, to_astra
-from ctuq.data.formats import DATA_FORMATS, detect_format, load_data, open_scan, read_data, write_layouts
-from ctuq.data.loader import area_average, load_slice, load_volume, read_slice, read_volume
-from ctuq.data.nxtomo import NXtomoError, NXtomoFormat, open_nxtomo
-from ctuq.data.phantom import Ellipsoid, EllipsoidPhantom, rotation_from_euler, walnut_phantom
-from ctuq.data.problem import CTData, HeldoutData
-from ctuq.data.projections import ProjectionScan, ScanFormatError
-from ctuq.data.scan_file import ScanFileError, ScanYamlFormat, open_scan_file
-from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, ScanOrbit, ScanWriter
-from ctuq.data.simulate import SCAN_PRESETS, SimulationParameters, orbit_vectors, simulate_scan
-from ctuq.data.source import ScanSource
-from ctuq.data.walnut import (
-    WalnutFormat,
-    WalnutFormatError,
-    WalnutScan,
-    default_data_dir,
-    load_walnut_slice,
-    load_walnut_volume,
-    read_walnut_slice,
-    read_walnut_volume,
-)
+import importlib
+
+# Where each name lives; importing this package imports none of them (the command line reads
+# ctuq.data.presets and ctuq.data.walnut_records without paying for torch): the first read of a name imports
+# its module (PEP 562).
+_HOMES = {
+    **dict.fromkeys(
+        ("circular_vectors", "from_astra", "load_astra_vectors", "save_astra_vectors", "to_astra"),
+        "ctuq.data.astra_geometry",
+    ),
+    **dict.fromkeys(
+        ("DATA_FORMATS", "detect_format", "load_data", "open_scan", "read_data", "write_layouts"), "ctuq.data.formats"
+    ),
+    **dict.fromkeys(("area_average", "load_slice", "load_volume", "read_slice", "read_volume"), "ctuq.data.loader"),
+    **dict.fromkeys(("NXtomoError", "NXtomoFormat", "open_nxtomo"), "ctuq.data.nxtomo"),
+    **dict.fromkeys(("Ellipsoid", "EllipsoidPhantom", "rotation_from_euler", "walnut_phantom"), "ctuq.data.phantom"),
+    **dict.fromkeys(("SCAN_PRESETS",), "ctuq.data.presets"),
+    **dict.fromkeys(("CTData", "HeldoutData"), "ctuq.data.problem"),
+    **dict.fromkeys(("ProjectionScan", "ScanFormatError"), "ctuq.data.projections"),
+    **dict.fromkeys(("ScanFileError", "ScanYamlFormat", "open_scan_file"), "ctuq.data.scan_file"),
+    **dict.fromkeys(("CircularOrbit", "ScanContent", "ScanFormat", "ScanOrbit", "ScanWriter"), "ctuq.data.scan_format"),
+    **dict.fromkeys(("SimulationParameters", "orbit_vectors", "simulate_scan"), "ctuq.data.simulate"),
+    **dict.fromkeys(("ScanSource",), "ctuq.data.source"),
+    **dict.fromkeys(
+        (
+            "WalnutFormat",
+            "WalnutFormatError",
+            "WalnutScan",
+            "default_data_dir",
+            "load_walnut_slice",
+            "load_walnut_volume",
+            "read_walnut_slice",
+            "read_walnut_volume",
+        ),
+        "ctuq.data.walnut",
+    ),
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ctuq.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
 
 __all__ = [
     "CTData",

@@ -47,18 +47,14 @@ from typing import Any
 
 from ctuq import __version__
 from ctuq.data.walnut import WalnutFormatError, WalnutScan
+from ctuq.data.walnut_records import BASE_URL_ENV, DEFAULT_BASE_URL, N_WALNUTS, WALNUT_RECORDS, WalnutRecord
 from ctuq.errors import CTUQError
 from ctuq.utils import progress as _progress_bar
 
 __all__ = [
-    "BASE_URL_ENV",
-    "DEFAULT_BASE_URL",
-    "N_WALNUTS",
-    "WALNUT_RECORDS",
     "ChecksumError",
     "FetchError",
     "RemoteFile",
-    "WalnutRecord",
     "base_url",
     "download",
     "fetch_walnut",
@@ -67,8 +63,6 @@ __all__ = [
     "walnut_record",
 ]
 
-DEFAULT_BASE_URL = "https://zenodo.org"
-BASE_URL_ENV = "CTUQ_ZENODO_URL"
 ARCHIVE_PATTERN = "Walnut{}.zip"
 FOLDER_PATTERN = "Walnut{}"
 PART_SUFFIX = ".part"
@@ -83,34 +77,6 @@ class FetchError(CTUQError):
 
 class ChecksumError(FetchError):
     """A downloaded file's size or md5 differs from the record's; the partial file has been removed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WalnutRecord:
-    """One Zenodo record of the data set: walnuts ``first … last`` (inclusive), its concept record id (the
-    published DOI ``10.5281/zenodo.{concept}``) and, where confirmed, the id of the version that holds the files."""
-
-    first: int
-    last: int
-    concept: int
-    version: int | None = None
-
-    @property
-    def doi_url(self) -> str:
-        """The published DOI as a URL (resolves to the record page in a browser)."""
-        return f"https://doi.org/10.5281/zenodo.{self.concept}"
-
-
-# The DOIs of the data set's README (cicwi/WalnutReconstructionCodes) and the paper's data records.
-WALNUT_RECORDS: tuple[WalnutRecord, ...] = (
-    WalnutRecord(1, 8, 2686725, 2686726),
-    WalnutRecord(9, 16, 2686970),
-    WalnutRecord(17, 24, 2687386),
-    WalnutRecord(25, 32, 2687634),
-    WalnutRecord(33, 37, 2687896),
-    WalnutRecord(38, 42, 2688111),
-)
-N_WALNUTS = WALNUT_RECORDS[-1].last
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,9 @@ setting: it keeps every sample's noise as measured), or, with ``detector_binning
 centre of the kept columns, exactly. A coarser ``image_shape`` over the same field of view area-averages the ground
 truth exactly (box-overlap weights, :func:`area_average`).
 
-Held-out rows: :func:`load_slice` with ``heldout=True`` and ``angular_subsampling > 1`` also reads the scan's
-other angles (:meth:`~ctuq.data.source.ScanSource.heldout_plan`) in the same pass, with the same slice, columns,
-image grid, backend and device, into ``CTData.heldout`` (:class:`~ctuq.data.problem.HeldoutData`). Each projection
-is corrected on its own, so the used rows are bit for bit those of a load without held-out rows.
+Held-out rows (:func:`load_slice` ``heldout=True``): the scan's other angles
+(:meth:`~ctuq.data.source.ScanSource.heldout_plan`), read in the same pass; each projection is corrected on its own,
+so the used rows are bit for bit those of a load without held-out rows.
 
 3D volumes (:func:`load_volume`, GPU; :func:`read_volume` on the CPU): the ``cone_vec`` (or ``parallel3d_vec``)
 geometry with rows and columns subsampled or binned, the ASTRA CUDA operator, the ground-truth volume area-averaged
@@ -172,100 +171,75 @@ def plan_slice(
     scan: ScanSource, z: float, rows: np.ndarray, files: np.ndarray, detector_subsampling: int, binning: bool
 ) -> SlicePlan:
     """The :class:`SlicePlan` of the plane at height ``z`` (mm) over the geometry ``rows`` (read from ``files``)
-    of ``scan`` (module docstring); raises the scan's error naming its geometry when the plane misses the
-    detector."""
+    of ``scan`` (module docstring): for a cone beam the detector line through the slice plane, for parallel beams
+    (rays in the planes ``z = const``) and one-row detectors the detector line at height ``z``. Raises the scan's
+    error naming its geometry when the plane misses the detector."""
     step = positive_int(detector_subsampling, "detector_subsampling")
-    if scan.geometry_type == ScanGeometry.CONE:
-        return _plan_cone_slice(scan, z, rows, files, step, binning)
-    return _plan_flat_slice(scan, z, rows, files, step, binning)
-
-
-def _alpha(cols: np.ndarray, step: int, binning: bool, n_cols: int) -> np.ndarray:
-    """Output columns in pixels from the detector centre (a bin's centre when binning)."""
-    if binning:
-        return (np.arange(len(cols) // step) * step + (step - 1) / 2.0) - (n_cols - 1) / 2.0
-    return cols - (n_cols - 1) / 2.0
-
-
-def _plan_cone_slice(scan: ScanSource, z: float, rows, files, step: int, binning: bool) -> SlicePlan:
-    """Cone beams: the detector line through the slice plane at height ``z`` (module docstring)."""
-    n_rows, n_cols = scan.det_shape
-    cols, centre_off = column_plan(n_cols, step, binning)
-    vec = scan.vectors[rows]
-    s, d, u, v = vec[:, 0:3], vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]
-    p0 = np.array([0.0, 0.0, z])
-    horiz = np.linalg.norm(s[:, :2], axis=1)
-    if np.any(horiz <= 0):
-        raise scan.geometry_error("a source lies on the rotation axis")
-    h_dir = np.stack([-s[:, 1], s[:, 0], np.zeros(len(s))], axis=1) / horiz[:, None]
-    normal = np.cross(h_dir, s - p0)  # normal of the plane through the source and the line p0 + t·ĥ
-    nv = np.einsum("ij,ij->i", normal, v)
-    if np.any(np.abs(nv) < 1e-12 * np.linalg.norm(normal, axis=1) * np.linalg.norm(v, axis=1)):
-        raise scan.geometry_error(f"the detector columns are parallel to the slice plane at z = {z} mm for some angle")
-    # Points d + α u + β v on that plane: β = β0 + β1 α (α, β in pixels from the detector centre).
-    beta0 = -np.einsum("ij,ij->i", normal, d - p0) / nv
-    beta1 = -np.einsum("ij,ij->i", normal, u) / nv
-    alpha = _alpha(cols, step, binning, n_cols)
-    frac_rows = beta0[:, None] + beta1[:, None] * alpha[None, :] + (n_rows - 1) / 2.0
-    lo, hi = frac_rows.min(), frac_rows.max()
-    if lo < -1e-6 or hi > n_rows - 1 + 1e-6:
-        raise scan.geometry_error(
-            f"the slice plane z = {z:.4g} mm meets the detector at rows {lo:.2f} … {hi:.2f}, outside the {n_rows} "
-            f"detector rows 0 … {n_rows - 1}; choose a slice nearer the source plane",
-            slice_plane=True,
-        )
-    centre = d + centre_off * u + (beta0 + beta1 * centre_off)[:, None] * v
-    u_line = step * (u + beta1[:, None] * v)
-    fan = ProjectionGeometry(
-        "fanflat_vec", (len(alpha),), vectors=np.concatenate([s[:, :2], centre[:, :2], u_line[:, :2]], axis=1)
-    )
-    cone = ProjectionGeometry("cone_vec", (1, len(alpha)), vectors=np.concatenate([s, centre, u_line, v], axis=1))
-    cone_angle = float(np.degrees(np.max(np.arctan2(np.abs(s[:, 2] - z), horiz))))
-    return SlicePlan(rows, files, cols, step, binning, frac_rows, fan, cone, float(z), cone_angle)
-
-
-def _plan_flat_slice(scan: ScanSource, z: float, rows, files, step: int, binning: bool) -> SlicePlan:
-    """Parallel beams (rays in the planes ``z = const``) and one-row detectors: the detector line at height ``z``."""
     n_rows, n_cols = scan.det_shape
     try:
         cols, centre_off = column_plan(n_cols, step, binning)
     except ValueError as exc:
         raise scan.error(f"{scan.path}: {exc}") from None
     vec = scan.vectors[rows]
-    head, d, u, v = vec[:, 0:3], vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]
-    alpha = _alpha(cols, step, binning, n_cols)
-    if n_rows == 1:
-        beta0 = np.zeros(len(rows))
-        beta1 = np.zeros(len(rows))
-        frac_rows = np.zeros((len(rows), len(alpha)))
+    s, d, u, v = vec[:, 0:3], vec[:, 3:6], vec[:, 6:9], vec[:, 9:12]  # s: the source, or the ray direction
+    if binning:  # output columns in pixels from the detector centre (a bin's centre when binning)
+        alpha = (np.arange(len(cols) // step) * step + (step - 1) / 2.0) - (n_cols - 1) / 2.0
     else:
-        if np.any(np.abs(head[:, 2]) > 1e-9 * np.linalg.norm(head, axis=1)):
+        alpha = cols - (n_cols - 1) / 2.0
+    cone = scan.geometry_type == ScanGeometry.CONE
+    cone_angle = 0.0
+    if cone:
+        p0 = np.array([0.0, 0.0, z])
+        horiz = np.linalg.norm(s[:, :2], axis=1)
+        if np.any(horiz <= 0):
+            raise scan.geometry_error("a source lies on the rotation axis")
+        h_dir = np.stack([-s[:, 1], s[:, 0], np.zeros(len(s))], axis=1) / horiz[:, None]
+        normal = np.cross(h_dir, s - p0)  # normal of the plane through the source and the line p0 + t·ĥ
+        nv = np.einsum("ij,ij->i", normal, v)
+        if np.any(np.abs(nv) < 1e-12 * np.linalg.norm(normal, axis=1) * np.linalg.norm(v, axis=1)):
+            raise scan.geometry_error(
+                f"the detector columns are parallel to the slice plane at z = {z} mm for some angle"
+            )
+        # Points d + α u + β v on that plane: β = β0 + β1 α (α, β in pixels from the detector centre).
+        beta0 = -np.einsum("ij,ij->i", normal, d - p0) / nv
+        beta1 = -np.einsum("ij,ij->i", normal, u) / nv
+        cone_angle = float(np.degrees(np.max(np.arctan2(np.abs(s[:, 2] - z), horiz))))
+    elif n_rows == 1:
+        beta0 = beta1 = np.zeros(len(rows))
+    else:
+        if np.any(np.abs(s[:, 2]) > 1e-9 * np.linalg.norm(s, axis=1)):
             raise scan.geometry_error("parallel rays are not perpendicular to the rotation axis z")
         if np.any(np.abs(v[:, 2]) < 1e-12 * np.linalg.norm(v, axis=1)):
             raise scan.geometry_error("the detector's v direction has no z component")
         beta0 = (z - d[:, 2]) / v[:, 2]
         beta1 = -u[:, 2] / v[:, 2]
+    if cone or n_rows > 1:
         frac_rows = beta0[:, None] + beta1[:, None] * alpha[None, :] + (n_rows - 1) / 2.0
         lo, hi = frac_rows.min(), frac_rows.max()
         if lo < -1e-6 or hi > n_rows - 1 + 1e-6:
-            raise scan.error(
-                f"{scan.path}: the slice plane z = {z:.4g} mm meets the detector at rows {lo:.2f} … {hi:.2f}, "
-                f"outside the {n_rows} detector rows 0 … {n_rows - 1}"
-            )
+            where = f"the slice plane z = {z:.4g} mm meets the detector at rows {lo:.2f} … {hi:.2f}, outside the "
+            if cone:
+                raise scan.geometry_error(
+                    f"{where}{n_rows} detector rows 0 … {n_rows - 1}; choose a slice nearer the source plane",
+                    slice_plane=True,
+                )
+            raise scan.error(f"{scan.path}: {where}{n_rows} detector rows 0 … {n_rows - 1}")
+    else:
+        frac_rows = np.zeros((len(rows), len(alpha)))
     centre = d + centre_off * u + (beta0 + beta1 * centre_off)[:, None] * v
     u_line = step * (u + beta1[:, None] * v)
     parallel = scan.geometry_type == ScanGeometry.PARALLEL
     fan = ProjectionGeometry(
         "parallel_vec" if parallel else "fanflat_vec",
         (len(alpha),),
-        vectors=np.concatenate([head[:, :2], centre[:, :2], u_line[:, :2]], 1),
+        vectors=np.concatenate([s[:, :2], centre[:, :2], u_line[:, :2]], axis=1),
     )
     one_row = ProjectionGeometry(
         "parallel3d_vec" if parallel else "cone_vec",
         (1, len(alpha)),
-        vectors=np.concatenate([head, centre, u_line, v], axis=1),
+        vectors=np.concatenate([s, centre, u_line, v], axis=1),
     )
-    return SlicePlan(rows, files, cols, step, binning, frac_rows, fan, one_row, float(z), 0.0)
+    return SlicePlan(rows, files, cols, step, binning, frac_rows, fan, one_row, float(z), cone_angle)
 
 
 def _read_plans(scan: ScanSource, plans: list[SlicePlan], progress) -> list[tuple[np.ndarray, np.ndarray | None]]:
@@ -297,9 +271,28 @@ def _read_plans(scan: ScanSource, plans: list[SlicePlan], progress) -> list[tupl
 
 
 # --------------------------------------------------------------------------------------------- slices
-def _slice_setup(scan: ScanSource, slice_index, ass: int, dss: int, binning: bool, image_shape, heldout: bool):
-    """The used plan, the held-out plan (``None`` unless ``heldout``, or a reason string when there is none), the
-    image grid and the slice index."""
+def _rows_tensor(a: np.ndarray | None, op) -> torch.Tensor | None:
+    if a is None:
+        return None
+    t = torch.from_numpy(a.astype(np.float32))
+    return t if op is None else t.to(op.device)
+
+
+def _slice(
+    scan: ScanSource,
+    slice_index,
+    ass,
+    dss,
+    image_shape,
+    binning: bool,
+    progress,
+    backend=None,
+    device=None,
+    heldout: bool = False,
+) -> CTData:
+    """:func:`load_slice`'s work (``backend`` ``None``: :func:`read_slice`'s, no operators): plan the used and
+    held-out rows, build the operators, read the rows and the ground truth, assemble the :class:`CTData`."""
+    image_shape = _check_image_shape(image_shape, 2)
     n_z = scan.gt_shape[0]
     k = n_z // 2 if slice_index is None else int(slice_index)
     if not 0 <= k < n_z:
@@ -314,42 +307,30 @@ def _slice_setup(scan: ScanSource, slice_index, ass: int, dss: int, binning: boo
             f"backend='astra_cuda' (GPU), or use a slice at the source height",
             stacklevel=3,
         )
-    held: SlicePlan | str | None = None
-    if heldout:
-        if ass == 1:
-            held = HELDOUT_NO_UNUSED_ANGLES
+    held, reason = None, HELDOUT_NOT_READ
+    if heldout and ass == 1:
+        reason = HELDOUT_NO_UNUSED_ANGLES
+    elif heldout:
+        rows, files = scan.heldout_plan(ass)
+        if len(rows):
+            held, reason = plan_slice(scan, z, rows, files, dss, binning), ""
         else:
-            rows, files = scan.heldout_plan(ass)
-            held = plan_slice(scan, z, rows, files, dss, binning) if len(rows) else heldout_every_angle_used(scan.path)
-    grid2d = VolumeGeometry(scan.gt_shape[1:], scan.voxel_size)
-    return plan, held, _coarsened(grid2d, image_shape), k
+            reason = heldout_every_angle_used(scan.path)
+    volume = _coarsened(VolumeGeometry(scan.gt_shape[1:], scan.voxel_size), image_shape)
 
+    def operator(p: SlicePlan):
+        if backend == Backend.ASTRA_CUDA and scan.geometry_type == ScanGeometry.CONE:
+            return AstraCudaRayTransform.cone_slice(volume, p.z, p.cone, device=device)
+        return make_ray_transform(volume, p.fan, backend=backend, device=device)
 
-def _slice_operator(scan: ScanSource, plan: SlicePlan, volume: VolumeGeometry, backend: str, device: torch.device):
-    if backend == Backend.ASTRA_CUDA and scan.geometry_type == ScanGeometry.CONE:
-        return AstraCudaRayTransform.cone_slice(volume, plan.z, plan.cone, device=device)
-    return make_ray_transform(volume, plan.fan, backend=backend, device=device)
-
-
-def _rows_tensor(a: np.ndarray | None, op) -> torch.Tensor | None:
-    if a is None:
-        return None
-    t = torch.from_numpy(a.astype(np.float32))
-    return t if op is None else t.to(op.device)
-
-
-def _finish_slice(
-    scan: ScanSource, plan: SlicePlan, held, volume, k: int, ops, backend: str, options: dict, progress
-) -> CTData:
-    """Read the used (and held-out) rows and the ground truth; assemble the :class:`CTData`."""
-    op, held_op = ops
-    plans = [plan] if not isinstance(held, SlicePlan) else [plan, held]
-    read = _read_plans(scan, plans, progress)
+    # the operators are built before any pixel data are read: a geometry the backend rejects fails fast
+    op = None if backend is None else operator(plan)
+    held_op = None if backend is None or held is None else operator(held)
+    read = _read_plans(scan, [plan] if held is None else [plan, held], progress)
     y, var = read[0]
     gt = None
     if scan.has_ground_truth:
         gt = torch.from_numpy(area_average(scan.read_ground_truth_slice(k), volume.shape).astype(np.float32))
-    ass, dss, binning = options["angular_subsampling"], options["detector_subsampling"], options["detector_binning"]
     meta = scan.record(plan.rows, plan.files, ass, dss, binning, plan.cols)
     meta.update(
         {
@@ -373,16 +354,15 @@ def _finish_slice(
     )
     if scan.geometry_type == ScanGeometry.CONE:
         meta["exact_fan_geometry"] = plan.cone_angle_deg <= CONE_WARN_DEG
-    meta.update(
-        {
-            "backend": backend,
-            "operator_geometry": plan.cone.kind + " slice" if backend == Backend.ASTRA_CUDA else plan.fan.kind,
-        }
-    )
-    heldout, reason = None, held if isinstance(held, str) else ""
-    if isinstance(held, SlicePlan):
+    if backend is None:
+        meta["backend"] = "none"
+    else:
+        meta["backend"] = Backend.ASTRA_CUDA.value if backend == Backend.ASTRA_CUDA else type(op).__name__
+    meta["operator_geometry"] = plan.cone.kind + " slice" if backend == Backend.ASTRA_CUDA else plan.fan.kind
+    heldout_data = None
+    if held is not None:
         y_h, var_h = read[1]
-        heldout = HeldoutData(
+        heldout_data = HeldoutData(
             op=held_op,
             y=_rows_tensor(y_h, held_op),
             geometry_rows=held.rows,
@@ -398,8 +378,8 @@ def _finish_slice(
         meta=meta,
         slice_cone_geometry=plan.cone,
         variances=_rows_tensor(var, op),
-        heldout=heldout,
-        heldout_reason=reason or (HELDOUT_NOT_READ if heldout is None else ""),
+        heldout=heldout_data,
+        heldout_reason=reason,
     )
 
 
@@ -415,16 +395,7 @@ def read_slice(
 ) -> CTData:
     """Everything :func:`load_slice` returns except the operator and the held-out rows (``op=None``; ``y`` on the
     CPU)."""
-    image_shape = _check_image_shape(image_shape, 2)
-    plan, held, volume, k = _slice_setup(
-        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape, False
-    )
-    options = dict(
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_binning=detector_binning,
-    )
-    return _finish_slice(scan, plan, held, volume, k, (None, None), "none", options, progress)
+    return _slice(scan, slice_index, angular_subsampling, detector_subsampling, image_shape, detector_binning, progress)
 
 
 def load_slice(
@@ -480,36 +451,26 @@ def load_slice(
             f"load_slice: backend 'astra_cuda' needs a CUDA device, got {device}; use backend 'sparse' (the "
             f"fan-beam slice model) on the CPU"
         )
-    image_shape = _check_image_shape(image_shape, 2)
-    plan, held, volume, k = _slice_setup(
-        scan, slice_index, angular_subsampling, detector_subsampling, detector_binning, image_shape, heldout
+    return _slice(
+        scan,
+        slice_index,
+        angular_subsampling,
+        detector_subsampling,
+        image_shape,
+        detector_binning,
+        progress,
+        backend,
+        device,
+        heldout,
     )
-    # the operators are built before any pixel data are read: a geometry the backend rejects fails fast
-    op = _slice_operator(scan, plan, volume, backend, device)
-    held_op = _slice_operator(scan, held, volume, backend, device) if isinstance(held, SlicePlan) else None
-    name = Backend.ASTRA_CUDA.value if backend == Backend.ASTRA_CUDA else type(op).__name__
-    options = dict(
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_binning=detector_binning,
-    )
-    return _finish_slice(scan, plan, held, volume, k, (op, held_op), name, options, progress)
 
 
 # --------------------------------------------------------------------------------------------- volumes
-@dataclasses.dataclass
-class _VolumePlan:
-    rows: np.ndarray
-    files: np.ndarray
-    det_rows: np.ndarray
-    cols: np.ndarray
-    row_step: int
-    col_step: int
-    geometry: ProjectionGeometry
-    volume: VolumeGeometry
-
-
-def _volume_setup(scan: ScanSource, ass, dss, drs, binning: bool, image_shape) -> _VolumePlan:
+def _volume(
+    scan: ScanSource, ass, dss, drs, image_shape, binning: bool, progress, reason: str, backend=None, device=None
+) -> CTData:
+    """:func:`load_volume`'s work (``backend`` ``None``: :func:`read_volume`'s, no operator)."""
+    image_shape = _check_image_shape(image_shape, 3)
     if scan.geometry_type == ScanGeometry.FAN or scan.det_shape[0] < 2:
         raise scan.error(
             f"{scan.path}: a {scan.geometry_type} beam with {scan.det_shape[0]} detector row(s) gives 2D slices only; "
@@ -539,20 +500,17 @@ def _volume_setup(scan: ScanSource, ass, dss, drs, binning: bool, image_shape) -
     kind = "parallel3d_vec" if scan.geometry_type == ScanGeometry.PARALLEL else "cone_vec"
     geometry = ProjectionGeometry(kind, (n_out_r, n_out_c), vectors=vec)
     volume = _coarsened(scan.ground_truth_grid(), image_shape)
-    return _VolumePlan(rows, files, drows, cols, row_step, col_step, geometry, volume)
+    op = None if backend is None else make_ray_transform(volume, geometry, backend=backend, device=device)
 
-
-def _finish_volume(scan: ScanSource, plan: _VolumePlan, op, backend: str, options: dict, progress, reason: str):
-    y = np.empty((len(plan.rows), *plan.geometry.det_shape), dtype=np.float32)
+    y = np.empty((len(rows), *geometry.det_shape), dtype=np.float32)
     var = np.empty_like(y) if scan.has_variances else None
-    steps = (plan.row_step, plan.col_step) if options["detector_binning"] else None
-    for a in _progress(range(len(plan.rows)), len(plan.rows), "read projections", progress):
-        log_t, v = scan.log_rows(int(plan.files[a]), plan.det_rows, plan.cols, steps)
+    steps = (row_step, col_step) if binning else None
+    for a in _progress(range(len(rows)), len(rows), "read projections", progress):
+        log_t, va = scan.log_rows(int(files[a]), drows, cols, steps)
         y[a] = log_t
         if var is not None:
-            var[a] = v
+            var[a] = va
     gt = None
-    volume = plan.volume
     if scan.has_ground_truth:
         # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
         # sits in memory at full resolution in float64.
@@ -564,19 +522,12 @@ def _finish_volume(scan: ScanSource, plan: _VolumePlan, op, backend: str, option
             ]
         )
         gt = torch.from_numpy(area_average(planes, volume.shape).astype(np.float32))
-    meta = scan.record(
-        plan.rows,
-        plan.files,
-        options["angular_subsampling"],
-        options["detector_subsampling"],
-        options["detector_binning"],
-        plan.cols,
-    )
+    meta = scan.record(rows, files, ass, dss, binning, cols)
     meta.update(
         {
             "ndim": 3,
-            "detector_row_subsampling": int(plan.row_step),
-            "detector_rows": {"first": int(plan.det_rows[0]), "last": int(plan.det_rows[-1]), "step": plan.row_step},
+            "detector_row_subsampling": int(row_step),
+            "detector_rows": {"first": int(drows[0]), "last": int(drows[-1]), "step": row_step},
             "image_shape": list(volume.shape),
             "image_voxel_size_mm": volume.voxel_size,
         }
@@ -584,7 +535,7 @@ def _finish_volume(scan: ScanSource, plan: _VolumePlan, op, backend: str, option
     names = scan.ground_truth_files(range(scan.gt_shape[0]))
     if names is not None:
         meta["ground_truth_files"] = names
-    meta["backend"] = backend
+    meta["backend"] = "none" if op is None else type(op).__name__
     y_t = torch.from_numpy(y)
     var_t = None if var is None else torch.from_numpy(var)
     if op is not None:
@@ -595,7 +546,7 @@ def _finish_volume(scan: ScanSource, plan: _VolumePlan, op, backend: str, option
         y=y_t,
         ground_truth=gt,
         volume=volume,
-        geometry=plan.geometry,
+        geometry=geometry,
         meta=meta,
         variances=var_t,
         heldout_reason=reason,
@@ -613,20 +564,16 @@ def read_volume(
     progress: bool | None = None,
 ) -> CTData:
     """Everything :func:`load_volume` returns except the operator (``op=None``): runs on the CPU."""
-    plan = _volume_setup(
+    return _volume(
         scan,
         angular_subsampling,
         detector_subsampling,
         detector_row_subsampling,
+        image_shape,
         detector_binning,
-        _check_image_shape(image_shape, 3),
+        progress,
+        HELDOUT_NOT_READ,
     )
-    options = dict(
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_binning=detector_binning,
-    )
-    return _finish_volume(scan, plan, None, "none", options, progress, HELDOUT_NOT_READ)
 
 
 def load_volume(
@@ -670,19 +617,15 @@ def load_volume(
         ``parallel3d_vec``).
     """
     device = check_backend(backend, device)
-    plan = _volume_setup(
+    return _volume(
         scan,
         angular_subsampling,
         detector_subsampling,
         detector_row_subsampling,
+        image_shape,
         detector_binning,
-        _check_image_shape(image_shape, 3),
+        progress,
+        HELDOUT_VOLUME if heldout else HELDOUT_NOT_READ,
+        backend,
+        device,
     )
-    op = make_ray_transform(plan.volume, plan.geometry, backend=backend, device=device)
-    options = dict(
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_binning=detector_binning,
-    )
-    reason = HELDOUT_VOLUME if heldout else HELDOUT_NOT_READ
-    return _finish_volume(scan, plan, op, type(op).__name__, options, progress, reason)

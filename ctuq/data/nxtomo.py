@@ -37,8 +37,8 @@ import h5py
 import numpy as np
 
 from ctuq.data.astra_geometry import angle_range_values, circular_vectors, to_radians
-from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume
-from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat
+from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume, mean_flat_dark
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, one_plane_orbit
 from ctuq.options import AngleUnit, MeasurementKind, ScanGeometry
 from ctuq.utils import atomic_path
 
@@ -200,17 +200,9 @@ def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
                     "instrument/detector/data",
                     f"{int((~np.isfinite(frames)).sum())} values of the {name} are NaN or Inf",
                 )
-        # integer counts: any summation order is exact, and ·(1/n) is the walnut loader's 0.5·(f0 + f1) for n = 2
-        flat = flats.sum(axis=0) * (1.0 / len(flat_idx))
-        dark = darks.sum(axis=0) * (1.0 / len(dark_idx))
-        bad = flat <= dark
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
-            fail(
-                "instrument/detector/data",
-                f"mean flat ≤ mean dark at {int(bad.sum())} pixels (first at row {r}, column {c}: {flat[r, c]:g} ≤ "
-                f"{dark[r, c]:g}); the flat-field correction would divide by ≤ 0",
-            )
+        flat, dark, problem = mean_flat_dark(flats, darks)
+        if problem:
+            fail("instrument/detector/data", problem)
 
         gt = None
         if "ctuq_ground_truth" in f[e]:
@@ -379,19 +371,12 @@ class NXtomoFormat(ScanFormat):
 
     @classmethod
     def check_orbits(cls, orbits: Mapping[int, CircularOrbit]) -> None:
-        if len(orbits) != 1 or next(iter(orbits.values())).source_z != 0:
-            raise ValueError(
-                f"NXtomo holds one circular orbit with the source in the detector centre's plane; simulate "
-                f"--orbits 2 (got orbits {sorted(orbits)})"
-            )
-        geometry = next(iter(orbits.values()))
+        geometry = one_plane_orbit(orbits, "NXtomo")
         if geometry.corrected:
             raise ValueError(
                 "NXtomo has no field for the simulated detector tilt and row offset; add --no-corrections (an "
                 "ideal circular geometry) to write it"
             )
-        if not geometry.degree_angles:
-            raise ValueError("NXtomo states the angles in degrees: write an orbit of degree angles")
 
     @classmethod
     def write(cls, folder: Path, content: ScanContent, *, compress: bool = True, **options) -> Path:

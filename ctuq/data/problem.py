@@ -1,11 +1,6 @@
 """The loaded CT problem every scan format produces (:class:`CTData`) and the rows of the scan's angles that the
-run does not use (:class:`HeldoutData`).
-
-A loader (:func:`ctuq.data.loader.load_slice` and the format readers behind ``--data``) reads the scan once: the
-angles a run uses become ``CTData.y`` (with operator, variances and ground truth); with ``heldout=True`` a 2D
-slice's other angles come along as ``CTData.heldout``, read with the same slice, detector columns, image grid,
-backend and device, so the held-out check never opens the scan again. When there are none, ``CTData.heldout_reason``
-says why in one line (these lines end up in ``metrics.json["uq"]["heldout_skipped"]``).
+run does not use (:class:`HeldoutData`), read in the same pass (:func:`ctuq.data.loader.load_slice`), so the
+held-out check never opens the scan again.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ __all__ = [
     "heldout_every_angle_used",
 ]
 
-#: Why a problem has no held-out rows (``CTData.heldout_reason``), one line each.
+#: Why a problem has no held-out rows (``CTData.heldout_reason``, in metrics.json as ``uq.heldout_skipped``).
 HELDOUT_GIVEN_IN_CODE = "the problem was given in code, not as a scan with unused angles"
 HELDOUT_VOLUME = "the held-out check is implemented for 2D slices only (data.ndim = 3)"
 HELDOUT_NO_UNUSED_ANGLES = (

@@ -31,11 +31,11 @@ import h5py
 import numpy as np
 import tifffile
 
-from ctuq.data.source import ScanSource, count_variance, detector_record, positive_int
+from ctuq.data.source import ScanSource, positive_int
 from ctuq.errors import CTUQError
 from ctuq.options import MeasurementKind, ScanGeometry
 
-__all__ = ["ScanFormatError", "ArraySource", "ProjectionScan", "count_variance", "default_volume"]
+__all__ = ["ScanFormatError", "ArraySource", "ProjectionScan", "mean_flat_dark", "default_volume"]
 
 _HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".nxs", ".nx", ".nx5")
 _TIFF_SUFFIXES = (".tif", ".tiff")
@@ -174,37 +174,19 @@ def _finite(a: np.ndarray, src: ArraySource, what: str) -> np.ndarray:
 @dataclasses.dataclass
 class ProjectionScan(ScanSource):
     """A validated scan of per-angle vectors and a stack of frames (module docstring), the
-    :class:`~ctuq.data.source.ScanSource` of ``scan.yaml`` and NXtomo.
+    :class:`~ctuq.data.source.ScanSource` of ``scan.yaml`` and NXtomo (attributes as there, and those below).
 
     Opening (the format readers) reads the geometry, the flats and darks and the array headers; projections are
     read on demand.
 
     Attributes
     ----------
-    path : Path
-        The file that describes the scan (``scan.yaml``, ``scan.nxs``), named in every message.
-    format : str
-        The format's registry name (``ctuq.registry.DATA_FORMATS``).
-    geometry_type : str
-        :class:`ctuq.options.ScanGeometry` value.
-    vectors : (n_angles, 12) float64
-        ``cone_vec`` (fan, cone) or ``parallel3d_vec`` (parallel) rows, mm.
-    det_shape : (int, int)
-        ``(n_rows, n_cols)``.
     projections : ArraySource
         ``(n_angles, n_rows, n_cols)`` counts or line integrals (``(n_angles, n_cols)`` for one row).
-    measurement : str
-        :class:`ctuq.options.MeasurementKind` value.
     flat, dark : (n_rows, n_cols) float64 or None
         Mean flat and dark frames (counts).
-    n_flats, n_darks : int
-        Frames averaged into them.
-    read_noise : float
-        Per-frame read-noise sd (counts).
     variances : ArraySource or None
         Variances of line integrals, shaped like ``projections``.
-    gt_shape : (int, int, int)
-        Volume grid ``(n_z, n_y, n_x)``; ``voxel_size`` (mm) and ``voxel_size_source`` say where it came from.
     ground_truth : ArraySource or None
         ``gt_shape`` in mm⁻¹.
     info : dict
@@ -298,39 +280,41 @@ class ProjectionScan(ScanSource):
             self.variances.fail(f"projection {index}: variances must be finite and positive")
         return v
 
-    def flat_error(self, n_bad: int, row: int, col: int, flat: float, dark: float) -> ScanFormatError:
-        return self.error(
-            f"{self.path}: measurements.flats: flat ≤ dark at {n_bad} used pixels (first at detector row {row}, "
-            f"column {col}: mean flat {flat:g}, mean dark {dark:g}); the flat-field correction would divide by ≤ 0"
-        )
-
     def counts_error(self, index: int, n_bad: int, row: int, col: int, counts: float, dark: float):
         return self.projections.problem(
             f"projection {index}: {n_bad} used pixels have counts ≤ dark (first at detector row {row}, column "
             f"{col}: {counts:g} ≤ {dark:g}); −log is undefined there"
         )
 
-    def record(self, rows, files, angular_subsampling, detector_subsampling, binning, cols) -> dict:
-        """The scan's ``CTData.meta`` entries: format, files, geometry type, detector, grid, subsampling."""
+    def record(self, *args) -> dict:
+        """:meth:`ScanSource.record <ctuq.data.source.ScanSource.record>`'s entries, the projections file, the axis
+        order and the format's own (:attr:`info`)."""
         return {
-            "format": self.format,
-            "path": str(self.path),
-            "geometry_type": self.geometry_type,
-            "measurement": self.measurement,
+            **super().record(*args),
             "projections_file": self.projections.name,
-            "n_projections": self.n_files,
-            "detector_shape": list(self.det_shape),
-            "n_flats": self.n_flats,
-            "n_darks": self.n_darks,
-            "read_noise_counts": self.read_noise,
-            "gt_shape": list(self.gt_shape),
-            "gt_voxel_size_mm": self.voxel_size,
-            "gt_voxel_size_source": self.voxel_size_source,
-            "has_ground_truth": self.has_ground_truth,
             "axis_order": "projections (angle, row, column); row index along v, column index along u",
             **self.info,
-            **detector_record(rows, files, angular_subsampling, detector_subsampling, binning, cols),
         }
+
+
+def mean_flat_dark(flats: np.ndarray, darks: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """The mean flat and dark ``(rows, cols)`` of frames ``(n, rows, cols)`` float64 (counts) and the problem where
+    the mean flat is not above the mean dark (``""``: none)."""
+    # integer counts: any summation order is exact, and ·(1/n) is the walnut loader's 0.5·(f0 + f1) for n = 2
+    flat = flats.sum(axis=0) * (1.0 / len(flats))
+    dark = darks.sum(axis=0) * (1.0 / len(darks))
+    bad = flat <= dark
+    if not bad.any():
+        return flat, dark, ""
+    r, c = np.argwhere(bad)[0]
+    return (
+        flat,
+        dark,
+        (
+            f"mean flat ≤ mean dark at {int(bad.sum())} pixels (first at row {r}, column {c}: {flat[r, c]:g} ≤ "
+            f"{dark[r, c]:g}); the flat-field correction would divide by ≤ 0"
+        ),
+    )
 
 
 def default_volume(

@@ -57,8 +57,8 @@ import numpy as np
 import yaml
 
 from ctuq.data.astra_geometry import AstraGeometryError, angle_range, circular_vectors, load_astra_vectors, to_radians
-from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume
-from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, write_tiff_array
+from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume, mean_flat_dark
+from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, one_plane_orbit, write_tiff_array
 from ctuq.options import AngleUnit, LengthUnit, MeasurementKind, ScanGeometry, values
 from ctuq.utils import atomic_path
 
@@ -352,17 +352,9 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
         fl = _frames(r, r.source(mea, "measurements", "flats"), det_shape, "flats")
         dk = _frames(r, r.source(mea, "measurements", "darks"), det_shape, "darks")
         n_flats, n_darks = fl.shape[0], dk.shape[0]
-        # integer counts: any summation order is exact, and ·(1/n) is the walnut loader's 0.5·(f0 + f1) for n = 2
-        flat = fl.sum(axis=0) * (1.0 / n_flats)
-        dark = dk.sum(axis=0) * (1.0 / n_darks)
-        bad = flat <= dark
-        if bad.any():
-            rr, cc = np.argwhere(bad)[0]
-            r.fail(
-                "measurements.flats",
-                f"mean flat ≤ mean dark at {int(bad.sum())} pixels (first at row {rr}, column {cc}: "
-                f"{flat[rr, cc]:g} ≤ {dark[rr, cc]:g}); the flat-field correction would divide by ≤ 0",
-            )
+        flat, dark, problem = mean_flat_dark(fl, dk)
+        if problem:
+            r.fail("measurements.flats", problem)
         read_noise = r.number(mea, "measurements", "read_noise", required=False, default=0.0, nonneg=True)
     else:
         for key in ("flats", "darks", "read_noise"):
@@ -512,13 +504,7 @@ class ScanYamlFormat(ScanFormat):
 
     @classmethod
     def check_orbits(cls, orbits: Mapping[int, CircularOrbit]) -> None:
-        if len(orbits) != 1 or next(iter(orbits.values())).source_z != 0:
-            raise ValueError(
-                f"scan.yaml holds one circular orbit with the source in the detector centre's plane; simulate "
-                f"--orbits 2 (got orbits {sorted(orbits)})"
-            )
-        if not next(iter(orbits.values())).degree_angles:
-            raise ValueError("scan.yaml states the angles in degrees: write an orbit of degree angles")
+        one_plane_orbit(orbits, "scan.yaml")
 
     @classmethod
     def write(cls, folder: Path, content: ScanContent, *, compress: bool = True, arrays: str = "npy", **options):

@@ -1,19 +1,9 @@
 """A scan format: one module that reads and writes one file layout, registered in
 :data:`ctuq.registry.DATA_FORMATS` with one line.
 
-A format is a :class:`ScanFormat` subclass (used as a class; formats hold no state):
-
-* ``name`` (its registry name, the value ``--data`` detection reports), ``expects`` (what a path of the format looks
-  like, for messages) and ``layouts`` (the ``ctuq simulate --layout`` names it writes, each with its write options);
-* :meth:`ScanFormat.detect` ``(path) -> Path | None``: the file or folder to open when ``path`` holds the format;
-* :meth:`ScanFormat.open` ``(path, orbit) -> ScanSource``: validated headers, geometry, flats and darks (no
-  projection pixels); every slice and volume is then cut by the one loader (:mod:`ctuq.data.loader`);
-* :meth:`ScanFormat.write` ``(folder, content, **options) -> Path``: a whole :class:`ScanContent` (raw counts,
-  flats, darks, a circular geometry, ground truth, a record) into ``folder``; returns what :meth:`ScanFormat.open`
-  takes. :meth:`ScanFormat.check_orbits` refuses, before anything is simulated, a geometry the format cannot store;
-  :meth:`ScanFormat.writer` optionally streams the content piece by piece (a format whose files hold one
-  projection each), and :meth:`ScanFormat.written_files` lists what a write left in a folder (``--overwrite``).
-
+A format is a :class:`ScanFormat` subclass (used as a class; formats hold no state) that detects its files, opens
+them into a :class:`~ctuq.data.source.ScanSource` (every slice and volume is then cut by the one loader,
+:mod:`ctuq.data.loader`) and writes a :class:`ScanContent` (the class docstring lists its attributes and methods).
 ``ctuq simulate`` writes every layout through these methods, and :class:`ctuq.testing.ScanFormatContract` checks
 the write → open round trip of any format bit for bit. A format of your own::
 
@@ -44,7 +34,15 @@ from ctuq.options import AngleUnit, ScanGeometry
 from ctuq.registry import DATA_FORMATS
 from ctuq.utils import atomic_path
 
-__all__ = ["CircularOrbit", "ScanOrbit", "ScanContent", "ScanWriter", "ScanFormat", "write_tiff_array"]
+__all__ = [
+    "CircularOrbit",
+    "ScanOrbit",
+    "ScanContent",
+    "ScanWriter",
+    "ScanFormat",
+    "one_plane_orbit",
+    "write_tiff_array",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +185,20 @@ class ScanContent:
         if len(self.orbits) != 1:
             raise ValueError(f"{fmt} holds one orbit; this scan has orbits {sorted(self.orbits)}")
         return next(iter(self.orbits.values()))
+
+
+def one_plane_orbit(orbits: Mapping[int, CircularOrbit], fmt: str) -> CircularOrbit:
+    """The one orbit of a format ``fmt`` that stores one circular orbit with the source in the detector centre's
+    plane, its angles in degrees (:meth:`ScanFormat.check_orbits`; ``ValueError`` saying what to change)."""
+    if len(orbits) != 1 or next(iter(orbits.values())).source_z != 0:
+        raise ValueError(
+            f"{fmt} holds one circular orbit with the source in the detector centre's plane; simulate --orbits 2 "
+            f"(got orbits {sorted(orbits)})"
+        )
+    geometry = next(iter(orbits.values()))
+    if not geometry.degree_angles:
+        raise ValueError(f"{fmt} states the angles in degrees: write an orbit of degree angles")
+    return geometry
 
 
 class ScanWriter(ABC):

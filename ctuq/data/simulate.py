@@ -59,6 +59,7 @@ import numpy as np
 from ctuq import __version__
 from ctuq.data.formats import DATA_FORMATS, write_layouts
 from ctuq.data.phantom import EllipsoidPhantom, TexturedPhantom, make_phantom, walnut_phantom
+from ctuq.data.presets import SCAN_PRESETS
 from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanOrbit
 from ctuq.data.walnut import DARK_NAME, FLAT_NAMES, PROJECTION_PATTERN, SIDECAR_NAME, WalnutFormat
 from ctuq.geometry import VolumeGeometry
@@ -76,7 +77,6 @@ __all__ = [
     "prepare_output_dir",
     "estimate_work",
     "check_layouts",
-    "SIDECAR_NAME",
 ]
 
 # Deterministic per-orbit "calibration corrections": detector tilt in its own plane (degrees) and detector
@@ -230,42 +230,6 @@ class SimulationParameters:
         return cls(**kw)
 
 
-SCAN_PRESETS: dict[str, dict[str, Any]] = {
-    "walnut": {
-        "help": "the real data set's sizes: 3 orbits × 1201 projections of 972 × 768 pixels, 501³ GT at 0.1 mm. "
-        "SLOW: ~12 CPU hours and ~5 GB on disk",
-        "params": {},
-    },
-    "bundled": {
-        "help": "the scan shipped in data/Walnut1: orbit 2, 241 projections (240 angles), 16 × 256 pixels of "
-        "0.4488 mm, GT 31 × 128² at 0.4 mm; ~20 s, ~1.8 MB",
-        "params": {
-            "n_projections": 241,
-            "det_rows": 16,
-            "det_cols": 256,
-            "pixel_size": 3 * 0.1496,
-            "orbits": (2,),
-            "gt_shape": (31, 128, 128),
-            "gt_voxel_size": 0.4,
-        },
-    },
-    "tiny": {
-        "help": "for tests: orbit 2, 33 projections (32 angles), 8 × 96 pixels of 1.2 mm, GT 5 × 128² at 0.4 mm; "
-        "a few seconds",
-        "params": {
-            "n_projections": 33,
-            "det_rows": 8,
-            "det_cols": 96,
-            "pixel_size": 1.2,
-            "orbits": (2,),
-            "gt_shape": (5, 128, 128),
-            "gt_voxel_size": 0.4,
-            "gt_supersampling": 2,
-        },
-    },
-}
-
-
 def projection_file_name(index: int) -> str:
     """``scan_{index:06}.tif``."""
     return PROJECTION_PATTERN.format(int(index))
@@ -351,9 +315,6 @@ def _transmission(phantom: EllipsoidPhantom, vec: np.ndarray, rows: int, cols: i
         ell = phantom.line_integrals(src, pts)
         out[r0 : r0 + kr.shape[0]] = np.exp(-ell).mean(axis=(1, 3))
     return out
-
-
-# Files of the non-walnut layouts (ctuq.data.scan_file / ctuq.data.nxtomo), by name.
 
 
 def _layout_files(out_dir: Path) -> list[Path]:
@@ -573,8 +534,9 @@ def simulate_scan(
             content.orbits[orbit] = ScanOrbit(geometry, stack, flats, darks)
 
         first = None
-        bar = _progress_bar(range(n), total=n, desc=f"simulate tubeV{orbit}", disable=not progress)
-        for k in bar:
+        # the bar counts the distinct angles; the closing projection (angle 0 again, walnut layout) is not one
+        bar = _progress_bar(total=n - 1, desc=f"simulate tubeV{orbit}", disable=not progress)
+        for k in range(n):
             if k == n - 1 and first is not None:
                 trans = first  # same angle as row 0 (bit-identical vectors)
             else:
@@ -594,11 +556,13 @@ def simulate_scan(
                     writer.projection(orbit, k, counts16)
                 if stack is not None:
                     stack[k] = counts16
+                bar.update(1)
             else:  # the closing projection: angle 0 again, its own noise
                 for writer in streams.values():
                     writer.closing(orbit, counts16)
                 if stack is not None:
                     content.orbits[orbit].closing = counts16
+        bar.close()
         sidecar["orbits"][str(orbit)] = {
             "folder": f"Projections/tubeV{orbit}",
             "source_z_mm": float(vec[0, 2]),

@@ -1,22 +1,10 @@
 """What an opened scan offers, whatever its format: :class:`ScanSource`.
 
 Every format's opener (the walnut folder, ``scan.yaml``, NXtomo, …) returns a :class:`ScanSource`: the validated
-geometry and facts of the scan (headers, listings, flats and darks; no projection pixels yet) and per-projection
-access to its measurements. The one loader (:mod:`ctuq.data.loader`) cuts a slice or a volume from any source
-through this interface, so formats differ only in how a source reads its rows.
-
-A source offers
-
-* geometry and the angle plan: ``vectors`` ``(n_files, 12)`` ASTRA ``cone_vec`` / ``parallel3d_vec`` rows (mm) per
-  projection, ``geometry_type``, :meth:`ScanSource.angle_plan` (the geometry rows a subsampling keeps and the
-  projections holding them) and :meth:`ScanSource.heldout_plan` (the others), ``n_distinct_angles`` and
-  :meth:`ScanSource.describe_angles` (how the scan holds them, for messages);
-* corrected measurements with their variances: :meth:`ScanSource.log_rows` (line integrals ``−log((p − dark)/
-  (flat − dark))`` of chosen detector rows and columns, binned on request, and their photon-noise variances), from
-  :meth:`ScanSource.projection` and :meth:`ScanSource.flat_dark`;
-* ground truth where there is one (:meth:`ScanSource.read_ground_truth_slice`, ``has_ground_truth``);
-* detector and grid facts: ``det_shape``, ``gt_shape``, ``voxel_size``, ``path``, ``proj_dir``, ``n_files``,
-  ``read_noise``, and :meth:`ScanSource.record` (the ``CTData.meta`` entries of the source).
+geometry and facts of the scan (headers, listings, flats and darks; no projection pixels yet), the angle plan,
+per-projection access to its corrected measurements with their variances (:meth:`ScanSource.log_rows`) and the
+ground truth where there is one (the class docstring lists it all). The one loader (:mod:`ctuq.data.loader`) cuts a
+slice or a volume from any source through this interface, so formats differ only in how a source reads its rows.
 
 Per-measurement variances (``CTData.variances``): with ``P = p − dark`` and ``F = flat − dark`` in counts of one
 pixel (``flat`` the mean of ``n_f`` frames, ``dark`` of ``n_d``) and ``q = σ_r² + 1/12`` (read noise and the

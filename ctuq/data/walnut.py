@@ -12,8 +12,8 @@ Rules (those of the data set):
 
 * raw image → projection ``P = transpose(flipud(raw))`` (``det_rows × det_cols``);
 * ``−log((P − dark)/(flat − dark))`` with ``flat`` the mean of the two flats; per-measurement variances as
-  :mod:`ctuq.data.source` derives them (:func:`log_count_variance`), with the read noise ``σ_r`` of the sidecar of
-  a simulated scan and 0 otherwise (:attr:`WalnutScan.read_noise`);
+  :mod:`ctuq.data.source` derives them (:func:`~ctuq.data.source.log_count_variance`), with the read noise
+  ``σ_r`` of the sidecar of a simulated scan and 0 otherwise (:attr:`WalnutScan.read_noise`);
 * the last file repeats the first angle: ``N`` files hold ``N − 1`` distinct angles; angular subsampling ``ass``
   pairs geometry row ``k·ass`` (for ``k·ass < N−1``) with file ``N−1−k·ass``;
 * ground truth: voxel size from the ``voxel_size`` argument, else the simulation sidecar, else the data set's
@@ -41,14 +41,13 @@ from pathlib import Path
 
 import numpy as np
 import tifffile
-import torch
 
 from ctuq.data import loader
 from ctuq.data.problem import CTData
 from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, ScanWriter, write_tiff_array
-from ctuq.data.source import ScanSource, detector_record, log_count_variance, positive_int
+from ctuq.data.source import ScanSource, detector_record, positive_int
 from ctuq.errors import CTUQError
-from ctuq.options import Backend, MeasurementKind, ScanGeometry
+from ctuq.options import MeasurementKind, ScanGeometry
 from ctuq.utils import atomic_path, atomic_write_json
 
 __all__ = [
@@ -61,7 +60,6 @@ __all__ = [
     "load_walnut_volume",
     "read_walnut_slice",
     "read_walnut_volume",
-    "log_count_variance",
     "DEFAULT_VOXEL_SIZE",
     "SIDECAR_NAME",
     "PROJECTION_PATTERN",
@@ -160,19 +158,11 @@ class WalnutScan(ScanSource):
     voxel_size : float, optional
         Ground-truth voxel edge (mm); default: the sidecar's, else 0.1.
 
+    Attributes are :class:`~ctuq.data.source.ScanSource`'s (``n_files``: the ``N`` projection files and geometry
+    rows; ``det_shape`` after ``transpose(flipud(raw))``; ``gt_shape`` from the files, else the sidecar's or 501³) and:
+
     Attributes
     ----------
-    n_files : int
-        Projection files ``N`` (geometry rows too).
-    det_shape : (int, int)
-        ``(det_rows, det_cols)`` after ``transpose(flipud(raw))``.
-    vectors : (N, 12) float64
-        ``cone_vec`` rows (mm).
-    gt_shape : (int, int, int)
-        Ground-truth ``(n_z, n_y, n_x)`` (from the files; else the sidecar's or 501³).
-    has_ground_truth : bool
-    voxel_size : float
-        Ground-truth voxel edge (mm); ``voxel_size_source`` says where it came from.
     sidecar : dict or None
         ``ctuq_simulation.json`` of a simulated scan.
     read_noise : float
@@ -560,47 +550,21 @@ class WalnutFormat(ScanFormat):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def read_walnut_slice(
-    path: str | os.PathLike,
-    *,
-    slice_index: int | None = None,
-    orbit: int = 2,
-    angular_subsampling: int = 20,
-    detector_subsampling: int = 6,
-    image_shape: Sequence[int] | None = None,
-    voxel_size: float | None = None,
-    detector_binning: bool = False,
-    progress: bool | None = None,
-) -> CTData:
-    """Everything :func:`load_walnut_slice` returns except the operator (``op=None``; ``y`` on the CPU).
-
-    Same parameters as :func:`load_walnut_slice` (minus ``backend``/``device``/``heldout``).
-    """
-    return loader.read_slice(
-        WalnutScan(path, orbit, voxel_size),
-        slice_index=slice_index,
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        image_shape=image_shape,
-        detector_binning=detector_binning,
-        progress=progress,
-    )
+# The four openers below: a WalnutScan (path, orbit, voxel_size) cut by the loader, with the published sparse setting
+# as defaults (angular_subsampling 20: 60 of the data set's 1200 angles; detector_subsampling 6: 128 of 768 columns).
+def _cut(cut, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options: dict) -> CTData:
+    scan = WalnutScan(path, orbit, voxel_size)
+    return cut(scan, angular_subsampling=angular_subsampling, detector_subsampling=detector_subsampling, **options)
 
 
 def load_walnut_slice(
     path: str | os.PathLike,
     *,
-    slice_index: int | None = None,
     orbit: int = 2,
+    voxel_size: float | None = None,
     angular_subsampling: int = 20,
     detector_subsampling: int = 6,
-    image_shape: Sequence[int] | None = None,
-    backend: str = Backend.AUTO,
-    device: torch.device | str = "cpu",
-    voxel_size: float | None = None,
-    detector_binning: bool = False,
-    progress: bool | None = None,
-    heldout: bool = False,
+    **options,
 ) -> CTData:
     """Load one slice of a walnut scan as a 2D problem: operator, sinogram, ground truth
     (:func:`ctuq.data.loader.load_slice` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
@@ -609,76 +573,36 @@ def load_walnut_slice(
     ----------
     path : path
         ``Walnut{id}`` folder (real or simulated).
-    slice_index : int, optional
-        Ground-truth slice (default: the central one, ``n_z // 2``; for 501 slices that is ``z = 0``).
     orbit : int
         Source orbit 1, 2 or 3 (``tubeV{orbit}``); orbit 2 has the source in ``z = 0``.
+    voxel_size : float, optional
+        Ground-truth voxel edge (mm); default: the simulation sidecar's, else 0.1.
     angular_subsampling : int
         Use geometry rows ``0, k, 2k, … < N−1`` (20 → 60 angles of the real data's 1200).
     detector_subsampling : int
         Keep every k-th detector column (6 → 128 of 768), or bin k columns with ``detector_binning``.
-    image_shape, backend, device, detector_binning, progress, heldout
-        As in :func:`ctuq.data.loader.load_slice`.
-    voxel_size : float, optional
-        Ground-truth voxel edge (mm); default: the simulation sidecar's, else 0.1.
+    **options
+        ``slice_index`` (default: the central one; for 501 slices that is ``z = 0``), ``image_shape``, ``backend``,
+        ``device``, ``detector_binning``, ``progress``, ``heldout``: as in :func:`ctuq.data.loader.load_slice`.
 
     Returns
     -------
     CTData
         ``y`` ``(n_angles, n_cols)``, ``ground_truth`` ``image_shape`` (mm⁻¹), ``geometry`` ``fanflat_vec``.
     """
-    device = loader.check_backend(backend, device)
-    return loader.load_slice(
-        WalnutScan(path, orbit, voxel_size),
-        slice_index=slice_index,
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        image_shape=image_shape,
-        backend=backend,
-        device=device,
-        detector_binning=detector_binning,
-        progress=progress,
-        heldout=heldout,
-    )
+    return _cut(loader.load_slice, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
 
 
-def read_walnut_volume(
-    path: str | os.PathLike,
-    *,
-    orbit: int = 2,
-    angular_subsampling: int = 20,
-    detector_subsampling: int = 6,
-    detector_row_subsampling: int | None = None,
-    image_shape: Sequence[int] | None = None,
-    voxel_size: float | None = None,
-    detector_binning: bool = False,
-    progress: bool | None = None,
+def read_walnut_slice(
+    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
 ) -> CTData:
-    """Everything :func:`load_walnut_volume` returns except the operator (``op=None``): runs on the CPU."""
-    return loader.read_volume(
-        WalnutScan(path, orbit, voxel_size),
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_row_subsampling=detector_row_subsampling,
-        image_shape=image_shape,
-        detector_binning=detector_binning,
-        progress=progress,
-    )
+    """Everything :func:`load_walnut_slice` returns except the operator (``op=None``; ``y`` on the CPU): its
+    parameters less ``backend``/``device``/``heldout`` (:func:`ctuq.data.loader.read_slice`)."""
+    return _cut(loader.read_slice, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
 
 
 def load_walnut_volume(
-    path: str | os.PathLike,
-    *,
-    orbit: int = 2,
-    angular_subsampling: int = 20,
-    detector_subsampling: int = 6,
-    detector_row_subsampling: int | None = None,
-    image_shape: Sequence[int] | None = None,
-    backend: str = Backend.AUTO,
-    device: torch.device | str = "cuda",
-    voxel_size: float | None = None,
-    detector_binning: bool = False,
-    progress: bool | None = None,
+    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
 ) -> CTData:
     """Load a walnut scan as a 3D cone-beam problem (GPU: ASTRA CUDA operator;
     :func:`ctuq.data.loader.load_volume` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
@@ -686,15 +610,12 @@ def load_walnut_volume(
     Parameters as :func:`load_walnut_slice` and :func:`ctuq.data.loader.load_volume` (``detector_row_subsampling``
     defaults to ``detector_subsampling``; ``image_shape`` is ``(D, H, W)``).
     """
-    device = loader.check_backend(backend, device)
-    return loader.load_volume(
-        WalnutScan(path, orbit, voxel_size),
-        angular_subsampling=angular_subsampling,
-        detector_subsampling=detector_subsampling,
-        detector_row_subsampling=detector_row_subsampling,
-        image_shape=image_shape,
-        backend=backend,
-        device=device,
-        detector_binning=detector_binning,
-        progress=progress,
-    )
+    return _cut(loader.load_volume, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
+
+
+def read_walnut_volume(
+    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
+) -> CTData:
+    """Everything :func:`load_walnut_volume` returns except the operator (``op=None``): runs on the CPU
+    (:func:`ctuq.data.loader.read_volume`)."""
+    return _cut(loader.read_volume, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)

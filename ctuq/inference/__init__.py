@@ -7,14 +7,9 @@ pieces below: features, a weight prior (:mod:`~ctuq.inference.priors`), a likeli
 Matheron sampler and the sampled EM. It takes keyword
 arguments only; a configuration maps onto them in :func:`ctuq.pipeline.uq_settings.posterior_arguments`.
 
-Modules: :mod:`~ctuq.inference.features` (Ψ), :mod:`~ctuq.inference.priors` (the weight priors ``v − ṽ = L w``: the
-prior package, contract, registry :data:`PRIORS`, one module per prior), :mod:`~ctuq.inference.kernel` (K̄, C, dense
-assembly, column norms),
-:mod:`~ctuq.inference.checks` (argument checks), :mod:`~ctuq.inference.solvers` (the solver package: contract,
-registry, cost model, one module per solver), :mod:`~ctuq.inference.sampler`, :mod:`~ctuq.inference.em`,
-:mod:`~ctuq.inference.likelihoods`, :mod:`~ctuq.inference.posterior`, :mod:`~ctuq.inference.distributed`,
-:mod:`~ctuq.inference.reference` (dense float64 reference). The shared contract tests of solvers and feature
-operators and priors are :mod:`ctuq.testing`.
+Modules: the table below, and :mod:`~ctuq.inference.checks` (argument checks), :mod:`~ctuq.inference.distributed`;
+the packages :mod:`~ctuq.inference.priors`, :mod:`~ctuq.inference.likelihoods` and :mod:`~ctuq.inference.solvers`
+each hold a contract, a registry and one module per implementation (shared contract tests: :mod:`ctuq.testing`).
 
 ``w ~ N(0, a⁻¹ I)`` (``d`` weights), ``ε ~ N(0, σ² I)`` (``c`` targets). This package imports nothing CT-specific:
 it sees a feature operator ``Ψ`` (batched ``Ψ``/``Ψᵀ`` row products) and the targets ``ỹ``, so CT
@@ -114,8 +109,6 @@ from ctuq.inference.sampler import (
     sample_posterior,
 )
 from ctuq.inference.solvers import (
-    SDD_DEFAULTS,
-    SGD_DEFAULTS,
     SOLVERS,
     CGSolver,
     ConvergenceWarning,
@@ -213,9 +206,7 @@ __all__ = [
     "FirstOrderSolver",
     "lanczos_top_eigenvalue",
     "SDDSolver",
-    "SDD_DEFAULTS",
     "SGDSolver",
-    "SGD_DEFAULTS",
     "LowRankEig",
     "LowRankPreconditioner",
     "randomized_eig",

@@ -269,7 +269,8 @@ class LinearizedPosterior:
     def setup(self, on_stage: Callable[[str], None] | None = None) -> LinearizedPosterior:
         """Resolve the solver, compute the prior scales, build ``Ψ`` and the solver (idempotent).
 
-        ``on_stage("scales")`` after the scales, ``on_stage("solver")`` after the preconditioner or
+        ``on_stage("route")`` once the solver is chosen (:attr:`solver_name`, :attr:`cost_estimates` for
+        ``solver="auto"``), ``on_stage("scales")`` after the scales, ``on_stage("solver")`` after the preconditioner or
         eigendecomposition (the moments to checkpoint :meth:`state_dict`).
         """
         if self.solver is not None:
@@ -290,13 +291,9 @@ class LinearizedPosterior:
         name = self._pending.get("solver_name")
         if name is None:
             name, self.cost_estimates = resolve_solver(self.solver_option, self.base, self.workload)
-            if self.cost_estimates:
-                self.say(
-                    "solver cost estimates: "
-                    + ", ".join(f"{k} {e.seconds:.0f} s" for k, e in self.cost_estimates.items())
-                )
         self.solver_name = name
         self.timings["route"] = time.perf_counter() - t0
+        hook("route")  # the solver is chosen (and its cost estimated) before any work: a front end can say so
 
         t0 = time.perf_counter()
         dense = None

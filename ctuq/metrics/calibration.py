@@ -2,7 +2,9 @@
 
 * :func:`coverage`, :func:`headline_coverage` — empirical coverage of central Gaussian credible intervals;
 * :func:`error_std_histogram` — 2D histogram of ``|error|`` against ``std`` on shared bins;
-* :func:`rank_correlation` — Spearman correlation between ``std`` and ``|error|``.
+* :func:`rank_correlation` — Spearman correlation between ``std`` and ``|error|``;
+* :func:`error_localisation` — whether the std map points at the errors: Spearman inside the object and over the
+  ROI, the AUC of ``std`` for finding the 10 % largest errors, and coverage@0.9 per decile of ``std``.
 
 Images are in image units (mm⁻¹ for attenuation images); stds in the same units.
 """
@@ -14,12 +16,20 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from scipy.stats import norm, spearmanr
+from scipy.stats import norm, rankdata, spearmanr
 
 from ._common import DEFAULT_LEVELS, HEADLINE_LEVELS, _check_image
 from .regions import Roi, _resolve_roi, _select
 
-__all__ = ["coverage", "headline_coverage", "ErrorStdHistogram", "error_std_histogram", "rank_correlation"]
+__all__ = [
+    "coverage",
+    "headline_coverage",
+    "ErrorStdHistogram",
+    "error_std_histogram",
+    "rank_correlation",
+    "error_localisation",
+    "OBJECT_FRACTION",
+]
 
 
 def _check_std(std, shape: tuple[int, ...], device, where: str) -> torch.Tensor:
@@ -200,3 +210,74 @@ def rank_correlation(std, abs_error, roi: Roi = None) -> float:
     if sd.size < 2 or np.all(sd == sd[0]) or np.all(err == err[0]):
         return float("nan")
     return float(spearmanr(sd, err).statistic)
+
+
+#: The object of :func:`error_localisation`: pixels whose ground truth exceeds this fraction of its maximum.
+OBJECT_FRACTION = 0.2
+_Z90 = float(norm.ppf(0.95))
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    if a.size < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def _auc(score: np.ndarray, positive: np.ndarray) -> float | None:
+    """ROC AUC of ``score`` for the boolean labels ``positive`` (Mann–Whitney, ties counted half)."""
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    ranks = rankdata(score)
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def _decile_coverage(err: np.ndarray, sd: np.ndarray) -> list[float] | None:
+    """Coverage@0.9 of the pixels in each decile of ``sd`` (lowest std first); ``None`` for fewer than 10 pixels."""
+    if err.size < 10:
+        return None
+    order = np.argsort(sd, kind="stable")
+    return [float(np.mean(err[idx] <= _Z90 * sd[idx])) for idx in np.array_split(order, 10)]
+
+
+def error_localisation(std, abs_error, ground_truth, roi: Roi = None, *, top: float = 0.1) -> dict:
+    """Whether the std map points at the errors (DESIGN.md §8): ranks inside the object as well as over the ROI,
+    because over the ROI a map that is only brighter on the object than on the background already scores high.
+
+    Parameters
+    ----------
+    std, abs_error, ground_truth : ``(H, W)`` or ``(D, H, W)``
+        The std map, ``|reconstruction − ground truth|`` and the ground truth (mm⁻¹).
+    roi : Roi
+        The evaluation region (default the whole image); the object is its pixels whose ground truth exceeds
+        :data:`OBJECT_FRACTION` of the ground truth's maximum.
+    top : float
+        The share of the largest errors the AUC tries to find.
+
+    Returns
+    -------
+    dict
+        ``spearman_inside`` and ``spearman_roi`` (Spearman(std, |error|); ``None`` when a map is constant),
+        ``auc_top10`` (ROC AUC of ``std`` for the ``top`` largest |error| inside the object: 0.5 is chance),
+        ``conditional_coverage_0.9`` (coverage of the 90 % intervals in each decile of ``std`` inside the object,
+        lowest first: a map right on average but wrong in its brightest pixels shows here) and its ``_roi`` twin,
+        ``object_fraction`` (of the ROI's pixels).
+    """
+    where = "error_localisation"
+    sd_t = _check_image(std, "std", None, where, torch.device("cpu"))
+    shape = tuple(sd_t.shape)
+    region = _resolve_roi(roi, shape, where)
+    sd = _select(sd_t, region).numpy()
+    err = _roi_values(abs_error, "abs_error", shape, region, where)
+    gt = _roi_values(ground_truth, "ground_truth", shape, region, where)
+    inside = gt > OBJECT_FRACTION * float(np.max(gt)) if gt.size else np.zeros(0, dtype=bool)
+    e_in, s_in = err[inside], sd[inside]
+    positive = e_in >= np.quantile(e_in, 1.0 - top) if e_in.size else np.zeros(0, dtype=bool)
+    return {
+        "spearman_inside": _spearman(s_in, e_in),
+        "spearman_roi": _spearman(sd, err),
+        "auc_top10": _auc(s_in, positive),
+        "conditional_coverage_0.9": _decile_coverage(e_in, s_in),
+        "conditional_coverage_0.9_roi": _decile_coverage(err, sd),
+        "object_fraction": float(inside.mean()) if inside.size else 0.0,
+    }

@@ -449,7 +449,9 @@ def heldout_check(
     dict
         ``n_rows``, ``n_groups``, ``n_samples`` (``None`` when ``variance`` was given); ``levels``, ``coverage``
         (per level), ``coverage_headline`` (``"0.5"``, ``"0.9"``, ``"0.95"``); ``z``: ``mean``, ``std``,
-        ``frac_abs_gt_3``, ``histogram`` (``edges``, ``density``, ``below``/``above`` fractions outside them);
+        ``frac_abs_gt_3``, ``abs_quantile_0.9`` (the 0.9 quantile of ``|z|``: over 1.645 it is the factor on the
+        predictive std that makes the 90 % intervals cover 90 % of the rows), ``histogram`` (``edges``,
+        ``density``, ``below``/``above`` fractions outside them);
         ``log_likelihood`` (mean per row, nats) and ``log_likelihood_noise_only`` (σ² alone, the image part
         dropped); ``image_variance_fraction``; ``mean_image_variance``, ``mean_noise_variance``; ``scale``: the
         :func:`fit_variance_scale` dict plus ``coverage_headline`` and ``log_likelihood`` with ``k`` applied;
@@ -531,6 +533,7 @@ def heldout_check(
             "mean": float(z.mean()),
             "std": float(z.std()),
             "frac_abs_gt_3": float(np.mean(z_abs > 3.0)),
+            "abs_quantile_0.9": float(np.quantile(z_abs, 0.9)),
             "histogram": {
                 "edges": list(Z_HISTOGRAM_EDGES),
                 "density": [float(c) / (m * width) for c in density],

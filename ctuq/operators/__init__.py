@@ -1,7 +1,7 @@
 """Ray transforms ``T`` / ``Tᵀ`` (DESIGN.md §1) and analytic reconstructions.
 
 Backends share the :class:`RayTransform` interface (batched, angle-major, differentiable, device-aware) and are
-registered by name in :data:`ctuq.registry.RAY_TRANSFORMS` (also :data:`RAY_TRANSFORM_IMPLS`; :mod:`.registry`, ODL's
+registered by name in :data:`ctuq.registry.RAY_TRANSFORMS` (:mod:`.registry`, ODL's
 ``RAY_TRAFO_IMPLS`` pattern):
 
 * ``sparse`` (:mod:`.sparse`) — :class:`SparseRayTransform`: 2D parallel/fan geometries as an assembled sparse
@@ -22,7 +22,6 @@ from ctuq.operators.astra_cuda import AstraCudaRayTransform
 from ctuq.operators.base import RayTransform, ShapeError
 from ctuq.operators.fbp import fbp, fdk  # rebinds the names from the submodule to the functions
 from ctuq.operators.registry import (
-    RAY_TRANSFORM_IMPLS,
     RAY_TRANSFORMS,
     available_impls,
     backend_names,
@@ -38,7 +37,6 @@ __all__ = [
     "SlicewiseParallelRayTransform",
     "AstraCudaRayTransform",
     "RAY_TRANSFORMS",
-    "RAY_TRANSFORM_IMPLS",
     "available_impls",
     "backend_names",
     "resolve_backend",

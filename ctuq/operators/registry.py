@@ -1,11 +1,10 @@
 """The ray-transform backends by name, and the one factory that builds an operator from a name (``backend=``).
 
-In the manner of ODL's ``RAY_TRAFO_IMPLS`` (``odl.applications.tomo``): :data:`ctuq.registry.RAY_TRANSFORMS` (also
-importable here as :data:`RAY_TRANSFORM_IMPLS`) maps each backend name to its :class:`~ctuq.operators.base.RayTransform`
-class, and each class carries its availability flag (:meth:`~ctuq.operators.base.RayTransform.available`), the
-geometry kinds, devices and dtypes it supports, whether its adjoint is exact, and its builder
-(:meth:`~ctuq.operators.base.RayTransform.from_geometry`). :func:`available_impls` is the mapping restricted to the
-backends whose flag holds on this machine.
+In the manner of ODL's ``RAY_TRAFO_IMPLS`` (``odl.applications.tomo``): :data:`ctuq.registry.RAY_TRANSFORMS` maps
+each backend name to its :class:`~ctuq.operators.base.RayTransform` class, and each class carries its availability
+flag (:meth:`~ctuq.operators.base.RayTransform.available`), the geometry kinds, devices and dtypes it supports,
+whether its adjoint is exact, and its builder (:meth:`~ctuq.operators.base.RayTransform.from_geometry`).
+:func:`available_impls` is the mapping restricted to the backends whose flag holds on this machine.
 
 Adding a backend is one file (the class, with those attributes) plus one registry line below (or
 ``@RAY_TRANSFORMS.register`` on a class with a ``name`` attribute, wherever it is defined). It is then a value of
@@ -31,7 +30,6 @@ from ctuq.registry import RAY_TRANSFORMS
 
 __all__ = [
     "RAY_TRANSFORMS",
-    "RAY_TRANSFORM_IMPLS",
     "available_impls",
     "backend_names",
     "resolve_backend",
@@ -43,15 +41,11 @@ RAY_TRANSFORMS.set_base(RayTransform)
 RAY_TRANSFORMS.register(SparseRayTransform, name=Backend.SPARSE.value)
 RAY_TRANSFORMS.register(AstraCudaRayTransform, name=Backend.ASTRA_CUDA.value)
 
-#: :data:`ctuq.registry.RAY_TRANSFORMS` under its earlier name (every ray-transform backend by name, in the order
-#: ``backend="auto"`` prefers them).
-RAY_TRANSFORM_IMPLS = RAY_TRANSFORMS
-
 
 def available_impls() -> dict[str, type[RayTransform]]:
-    """The backends of :data:`RAY_TRANSFORM_IMPLS` whose availability flag holds now (``sparse`` everywhere,
+    """The backends of :data:`RAY_TRANSFORMS` whose availability flag holds now (``sparse`` everywhere,
     ``astra_cuda`` where torch and ASTRA see a CUDA device)."""
-    return {name: cls for name, cls in RAY_TRANSFORM_IMPLS.items() if cls.available()}
+    return {name: cls for name, cls in RAY_TRANSFORMS.items() if cls.available()}
 
 
 def backend_names() -> tuple[str, ...]:
@@ -63,7 +57,7 @@ def backend_names() -> tuple[str, ...]:
 def resolve_backend(backend: str, ndim: int) -> str:
     """The registered backend name that ``backend`` means for ``ndim``-dimensional images.
 
-    ``"auto"`` is the first backend in :data:`RAY_TRANSFORM_IMPLS` whose ``auto_ndims`` holds ``ndim``: the sparse
+    ``"auto"`` is the first backend in :data:`RAY_TRANSFORMS` whose ``auto_ndims`` holds ``ndim``: the sparse
     matrix for 2D (fastest on CPU and GPU for slices), ASTRA CUDA for 3D. It does not fall back to another
     backend when that one is unavailable: a 3D volume on a machine without CUDA gets the CUDA backend's clear
     error, never a silently different operator. ``ValueError`` for an unknown name (listing the valid ones).
@@ -72,10 +66,10 @@ def resolve_backend(backend: str, ndim: int) -> str:
         raise ValueError(f"make_ray_transform: backend {backend!r} unknown; valid: {list(backend_names())}")
     if backend != Backend.AUTO:
         return str(backend)
-    for name, cls in RAY_TRANSFORM_IMPLS.items():
+    for name, cls in RAY_TRANSFORMS.items():
         if ndim in cls.auto_ndims:
             return name
-    raise ValueError(f"make_ray_transform: no backend builds {ndim}D images; registered: {list(RAY_TRANSFORM_IMPLS)}")
+    raise ValueError(f"make_ray_transform: no backend builds {ndim}D images; registered: {list(RAY_TRANSFORMS)}")
 
 
 def make_ray_transform(
@@ -88,7 +82,7 @@ def make_ray_transform(
 ) -> RayTransform:
     """Build ``T`` (``c × d_x``) for ``volume`` (pixel grid, mm) and ``geometry`` (mm) on ``device``.
 
-    ``backend`` is ``"auto"`` or a key of :data:`RAY_TRANSFORM_IMPLS` (:func:`resolve_backend`): ``auto`` takes the
+    ``backend`` is ``"auto"`` or a key of :data:`RAY_TRANSFORMS` (:func:`resolve_backend`): ``auto`` takes the
     sparse matrix for 2D and ASTRA CUDA for 3D. 3D, and ``'astra_cuda'`` in general, need a CUDA device; asking
     for them on the CPU raises a clear error. The exception: ``backend='sparse'`` with a ``parallel3d`` geometry
     whose detector rows are the volume's slices gives the slice-by-slice
@@ -101,4 +95,4 @@ def make_ray_transform(
             f"make_ray_transform: {volume.ndim}D volume {volume.shape} with a {geometry.ndim}D geometry "
             f"{geometry.kind!r}"
         )
-    return RAY_TRANSFORM_IMPLS[name].from_geometry(volume, geometry, device=torch.device(device), dtype=dtype)
+    return RAY_TRANSFORMS[name].from_geometry(volume, geometry, device=torch.device(device), dtype=dtype)

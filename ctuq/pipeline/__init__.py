@@ -16,30 +16,43 @@
 Errors meant for the person running ctuq are :mod:`ctuq.errors` user errors; ``ctuq.cli`` prints them as one line.
 """
 
-from ctuq.pipeline import run_folder
-from ctuq.pipeline.phases import (
-    Phase,
-    RunState,
-    build_model,
-    make_input,
-    phase_dip,
-    phase_fbp,
-    phase_load,
-    phase_restore_dip,
-    phase_tv,
-    phase_write,
-)
-from ctuq.pipeline.runner import (
-    build_phases,
-    reconstruct,
-    reconstruct_problem,
-    rerun_uq,
-    run_phases,
-    uq_phases,
-    write_config,
-)
-from ctuq.pipeline.uq import UQResult, UQSettings, ct_features, ct_posterior, run_linearized_uq
-from ctuq.pipeline.uq_phase import phase_uq
+import importlib
+
+# Where each name lives; importing this package imports none of them (the command line's --help reads
+# ctuq.pipeline.run_folder without paying for torch), the first read of a name imports its module (PEP 562).
+_HOMES = {
+    "run_folder": "ctuq.pipeline.run_folder",
+    **dict.fromkeys(
+        (
+            "Phase",
+            "RunState",
+            "build_model",
+            "make_input",
+            "phase_dip",
+            "phase_fbp",
+            "phase_load",
+            "phase_restore_dip",
+            "phase_tv",
+            "phase_write",
+        ),
+        "ctuq.pipeline.phases",
+    ),
+    **dict.fromkeys(
+        ("build_phases", "reconstruct", "reconstruct_problem", "rerun_uq", "run_phases", "uq_phases", "write_config"),
+        "ctuq.pipeline.runner",
+    ),
+    **dict.fromkeys(("UQResult", "UQSettings", "ct_features", "ct_posterior", "run_linearized_uq"), "ctuq.pipeline.uq"),
+    "phase_uq": "ctuq.pipeline.uq_phase",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ctuq.pipeline' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    return module if home.endswith("." + name) else getattr(module, name)
+
 
 __all__ = [
     "run_folder",

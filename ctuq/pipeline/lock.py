@@ -9,8 +9,10 @@ Two files, both hidden:
 
 * ``.ctuq.lock`` — the lock itself, a :class:`filelock.FileLock` (``flock`` on POSIX, ``LockFileEx`` on Windows).
   The operating system releases it when its process ends, however it ends (a crash, ``kill -9``, a power cut of
-  one node), so a lock can never outlive its holder; the empty file stays behind, as it must for ``flock`` to
-  exclude reliably.
+  one node), so a lock can never outlive its holder. A process that ends normally removes the file while it still
+  holds the lock; one that took a lock verifies that the file it locked is still the one at the path (a process
+  that opened the file just before it was removed would otherwise hold a lock nobody else sees) and tries again
+  when it is not.
 * ``.ctuq.lock.json`` — who holds it: ``{"pid", "host", "command", "started"}``, written after the lock is taken and
   removed before it is released (a file of its own: an old ``filelock`` truncates the lock file on every attempt).
 
@@ -121,7 +123,7 @@ def _acquire(folder: Path, option: str, command: str | None, beside: bool) -> Pa
     lock = FileLock(lock_file, thread_local=False)
     where = f"{option} {folder}"
     try:
-        lock.acquire(blocking=False)
+        _acquire_current(lock, lock_file)
     except Timeout:
         rec = holder(folder, beside=beside)
         if not _dead_here(rec):
@@ -134,7 +136,7 @@ def _acquire(folder: Path, option: str, command: str | None, beside: bool) -> Pa
         with contextlib.suppress(FileNotFoundError):
             lock_file.unlink()
         try:
-            lock.acquire(blocking=False)
+            _acquire_current(lock, lock_file)
         except Timeout:
             raise RunFolderLocked(
                 f"{where}: in use by another ctuq process ({_describe(holder(folder, beside=beside))}); wait until "
@@ -162,6 +164,31 @@ def _acquire(folder: Path, option: str, command: str | None, beside: bool) -> Pa
     return key
 
 
+def _locked_file_is_current(lock: FileLock, lock_file: Path) -> bool:
+    """Whether the file ``lock`` holds is the one at ``lock_file`` now (not one its holder removed meanwhile). Where
+    filelock does not say which descriptor it locked, the path's existence is all that can be checked."""
+    fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
+    try:
+        here = os.stat(lock_file)
+    except FileNotFoundError:
+        return False
+    if not isinstance(fd, int):
+        return True
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _acquire_current(lock: FileLock, lock_file: Path, tries: int = 5) -> None:
+    """``lock.acquire(blocking=False)`` on the file that is at ``lock_file`` now (:func:`_locked_file_is_current`);
+    :class:`filelock.Timeout` when another process holds it."""
+    for _ in range(tries):
+        lock.acquire(blocking=False)
+        if _locked_file_is_current(lock, lock_file):
+            return
+        lock.release()  # the holder removed that file as it ended: lock the one at the path now
+    raise Timeout(str(lock_file))
+
+
 def _release(key: Path) -> None:
     entry = _HELD.get(key)
     if entry is None:
@@ -173,6 +200,7 @@ def _release(key: Path) -> None:
     lock, owner_file, _ = entry
     try:
         owner_file.unlink(missing_ok=True)  # while still holding it: no one reads a record of a free lock as stale
+        Path(lock.lock_file).unlink(missing_ok=True)  # likewise; a process that locks it meanwhile tries again
     finally:
         lock.release()
 

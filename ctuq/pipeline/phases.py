@@ -26,7 +26,7 @@ from typing import Any
 import tifffile
 import torch
 
-from ctuq import __version__
+from ctuq import __version__, figures
 from ctuq.config import Config, ConfigError
 from ctuq.errors import CTUQError, NonFiniteLossError
 from ctuq.metrics.image import image_metrics
@@ -36,7 +36,6 @@ from ctuq.outputs import (
     package_versions,
     result_channels,
     voxel_size_of,
-    write_figure,
     write_metrics,
     write_results_h5,
     write_stack,
@@ -358,7 +357,7 @@ def phase_write(state: RunState) -> None:
             psnr[key], ssim[key] = m["psnr"], m["ssim"]
     if state.cfg.output.figure:
         order = [k for k in ("fbp", "tv", "dip") if k in state.images]
-        write_figure(
+        figures.plot_reconstructions(
             state.out_dir / rf.RECONSTRUCTION_FIGURE,
             {names[k]: state.images[k] for k in order},
             ground_truth=state.ground_truth,

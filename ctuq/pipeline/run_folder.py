@@ -37,14 +37,19 @@ holds is spelled here and only here. This module imports nothing from ctuq but :
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
+import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from ctuq.errors import OutDirError
-from ctuq.outputs import new_run_dir
+from ctuq.errors import DiskFullError, OutDirError, RunFolderLocked, is_user_error
 
 __all__ = [
+    "discard_if_empty",
+    "read_metrics",
     "CONFIG_NAME",
     "METRICS_NAME",
     "RECONSTRUCTION_NAME",
@@ -122,6 +127,16 @@ FIGURE_NAMES = (
     EM_TRACE_FIGURE,
     UNCERTAINTY_SLICES_FIGURE,
 )
+
+
+def read_metrics(folder: str | os.PathLike) -> dict:
+    """The ``metrics.json`` of the finished run in ``folder``; :class:`~ctuq.errors.OutDirError` naming the file when
+    it is missing or not JSON."""
+    path = Path(folder) / METRICS_NAME
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OutDirError(f"{path}: cannot read the run's metrics ({type(exc).__name__}: {exc})") from None
 
 
 def is_finished_run(folder: str | os.PathLike) -> bool:
@@ -203,6 +218,49 @@ def require_run_folder(run_dir: str | os.PathLike, *, option: str = "RUN_DIR") -
         raise OutDirError(f"{config}: does not exist; {option} must be a folder written by `ctuq reconstruct`")
     check_writable_folder(run_dir, option=option, create=False)
     return config
+
+
+@contextlib.contextmanager
+def discard_if_empty(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Run the block (a command writing the run folder ``out_dir``); when it is refused (a user error, e.g. a bad scan
+    or a setting the scan cannot give) before it wrote anything but the run's own bookkeeping (``config.yaml``,
+    ``ctuq.log``, the lock files), remove what this invocation created of those, and the folder itself when it
+    created it: a refused run leaves nothing behind. A run that wrote a result or a checkpoint keeps everything
+    (``--resume`` continues it), and so does one that failed for other reasons (a full disk: its earlier files stay
+    as they were; a folder another process holds: nothing of it is touched); files that were there before are
+    never removed. The exception propagates."""
+    out_dir = Path(out_dir)
+    existed = out_dir.exists()
+    before = {p.name for p in out_dir.iterdir()} if out_dir.is_dir() else set()
+    try:
+        yield out_dir
+    except BaseException as exc:
+        refused = is_user_error(exc) and not isinstance(exc, (RunFolderLocked, DiskFullError))
+        if refused and out_dir.is_dir():
+            now = {p.name for p in out_dir.iterdir()}
+            bookkeeping = {CONFIG_NAME, LOG_NAME, ".ctuq.lock", ".ctuq.lock.json"}
+            if now - before <= bookkeeping:
+                for name in now - before:
+                    with contextlib.suppress(OSError):
+                        (out_dir / name).unlink()
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        out_dir.rmdir()
+        raise
+
+
+def new_run_dir(root: str | os.PathLike = "runs") -> Path:
+    """A fresh folder ``root/<YYYYmmdd-HHMMSS>[-N]`` (created; ``-N`` appended if the second is taken)."""
+    root = Path(root)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {root}")
 
 
 def new_run_folder(root: str | os.PathLike = "runs") -> Path:

@@ -244,6 +244,8 @@ def check_run(
     device = device if device is not None else resolve_device(cfg.device)
     check_device(cfg, device)
     state = RunState(cfg=cfg, out_dir=out_dir, device=device, uq=True, progress=progress, command="uq")
+    # what the run ships (its calibration, as it recorded it): the verdict says what the run did about the check
+    state.metrics["uq"] = {"calibration": (rf.read_metrics(out_dir).get("uq") or {}).get("calibration")}
     command = f"ctuq uq {out_dir} --check"
     t0 = time.perf_counter()
 

@@ -26,6 +26,7 @@ import torch
 from ctuq.config import Config
 from ctuq.data.formats import open_scan
 from ctuq.data.loader import load_slice, load_volume
+from ctuq.data.plausibility import check_geometry, truncation_warning
 from ctuq.data.problem import CTData
 from ctuq.data.source import ScanSource
 from ctuq.data.walnut import default_data_dir
@@ -184,7 +185,10 @@ def load_scan(
     path : Path
         The scan folder or file (``data.path``).
     warnings : list of str
-        From :func:`expected_setting_warnings` (empty when the scan gives the stated setting).
+        An implausible geometry (:func:`ctuq.data.plausibility.check_geometry`: a voxel or detector pixel outside
+        0.1 µm – 10 mm, e.g. a ``scan.yaml`` whose ``units`` do not fit its numbers), truncated projections
+        (:func:`~ctuq.data.plausibility.truncation_warning`) and :func:`expected_setting_warnings`; empty when all
+        is as expected.
 
     Raises
     ------
@@ -195,6 +199,7 @@ def load_scan(
     check_device(cfg, device)
     path = data_path(cfg)
     _fmt, scan = open_scan(path, dc.orbit)
+    implausible = check_geometry(scan)  # impossible geometry is refused here, before any pixel is read
     check_scan_setting(scan, cfg)
     kwargs = dict(
         angular_subsampling=dc.angular_subsampling,
@@ -208,4 +213,5 @@ def load_scan(
         d = load_slice(scan, slice_index=dc.slice_index, heldout=heldout, **kwargs)
     else:
         d = load_volume(scan, heldout=heldout, **kwargs)
-    return d, path, expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))
+    warnings = [w for w in (implausible, truncation_warning(d.y, str(path))) if w]
+    return d, path, warnings + expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))

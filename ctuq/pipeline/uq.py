@@ -63,12 +63,14 @@ from ctuq.errors import CTUQError
 from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
 from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
 from ctuq.linearize import LinearizedNetwork, MemoryBudgetError
+from ctuq.log import duration
 from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
 from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.options import NoiseModel
 from ctuq.pipeline import checkpoints
 from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
 from ctuq.pipeline.uq_settings import posterior_arguments
+from ctuq.registry import SOLVERS
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
@@ -491,12 +493,57 @@ class UQRun:
         self._counters = [(self.net.n_jvp, self.net.n_vjp)]
 
         def stage_done(stage: str) -> None:
+            if stage == "route":  # chosen, nothing computed yet: say which and how long the inference will take
+                self._spent("route")
+                self.say(self._route_line())
+                return
             self._spent("gprior" if stage == "scales" else "solver_setup")
             self._save(stage)
 
+        t_setup = time.perf_counter()
         self.posterior.setup(on_stage=stage_done)
-        self.say(f"solver: {self.solver_name}{self.posterior.solver.describe()}")
+        self._started = t_setup
+        self.say(f"solver {self.solver_name} ready{self.posterior.solver.describe()}")
         return self
+
+    def inference_estimate(self) -> dict | None:
+        """The whole inference's estimated seconds on this machine (``solver="auto"`` only: from the cost model's
+        measured product times), per candidate solver: its own estimate (set-up, EM, prediction solves) plus the
+        products the front end spends beside it: the image-space prediction samples (one JVP each), the held-out
+        check's samples (a solve and a JVP each) and, for a solver that does not assemble ``Ψ₀``, the exact
+        g-prior's ``c`` VJPs. ``None`` without estimates (a solver named explicitly, a resumed set-up)."""
+        est = self.posterior.cost_estimates
+        if not est:
+            return None
+        st = self.settings
+        heldout = min(256, st.samples)  # ctuq.calibration.HELDOUT_SAMPLES
+        out = {}
+        for name, e in est.items():
+            extra = (st.samples + heldout) * e.t_jvp + heldout * (e.t_jvp + e.t_vjp)
+            # the exact family (key "exact") has Ψ₀ or K̄ at hand; an iterative solver pays for the g-prior's norms
+            assembles = SOLVERS[name].assembles_features if name in SOLVERS else True
+            if not assembles:
+                extra += (self.op.c if st.gprior_method == "exact" else st.gprior_probes) * e.t_vjp
+            out[name] = e.seconds + extra
+        return out
+
+    def _estimate_key(self, by: dict) -> str:
+        """The key of the chosen solver among the estimates (the exact family has one, ``"exact"``)."""
+        chosen = self.solver_name
+        return "exact" if chosen.startswith("exact") and "exact" in by else chosen
+
+    def _route_line(self) -> str:
+        """One line: the solver chosen, why, and how long the inference should take here."""
+        chosen = self.solver_name
+        by = self.inference_estimate()
+        if by is None:
+            return f"solver: {chosen} (uq.solver = {self.settings.solver})"
+        key = self._estimate_key(by)
+        others = ", ".join(f"{name} {duration(sec)}" for name, sec in by.items() if name != key)
+        return (
+            f"solver: {chosen}, the cheapest by the cost model measured on this machine; the inference should take "
+            f"about {duration(by[key])} (other solvers: {others})"
+        )
 
     def fit(self) -> UQRun:
         """The sampled EM (``uq.em_*``) from where a resumed state left it, checkpointing after every step."""
@@ -659,6 +706,10 @@ class UQRun:
             }
         if shard.distributed:
             stats["world_size"] = int(shard.world_size)
+        by = self.inference_estimate()
+        if by is not None:
+            key = self._estimate_key(by)
+            stats["estimate"] = {"solver": key, "seconds": by[key], "by_solver": by}
         return UQResult(
             std=std,
             mean=mean,

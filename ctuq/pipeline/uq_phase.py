@@ -11,6 +11,7 @@ The run-folder side of the check lives here too: :func:`write_heldout` (the chec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from ctuq import calibration as cal
 from ctuq import figures
 from ctuq.data.problem import HELDOUT_GIVEN_IN_CODE
 from ctuq.errors import CTUQError, OutDirError
+from ctuq.log import duration
 from ctuq.metrics import uq_summary_from_moments
+from ctuq.metrics.calibration import error_localisation
 from ctuq.outputs import write_tiff
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.checkpoints import shard_moments_files
@@ -44,6 +47,7 @@ def phase_uq(state: RunState) -> None:
     cfg = state.cfg
     if state.model is None:
         raise RuntimeError("the uncertainty phase needs the fitted DIP (state.model)")
+    started = time.perf_counter()
     res = run_linearized_uq(
         state.model,
         state.net_input,
@@ -63,6 +67,13 @@ def phase_uq(state: RunState) -> None:
     if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
         return
     heldout, skipped = _heldout_check(state, res)
+    estimate = res.stats.get("estimate")
+    if estimate is not None:  # how the cost model did: the whole inference, held-out check included
+        estimate["actual_seconds"] = time.perf_counter() - started
+        state.log(
+            f"the inference took {duration(estimate['actual_seconds'])} (estimated {duration(estimate['seconds'])} "
+            f"with {estimate['solver']})"
+        )
     setting = str(cfg.uq.calibration)
     mode = cal.resolve_calibration(setting, heldout is not None, auto_calibration(cfg.uq.prior))
     if setting == cal.AUTO:
@@ -88,7 +99,7 @@ def phase_uq(state: RunState) -> None:
         (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
     write_tiff(state.out_dir / rf.STD_NAME, res.std, voxel_size=state.voxel_size)
     uq_metrics: dict[str, Any] = {
-        "method": "linearised DIP, sampled (dual Matheron sampler, sampled EM)",
+        "method": _method(res, cfg.uq.prior),
         "a": res.a,
         "sigma2": res.sigma2,
         "solver": res.solver,
@@ -104,6 +115,9 @@ def phase_uq(state: RunState) -> None:
         uq_metrics["heldout_skipped"] = skipped
     report = chosen.report() if chosen is not None else CALIBRATIONS[mode].unfitted_report()
     uq_metrics["calibration"] = {"mode": mode, "setting": setting, **report}
+    state.log(f"ran: {uq_metrics['method']}; calibration {mode}")
+    if heldout is not None:  # in plain words, with what the run did about it
+        state.log(cal.verdict(heldout.report, uq_metrics["calibration"]))
     scored = [m for m in fitted.values() if m is not None and m.changes_std and m is not applied]
     state.metrics["em_trace"] = res.em_trace
     if state.ground_truth is not None:
@@ -122,6 +136,13 @@ def phase_uq(state: RunState) -> None:
                 **method.summary_record(),
             }
         summary = uq_summary_from_moments(gt, res.mean, res.moments)
+        # where the errors are: ranks inside the object, AUC of the largest errors, coverage per std decile
+        roi = statistics_roi(cfg.uq, res.std.shape)
+        summary["localisation"] = error_localisation(res.std, (res.mean - gt).abs(), gt, roi)
+        if applied is not None:
+            uq_metrics["summary_uncalibrated"]["localisation"] = error_localisation(
+                posterior_moments.std().float(), (res.mean - gt).abs(), gt, roi
+            )
         state.metrics["marginal_ll"] = summary["marginal_ll"]
         state.metrics["joint_ll"] = summary["joint_ll"]
         state.metrics["coverage"] = summary["coverage"]
@@ -130,7 +151,8 @@ def phase_uq(state: RunState) -> None:
         state.log(
             f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
             f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
-            f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f}"
+            f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f} "
+            f"(inside the object {summary['localisation']['spearman_inside'] or float('nan'):.3f})"
         )
     state.metrics["uq"] = uq_metrics
     state.uq_result = res
@@ -145,6 +167,26 @@ def phase_uq(state: RunState) -> None:
         p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
+
+
+def _method(res, prior: str) -> str:
+    """What the inference did, as resolved (not as configured): the prior, the solver and whether it is exact, the
+    EM's route and steps, the noise model and the samples (``metrics.json["uq"]["method"]`` and the log)."""
+    stats = res.stats
+    exact = stats["solver"] == "exact"
+    route = stats["route"]
+    gammas = {r.get("gamma_method") for r in res.em_trace} - {None}
+    em = "exact" if gammas == {"exact"} else "sampled" if gammas else ("exact" if exact else "sampled")
+    steps = stats["em_steps"]
+    em_text = f"{em} EM ({steps} step{'s' if steps != 1 else ''}{', converged' if stats['em_converged'] else ''})"
+    solver = f"{route} ({'exact' if exact else 'iterative'})"
+    prior_name = {"gprior": "g-prior", "tv_predcp": "TV-PredCP prior", "isotropic": "isotropic prior"}.get(
+        prior, f"prior {prior}"
+    )
+    return (
+        f"linearised DIP, {prior_name}: solver {solver}, {em_text}, {stats['noise']['model']} noise, "
+        f"{res.n_samples} posterior samples (Matheron's rule)"
+    )
 
 
 def auto_calibration(prior: str) -> str:
@@ -182,7 +224,7 @@ def _heldout_check(state: RunState, res) -> tuple[cal.HeldoutRows | None, str]:
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
     )
-    state.log(cal.verdict(rows.report) + f" [{rows.report['seconds']:.1f} s]")
+    state.log(f"held-out check: {rows.report['seconds']:.1f} s")
     return rows, ""
 
 
@@ -234,6 +276,8 @@ def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, sco
     gt = state.ground_truth.detach().cpu() if state.ground_truth is not None else None
     roi = statistics_roi(state.cfg.uq, res.std.shape)
     abs_err = (res.mean - gt).abs() if gt is not None else None
+    # what std.tif is: the posterior's std, or its recalibration (e.g. with the bias term)
+    std_title = "posterior std" if applied is None else f"std.tif: {applied.describe()}"
     if res.std.ndim == 3:  # volumes: the three orthogonal planes through the centre
         figures.plot_orthogonal_slices(
             out / rf.UNCERTAINTY_SLICES_FIGURE,
@@ -251,7 +295,7 @@ def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, sco
             res.std,
             ground_truth=gt,
             roi=roi,
-            titles=["ground truth", "DIP reconstruction", "|error|", "posterior std"],
+            titles=["ground truth", "DIP reconstruction", "|error|", std_title],
         )
         summary = state.uq_summary
         posterior_curve = (summary["calibration"]["levels"], summary["calibration"]["coverage"])
@@ -274,7 +318,7 @@ def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, sco
             res.mean,
             res.mean * 0,
             res.std,
-            titles=["DIP reconstruction", "(no ground truth)", "posterior std"],
+            titles=["DIP reconstruction", "(no ground truth)", std_title],
             roi=roi,
         )
     if res.em_trace:

@@ -53,7 +53,7 @@ from scipy.stats import spearmanr
 
 from ctuq import calibration as cal
 from ctuq.config import Config, ConfigError, load_config
-from ctuq.data.simulate import SIDECAR_NAME
+from ctuq.data.walnut import SIDECAR_NAME
 from ctuq.metrics import inner_square_roi
 from ctuq.options import PhantomKind
 from ctuq.pipeline import run_folder as rf

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ctuq.data import simulate_scan
-from ctuq.data.simulate import SIDECAR_NAME
+from ctuq.data.walnut import SIDECAR_NAME
 from ctuq.errors import CTUQError
 from ctuq.inference import Workload, estimate_solver_costs
 from ctuq.log import ensure_console_logging

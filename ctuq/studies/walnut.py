@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from ctuq import figures
-from ctuq.config import TVPredCPConfig
 from ctuq.data import WalnutScan, load_walnut_slice
 from ctuq.log import run_log
 from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
@@ -41,6 +40,7 @@ from ctuq.pipeline.run_folder import LOG_NAME as LOG_FILE
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
 from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 from ctuq.reconstruct import mc_dropout_predict
+from ctuq.registry import PRIORS
 from ctuq.studies.common import (
     NEUTRAL_OPTIONS,
     Log,
@@ -192,7 +192,7 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
             solver="exact",
             gprior_method="exact",
             prior="tv_predcp" if method == "linearised_tv_predcp" else "gprior",
-            tv_predcp=TVPredCPConfig(steps=int(opts.get("tv_predcp_steps", DEFAULTS["tv_predcp_steps"]))),
+            tv_predcp=PRIORS["tv_predcp"].Options(steps=int(opts.get("tv_predcp_steps", DEFAULTS["tv_predcp_steps"]))),
             em_steps=opts["exact_em_steps"],
             em_tol=1e-3,
             em_samples=opts["em_samples"],

@@ -8,8 +8,6 @@ from ctuq.calibration import BiasModel, HeldoutScale, NoCalibration, resolve_cal
 from ctuq.registry import CALIBRATIONS
 from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def disk(n: int = 24) -> np.ndarray:
     """A reconstruction: a disk of 0.05 mm⁻¹ on an empty background (its object mask is the disk)."""

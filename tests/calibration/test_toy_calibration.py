@@ -2,6 +2,7 @@
 contract and runs through the command line as ``--set uq.calibration=floor``, touching no file of the package."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,8 +14,6 @@ from ctuq.cli import main
 from ctuq.pipeline import run_folder as rf
 from ctuq.registry import CALIBRATIONS
 from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FloorCalibration(CalibrationMethod):
@@ -58,7 +57,7 @@ class FloorCalibration(CalibrationMethod):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def registered():
+def registered(tiny_run_none):  # the shared runs first: made without the toy
     CALIBRATIONS.register(FloorCalibration)  # the one registry line
     yield
     CALIBRATIONS.unregister(FloorCalibration.name)
@@ -74,11 +73,9 @@ class TestFloorContract(CalibrationContract):
         return CalibrationCase(FloorCalibration, synthetic_heldout_rows(tau=4e-3), disk, {"floor": 4e-3}, 0.15)
 
 
-@pytest.mark.slow
-def test_the_toy_runs_through_the_command_line(tiny_scan, tiny_uq_args, tmp_path):
-    out = tmp_path / "floor"
-    args = ["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_uq_args]
-    assert main([*args, "--set", "uq.calibration=floor"]) == 0
+def test_the_toy_runs_through_the_command_line(tiny_run_none, tmp_path):
+    out = shutil.copytree(tiny_run_none, tmp_path / "floor")
+    assert main(["uq", str(out), "--set", "uq.calibration=floor", "--no-progress"]) == 0
     m = json.loads((out / rf.METRICS_NAME).read_text())
     cal = m["uq"]["calibration"]
     assert cal["mode"] == cal["setting"] == "floor" and cal["floor"] > 0

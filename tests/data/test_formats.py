@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from tiny import tiny_args
 
 from ctuq.cli import main
 from ctuq.data.formats import DATA_FORMATS, UnknownFormatError, detect_format, load_data, read_data, write_layouts
@@ -107,10 +108,9 @@ def test_detector_corrections_in_scan_yaml_match_the_walnut_layout(corrected):
     _assert_same(a, b)
 
 
-@pytest.mark.slow  # two CLI runs, ~50 s on 2 cores; the fast tests compare FBP reconstructions
 def test_cli_reconstructs_every_layout_identically(every_layout, tmp_path, capsys):
-    fast = ["--no-uq", "--no-progress", "--set", "data.image_shape=[16, 16]", "--set", "data.angular_subsampling=1"]
-    fast += ["--set", "data.detector_subsampling=1", "--set", "dip.iterations=3", "--set", "tv.enabled=false"]
+    layout = ("data.image_shape=[16, 16]", "data.angular_subsampling=1", "data.detector_subsampling=1")
+    fast = tiny_args(*layout, "dip.iterations=3", "tv.enabled=false", uq=False)
     recs = {}
     for layout in ("walnut", "nxtomo"):
         out = tmp_path / layout

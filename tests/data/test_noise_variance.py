@@ -12,8 +12,6 @@ from ctuq.data.simulate import SimulationParameters, simulate_scan
 from ctuq.data.source import log_count_variance
 from ctuq.data.walnut import read_walnut_slice
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 N_REALISATIONS = 30
 
 

@@ -1,5 +1,5 @@
-"""Every malformed scan description or NXtomo file gives one line naming the file and the key (a CTUQError), and
-``ctuq reconstruct --data`` prints that line and exits 2."""
+"""Every malformed scan description or NXtomo file gives one line naming the file and the key (a CTUQError: the user
+error ``ctuq reconstruct --data`` prints as it is), and the command prints that line and exits 2."""
 
 import re
 import shutil
@@ -8,13 +8,14 @@ import h5py
 import numpy as np
 import pytest
 import yaml
+from tiny import QUICK, tiny_args
 
 from ctuq.cli import main
 from ctuq.data.formats import load_data
 from ctuq.data.nxtomo import NXtomoError
 from ctuq.data.scan_file import ScanFileError
 from ctuq.data.simulate import SimulationParameters, simulate_scan
-from ctuq.errors import CTUQError
+from ctuq.errors import CTUQError, format_user_error, is_user_error
 
 SMALL = dict(
     n_projections=17,
@@ -27,8 +28,7 @@ SMALL = dict(
     supersampling=1,
     orbits=(2,),
 )
-FAST = ["--no-uq", "--no-progress", "--set", "data.angular_subsampling=1", "--set", "data.detector_subsampling=1"]
-FAST += ["--set", "dip.iterations=1", "--set", "tv.enabled=false"]
+FAST = tiny_args("data.angular_subsampling=1", "data.detector_subsampling=1", *QUICK, uq=False)
 
 
 @pytest.fixture(autouse=True)
@@ -140,19 +140,16 @@ YAML_CASES = {
 
 
 @pytest.mark.parametrize("case", YAML_CASES, ids=str)
-def test_malformed_scan_yaml_is_one_line_naming_file_and_key(case, scan, tmp_path, capsys):
+def test_malformed_scan_yaml_is_one_line_naming_file_and_key(case, scan):
     damage, key, pattern = YAML_CASES[case]
     damage(scan)
     with pytest.raises(ScanFileError) as info:
         load_data(scan / "scan.yaml", angular_subsampling=1, detector_subsampling=1, progress=False)
     msg = str(info.value)
     assert isinstance(info.value, CTUQError) and "\n" not in msg
+    assert is_user_error(info.value) and format_user_error(info.value) == msg  # what the command prints
     assert msg.startswith(str(scan / "scan.yaml")) and (f": {key}: " in msg or not key), msg
     assert re.search(pattern, msg), msg
-    rc = main(["reconstruct", "--data", str(scan / "scan.yaml"), "--out", str(tmp_path / "run"), *FAST])
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert rc == 2 and lines[-1] == f"ctuq reconstruct: {msg}", lines
-    assert not any("Traceback" in x for x in lines)
 
 
 def _nx(key, fn):
@@ -206,17 +203,31 @@ NX_CASES = {
 
 
 @pytest.mark.parametrize("case", NX_CASES, ids=str)
-def test_malformed_nxtomo_is_one_line_naming_file_and_path(case, nxs, tmp_path, capsys):
+def test_malformed_nxtomo_is_one_line_naming_file_and_path(case, nxs):
     damage, pattern = NX_CASES[case]
     damage(nxs)
     with pytest.raises(NXtomoError) as info:
         load_data(nxs, angular_subsampling=1, detector_subsampling=1, progress=False)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"{nxs}:/entry/"), msg
+    assert is_user_error(info.value) and format_user_error(info.value) == msg  # what the command prints
     assert re.search(pattern, msg), msg
-    rc = main(["reconstruct", "--data", str(nxs), "--out", str(tmp_path / "run"), *FAST])
+
+
+@pytest.mark.parametrize("kind", ["yaml", "nxtomo"])
+def test_the_command_prints_the_line_and_exits_2(kind, scan, nxs, tmp_path, capsys):
+    if kind == "yaml":
+        data, (damage, _, _) = scan / "scan.yaml", YAML_CASES["missing_key"]
+        damage(scan)
+    else:
+        data, (damage, _) = nxs, NX_CASES["no_darks"]
+        damage(nxs)
+    with pytest.raises(CTUQError) as info:
+        load_data(data, angular_subsampling=1, detector_subsampling=1, progress=False)
+    rc = main(["reconstruct", "--data", str(data), "--out", str(tmp_path / "run"), *FAST])
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert rc == 2 and lines[-1] == f"ctuq reconstruct: {msg}", lines
+    assert rc == 2 and lines[-1] == f"ctuq reconstruct: {info.value}", lines
+    assert not any("Traceback" in x for x in lines)
 
 
 def test_nan_in_projection_of_nxtomo(nxs):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import NO_FIGURES, tiny_args
 
 from ctuq.cli import main
 from ctuq.data import load_data
@@ -18,8 +19,6 @@ from ctuq.data.source import ScanSource
 from ctuq.errors import CTUQError
 from ctuq.registry import DATA_FORMATS
 from ctuq.testing import ScanFormatContract
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems: one torch thread (tests/conftest.py)
 
 SUFFIX = ".toy.npz"
 KEYS = ("projections", "flats", "darks", "vectors", "ground_truth", "voxel_size", "read_noise")
@@ -146,13 +145,13 @@ def test_the_simulator_writes_the_toy_layout_through_the_registry(tmp_path):
     assert np.array_equal(walnut.geometry.vectors, toy.geometry.vectors)
 
 
-def test_the_cli_simulates_and_reconstructs_the_toy_format(tmp_path, tiny_uq_args, capsys):
+def test_the_cli_simulates_and_reconstructs_the_toy_format(tmp_path, capsys):
     scan = tmp_path / "scan"
     assert main(["simulate", "--preset", "tiny", "--layout", "toy", "--out", str(scan), "--no-progress"]) == 0
     path = scan / "scan.toy.npz"
     assert path.is_file() and not (scan / "Projections").exists()
     out = tmp_path / "run"
-    assert main(["reconstruct", "--data", str(path), "--out", str(out), *tiny_uq_args]) == 0
+    assert main(["reconstruct", "--data", str(path), "--out", str(out), *tiny_args(*NO_FIGURES)]) == 0
     std = tifffile.imread(out / "std.tif")
     assert std.shape == (32, 32) and np.all(np.isfinite(std)) and std.max() > 0
     # an unknown layout names the toy's among the valid ones

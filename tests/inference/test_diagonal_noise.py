@@ -15,8 +15,6 @@ from ctuq.errors import CheckpointMismatch
 from ctuq.inference import DenseFeatures, DenseLinearGaussian, GaussianLikelihood, LinearizedPosterior
 from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 C, D = 36, 14
 
 

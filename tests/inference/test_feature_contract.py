@@ -17,8 +17,6 @@ from ctuq.inference.features import RowScaledFeatures
 from ctuq.linearize import LinearizedNetwork
 from ctuq.testing import FeatureContract
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _matrix(c=9, d=7, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)

@@ -27,8 +27,6 @@ from ctuq.inference import (
     randomized_eig,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _features(c=120, d=300, top=1e4, power=2.0, seed=0):
     """Ψ (c × d) whose kernel K̄ = ΨΨᵀ has eigenvalues top·i^(−power), i = 1..c."""

@@ -8,8 +8,6 @@ from ctuq.inference import LIKELIHOODS, CategoricalLikelihood, DiagonalGaussianL
 from ctuq.registry import RegistryError
 from ctuq.testing import LikelihoodCase, LikelihoodContract
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _measurement_variances(n: int = 7) -> torch.Tensor:
     """Absolute per-row variances spread over a factor ≈ 20 (photon counts through thin and thick material), seed 0."""

@@ -1,6 +1,5 @@
 """The weight-prior contract (ctuq.testing.PriorContract) over every built-in registered prior, and given scales."""
 
-import pytest
 import torch
 from tv_toy import IMAGE, SHAPES, toy_problem
 
@@ -8,8 +7,6 @@ from ctuq.inference import DenseFeatures
 from ctuq.inference.priors import DiagonalPrior, TVPredCPPrior
 from ctuq.registry import PRIORS
 from ctuq.testing import PriorCase, PriorContract
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TestGPriorExact(PriorContract):

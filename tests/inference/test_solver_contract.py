@@ -7,8 +7,6 @@ from ctuq.design.bordered import BorderedCholesky
 from ctuq.inference import SOLVERS
 from ctuq.testing import SolverCase, SolverContract
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # Options that make the iterative solvers accurate enough for a 1e-6 comparison with the dense reference (their
 # defaults are tuned for speed on large problems, not for exactness).
 OPTIONS = {

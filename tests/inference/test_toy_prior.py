@@ -1,12 +1,14 @@
 """Acceptance: a weight prior defined here and registered in one line passes the prior contract, is built by name by
-``LinearizedPosterior``, and runs through ``ctuq reconstruct --set uq.prior=...``, touching no file of ``ctuq/``."""
+``LinearizedPosterior``, and runs through ``ctuq uq RUN --set uq.prior=...``, touching no file of ``ctuq/``."""
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import tifffile
 import torch
 
 from ctuq.cli import main
@@ -15,8 +17,6 @@ from ctuq.inference.priors import DiagonalPrior, PriorError
 from ctuq.options import option
 from ctuq.registry import PRIORS
 from ctuq.testing import PriorContract, contract_problem
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class LayerwisePrior(DiagonalPrior):
@@ -60,7 +60,7 @@ class LayerwisePrior(DiagonalPrior):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def toy_registered():
+def toy_registered(tiny_run_none):  # the shared runs first: their config.yaml has every prior's section
     PRIORS.register(LayerwisePrior)  # the one registry line
     yield
     PRIORS.unregister("layerwise")
@@ -88,11 +88,11 @@ def test_the_posterior_builds_it_by_name():
     assert post.summary()["prior"]["method"] == "layerwise"
 
 
-def test_the_reconstruct_command_runs_it(tiny_scan, tiny_uq_args, tmp_path):
-    out = tmp_path / "run"
-    args = ["reconstruct", "--data", str(tiny_scan), "--out", str(out), "--set", "uq.prior=layerwise"]
-    assert main([*args, *tiny_uq_args]) == 0
-    assert (out / "std.tif").is_file()
+def test_the_uq_command_runs_it(tiny_run_none, tmp_path):
+    out = shutil.copytree(tiny_run_none, tmp_path / "run")
+    assert main(["uq", str(out), "--set", "uq.prior=layerwise", "--no-progress"]) == 0
+    # the posterior of another prior: another std map than the g-prior's of the run
+    assert not np.array_equal(tifffile.imread(out / "std.tif"), tifffile.imread(tiny_run_none / "std.tif"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["uq"]["prior"] == "layerwise"
     summary = metrics["uq"]["stats"][LayerwisePrior.summary_key]

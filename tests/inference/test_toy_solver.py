@@ -2,10 +2,12 @@
 config (``uq.solver``) and the ``ctuq uq`` command, and passes the solver contract."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from tiny import sets
 
 from ctuq.cli import main
 from ctuq.config import ConfigError, UQConfig, check_section, load_config
@@ -61,7 +63,7 @@ class ToyCholesky(Solver):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def toy_registered():
+def toy_registered(tiny_run_none):  # the shared runs first: their config.yaml has every solver's section
     register_solver(ToyCholesky)  # the one registry line
     yield
     unregister_solver("toy_cholesky")
@@ -103,56 +105,11 @@ def test_the_config_reads_the_registry_when_it_validates():
 
 
 # ------------------------------------------------------------------------------------------------ the command
-TINY = [
-    "--set",
-    "data.image_shape=[16, 16]",
-    "--set",
-    "data.angular_subsampling=4",
-    "--set",
-    "data.detector_subsampling=4",
-    "--set",
-    "dip.iterations=10",
-    "--set",
-    "dip.checkpoint_every=0",
-    "--set",
-    "output.figure=false",
-    "--no-progress",
-]
-
-
-def test_the_uq_command_runs_it(tmp_path):
-    from ctuq.data.simulate import simulate_scan
-
-    scan = tmp_path / "Walnut1"
-    simulate_scan(scan, preset="tiny", progress=False)
-    run = tmp_path / "run"
-    assert main(["reconstruct", "--data", str(scan), "--out", str(run), "--no-uq", *TINY]) == 0
-    assert (
-        main(
-            [
-                "uq",
-                str(run),
-                "--set",
-                "uq.solver=toy_cholesky",
-                "--set",
-                "uq.toy_cholesky.jitter=0.0",
-                "--set",
-                "uq.samples=8",
-                "--set",
-                "uq.sample_chunk=8",
-                "--set",
-                "uq.em_steps=1",
-                "--set",
-                "uq.em_samples=2",
-                "--set",
-                "uq.gprior_method=stochastic",
-                "--set",
-                "uq.gprior_probes=8",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+def test_the_uq_command_runs_it(tiny_run_none, tmp_path):
+    run = shutil.copytree(tiny_run_none, tmp_path / "run")
+    toy = ("uq.solver=toy_cholesky", "uq.toy_cholesky.jitter=0.0", "uq.samples=8", "uq.sample_chunk=8")
+    cheap = ("uq.em_steps=1", "uq.em_samples=2", "uq.gprior_method=stochastic", "uq.gprior_probes=8")
+    assert main(["uq", str(run), *sets(*toy, *cheap), "--no-progress"]) == 0
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["uq"]["solver"] == metrics["uq"]["stats"]["route"] == "toy_cholesky"
     assert metrics["uq"]["n_samples"] == 8

@@ -3,8 +3,9 @@ arguments (the default g-prior's arguments unchanged), and one-line errors for b
 
 import pytest
 
-from ctuq.config import ConfigError, TVPredCPConfig, UQConfig, check_section, load_config
+from ctuq.config import ConfigError, UQConfig, check_section, load_config
 from ctuq.pipeline.uq_settings import posterior_arguments
+from ctuq.registry import PRIORS
 
 
 def test_tv_predcp_is_a_prior_and_its_section_maps_to_prior_options():
@@ -51,4 +52,4 @@ def test_bad_values_are_one_line_errors_naming_the_key(override, match):
 
 def test_a_section_built_in_code_is_checked_too():
     with pytest.raises(ConfigError, match="scale must be > 0"):
-        check_section(UQConfig(prior="tv_predcp", tv_predcp=TVPredCPConfig(scale=0.0)), "uq")
+        check_section(UQConfig(prior="tv_predcp", tv_predcp=PRIORS["tv_predcp"].Options(scale=0.0)), "uq")

@@ -10,7 +10,6 @@ import torch
 from ctuq.config import ConfigError, load_config
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators import (
-    RAY_TRANSFORM_IMPLS,
     RAY_TRANSFORMS,
     AstraCudaRayTransform,
     RayTransform,
@@ -34,7 +33,6 @@ PARALLEL = ProjectionGeometry(
 def test_registry_names_match_the_backend_vocabulary():
     # The built-in backends are the vocabulary's names; data.backend validates against the registry itself. What
     # each backend declares is checked by the contract (tests/operators/test_ray_transform_contract.py).
-    assert RAY_TRANSFORM_IMPLS is RAY_TRANSFORMS
     assert backend_names() == RAY_TRANSFORMS.choices() == values(Backend)
     assert tuple(RAY_TRANSFORMS) == tuple(v for v in values(Backend) if v != Backend.AUTO)
     assert RAY_TRANSFORMS["sparse"] is SparseRayTransform

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import restored_state
 
 from ctuq import calibration as cal
 from ctuq.cli import main
@@ -20,21 +21,18 @@ from ctuq.metrics import heldout_check
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline import runner
 from ctuq.pipeline import uq as pipeline_uq
-from ctuq.pipeline.phases import RunState, phase_load, phase_restore_dip
+from ctuq.pipeline.phases import phase_load
 from ctuq.pipeline.runner import fitted_posterior
 from ctuq.pipeline.scan import load_scan
+from ctuq.pipeline.uq_phase import phase_uq
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def run(tiny_scan, tiny_uq_args, tmp_path_factory):
-    # uq.calibration = none: this module checks the check and what each recalibration would score beside the
-    # posterior's own map (the default, auto, applies the bias model: test_uq_phase_bias.py)
-    out = tmp_path_factory.mktemp("runs") / "run"
-    args = [*tiny_uq_args, "--set", "uq.calibration=none"]
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
-    return out
+@pytest.fixture
+def run(tiny_run_none):
+    """conftest's tiny run with uq.calibration = none: this module checks the check and what each recalibration would
+    score beside the posterior's own map (the default, auto, applies the bias model: test_uq_phase_bias.py). Tests
+    that change it work on a copy."""
+    return tiny_run_none
 
 
 def _digests(folder):
@@ -56,7 +54,7 @@ def test_every_run_with_uq_records_the_check(run):
     assert m["uq"]["calibration"] == {"mode": "none", "setting": "none", "k": None}
     # uq.noise = auto on a scan with counts: per-ray noise, and the held-out rows' noise follows it
     assert m["uq"]["stats"]["noise"]["model"] == "per_ray" and m["uq"]["stats"]["noise"]["setting"] == "auto"
-    assert (run / rf.HELDOUT_FIGURE).is_file() and not (run / rf.STD_UNCALIBRATED_NAME).exists()
+    assert not (run / rf.STD_UNCALIBRATED_NAME).exists()  # the rerun without recalibration removed tiny_run's
     # what uq.calibration = heldout would score, from the same posterior (std × k: mean std × k)
     recal = m["uq"]["summary_recalibrated"]
     assert recal["k"] == h["scale"]["k"]
@@ -71,11 +69,12 @@ def test_every_run_with_uq_records_the_check(run):
     assert again["scale_photon"]["k"] == pytest.approx(h["scale_photon"]["k"], rel=1e-9)
 
 
-def test_check_writes_heldout_json_and_touches_nothing_else(run, capsys):
+def test_check_writes_heldout_json_and_touches_nothing_else(run, tmp_path, capsys):
+    run = shutil.copytree(run, tmp_path / "run")
     before = _digests(run)
     assert main(["uq", str(run), "--check", "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert "held-out check: " in out and "coverage" in out
+    assert "held-out check" in out and "intervals cover" in out and "look" in out  # the table and the verdict
     assert "rescored the held-out rows the run saved" in err  # no posterior rebuilt
     after = _digests(run)
     changed = {n for n in after if before.get(n) != after[n]}
@@ -98,10 +97,8 @@ class _Scaled:
 
 
 def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
-    cfg = load_config(run / "config.yaml")
-    state = RunState(cfg=cfg, out_dir=run, device=torch.device("cpu"), progress=False, command="uq")
-    phase_load(state)
-    phase_restore_dip(state)
+    state = restored_state(run)  # fitted_posterior resumes a temporary copy of the run's uq_state.pt
+    cfg = state.cfg
     run_ = fitted_posterior(state)
     held = state.data.heldout
     assert held is not None and state.data.heldout_reason == ""
@@ -127,10 +124,10 @@ def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
 
 
 def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
-    copy = tmp_path / "recal"
-    shutil.copytree(run, copy)
-    assert main(["uq", str(copy), "--set", "uq.calibration=heldout", "--no-progress"]) == 0
-    m = json.loads((copy / "metrics.json").read_text())
+    copy = shutil.copytree(run, tmp_path / "recal")
+    state = restored_state(copy, "uq.calibration=heldout")
+    phase_uq(state)
+    m = state.metrics
     k = m["uq"]["calibration"]["k"]
     assert m["uq"]["calibration"]["mode"] == "heldout" and k == pytest.approx(m["uq"]["heldout"]["scale"]["k"])
     std, raw = tifffile.imread(copy / "std.tif"), tifffile.imread(copy / rf.STD_UNCALIBRATED_NAME)
@@ -141,55 +138,33 @@ def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
     assert set(before) == set(after)
 
 
-def test_per_ray_runs_check_with_each_held_out_rows_own_noise_variance(run, tmp_path):
-    """uq.noise=per_ray: the held-out rows' noise is σ² d_h with d normalised like the fitted rows' (mean 1 over the
-    used rows: the posterior's likelihood answers it), so rows of more photons get less noise; a per-ray run's check
-    says which noise model it used."""
-    copy = tmp_path / "per_ray"
-    shutil.copytree(run, copy)
-    assert main(["uq", str(copy), "--set", "uq.noise=per_ray", "--no-progress"]) == 0
-    m = json.loads((copy / "metrics.json").read_text())
+def test_per_ray_held_out_rows_get_their_own_noise_variance(run):
+    """uq.noise = per_ray (what auto resolves to on this scan with counts): the held-out rows' noise is σ² d_h with d
+    normalised like the fitted rows' (mean 1 over the used rows: the posterior's likelihood answers it), so rows of
+    more photons get less noise; a per-ray run's check says which noise model it used."""
+    m = json.loads((run / "metrics.json").read_text())
     rep = m["uq"]["heldout"]
     assert rep["noise_model"] == "per_ray" and np.isfinite(rep["scale"]["k"])
-    cfg = load_config(copy / "config.yaml")
-    rows = cal.read_rows(copy / rf.HELDOUT_ROWS_NAME)
+    cfg = load_config(run / "config.yaml")
+    rows = cal.read_rows(run / rf.HELDOUT_ROWS_NAME)
     d = rows.noise_variance / (m["uq"]["sigma2"] / cfg.dip.scale**2)  # σ² d_h in sinogram units, over σ²
     assert d.shape == (rep["n_rows"],)
     assert d.min() > 0 and d.max() / d.min() > 1.05  # the rows differ: a per-row noise, not one σ²
     assert 0.5 < d.mean() < 2.0  # held-out and used rows come from the same scan: comparable variances
-    # --check on a per-ray run without saved rows rebuilds its posterior, which needs the scan's variances too
-    (copy / rf.HELDOUT_ROWS_NAME).unlink()
-    assert main(["uq", str(copy), "--check", "--no-progress"]) == 0
-    again = json.loads((copy / rf.HELDOUT_NAME).read_text())
-    assert again["noise_model"] == "per_ray" and again["scale"]["k"] == pytest.approx(rep["scale"]["k"], rel=1e-6)
 
 
-def test_check_refuses_what_is_not_a_finished_uq_run(run, tiny_scan, tiny_uq_args, tmp_path, capsys):
+def test_check_refuses_what_is_not_a_finished_uq_run(run, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((run / "config.yaml").read_text())
     assert main(["uq", str(unfinished), "--check"]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a finished run (no metrics.json)" in err and str(unfinished) in err and "\n" not in err
-    no_uq = tmp_path / "no_uq"
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(no_uq), "--no-uq", *tiny_uq_args]) == 0
-    capsys.readouterr()
+    no_uq = shutil.copytree(run, tmp_path / "no_uq")  # what `ctuq reconstruct --no-uq` leaves: no std.tif
+    (no_uq / rf.STD_NAME).unlink()
     assert main(["uq", str(no_uq), "--check"]) == 2
     err = capsys.readouterr().err.strip()
     assert "has no uncertainty phase (no std.tif)" in err and "\n" not in err
-
-
-def test_check_without_saved_rows_refits_and_saves_them(run, tmp_path):
-    """A run folder without heldout_rows.npz (made before the file existed): the posterior is resumed from
-    uq_state.pt, the check reproduces the run's k, and the rows are saved for the next check."""
-    copy = tmp_path / "old"
-    shutil.copytree(run, copy)
-    (copy / rf.HELDOUT_ROWS_NAME).unlink()
-    assert main(["uq", str(copy), "--check", "--no-progress"]) == 0
-    rep = json.loads((copy / rf.HELDOUT_NAME).read_text())
-    m = json.loads((copy / "metrics.json").read_text())
-    assert rep["scale"]["k"] == pytest.approx(m["uq"]["heldout"]["scale"]["k"], rel=1e-6)
-    assert (copy / rf.HELDOUT_ROWS_NAME).is_file()
 
 
 @pytest.mark.parametrize(
@@ -281,25 +256,28 @@ def _count_noise_resolutions(monkeypatch):
     return calls
 
 
-@pytest.mark.slow
-def test_after_loading_neither_the_uq_phase_nor_check_opens_the_scan(tiny_scan, tiny_uq_args, tmp_path, monkeypatch):
-    """The held-out rows come with the loaded problem: a fresh run whose scan disappears right after its load phase
-    still makes its check (and resolves uq.noise once), and so does ``--check`` on its folder without
-    ``heldout_rows.npz`` (it loads the scan itself, once, then rebuilds the posterior and projects onto it)."""
+def test_after_loading_neither_the_uq_phase_nor_check_opens_the_scan(run, tiny_scan, tmp_path, monkeypatch):
+    """The held-out rows come with the loaded problem: ``ctuq uq RUN`` whose scan disappears right after its load
+    phase still makes its check (and resolves uq.noise once), and so does ``--check`` on its folder without
+    ``heldout_rows.npz`` (a run made before the file existed): it loads the scan itself, once, then rebuilds the
+    posterior from uq_state.pt (per-ray: with the scan's variances) and projects onto it; it reproduces the run's k
+    and saves the rows for the next check."""
     scan, hidden = tmp_path / "scan" / "Walnut1", tmp_path / "hidden"
     shutil.copytree(tiny_scan, scan)
-    out = tmp_path / "run"
+    out = shutil.copytree(run, tmp_path / "run")
+    cfg = load_config(out / rf.CONFIG_NAME, [f"data.path={scan}", "uq.calibration=auto"])
     _hide_the_scan_after_loading(monkeypatch, scan, hidden)
     calls = _count_noise_resolutions(monkeypatch)
-    assert main(["reconstruct", "--data", str(scan), "--out", str(out), *tiny_uq_args]) == 0
+    runner.rerun_uq(cfg, out, progress=False)
     assert not scan.exists() and len(calls) == 1
     m = json.loads((out / rf.METRICS_NAME).read_text())
     assert m["uq"]["heldout"]["n_angles"] > 0 and m["uq"]["calibration"]["mode"] == "bias"
     hidden.rename(scan)
     (out / rf.HELDOUT_ROWS_NAME).unlink()
-    assert main(["uq", str(out), "--check", "--no-progress"]) == 0
+    runner.check_run(cfg, out, progress=False)
     assert not scan.exists() and (out / rf.HELDOUT_ROWS_NAME).is_file()
     again = json.loads((out / rf.HELDOUT_NAME).read_text())
+    assert again["noise_model"] == "per_ray"
     assert again["scale"]["k"] == pytest.approx(m["uq"]["heldout"]["scale"]["k"], rel=1e-6)
 
 

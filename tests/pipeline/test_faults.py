@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import NO_FIGURES, tiny_args
 
 import ctuq.utils
 from ctuq.cli import main
@@ -29,36 +30,18 @@ from ctuq.reconstruct.dip import load_checkpoint
 from ctuq.studies import Log, StudyError, check_study_folder, finish_method, method_done
 from ctuq.utils import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_tiff
 
-# One torch thread: OpenMP hand-offs cost ~1 s per DIP iteration when the cores are shared (conftest.one_thread).
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-FAST = [
-    "--set",
-    "data.image_shape=[32, 32]",
-    "--set",
+FAST = tiny_args(
     "data.angular_subsampling=1",
-    "--set",
-    "data.detector_subsampling=3",
-    "--set",
     "model.channels=[2, 2]",
-    "--set",
     "model.skip_channels=[0, 1]",
-    "--set",
     "dip.iterations=20",
-    "--set",
     "dip.checkpoint_every=5",
-    "--set",
     "tv.enabled=false",
-    "--set",
     "uq.samples=32",
-    "--set",
     "uq.sample_chunk=16",
-    "--set",
     "uq.em_steps=2",
-    "--set",
-    "output.figure=false",
-    "--no-progress",
-]
+    *NO_FIGURES,
+)
 
 
 def _enospc(path) -> OSError:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import NO_FIGURES, sets, tiny_args
 
 from ctuq import interrupt
 from ctuq.cli import main
@@ -26,38 +27,17 @@ from ctuq.metrics import SampleMoments
 from ctuq.pipeline import checkpoints
 from ctuq.reconstruct import dip as dip_module
 
-# One torch thread: OpenMP hand-offs cost ~1 s per DIP iteration when the cores are shared (conftest.one_thread).
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-FAST = [
-    "--set",
-    "data.image_shape=[32, 32]",
-    "--set",
+FAST = tiny_args(
     "data.angular_subsampling=1",
-    "--set",
-    "data.detector_subsampling=3",
-    "--set",
     "model.channels=[2, 2]",
-    "--set",
     "model.skip_channels=[0, 1]",
-    "--set",
     "dip.iterations=40",
-    "--set",
     "dip.checkpoint_every=10",
-    "--set",
     "tv.enabled=false",
-    "--set",
-    "uq.samples=64",
-    "--set",
     "uq.sample_chunk=16",
-    "--set",
-    "uq.em_steps=3",
-    "--set",
     "uq.em_tol=0",
-    "--set",
-    "output.figure=false",
-    "--no-progress",
-]
+    *NO_FIGURES,
+)
 LINE = re.compile(
     r"^ctuq reconstruct: interrupted by (SIG\w+) during (.+?) \(checkpoint written: (.+?)\); resume with: (.+)$"
 )
@@ -68,7 +48,7 @@ def _argv(scan, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(one_thread, tiny_scan, tmp_path_factory):
+def reference(tiny_scan, tmp_path_factory):
     """The uninterrupted run."""
     out = tmp_path_factory.mktemp("interrupt") / "reference"
     assert main(_argv(tiny_scan, out)) == 0
@@ -216,7 +196,7 @@ def test_run_interrupted_in_dip_em_and_prediction_resumes_bit_identically(
 def test_sigterm_to_a_real_process_then_resume(tiny_scan, tmp_path):
     """``python -m ctuq reconstruct`` stopped by SIGTERM during its DIP; the printed command resumes it in this
     process to the numbers of an uninterrupted run (same torch thread count in both processes)."""
-    argv = ["--set", "dip.iterations=60", "--set", "dip.checkpoint_every=5", "--no-uq"]
+    argv = [*sets("dip.iterations=60", "dip.checkpoint_every=5"), "--no-uq"]
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), CTUQ_NO_PROGRESS="1")
     proc = subprocess.Popen(

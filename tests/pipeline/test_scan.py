@@ -5,7 +5,6 @@ angle and keeping the others — or with the one-line reason why there are none.
 import collections
 
 import numpy as np
-import pytest
 import torch
 
 from ctuq.config import load_config
@@ -15,7 +14,6 @@ from ctuq.geometry import ProjectionGeometry
 from ctuq.operators import make_ray_transform
 from ctuq.pipeline.scan import load_scan
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 SETTING = ["data.image_shape=[32, 32]", "data.angular_subsampling=2", "data.detector_subsampling=3"]
 
 

@@ -144,9 +144,7 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
         scale=SCALE,
         seed=0,
         progress=False,
-        settings=UQSettings(
-            solver="cg", gprior_method="stochastic", gprior_probes=4000, em_steps=0, samples=2, rank=50
-        ),
+        settings=UQSettings(solver="cg", gprior_method="stochastic", gprior_probes=16, em_steps=0, samples=2, rank=50),
     )
     assert stoch.stats["gprior"]["method"] == "stochastic"
 
@@ -196,23 +194,16 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
         gprior_method="stochastic",
         gprior_probes=64,
     )
-    full = run_linearized_uq(
-        model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=tmp_path / "full", progress=False
-    )
+
+    def run(work_dir, settings=settings, **kwargs):
+        return run_linearized_uq(
+            model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work_dir, progress=False, **kwargs
+        )
+
+    full = run(tmp_path / "full")
     work = tmp_path / "run"
     with pytest.raises(Stop):  # killed right after EM step 2 was checkpointed
-        run_linearized_uq(
-            model,
-            net_input,
-            op,
-            y,
-            scale=SCALE,
-            settings=settings,
-            seed=3,
-            work_dir=work,
-            progress=False,
-            log=_interrupting_log("EM step 2"),
-        )
+        run(work, log=_interrupting_log("EM step 2"))
     assert (work / STATE_NAME).is_file()
     # Killed again during prediction, right after the running sums of the second chunk reached the disk.
     save = checkpoints.atomic_torch_save
@@ -224,34 +215,10 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
 
     monkeypatch.setattr(checkpoints, "atomic_torch_save", save_then_stop)
     with pytest.raises(Stop):
-        run_linearized_uq(
-            model,
-            net_input,
-            op,
-            y,
-            scale=SCALE,
-            settings=settings,
-            seed=3,
-            work_dir=work,
-            resume=True,
-            progress=False,
-            moments_checkpoint_seconds=0,
-        )
+        run(work, resume=True, moments_checkpoint_seconds=0)
     monkeypatch.setattr(checkpoints, "atomic_torch_save", save)
     messages = []
-    resumed = run_linearized_uq(
-        model,
-        net_input,
-        op,
-        y,
-        scale=SCALE,
-        settings=settings,
-        seed=3,
-        work_dir=work,
-        resume=True,
-        progress=False,
-        log=messages.append,
-    )
+    resumed = run(work, resume=True, log=messages.append)
     assert any("reusing 2 of 4 sample chunks" in m for m in messages)
     assert resumed.a == full.a and resumed.sigma2 == full.sigma2
     assert [r["a_new"] for r in resumed.em_trace] == [r["a_new"] for r in full.em_trace]
@@ -262,18 +229,7 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
             assert torch.equal(resumed.moments.state_dict()[key], value), key
     # Resuming with other settings is refused, naming the setting.
     with pytest.raises(CheckpointMismatch, match="samples"):
-        run_linearized_uq(
-            model,
-            net_input,
-            op,
-            y,
-            scale=SCALE,
-            seed=3,
-            work_dir=work,
-            resume=True,
-            progress=False,
-            settings=UQSettings(**{**settings.__dict__, "samples": 50}),
-        )
+        run(work, UQSettings(**{**settings.__dict__, "samples": 50}), resume=True)
 
 
 def test_bad_settings_and_shapes_are_clear(problem):
@@ -346,37 +302,40 @@ def test_per_ray_noise_reaches_the_diagonal_reference_fixed_point(problem):
     )
 
 
-def test_homoscedastic_ignores_given_variances(problem):
+def _noise_run(problem, noise, variances):
+    """A short exact run with ``uq.noise = noise`` and the given per-measurement variances (or ``None``)."""
     op, model, net_input, y = problem
-    settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise="homoscedastic")
-    plain = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, progress=False)
-    given = run_linearized_uq(
-        model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=_ray_variances(y.shape)
+    settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise=noise)
+    return run_linearized_uq(
+        model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=variances
     )
+
+
+@pytest.fixture(scope="module")
+def plain(problem):
+    """The homoscedastic run without variances: what every fallback must equal."""
+    return _noise_run(problem, "homoscedastic", None)
+
+
+def test_homoscedastic_ignores_given_variances(problem, plain):
+    given = _noise_run(problem, "homoscedastic", _ray_variances(problem[3].shape))
     assert plain.a == given.a and plain.sigma2 == given.sigma2 and torch.equal(plain.std, given.std)
     assert "per_ray" not in given.stats  # metrics.json of a homoscedastic run: the keys from before uq.noise existed
     noise = {"setting": "homoscedastic", "model": "homoscedastic", "reason": "uq.noise = homoscedastic"}
     assert given.stats["noise"] == noise
 
 
-def test_auto_noise_is_per_ray_with_usable_variances_and_homoscedastic_otherwise(problem):
+def test_auto_noise_is_per_ray_with_usable_variances_and_homoscedastic_otherwise(problem, plain):
     """uq.noise = auto (the default) gives bit for bit the run of the model it resolves to: per_ray with the scan's
     variances, homoscedastic without them or when one of them is unusable (a fallback, named in the stats)."""
-    op, model, net_input, y = problem
-    var = _ray_variances(tuple(op.measurement_shape))
-
-    def run(noise, variances):
-        settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise=noise)
-        return run_linearized_uq(
-            model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=variances
-        )
+    var = _ray_variances(tuple(problem[0].measurement_shape))
 
     assert UQSettings().noise == "auto"
-    auto, per_ray = run("auto", var), run("per_ray", var)
+    auto, per_ray = _noise_run(problem, "auto", var), _noise_run(problem, "per_ray", var)
     assert auto.a == per_ray.a and auto.sigma2 == per_ray.sigma2 and torch.equal(auto.std, per_ray.std)
     assert auto.stats["noise"]["setting"] == "auto" and auto.stats["noise"]["model"] == "per_ray"
     assert "per_ray" in auto.stats
-    plain, bare = run("homoscedastic", None), run("auto", None)
+    bare = _noise_run(problem, "auto", None)
     assert bare.a == plain.a and bare.sigma2 == plain.sigma2 and torch.equal(bare.std, plain.std)
     assert (
         bare.stats["noise"]["model"] == "homoscedastic"
@@ -384,7 +343,7 @@ def test_auto_noise_is_per_ray_with_usable_variances_and_homoscedastic_otherwise
     )
     broken = var.clone()
     broken[2, 5] = 0.0
-    fallback = run("auto", broken)
+    fallback = _noise_run(problem, "auto", broken)
     assert fallback.a == plain.a and torch.equal(fallback.std, plain.std)
     assert "not finite and positive" in fallback.stats["noise"]["reason"]
 

@@ -9,33 +9,26 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import restored_state
 
 from ctuq.calibration import BiasModel, biased_moments, object_mask, read_rows, resolve_calibration
 from ctuq.cli import main
 from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.uq_phase import auto_calibration
+from ctuq.pipeline.uq_phase import auto_calibration, phase_uq
 from ctuq.studies.calibration import heldout_rows, score_run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+
+@pytest.fixture
+def run(tiny_run_none):
+    """conftest's tiny run with ``uq.calibration: none`` (the posterior's own map; the bias model scored beside it)."""
+    return tiny_run_none
 
 
-@pytest.fixture(scope="module")
-def run(tiny_scan, tiny_uq_args, tmp_path_factory):
-    """The tiny run with ``uq.calibration: none`` (the posterior's own map; the bias model scored beside it)."""
-    out = tmp_path_factory.mktemp("runs") / "run"
-    args = [*tiny_uq_args, "--set", "uq.calibration=none"]
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def biased(run, tmp_path_factory):
-    """The same run with its UQ phase rerun under ``uq.calibration: bias``."""
-    out = tmp_path_factory.mktemp("runs") / "bias"
-    shutil.copytree(run, out)
-    assert main(["uq", str(out), "--set", "uq.calibration=bias", "--no-progress"]) == 0
-    return out
+@pytest.fixture
+def biased(tiny_run):
+    """The same run with the default ``uq.calibration: auto``, which is ``bias`` on a scan with unused angles."""
+    return tiny_run
 
 
 def _metrics(folder):
@@ -87,25 +80,26 @@ def test_the_study_scores_bias_as_the_map_the_option_writes(run, biased):
 
 
 def test_the_default_auto_applies_bias_where_the_scan_has_unused_angles(run, biased, tmp_path):
-    """``uq.calibration: auto`` (the default) is ``bias`` when the held-out check runs: the same std.tif, bit for
-    bit, and metrics.json records the setting beside the mode it resolved to."""
-    copy = tmp_path / "auto"
-    shutil.copytree(run, copy)
-    assert main(["uq", str(copy), "--set", "uq.calibration=auto", "--no-progress"]) == 0
-    cal, ref = _metrics(copy)["uq"]["calibration"], _metrics(biased)["uq"]["calibration"]
-    assert cal["mode"] == "bias" and cal["setting"] == "auto" and cal["tau"] == ref["tau"]
+    """``uq.calibration: auto`` (the default) is ``bias`` when the held-out check runs: the same std.tif as an
+    explicit ``bias``, bit for bit, and metrics.json records the setting beside the mode it resolved to."""
+    copy = shutil.copytree(run, tmp_path / "bias")
+    state = restored_state(copy, "uq.calibration=bias")
+    phase_uq(state)
+    cal, auto = state.metrics["uq"]["calibration"], _metrics(biased)["uq"]["calibration"]
+    assert cal["mode"] == auto["mode"] == "bias" and (cal["setting"], auto["setting"]) == ("bias", "auto")
+    assert cal["tau"] == auto["tau"]
     assert np.array_equal(tifffile.imread(copy / rf.STD_NAME), tifffile.imread(biased / rf.STD_NAME))
 
 
-def test_the_default_auto_is_none_without_unused_angles(tiny_scan, tiny_uq_args, tmp_path, capsys):
-    """Every angle used: no held-out check, so ``auto`` leaves the posterior's map, with no warning."""
-    out = tmp_path / "all"
-    args = [*tiny_uq_args, "--set", "data.angular_subsampling=1"]
-    assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *args]) == 0
-    m = _metrics(out)
-    assert m["uq"]["calibration"] == {"mode": "none", "setting": "auto", "k": None}
-    assert "heldout_skipped" in m["uq"] and not (out / rf.STD_UNCALIBRATED_NAME).exists()
-    assert "warning" not in capsys.readouterr().err
+def test_the_default_auto_is_none_without_unused_angles(biased, tmp_path):
+    """Every angle used: no held-out check, so ``auto`` leaves the posterior's map (the bias run's
+    std_uncalibrated.tif goes), with no warning. (Every 6th detector column keeps the run's 512 measurements.)"""
+    out = shutil.copytree(biased, tmp_path / "all")
+    state = restored_state(out, "data.angular_subsampling=1", "data.detector_subsampling=6")
+    phase_uq(state)
+    assert state.metrics["uq"]["calibration"] == {"mode": "none", "setting": "auto", "k": None}
+    assert "heldout_skipped" in state.metrics["uq"] and not (out / rf.STD_UNCALIBRATED_NAME).exists()
+    assert state.warnings == []
 
 
 def test_auto_resolves_by_the_check_and_the_prior():
@@ -129,10 +123,10 @@ def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatc
         return BiasModel(0.0, fit(rows, reconstruction).mask)
 
     monkeypatch.setattr(BiasModel, "fit", staticmethod(no_room))
-    copy = tmp_path / "zero"
-    shutil.copytree(run, copy)
-    assert main(["uq", str(copy), "--set", "uq.calibration=bias", "--no-progress"]) == 0
-    m = _metrics(copy)
+    copy = shutil.copytree(run, tmp_path / "zero")
+    state = restored_state(copy, "uq.calibration=bias")
+    phase_uq(state)
+    m = state.metrics
     assert m["uq"]["calibration"]["tau"] == 0.0 and m["uq"]["calibration"]["tau_se"] is None
     std, raw = tifffile.imread(copy / rf.STD_NAME), tifffile.imread(copy / rf.STD_UNCALIBRATED_NAME)
     assert np.array_equal(std, raw) and np.array_equal(raw, tifffile.imread(run / rf.STD_NAME))
@@ -165,7 +159,7 @@ def test_rows_saved_before_the_bias_model_get_their_weights(run, tmp_path, capsy
         weight = _strip_bias_weight(folder)
         assert read_rows(folder / rf.HELDOUT_ROWS_NAME).bias_weight is None
     assert main(["uq", str(check), "--check", "--no-progress"]) == 0
-    assert "bias inside the object" in capsys.readouterr().out
+    assert "held-out check on" in capsys.readouterr().out  # the verdict; the fitted τ is heldout.json's
     assert json.loads((check / rf.HELDOUT_NAME).read_text())["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
     assert heldout_rows(study).report["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
     for folder in (check, study):  # saved back: the next rescoring reads them

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from ctuq.config import TVPredCPConfig
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import DenseLinearGaussian
 from ctuq.inference.priors import TVPredCPPrior
@@ -18,8 +17,6 @@ from ctuq.operators import SparseRayTransform
 from ctuq.pipeline.uq import UQSettings, run_linearized_uq
 
 SCALE = 3.0
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +38,7 @@ def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path
     op, model, net_input, y = problem
     settings = UQSettings(
         prior="tv_predcp",
-        tv_predcp=TVPredCPConfig(steps=5, probes=4, tv_samples=8, precond_rank=20),
+        tv_predcp=TVPredCPPrior.Options(steps=5, probes=4, tv_samples=8, precond_rank=20),
         solver="exact",
         em_steps=2,
         samples=1024,

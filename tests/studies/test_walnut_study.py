@@ -1,7 +1,7 @@
-"""scripts/walnut_study.py end to end at its --tiny size (tiny simulated scan, 4 and 8 angles, 32² grid): every file,
-every (setting, method) row with finite numbers, resuming without recomputation (also from DIP model files written
-before the versioned model file format), and clear errors. The study machinery lives in ctuq.studies; the script is
-its command line."""
+"""scripts/walnut_study.py end to end at its --tiny size (tiny simulated scan, 8 angles, 32² grid): every file, every
+(setting, method) row with finite numbers, resuming without recomputation (also from DIP model files written before
+the versioned model file format), and clear errors. The study machinery lives in ctuq.studies; the script is its
+command line."""
 
 import importlib.util
 import json
@@ -15,10 +15,13 @@ import torch
 
 from ctuq.models.model_file import MODEL_FILE_VERSION, read_model_file
 from ctuq.studies import exact_decision
-from ctuq.studies.walnut import DEFAULTS, METHODS, TINY
+from ctuq.studies.walnut import DEFAULTS, METHODS
+from ctuq.studies.walnut import TINY as TINY_OPTIONS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walnut_study.py"
-SETTINGS = (4, 8)  # the --tiny angle counts
+# --tiny with one of its two angle counts (4 and 8): one setting shows every per-setting file and row, in half the time
+SETTINGS = (8,)
+TINY = ["--tiny", "--settings", *map(str, SETTINGS), "--no-progress"]
 
 
 def _load_script():
@@ -32,19 +35,19 @@ study = _load_script()
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def study_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
     threads = torch.get_num_threads()
     # One thread: the tiny problem gains nothing from two, and a second thread slows it down several-fold when
     # other jobs share the cores. The study restores the caller's thread count.
-    rc = study.main(["--tiny", "--out", str(out), "--no-progress", "--threads", "1"])
+    rc = study.main([*TINY, "--out", str(out), "--threads", "1"])
     assert rc == 0
     assert torch.get_num_threads() == threads
     return out
 
 
-def test_tiny_study_writes_every_file(tiny_run):
-    out = tiny_run
+def test_tiny_study_writes_every_file(study_run):
+    out = study_run
     for name in ("results.json", "results.md", "study.json", "scan/ctuq_simulation.json"):
         assert (out / name).is_file(), name
     for n in SETTINGS:
@@ -63,15 +66,15 @@ def test_tiny_study_writes_every_file(tiny_run):
             assert not list((sdir / method).glob("uq_*")), (n, method)
 
 
-def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
-    res = json.loads((tiny_run / "results.json").read_text())
+def test_table_has_every_method_and_setting_with_finite_numbers(study_run):
+    res = json.loads((study_run / "results.json").read_text())
     rows = res["table"]
     assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in METHODS]
     expected_samples = {
-        "linearised_sampled": TINY["samples"],
-        "linearised_exact": TINY["exact_samples"],
-        "linearised_tv_predcp": TINY["exact_samples"],
-        "mc_dropout": TINY["mc_passes"],
+        "linearised_sampled": TINY_OPTIONS["samples"],
+        "linearised_exact": TINY_OPTIONS["exact_samples"],
+        "linearised_tv_predcp": TINY_OPTIONS["exact_samples"],
+        "mc_dropout": TINY_OPTIONS["mc_passes"],
     }
     for r in rows:
         assert r["status"] == "done", r
@@ -92,16 +95,16 @@ def test_table_has_every_method_and_setting_with_finite_numbers(tiny_run):
         assert sampled["solver"] == "cg" and exact["solver"] == "exact"
         assert s["methods"]["mc_dropout"]["summary"]["centering"] == "empirical"
         assert len(sampled["summary"]["joint_ll"]) == 10
-    md = (tiny_run / "results.md").read_text()
+    md = (study_run / "results.md").read_text()
     for n in SETTINGS:
         for label in METHODS.values():
             assert f"| {n} | {label} |" in md
 
 
-def test_rerun_skips_finished_parts(tiny_run, capsys):
-    before = {p: p.stat().st_mtime_ns for p in tiny_run.glob("angles_*/*/metrics.json")}
-    table = json.loads((tiny_run / "results.json").read_text())["table"]
-    assert study.main(["--tiny", "--out", str(tiny_run), "--no-progress"]) == 0
+def test_rerun_skips_finished_parts(study_run, capsys):
+    before = {p: p.stat().st_mtime_ns for p in study_run.glob("angles_*/*/metrics.json")}
+    table = json.loads((study_run / "results.json").read_text())["table"]
+    assert study.main([*TINY, "--out", str(study_run)]) == 0
     log = capsys.readouterr().err
     assert "reusing the simulated scan" in log
     assert log.count("skipping the DIP fit") == len(SETTINGS)
@@ -109,14 +112,14 @@ def test_rerun_skips_finished_parts(tiny_run, capsys):
     for label in METHODS.values():
         assert log.count(f"skipping {label} for") == len(SETTINGS), label
     assert "fitting" not in log
-    assert {p: p.stat().st_mtime_ns for p in tiny_run.glob("angles_*/*/metrics.json")} == before
-    assert json.loads((tiny_run / "results.json").read_text())["table"] == table
+    assert {p: p.stat().st_mtime_ns for p in study_run.glob("angles_*/*/metrics.json")} == before
+    assert json.loads((study_run / "results.json").read_text())["table"] == table
 
 
-def test_dip_model_files_are_versioned_and_version_0_files_still_resume(tiny_run, capsys):
+def test_dip_model_files_are_versioned_and_version_0_files_still_resume(study_run, capsys):
     # A study folder written before the versioned model file: dip_model.pt as the old study wrote it (no format
     # or version; summary and reconstruction beside the weights). A rerun must load it rather than refit.
-    sdir = tiny_run / f"angles_{SETTINGS[0]}"
+    sdir = study_run / f"angles_{SETTINGS[0]}"
     paths = [sdir / "dip_model.pt", sdir / "mc_dropout" / "dip_model.pt"]
     for path in paths:
         mf = read_model_file(path, need_input=True)
@@ -138,7 +141,7 @@ def test_dip_model_files_are_versioned_and_version_0_files_still_resume(tiny_run
     mc_metrics = sdir / "mc_dropout" / "metrics.json"
     before = json.loads(mc_metrics.read_text())
     mc_metrics.unlink()
-    assert study.main(["--tiny", "--out", str(tiny_run), "--no-progress", "--threads", "1"]) == 0
+    assert study.main([*TINY, "--out", str(study_run), "--threads", "1"]) == 0
     log = capsys.readouterr().err
     assert "fitting" not in log
     assert log.count("skipping the DIP fit") == len(SETTINGS)
@@ -148,14 +151,14 @@ def test_dip_model_files_are_versioned_and_version_0_files_still_resume(tiny_run
         assert after[key] == before[key], key
 
 
-def test_other_options_in_the_same_folder_are_refused(tiny_run, capsys):
-    assert study.main(["--tiny", "--out", str(tiny_run), "--dropout", "0.1", "--no-progress"]) == 2
+def test_other_options_in_the_same_folder_are_refused(study_run, capsys):
+    assert study.main([*TINY, "--out", str(study_run), "--dropout", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "other options" in err and "dropout: 0.05 there, 0.1 now" in err
 
 
-def test_bad_input_is_named(tiny_run, tmp_path, capsys):
-    scan = tiny_run / "scan"  # 33 projection files: 32 distinct angles
+def test_bad_input_is_named(study_run, tmp_path, capsys):
+    scan = study_run / "scan"  # 33 projection files: 32 distinct angles
     assert study.main(["--tiny", "--data", str(scan), "--settings", "5", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     assert "5 angles" in err and "32 distinct angles" in err and "[1, 2, 4, 8, 16, 32]" in err

@@ -90,16 +90,12 @@ def gprior_scales(
     *,
     method: str = "exact",
     n_features: int | None = None,
-    n_probes: int = 256,
-    chunk_size: int = 64,
-    generator: torch.Generator | None = None,
-    seed: int = 0,
     zero_norm_value: float = 0.0,
     zero_tol: float = 0.0,
     floor: float = 0.0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    progress: bool = False,
+    **options,
 ) -> torch.Tensor:
     """g-prior scales ``s_i = 1/‖A_{:,i}‖`` ``(d,)`` (dtype ``dtype``) for ``A = L Φ``, or ones.
 
@@ -114,31 +110,20 @@ def gprior_scales(
         ``c`` VJPs, ``n_probes`` VJPs, or none (``s = 1``; needs ``n_features``).
     n_features : int, optional
         ``d``; required for ``"isotropic"``, checked against the products otherwise.
-    n_probes, chunk_size, generator, seed, progress
-        See :func:`column_sq_norms`.
     zero_norm_value, zero_tol
         Treatment of zero columns (module docstring).
     floor : float
         ``δ ≥ 0``, the ridge of :func:`scales_from_sq_norms` (default 0: the plain g-prior).
     dtype, device
         Of the probes and of the returned scales.
+    **options
+        ``n_probes``, ``chunk_size``, ``generator``, ``seed``, ``progress`` of :func:`column_sq_norms`.
     """
     if method == "isotropic":
         return isotropic_scales(n_features, dtype=dtype, device=device)  # type: ignore[arg-type]
     if A_rmatvec is None or n_rows is None:
         raise ValueError(f"gprior_scales: method {method!r} needs A_rmatvec and n_rows")
-    sq = column_sq_norms(
-        A_rmatvec,
-        n_rows,
-        method=method,
-        n_probes=n_probes,
-        chunk_size=chunk_size,
-        generator=generator,
-        seed=seed,
-        dtype=dtype,
-        device=device,
-        progress=progress,
-    )
+    sq = column_sq_norms(A_rmatvec, n_rows, method=method, dtype=dtype, device=device, **options)
     if n_features is not None and sq.numel() != n_features:
         raise ValueError(f"gprior_scales: A_rmatvec returned {sq.numel()} columns but n_features={n_features}")
     return scales_from_sq_norms(sq, zero_norm_value, zero_tol, floor).to(dtype=dtype, device=torch.device(device))

@@ -51,11 +51,8 @@ to machine precision, above, it is the all-ones matrix (rank one; a jitter of ``
 Nothing here is CT: the image shape and the map ``Φ`` from weights to network outputs are passed in
 (:meth:`TVPredCPPrior.prepare` takes the image shape and the rate ``λ = scale / TV(g(ṽ))`` from the network output).
 
-**The type-II MAP** of the hyperparameters: log marginal likelihood plus the TV-PredCP hyperprior, with
-log-determinant gradients by preconditioned CG and Hutchinson probes (thesis Algorithm 5).
-
-The linearised model with the block prior ``v = L(θ) w``, ``w ~ N(0, a⁻¹ I)`` has the
-measurement covariance ``C(θ) = Ψ₀ L Lᵀ Ψ₀ᵀ / a + σ² I`` (``Ψ₀`` whitened where the noise is per-ray) and the
+**The type-II MAP**, with log-determinant gradients by preconditioned CG and Hutchinson probes (thesis Algorithm 5):
+with the measurement covariance ``C(θ) = Ψ₀ L Lᵀ Ψ₀ᵀ / a + σ² I`` (``Ψ₀`` whitened where the noise is per-ray) the
 objective
 
     J(θ, σ²) = log N(ỹ; 0, C) + Σ_b log p_TV(t_b),
@@ -103,7 +100,6 @@ from ctuq.utils import atomic_path
 from ctuq.utils import progress as _progress_bar
 
 __all__ = [
-    "PriorError",
     "PriorBlock",
     "TVPredCPPrior",
     "block_layout",
@@ -236,6 +232,12 @@ def _check_positive(value, what: str) -> float:
     return v
 
 
+def _check_int(value, what: str, kind: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise PriorError(f"{what} must be {kind}, got {value!r}")
+    return int(value)
+
+
 def _image_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
     out = tuple(int(s) for s in shape)
     if not out or min(out) < 2:
@@ -264,10 +266,8 @@ class TVPredCPPrior(WeightPrior):
     block_of : callable, optional
         Parameter name → block key (default :func:`default_block_name`).
     **options
-        The fields of :class:`TVPredCPPrior.Options` (the ``uq.tv_predcp`` section): ``scale``, ``steps``,
-        ``optimizer`` (the type-II MAP's, :func:`fit_block_prior`), ``tol``, ``max_step``, ``lr``, ``probes``,
-        ``tv_samples``, ``lengthscale`` and ``variance`` (the initial ``ℓ_b``, tap spacings, and ``σ²_b`` of every
-        block), ``precond_rank``.
+        The fields of :class:`TVPredCPPrior.Options` (the ``uq.tv_predcp`` section; the type-II MAP's are
+        :func:`fit_block_prior`'s).
 
     Attributes
     ----------
@@ -360,18 +360,18 @@ class TVPredCPPrior(WeightPrior):
                 f"got {ell}"
             )
         var = _check_positive(opts.variance, "uq.tv_predcp.variance")
-        steps, probes, tv_samples = opts.steps, opts.probes, opts.tv_samples
-        for value, what in ((steps, "steps"), (probes, "probes"), (tv_samples, "tv_samples")):
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if what == "steps" else 1):
-                raise PriorError(f"uq.tv_predcp.{what} must be an int >= {0 if what == 'steps' else 1}, got {value!r}")
-        precond_rank = opts.precond_rank
-        for value, what in (
-            (precond_rank, "uq.tv_predcp.precond_rank"),
-            (precond_every, "TVPredCPPrior: precond_every"),
-            (cg_max_iter, "TVPredCPPrior: cg_max_iter"),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PriorError(f"{what} must be a positive int, got {value!r}")
+        self.steps, self.probes, self.tv_samples = (
+            _check_int(getattr(opts, k), f"uq.tv_predcp.{k}", f"an int >= {low}", low)
+            for k, low in (("steps", 0), ("probes", 1), ("tv_samples", 1))
+        )
+        self.precond_rank, self.precond_every, self.cg_max_iter = (
+            _check_int(value, what, "a positive int", 1)
+            for value, what in (
+                (opts.precond_rank, "uq.tv_predcp.precond_rank"),
+                (precond_every, "TVPredCPPrior: precond_every"),
+                (cg_max_iter, "TVPredCPPrior: cg_max_iter"),
+            )
+        )
         self.lr = _check_positive(opts.lr, "uq.tv_predcp.lr")
         self.tol = _check_positive(opts.tol, "uq.tv_predcp.tol")
         self.max_step = _check_positive(opts.max_step, "uq.tv_predcp.max_step")
@@ -383,19 +383,13 @@ class TVPredCPPrior(WeightPrior):
         self.param_shapes = {str(k): tuple(int(s) for s in v) for k, v in param_shapes.items()}
         self.blocks = block_layout(self.param_shapes, block_of)
         self.d = sum(b.n_weights for b in self.blocks)
-        self.steps, self.probes, self.tv_samples = int(steps), int(probes), int(tv_samples)
-        self.precond_rank, self.precond_every, self.cg_max_iter = (
-            int(precond_rank),
-            int(precond_every),
-            int(cg_max_iter),
-        )
         self.matern = [i for i, b in enumerate(self.blocks) if b.kind == MATERN]
         self.log_lengthscale = torch.full((len(self.matern),), math.log(ell), dtype=torch.float64)
         self.log_variance = torch.full((len(self.blocks),), math.log(var), dtype=torch.float64)
         self.dist = tap_distances(3)
         self.trace: list[dict] = []
         self.convergence: dict = {}
-        self.fitted = int(steps) == 0
+        self.fitted = self.steps == 0
         self.image_map: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.output_tv: float | None = None
         # (start, stop, block index) of every segment in flat order: L is applied segment by segment
@@ -1092,7 +1086,7 @@ def variance_floor(prior: TVPredCPPrior, g_var: torch.Tensor, *, a: float, sigma
     return torch.log(VARIANCE_FLOOR * a * sigma2 * g_var / n)
 
 
-def _record(prior, info, hp, details, s2, g, *, phase, scale, change, evaluations, t0) -> dict:
+def _record(prior, info, hp, details, s2, g, phase, scale, change, evaluations, t0) -> dict:
     return {
         "phase": phase,
         "lengthscale": prior.log_lengthscale.exp().tolist(),
@@ -1134,38 +1128,17 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
         oracle.since *= scale
         change = max(abs(math.log(scale)), abs(math.log(s2_new / s2)))
         prior.set_theta(theta)
-        emit(
-            _record(
-                prior,
-                info,
-                hp,
-                details,
-                s2_new,
-                g[:n],
-                phase="mackay",
-                scale=scale,
-                change=change,
-                evaluations=1,
-                t0=t0,
-            )
-        )
+        emit(_record(prior, info, hp, details, s2_new, g[:n], "mackay", scale, change, 1, t0))
         s2 = s2_new
         steps += 1
         if change < 0.1:
             break
     # (2) projected L-BFGS on x = (θ[, log σ²])
+    f64 = torch.float64
     lo = torch.cat(
-        [
-            torch.full((m,), math.log(LENGTHSCALE_MIN), dtype=torch.float64),
-            variance_floor(prior, g_var, a=a, sigma2=s2),
-        ]
+        [torch.full((m,), math.log(LENGTHSCALE_MIN), dtype=f64), variance_floor(prior, g_var, a=a, sigma2=s2)]
     )
-    hi = torch.cat(
-        [
-            torch.full((m,), math.log(LENGTHSCALE_MAX), dtype=torch.float64),
-            torch.full((n - m,), math.inf, dtype=torch.float64),
-        ]
-    )
+    hi = torch.cat([torch.full((m,), math.log(LENGTHSCALE_MAX), dtype=f64), torch.full((n - m,), math.inf, dtype=f64)])
     if learn_noise:
         lo, hi = torch.cat([lo, torch.tensor([-math.inf])]), torch.cat([hi, torch.tensor([math.inf])])
 
@@ -1215,21 +1188,7 @@ def _fit_lbfgs(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> floa
         theta, s2 = split(x)
         prior.set_theta(theta)
         gfree = torch.where(~(((x <= lo) & (g < 0)) | ((x >= hi) & (g > 0))), g, torch.zeros_like(g))
-        emit(
-            _record(
-                prior,
-                info,
-                hp,
-                details,
-                s2,
-                gfree,
-                phase="lbfgs",
-                scale=1.0,
-                change=float(s_vec.abs().max()),
-                evaluations=evaluations,
-                t0=t0,
-            )
-        )
+        emit(_record(prior, info, hp, details, s2, gfree, "lbfgs", 1.0, float(s_vec.abs().max()), evaluations, t0))
         steps += 1
         recent = prior.trace[-CONVERGENCE_PATIENCE:]
         if all(r["phase"] == "lbfgs" for r in recent) and _convergence(recent, prior.tol)["converged"]:
@@ -1289,7 +1248,7 @@ def _fit_adam(prior, oracle, *, a, sigma2, c, learn_noise, g_var, emit) -> float
         x = prior.theta()  # lengthscales clipped to their range
         change = max(float((x - old).abs().max()), abs(math.log(s2_new / s2)))
         s2 = s2_new
-        emit(_record(prior, info, hp, details, s2, g, phase="adam", scale=scale, change=change, evaluations=1, t0=t0))
+        emit(_record(prior, info, hp, details, s2, g, "adam", scale, change, 1, t0))
         if _convergence(prior.trace, prior.tol)["converged"]:
             break
     return s2

@@ -47,8 +47,8 @@ from ctuq.inference.solvers.registry import (
 # isort: off
 from ctuq.inference.solvers.exact import ExactDualSolver, ExactEigSolver, ExactPrimalSolver
 from ctuq.inference.solvers.cg import CGSolver, pcg
-from ctuq.inference.solvers.sdd import SDD_DEFAULTS, SDDSolver
-from ctuq.inference.solvers.sgd import SGD_DEFAULTS, SGDSolver
+from ctuq.inference.solvers.sdd import SDDSolver
+from ctuq.inference.solvers.sgd import SGDSolver
 # isort: on
 
 from ctuq.inference.solvers.first_order import FirstOrderSolver, lanczos_top_eigenvalue
@@ -87,9 +87,7 @@ __all__ = [
     "CGSolver",
     "pcg",
     "SDDSolver",
-    "SDD_DEFAULTS",
     "SGDSolver",
-    "SGD_DEFAULTS",
     "FirstOrderSolver",
     "lanczos_top_eigenvalue",
     "LowRankEig",

@@ -86,7 +86,8 @@ class SolverCostEstimate:
 
     ``jvp``/``vjp``: Jacobian products; ``dense_flops``: dense linear algebra; ``memory_bytes``: peak extra
     memory of the solver; ``seconds``: ``jvp·t_jvp + vjp·t_vjp + dense_flops/flop_rate``; ``feasible``: fits the
-    memory budget.
+    memory budget; ``t_jvp``/``t_vjp``: the seconds per product (per sample) the estimate used (measured on this
+    machine by :func:`choose_solver`), so that a front end can add the products it spends beside the solver's.
     """
 
     solver: str
@@ -96,6 +97,8 @@ class SolverCostEstimate:
     memory_bytes: float
     seconds: float
     feasible: bool
+    t_jvp: float = 0.0
+    t_vjp: float = 0.0
 
 
 def cost_estimate(
@@ -120,6 +123,8 @@ def cost_estimate(
         float(memory_bytes),
         jvp * t_jvp + vjp * t_vjp + dense_flops / flop_rate,
         memory_bytes <= memory_budget,
+        float(t_jvp),
+        float(t_vjp),
     )
 
 
@@ -175,34 +180,37 @@ def estimate_solver_costs(
     return out
 
 
-def _measure_rates(features: FeatureOperator) -> tuple[float, float, float]:
-    """(seconds per JVP, seconds per VJP, dense flops/s) measured with a few products and one GEMM."""
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    """The median wall time of ``repeats`` calls of ``fn()`` (synchronised on CUDA): robust to a call that a busy
+    machine delayed."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _measure_rates(features: FeatureOperator, batch: int = 8, repeats: int = 3) -> tuple[float, float, float]:
+    """(seconds per JVP, seconds per VJP, dense flops/s) measured on this machine: ``batch`` products of each kind
+    (per sample, after one warm-up that pays the tracing and allocation), and a 768² float64 GEMM; each the median
+    of ``repeats`` timings."""
     dev = features.device
-    B = 4
-    W = torch.zeros((B, features.n_features), dtype=features.dtype, device=dev)
-    R = torch.zeros((B, features.n_outputs), dtype=features.dtype, device=dev)
+    W = torch.zeros((batch, features.n_features), dtype=features.dtype, device=dev)
+    R = torch.zeros((batch, features.n_outputs), dtype=features.dtype, device=dev)
     features.matvec(W[:1])  # warm-up (tracing, allocation)
     features.rmatvec(R[:1])
-    ts = []
-    for fn, X in ((features.matvec, W), (features.rmatvec, R)):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn(X)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        ts.append((time.perf_counter() - t0) / B)
-    m = 512
+    t_jvp = _median_seconds(lambda: features.matvec(W), repeats, dev) / batch
+    t_vjp = _median_seconds(lambda: features.rmatvec(R), repeats, dev) / batch
+    m = 768
     A = torch.randn((m, m), dtype=torch.float64, device=dev)
     A @ A
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    A @ A
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    flop_rate = 2.0 * m**3 / max(time.perf_counter() - t0, 1e-9)
-    return ts[0], ts[1], flop_rate
+    flop_rate = 2.0 * m**3 / max(_median_seconds(lambda: A @ A, repeats, dev), 1e-9)
+    return t_jvp, t_vjp, flop_rate
 
 
 def choose_solver(
@@ -218,9 +226,9 @@ def choose_solver(
     (:func:`estimate_solver_costs`; when none fits the memory budget, the one needing the least memory). ``name`` is
     an estimate's key (``"exact"`` for the exact family, see :func:`resolve_solver`).
 
-    Product times and the dense flop rate are measured (4 products of each kind, one 512² GEMM; counted by the
-    features' counters) unless given. ``memory_budget`` (bytes) defaults to the
-    :attr:`~ctuq.memory.Budget.SOLVER_CHOICE` budget of the features' device.
+    Product times and the dense flop rate are measured (:func:`_measure_rates`: 8 products of each kind and a 768²
+    GEMM, medians of 3; the products are counted by the features' counters) unless given. ``memory_budget``
+    (bytes) defaults to the :attr:`~ctuq.memory.Budget.SOLVER_CHOICE` budget of the features' device.
     """
     if t_jvp is None or t_vjp is None or flop_rate is None:
         mj, mv, mf = _measure_rates(features)

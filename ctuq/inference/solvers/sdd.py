@@ -53,7 +53,7 @@ from ctuq.options import option
 from ctuq.registry import SOLVERS
 from ctuq.utils import derived_seed_words
 
-__all__ = ["SDDSolver", "SDD_DEFAULTS"]
+__all__ = ["SDDSolver"]
 
 
 @SOLVERS.register
@@ -240,10 +240,3 @@ class SDDSolver(FirstOrderSolver):
         return cost_estimate(
             "sdd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
         )
-
-
-SDD_DEFAULTS = {
-    k: getattr(SDDSolver.Options, k) for k in ("step_size", "momentum", "batch_size", "max_iter", "rtol", "averaging")
-}
-"""Defaults of :class:`SDDSolver` (read from :class:`SDDSolver.Options`; ``averaging=None``: the published
-``χ = 100/max_iter``)."""

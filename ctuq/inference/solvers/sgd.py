@@ -58,7 +58,7 @@ from ctuq.inference.solvers.first_order import FirstOrderOptions, FirstOrderSolv
 from ctuq.options import LRDecay, option, values
 from ctuq.registry import SOLVERS
 
-__all__ = ["SGDSolver", "SGD_DEFAULTS"]
+__all__ = ["SGDSolver"]
 
 
 @SOLVERS.register
@@ -221,9 +221,3 @@ class SGDSolver(FirstOrderSolver):
         return cost_estimate(
             "sgd", jvp, vjp, flops, mem, t_jvp=t_jvp, t_vjp=t_vjp, flop_rate=flop_rate, memory_budget=memory_budget
         )
-
-
-SGD_DEFAULTS = {
-    k: getattr(SGDSolver.Options, k) for k in ("lr", "momentum", "max_iter", "rtol", "lr_decay", "clip", "check_every")
-}
-"""Defaults of :class:`SGDSolver` (read from :class:`SGDSolver.Options`)."""

@@ -21,8 +21,6 @@ from ctuq.inference.priors.tv_predcp import (
     variance_floor,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _problem(c=60, seed=0):
     """The shared toy problem (tests/tv_toy.py) with ``c`` rows."""
@@ -129,8 +127,10 @@ def test_mll_gradient_refuses_probes_of_the_wrong_shape():
 
 
 def test_a_fixed_noise_stays_fixed_and_the_fit_still_converges():
+    """learn_noise=False: σ² stays at its value through the whole fit, which still meets its criterion within the
+    budget (16 probes, seed 0: 17 steps; the default 8 probes took 61 steps and ~10 s for the same check)."""
     Phi, Psi0, y = _problem()
-    p = TVPredCPPrior(SHAPES, image_shape=IMAGE, rate=0.05, steps=100, tv_samples=16, precond_rank=8)
+    p = TVPredCPPrior(SHAPES, image_shape=IMAGE, rate=0.05, steps=100, probes=16, tv_samples=16, precond_rank=8)
     s2 = fit_block_prior(
         p, DenseFeatures(Psi0), y, a=2.0, sigma2=0.05, image_map=lambda W: W @ Phi.T, learn_noise=False
     )

@@ -17,8 +17,6 @@ from ctuq.inference.priors import TVPredCPPrior
 from ctuq.inference.priors.tv_predcp import mll_gradient, tap_grams, tv_predcp_terms
 from ctuq.testing import FeatureContract
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _problem(c=24, seed=0):
     """The shared toy problem (tests/tv_toy.py) with ``c`` rows."""

@@ -18,8 +18,6 @@ from ctuq.linearize import default_linearized_parameters
 from ctuq.models import build_unet
 from ctuq.registry import PRIORS
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _prior(**kw):
     p = TVPredCPPrior(SHAPES, image_shape=IMAGE, **kw)
