@@ -1,6 +1,7 @@
 # Two commands on a fresh clone (README "Quick start"):
 #   make demo    set up .venv once, then reconstruct the bundled scan with uncertainty (prints the run folder)
 #   make test    set up .venv once, then ruff (lint, format check) and the test suite; CI runs this (.ci/run)
+#   make test-fast   the tests not marked slow (every package, about a minute): while you work
 # The work is in scripts/dev.sh (also usable without make: `bash scripts/dev.sh demo|test`). Options:
 #   make demo OUT=runs/mine DEMO_ARGS=--no-uq      make test PYTEST_ARGS="-x tests/data"
 #   CTUQ_SKIP_INSTALL=1 (use .venv as it is), PYTHON, VENV, TORCH_SPEC, TORCH_PIP_ARGS (see scripts/dev.sh)
@@ -8,11 +9,12 @@
 SHELL := /bin/bash
 export OUT DEMO_ARGS PYTEST_ARGS PYTHON VENV TORCH_SPEC TORCH_PIP_ARGS CTUQ_SKIP_INSTALL
 
-.PHONY: help setup demo test
+.PHONY: help setup demo test test-fast
 
 help:
 	@echo "make demo    set up .venv (once) and run the demo: ctuq reconstruct --config demo"
 	@echo "make test    set up .venv (once), lint and run the tests (what CI runs)"
+	@echo "make test-fast  set up .venv (once) and run the fast tests (every package, about a minute)"
 	@echo "make setup   set up .venv only (python3 -m venv; pip install torch==2.13.0; pip install -e \".[test]\")"
 
 setup:
@@ -23,3 +25,6 @@ demo:
 
 test:
 	bash scripts/dev.sh test
+
+test-fast:
+	bash scripts/dev.sh test-fast

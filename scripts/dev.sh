@@ -4,6 +4,7 @@
 #
 #   bash scripts/dev.sh demo     # set up, then `ctuq reconstruct --config demo` into a new run folder
 #   bash scripts/dev.sh test     # set up, then ruff (lint + format check) and the test suite
+#   bash scripts/dev.sh test-fast   # set up, then the tests not marked slow (every package, about a minute)
 #   bash scripts/dev.sh setup    # set up only
 #
 # Set-up is README's three commands: `python3 -m venv .venv`, `pip install torch==2.13.0`, `pip install -e
@@ -102,12 +103,20 @@ run_tests() {
     python -m pytest -q ${PYTEST_ARGS:-}
 }
 
+run_fast_tests() {
+    setup
+    say "fast tests: python -m pytest -q -m 'not slow' ${PYTEST_ARGS:-} (the whole suite: make test)"
+    # shellcheck disable=SC2086
+    python -m pytest -q -m "not slow" ${PYTEST_ARGS:-}
+}
+
 case "${1:-}" in
 setup) setup ;;
 demo) demo ;;
 test) run_tests ;;
+test-fast) run_fast_tests ;;
 *)
-    echo "usage: bash scripts/dev.sh setup|demo|test   (or: make setup|demo|test)" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|test-fast   (or: make setup|demo|test|test-fast)" >&2
     exit 2
     ;;
 esac

@@ -238,6 +238,7 @@ def test_out_that_cannot_be_written_is_found_by_a_probe_write(tiny_scan, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------ --debug
+@pytest.mark.slow
 def test_debug_flag_and_environment_show_the_traceback(tiny_scan, tmp_path, monkeypatch, capsys):
     f = tmp_path / "afile"
     f.write_text("x")

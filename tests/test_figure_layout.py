@@ -63,6 +63,7 @@ def _images(seed=0, n=64):
     return gt, rec, std
 
 
+@pytest.mark.slow
 def test_image_figures_have_units_a_named_region_and_nothing_clipped(tmp_path, drawn):
     gt, rec, std = _images()
     roi = (slice(8, 56), slice(8, 56))
@@ -95,6 +96,7 @@ def _colorbars(fig: Figure):
     return [ax._colorbar for ax in fig.axes if getattr(ax, "_colorbar", None) is not None]
 
 
+@pytest.mark.slow
 def test_curve_figures_have_units_legends_off_the_curves_and_nothing_clipped(tmp_path, drawn):
     gt, rec, std = _images()
     levels = np.round(np.arange(0.05, 1.0, 0.05), 2)

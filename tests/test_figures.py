@@ -80,6 +80,7 @@ def test_uq_comparison_has_one_row_per_method_on_common_scales(tmp_path, capture
     assert len(clims) == 1  # every |error| and std panel of every method on one scale
 
 
+@pytest.mark.slow
 def test_calibration_joint_ll_error_vs_std_and_em_trace_write_pngs(tmp_path):
     rec, err, std, gt = _maps()
     lv, cov = M.coverage(gt, rec, std)

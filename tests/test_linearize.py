@@ -69,6 +69,7 @@ def unet_case():
     return model, x, net, _jacobian(net)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["linearize", "recompute"])
 def test_products_match_assembled_jacobian(unet_case, mode):
     model, x, net, J = unet_case
@@ -87,6 +88,7 @@ def test_products_match_assembled_jacobian(unet_case, mode):
     assert net.n_jvp == net.n_vjp == 0
 
 
+@pytest.mark.slow
 def test_jvp_basis_gives_scaled_jacobian_columns_across_parameter_boundaries(unet_case):
     """``jvp_basis``: the columns ``start … stop − 1`` of the reverse-mode Jacobian times ``values``, over a range
     that spans several parameter tensors (per-tensor tangents, untraced), counted as JVPs; equal to the general
@@ -270,6 +272,7 @@ class _InsideFunction(torch.autograd.Function):
         return None, None
 
 
+@pytest.mark.slow
 def test_first_jvp_traced_inside_an_autograd_function_is_correct(unet_case):
     # Regression: forward-mode AD is off inside Function.forward, and a linearisation traced there was all zero.
     model, x, _, J = unet_case
@@ -297,6 +300,7 @@ def test_a_wrong_trace_is_detected_and_replaced(unet_case, monkeypatch):
     assert net.jvp_impl == "jvp"
 
 
+@pytest.mark.slow
 def test_float32_matches_float64():
     model64, x64 = _tiny_unet()
     model32 = build_unet("tiny")

@@ -68,6 +68,7 @@ def script_help():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", SCRIPTS)
 def test_every_script_line_names_a_script_and_its_options(line, script_help):
     words = shlex.split(line)

@@ -47,6 +47,7 @@ def _run(env_extra: dict) -> tuple[bool, int]:
     return tuned == "True", int(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _glibc(), reason="glibc's mallopt only")
 def test_tune_malloc_keeps_freed_memory_and_honours_opt_out():
     tuned, faults = _run({})

@@ -170,7 +170,7 @@ class BiasModel(CalibrationMethod):
         }
 
     def describe(self) -> str:
-        return f"sqrt(std² + τ² M), τ = {self.tau:.3g}"
+        return f"sqrt(std² + τ² M), τ = {self.tau:.3g} mm⁻¹"
 
     def log_line(self) -> str:
         return (

@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "examples:\n"
-            "  ctuq reconstruct --no-uq                       # bundled demo scan, CPU, ~75 s\n"
+            "  ctuq reconstruct --no-uq                   # bundled demo scan, CPU, ~45 s (with uncertainty ~85 s)\n"
             "  ctuq reconstruct --config walnut_2d_60 --data /data/Walnut1 --device cuda\n"
             "  ctuq reconstruct --set dip.iterations=300 --set tv.enabled=true --out runs/quick\n"
             "  ctuq reconstruct --resume --out runs/quick     # continue an interrupted run\n"

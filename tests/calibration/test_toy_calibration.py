@@ -15,6 +15,9 @@ from ctuq.pipeline import run_folder as rf
 from ctuq.registry import CALIBRATIONS
 from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
 
+# the module needs the shared finished run (~10 s): left out of `make test-fast`
+pytestmark = pytest.mark.slow
+
 
 class FloorCalibration(CalibrationMethod):
     """The posterior std raised to at least a floor ``f``: the held-out rows' variance beyond the posterior's

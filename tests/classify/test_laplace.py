@@ -286,6 +286,7 @@ def test_exact_em_reaches_the_dense_fixed_point_and_evidence(tiny, ref):
     assert abs(up - down) / (2 * eps) < 1e-4 * abs(ref.log_evidence(a_ref))
 
 
+@pytest.mark.slow
 def test_sampled_em_fluctuates_around_the_exact_fixed_point(tiny, ref):
     """CG solver, 64 samples per step: γ̂ has relative sd ≈ sqrt(2/(64·γ)) (γ ≈ 5 here: ≈ 8 %); the mean of 20
     steps' a lies within 10 % of the exact fixed point (seed 0)."""

@@ -12,6 +12,9 @@ from ctuq.data.simulate import SimulationParameters, simulate_scan
 from ctuq.data.source import log_count_variance
 from ctuq.data.walnut import read_walnut_slice
 
+# repeated simulated scans (~5 s): left out of `make test-fast`
+pytestmark = pytest.mark.slow
+
 N_REALISATIONS = 30
 
 

@@ -145,6 +145,7 @@ def test_the_simulator_writes_the_toy_layout_through_the_registry(tmp_path):
     assert np.array_equal(walnut.geometry.vectors, toy.geometry.vectors)
 
 
+@pytest.mark.slow
 def test_the_cli_simulates_and_reconstructs_the_toy_format(tmp_path, capsys):
     scan = tmp_path / "scan"
     assert main(["simulate", "--preset", "tiny", "--layout", "toy", "--out", str(scan), "--no-progress"]) == 0

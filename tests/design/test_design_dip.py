@@ -210,6 +210,7 @@ def test_study_image_runs_and_resumes(tmp_path):
     assert again["dip_ese"]["angles_deg"] == res["dip_ese"]["angles_deg"]
 
 
+@pytest.mark.slow
 def test_study_adds_a_reconstruction_method_at_the_recorded_angles(tmp_path):
     """A TV-only study rerun with --recon tv dip adds the DIP reconstructions to the finished results from the
     recorded angles and the same data — the numbers of a study run with both from the start — and leaves TV's

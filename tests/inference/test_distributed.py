@@ -136,6 +136,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         shutdown(clean=clean)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::ctuq.inference.ConvergenceWarning")
 def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(tmp_path):
     op, model, net_input, y = _problem()
@@ -181,6 +182,7 @@ def test_distributed_flag_without_torchrun_is_a_clear_error(tmp_path, monkeypatc
     assert "torchrun --nproc_per_node=N -m ctuq uq RUN_DIR" in err
 
 
+@pytest.mark.slow
 def test_torchrun_uq_command_matches_one_process(tiny_run_none, tmp_path):
     """`torchrun --nproc_per_node=2 -m ctuq uq RUN` (gloo) writes the metrics a single `ctuq uq RUN` writes."""
     one, two = (shutil.copytree(tiny_run_none, tmp_path / name) for name in ("one", "two"))

@@ -611,6 +611,7 @@ def test_solver_choice_by_cost():
 
 
 # ----------------------------------------------------------------------------------------------- float32 network
+@pytest.mark.slow
 def test_float32_network_pipeline_cg_matches_exact():
     from ctuq.inference.priors import gprior_scales
     from ctuq.linearize import LinearizedNetwork

@@ -88,6 +88,7 @@ def test_the_posterior_builds_it_by_name():
     assert post.summary()["prior"]["method"] == "layerwise"
 
 
+@pytest.mark.slow
 def test_the_uq_command_runs_it(tiny_run_none, tmp_path):
     out = shutil.copytree(tiny_run_none, tmp_path / "run")
     assert main(["uq", str(out), "--set", "uq.prior=layerwise", "--no-progress"]) == 0

@@ -105,6 +105,7 @@ def test_the_config_reads_the_registry_when_it_validates():
 
 
 # ------------------------------------------------------------------------------------------------ the command
+@pytest.mark.slow
 def test_the_uq_command_runs_it(tiny_run_none, tmp_path):
     run = shutil.copytree(tiny_run_none, tmp_path / "run")
     toy = ("uq.solver=toy_cholesky", "uq.toy_cholesky.jitter=0.0", "uq.samples=8", "uq.sample_chunk=8")

@@ -20,6 +20,7 @@ def _rows(tau: float, seed: int, m: int = 80000):
     return r, v, s2, w, groups
 
 
+@pytest.mark.slow
 def test_a_known_bias_std_is_recovered():
     """Seed 3, τ = 4e-3 mm⁻¹, 80000 rows: τ² w is 0.08–0.26 of a row's variance on the object's rows (as on the
     300-angle CT run), and the fit's s.e. of τ is ~2 % (curvature and bootstrap); the tolerance, 10 %, is 5 s.e.,

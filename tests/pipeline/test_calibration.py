@@ -96,6 +96,7 @@ class _Scaled:
             yield i, images * self.factor, ps
 
 
+@pytest.mark.slow
 def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
     state = restored_state(run)  # fitted_posterior resumes a temporary copy of the run's uq_state.pt
     cfg = state.cfg
@@ -123,6 +124,7 @@ def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
         assert again["scale"]["k"] == pytest.approx(1.0, rel=0.10)
 
 
+@pytest.mark.slow
 def test_calibration_heldout_rescales_std_and_keeps_the_evidence(run, tmp_path):
     copy = shutil.copytree(run, tmp_path / "recal")
     state = restored_state(copy, "uq.calibration=heldout")
@@ -256,6 +258,7 @@ def _count_noise_resolutions(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_after_loading_neither_the_uq_phase_nor_check_opens_the_scan(run, tiny_scan, tmp_path, monkeypatch):
     """The held-out rows come with the loaded problem: ``ctuq uq RUN`` whose scan disappears right after its load
     phase still makes its check (and resolves uq.noise once), and so does ``--check`` on its folder without

@@ -44,6 +44,7 @@ def design_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_design_end_to_end_writes_every_output(design_run):
     out = design_run
     rec = json.loads((out / "design.json").read_text())

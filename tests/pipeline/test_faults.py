@@ -138,6 +138,7 @@ class _FullDiskAt:
         self.committed[dst] = hashlib.sha256(dst.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, occurrence", [("fbp.tif", 1), ("dip_checkpoint.pt", 2), ("std.tif", 1)])
 def test_a_full_disk_during_a_run_gives_one_line_and_leaves_earlier_outputs_intact(
     name, occurrence, tiny_scan, tmp_path, monkeypatch, capsys

@@ -156,6 +156,7 @@ def _stopped(rc, capsys, signum, point, ckpt):
     return m.group(4)
 
 
+@pytest.mark.slow
 def test_run_interrupted_in_dip_em_and_prediction_resumes_bit_identically(
     reference, tiny_scan, tmp_path, monkeypatch, capsys
 ):
@@ -193,6 +194,7 @@ def test_run_interrupted_in_dip_em_and_prediction_resumes_bit_identically(
     _assert_same_results(reference, out)
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_real_process_then_resume(tiny_scan, tmp_path):
     """``python -m ctuq reconstruct`` stopped by SIGTERM during its DIP; the printed command resumes it in this
     process to the numbers of an uninterrupted run (same torch thread count in both processes)."""

@@ -47,6 +47,7 @@ def _snapshot(folder):
     }
 
 
+@pytest.mark.slow
 def test_a_second_process_is_refused_and_a_killed_holders_lock_is_taken_over(tiny_scan, tmp_path, capsys):
     run, scan = tmp_path / "run", tmp_path / "scan"
     run.mkdir()

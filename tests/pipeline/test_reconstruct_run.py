@@ -44,6 +44,7 @@ def test_refuses_to_overwrite_a_finished_run(tmp_path, capsys):
     assert "already holds a finished run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     res = subprocess.run(
         [sys.executable, "-m", "ctuq.cli", "reconstruct", "--set", "x=1"], capture_output=True, text=True, timeout=120
@@ -96,6 +97,7 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(tiny_run):
     assert std.shape == (32, 32) and std.dtype.name == "float32" and (std > 0).all()
 
 
+@pytest.mark.slow
 def test_uq_command_reruns_only_the_inference(tiny_run, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(tiny_run, out)
@@ -118,6 +120,7 @@ def test_uq_command_reruns_only_the_inference(tiny_run, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_does_not_refit(tiny_run, tiny_scan, tmp_path, capsys):
     # Resume a copy of the finished run: the DIP checkpoint is complete, so no iteration runs again.
     out = tmp_path / "copy"

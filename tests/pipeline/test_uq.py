@@ -73,6 +73,7 @@ def _std_reference(Phi, s, Psi, a, sigma2):
     return torch.sqrt(torch.einsum("ij,jk,ik->i", B, cov_w, B)) / SCALE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", ["exact", "cg"])
 def test_posterior_std_matches_the_dense_posterior(problem, solver):
     op, model, net_input, y = problem
@@ -106,6 +107,7 @@ def test_posterior_std_matches_the_dense_posterior(problem, solver):
         assert torch.allclose(res.mean, model(net_input)[0, 0] / SCALE, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dual_exact_route_and_gprior_scales_match_reference(problem):
     op, model, net_input, y = problem
     Phi, s, Psi, y_t = _reference(op, model, net_input, y)
@@ -181,6 +183,7 @@ def _interrupting_log(after: str):
     return log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", ["exact", "cg"])
 def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, monkeypatch, solver):
     op, model, net_input, y = problem
@@ -273,6 +276,7 @@ def _ray_variances(shape, seed=4):
     return 1e-4 * torch.exp(2.5 * torch.rand(shape, generator=g, dtype=torch.float64)).float()
 
 
+@pytest.mark.slow
 def test_per_ray_noise_reaches_the_diagonal_reference_fixed_point(problem):
     """uq.noise = per_ray: exact EM to convergence is MacKay's fixed point of the dense model with noise σ² D, D the
     variances normalised to mean 1 and the g-prior of the whitened features D^(−1/2) T Φ."""
@@ -317,6 +321,7 @@ def plain(problem):
     return _noise_run(problem, "homoscedastic", None)
 
 
+@pytest.mark.slow
 def test_homoscedastic_ignores_given_variances(problem, plain):
     given = _noise_run(problem, "homoscedastic", _ray_variances(problem[3].shape))
     assert plain.a == given.a and plain.sigma2 == given.sigma2 and torch.equal(plain.std, given.std)
@@ -325,6 +330,7 @@ def test_homoscedastic_ignores_given_variances(problem, plain):
     assert given.stats["noise"] == noise
 
 
+@pytest.mark.slow
 def test_auto_noise_is_per_ray_with_usable_variances_and_homoscedastic_otherwise(problem, plain):
     """uq.noise = auto (the default) gives bit for bit the run of the model it resolves to: per_ray with the scan's
     variances, homoscedastic without them or when one of them is unusable (a fallback, named in the stats)."""

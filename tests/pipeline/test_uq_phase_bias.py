@@ -79,6 +79,7 @@ def test_the_study_scores_bias_as_the_map_the_option_writes(run, biased):
     assert scores["k"] is None and scores["bias"] is None  # the bias entry compares with the posterior's map
 
 
+@pytest.mark.slow
 def test_the_default_auto_applies_bias_where_the_scan_has_unused_angles(run, biased, tmp_path):
     """``uq.calibration: auto`` (the default) is ``bias`` when the held-out check runs: the same std.tif as an
     explicit ``bias``, bit for bit, and metrics.json records the setting beside the mode it resolved to."""
@@ -91,6 +92,7 @@ def test_the_default_auto_applies_bias_where_the_scan_has_unused_angles(run, bia
     assert np.array_equal(tifffile.imread(copy / rf.STD_NAME), tifffile.imread(biased / rf.STD_NAME))
 
 
+@pytest.mark.slow
 def test_the_default_auto_is_none_without_unused_angles(biased, tmp_path):
     """Every angle used: no held-out check, so ``auto`` leaves the posterior's map (the bias run's
     std_uncalibrated.tif goes), with no warning. (Every 6th detector column keeps the run's 512 measurements.)"""
@@ -115,6 +117,7 @@ def test_auto_resolves_by_the_check_and_the_prior():
             assert resolve_calibration(value, checked=True, preferred=preferred) == value
 
 
+@pytest.mark.slow
 def test_tau_zero_leaves_the_posterior_std_bit_for_bit(run, tmp_path, monkeypatch):
     """τ = 0 (the fit found no room for a bias): ``std.tif`` is the posterior's, bit for bit, and so are its scores."""
     fit = BiasModel.fit

@@ -34,6 +34,7 @@ def problem():
     return op, model, net_input, y
 
 
+@pytest.mark.slow
 def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path):
     op, model, net_input, y = problem
     settings = UQSettings(

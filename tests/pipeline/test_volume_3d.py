@@ -77,6 +77,7 @@ def test_simulated_volume_and_its_errors():
         simulate_parallel_volume((4, 4, 4), noise=-1.0)
 
 
+@pytest.mark.slow
 def test_the_3d_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     """3D U-Net DIP → linearised inference over the volume (adaptive-rank CG, EM until a and σ² both settle) → 3D
     streaming statistics → std volume, 2D patch likelihoods per slice, orthogonal-slice figure, per-phase timings."""

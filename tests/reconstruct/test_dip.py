@@ -75,6 +75,7 @@ def problem():
     return parallel_problem()
 
 
+@pytest.mark.slow
 def test_dip_beats_fbp_on_tiny_phantom(problem):
     op, x, y, fbp = problem
     torch.manual_seed(0)

@@ -140,6 +140,7 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("calibration_study.py: ") and message in err[0]
 
 
+@pytest.mark.slow
 def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     """--tiny with one noise model (uq.noise is passed through to each run like any other axis; the per-ray
     combination's bookkeeping is in the test below): a walnut and a textured scan, every calibration scored."""

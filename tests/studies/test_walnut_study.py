@@ -18,6 +18,9 @@ from ctuq.studies import exact_decision
 from ctuq.studies.walnut import DEFAULTS, METHODS
 from ctuq.studies.walnut import TINY as TINY_OPTIONS
 
+# the whole module shares one tiny study run (~10 s): left out of `make test-fast`
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walnut_study.py"
 # --tiny with one of its two angle counts (4 and 8): one setting shows every per-setting file and row, in half the time
 SETTINGS = (8,)
