@@ -6,9 +6,10 @@ Modules
 :mod:`.base`
     :class:`CalibrationMethod` (fit on held-out rows, apply to a std map and to sample moments, report) and
     :func:`resolve_calibration` (what ``auto`` means for a run).
-:mod:`.none`, :mod:`.heldout`, :mod:`.bias`
+:mod:`.none`, :mod:`.heldout`, :mod:`.bias`, :mod:`.spatial`
     The built-in methods, one each: :class:`NoCalibration` (the posterior's map), :class:`HeldoutScale` (std × the
-    global scale ``k``), :class:`BiasModel` (``sqrt(std² + τ² M)``, a bias of std ``τ`` inside the object mask ``M``).
+    global scale ``k``), :class:`BiasModel` (``sqrt(std² + τ² M)``, a bias of std ``τ`` inside the object mask ``M``),
+    :class:`SpatialBias` (a bias shaped by the object, the edges and the disagreement with TV/FBP).
 :mod:`.check`
     :func:`run_heldout_check` (posterior samples projected onto the held-out rows ``T_h``) and :class:`HeldoutRows`
     (the per-row arrays, scored by :func:`ctuq.metrics.heldout.heldout_check`).
@@ -24,14 +25,22 @@ phase (:mod:`ctuq.pipeline.uq_phase`) and the calibration study (:mod:`ctuq.stud
 
 # isort: off
 # the registration order of the built-in methods (CALIBRATIONS, metrics.json, the calibration figure): none, heldout,
-# bias
+# bias, spatial
 from ctuq.calibration.base import AUTO, NONE, CalibrationMethod, resolve_calibration
 from ctuq.calibration.none import NoCalibration
 from ctuq.calibration.heldout import HeldoutScale, joint_ll_at_scale, scaled_moments
 from ctuq.calibration.bias import BiasModel, bias_weight, biased_moments, object_mask
+from ctuq.calibration.spatial import SpatialBias
 
 # isort: on
-from ctuq.calibration.check import HELDOUT_SAMPLES, HeldoutRows, add_bias_weights, run_heldout_check
+from ctuq.calibration.check import (
+    HELDOUT_SAMPLES,
+    HeldoutRows,
+    add_bias_weights,
+    add_features,
+    method_features,
+    run_heldout_check,
+)
 from ctuq.calibration.report import table, verdict, write_report
 from ctuq.calibration.rows import read_rows, write_rows
 
@@ -43,6 +52,7 @@ __all__ = [
     "NoCalibration",
     "HeldoutScale",
     "BiasModel",
+    "SpatialBias",
     "scaled_moments",
     "biased_moments",
     "joint_ll_at_scale",
@@ -52,6 +62,8 @@ __all__ = [
     "HeldoutRows",
     "run_heldout_check",
     "add_bias_weights",
+    "add_features",
+    "method_features",
     "verdict",
     "table",
     "write_report",

@@ -80,6 +80,15 @@ class CalibrationMethod(abc.ABC):
         it will recalibrate; ``None`` when the rows are missing or do not carry what it needs (e.g. the bias model
         on rows saved without bias weights)."""
 
+    @classmethod
+    def image_features(cls, reconstruction, companions: dict | None = None) -> dict:
+        """The image maps (name → ``(H, W)`` float64, ≥ 0) whose held-out row weights ``Σ_j T_ij² f_j`` this method
+        needs to fit itself (:attr:`HeldoutRows.features <ctuq.calibration.HeldoutRows.features>`): the check
+        computes them for every registered method, where the held-out operator is at hand. ``reconstruction`` is
+        ``x̂`` (mm⁻¹); ``companions`` the run's other reconstructions by name (``"fbp"``, ``"tv"``) where it has
+        them. Default: none."""
+        return {}
+
     # ------------------------------------------------------------------------------------------ applying
     @abc.abstractmethod
     def apply_std(self, std):

@@ -27,8 +27,9 @@ import torch
 
 from ctuq.calibration.bias import bias_weight, object_mask
 from ctuq.metrics.heldout import heldout_check
+from ctuq.registry import CALIBRATIONS
 
-__all__ = ["HELDOUT_SAMPLES", "HeldoutRows", "run_heldout_check", "add_bias_weights"]
+__all__ = ["HELDOUT_SAMPLES", "HeldoutRows", "run_heldout_check", "add_bias_weights", "method_features", "add_features"]
 
 HELDOUT_SAMPLES = 256
 """Posterior samples of the check: enough for ``k`` to ±1 % on the demo (its bootstrap s.e. is larger)."""
@@ -55,6 +56,12 @@ class HeldoutRows:
         rows saved before the bias model.
     meta : dict
         Sizes and provenance: ``n_samples``, ``n_angles``, ``n_used_angles``, ``noise_model``, ``command``.
+    features : dict
+        Image maps the registered calibration methods fit on (name → ``(H, W)`` float64, ≥ 0:
+        :meth:`~ctuq.calibration.CalibrationMethod.image_features`).
+    feature_weights : dict
+        Their held-out row weights (name → ``(m,)`` float64, mm²: ``Σ_j T_ij² f_j``, as :attr:`bias_weight` is of the
+        object mask).
     report : dict
         The scores (:meth:`score`): :func:`ctuq.metrics.heldout.heldout_check`'s dict plus :attr:`meta`; empty until
         scored.
@@ -68,6 +75,8 @@ class HeldoutRows:
     bias_weight: np.ndarray | None = None
     meta: dict = dataclasses.field(default_factory=dict)
     report: dict = dataclasses.field(default_factory=dict)
+    features: dict = dataclasses.field(default_factory=dict)
+    feature_weights: dict = dataclasses.field(default_factory=dict)
 
     def score(self, *, n_bootstrap: int = 200, seed: int = 0) -> dict:
         """Score the rows (:func:`ctuq.metrics.heldout.heldout_check`, ``n_bootstrap`` block-bootstrap replicates
@@ -103,6 +112,32 @@ def add_bias_weights(rows: HeldoutRows, op, reconstruction, *, seed: int) -> Hel
     return dataclasses.replace(rows, bias_weight=weight, report={})
 
 
+def method_features(reconstruction, companions: dict | None = None) -> dict:
+    """Every registered calibration method's :meth:`~ctuq.calibration.CalibrationMethod.image_features` of
+    ``reconstruction`` (``(H, W)``, mm⁻¹) and its ``companions``, merged (name → float64 map)."""
+    x = (
+        reconstruction.detach().to("cpu", torch.float64).numpy()
+        if isinstance(reconstruction, torch.Tensor)
+        else reconstruction
+    )
+    x = np.asarray(x, np.float64)
+    out = {}
+    for method in CALIBRATIONS.values():
+        out.update(method.image_features(x, companions))
+    return out
+
+
+def add_features(rows: HeldoutRows, op, reconstruction, companions: dict | None = None, *, seed: int) -> HeldoutRows:
+    """``rows`` with the registered methods' image features (:func:`method_features`) and their row weights through
+    the held-out operator ``op`` (``T_h``; :func:`ctuq.calibration.bias.bias_weight`): a copy, unscored, for rows
+    saved before a method that needs them. ``ValueError`` when ``op`` does not have one row per saved row."""
+    if op.c != rows.residual.size:
+        raise ValueError(f"{rows.residual.size} saved rows, but the held-out operator has {op.c}")
+    features = method_features(np.asarray(reconstruction).reshape(op.image_shape), companions)
+    weights = {name: bias_weight(op, f, seed=seed) for name, f in features.items()}
+    return dataclasses.replace(rows, features=features, feature_weights=weights, report={})
+
+
 def run_heldout_check(
     posterior,
     reconstruction: torch.Tensor,
@@ -115,6 +150,7 @@ def run_heldout_check(
     seed: int = 0,
     n_bootstrap: int = 200,
     command: str | None = None,
+    companions: dict | None = None,
 ) -> HeldoutRows:
     """The held-out check of a fitted CT posterior (module docstring): the scored :class:`HeldoutRows`.
 
@@ -139,6 +175,9 @@ def run_heldout_check(
         Block-bootstrap replicates of ``k`` (angles resampled).
     command : str, optional
         The command that reproduces the check, recorded in the report.
+    companions : dict, optional
+        The run's other reconstructions by name (``"fbp"``, ``"tv"``: ``image_shape``, mm⁻¹), for the calibration
+        methods whose image features use them (:func:`method_features`).
     """
     t0 = time.perf_counter()
     op = held.op
@@ -164,7 +203,9 @@ def run_heldout_check(
     meta["noise_model"] = str(noise_model)
     if command is not None:
         meta["command"] = command
-    rows = HeldoutRows(y - mean.numpy(), variance, noise, groups, photon, weight, meta)
+    features = method_features(reconstruction.reshape(op.image_shape), companions)
+    weights = {name: bias_weight(op, f, seed=seed) for name, f in features.items()}
+    rows = HeldoutRows(y - mean.numpy(), variance, noise, groups, photon, weight, meta, {}, features, weights)
     rows.score(n_bootstrap=n_bootstrap, seed=seed)
     rows.report["seconds"] = time.perf_counter() - t0
     return rows

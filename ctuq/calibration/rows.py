@@ -2,8 +2,9 @@
 ``ctuq uq RUN --check`` and the calibration study rescore a finished run in seconds.
 
 One ``.npz``: float64 ``residual``, ``variance``, ``noise_variance`` (per row), ``photon_variance`` (when the scan
-has counts), ``bias_weight`` (rows saved since the bias model), int64 ``groups``, and ``meta`` (the rows' sizes and
-provenance as a JSON string).
+has counts), ``bias_weight`` (rows saved since the bias model), int64 ``groups``, ``meta`` (the rows' sizes and
+provenance as a JSON string), and per image feature of the calibration methods ``feature_<name>`` (the map) and
+``feature_weight_<name>`` (its row weights).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def write_rows(path: Path, rows: HeldoutRows) -> None:
         arrays["photon_variance"] = np.asarray(rows.photon_variance, np.float64)
     if rows.bias_weight is not None:
         arrays["bias_weight"] = np.asarray(rows.bias_weight, np.float64)
+    for name, image in rows.features.items():
+        arrays[f"feature_{name}"] = np.asarray(image, np.float64)
+        arrays[f"feature_weight_{name}"] = np.asarray(rows.feature_weights[name], np.float64)
     with atomic_path(Path(path)) as tmp, open(tmp, "wb") as fh:
         np.savez(fh, **arrays)
 
@@ -64,6 +68,10 @@ def read_rows(path: Path) -> HeldoutRows | None:
         raise OutDirError(
             f"{path}: bias_weight has shape {weight.shape}, the residual {arrays['residual'].shape} (one per row)"
         )
+    names = [k.removeprefix("feature_weight_") for k in arrays if k.startswith("feature_weight_")]
+    for name in names:
+        if f"feature_{name}" not in arrays or arrays[f"feature_weight_{name}"].shape != arrays["residual"].shape:
+            raise OutDirError(f"{path}: feature {name!r} lacks its map or has not one weight per row")
     return HeldoutRows(
         arrays["residual"],
         arrays["variance"],
@@ -72,4 +80,6 @@ def read_rows(path: Path) -> HeldoutRows | None:
         arrays.get("photon_variance"),
         weight,  # absent from rows saved before the bias model
         meta,
+        features={name: arrays[f"feature_{name}"] for name in names},
+        feature_weights={name: arrays[f"feature_weight_{name}"] for name in names},
     )

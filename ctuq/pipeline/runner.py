@@ -282,6 +282,7 @@ def check_run(
         chunk_size=cfg.uq.sample_chunk,
         seed=cfg.seed + 1,
         command=command,
+        companions={k: state.images[k].detach().cpu() for k in ("fbp", "tv") if k in state.images},
     )
     state.timings["check"] = rows.report["seconds"]
     rows.report["timings"] = dict(state.timings)

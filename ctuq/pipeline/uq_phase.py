@@ -223,6 +223,8 @@ def _heldout_check(state: RunState, res) -> tuple[cal.HeldoutRows | None, str]:
         chunk_size=state.cfg.uq.sample_chunk,
         seed=state.cfg.seed + 1,
         command=f"ctuq uq {state.out_dir} --check",
+        # the other reconstructions, for the calibration methods whose image features use them
+        companions={k: state.images[k].detach().cpu() for k in ("fbp", "tv") if k in state.images},
     )
     state.log(f"held-out check: {rows.report['seconds']:.1f} s")
     return rows, ""
@@ -245,15 +247,25 @@ def write_heldout(
 
 def saved_heldout_rows(run_dir: Path, load_data: Callable[[], Any], *, seed: int) -> cal.HeldoutRows | None:
     """The held-out rows the finished run in ``run_dir`` saved (``heldout_rows.npz``, unscored), or ``None`` when
-    it has none. Rows saved before the bias model get their bias weights from the run's held-out operator and the
-    object mask of its ``reconstruction.tif`` (``seed``: the check's, ``run seed + 1``), saved back into the file
-    atomically (rows and sizes unchanged); ``load_data()`` gives the loaded problem (:class:`ctuq.data.CTData`,
-    called only then). :class:`~ctuq.errors.CTUQError` when the scan has no held-out rows any more,
-    :class:`~ctuq.errors.OutDirError` when they do not match the saved ones."""
+    it has none. Rows saved before the bias model, or before a registered calibration method's image features
+    (:func:`ctuq.calibration.method_features`), get those from the run's held-out operator, its
+    ``reconstruction.tif`` and its ``fbp.tif``/``tv.tif`` (``seed``: the check's, ``run seed + 1``), saved back into
+    the file atomically (rows and sizes unchanged); ``load_data()`` gives the loaded problem
+    (:class:`ctuq.data.CTData`, called only then). :class:`~ctuq.errors.CTUQError` when the scan has no held-out
+    rows any more, :class:`~ctuq.errors.OutDirError` when they do not match the saved ones."""
     run_dir = Path(run_dir)
     path = run_dir / rf.HELDOUT_ROWS_NAME
     rows = cal.read_rows(path)
-    if rows is None or rows.bias_weight is not None:
+    if rows is None:
+        return rows
+    reconstruction = tifffile.imread(run_dir / rf.RECONSTRUCTION_NAME).astype(np.float64)
+    companions = {
+        key: tifffile.imread(run_dir / name).astype(np.float64)
+        for key, name in (("fbp", rf.FBP_NAME), ("tv", rf.TV_NAME))
+        if (run_dir / name).is_file()
+    }
+    missing = set(cal.method_features(reconstruction, companions)) - set(rows.feature_weights)
+    if rows.bias_weight is not None and not missing:
         return rows
     data = load_data()
     if data.heldout is None:
@@ -263,8 +275,10 @@ def saved_heldout_rows(run_dir: Path, load_data: Callable[[], Any], *, seed: int
             f"{path}: {rows.residual.size} saved rows, but the scan of config.yaml holds {data.heldout.op.c} held-out "
             f"rows; rerun `ctuq uq {run_dir}`"
         )
-    reconstruction = tifffile.imread(run_dir / rf.RECONSTRUCTION_NAME).astype(np.float64)
-    rows = cal.add_bias_weights(rows, data.heldout.op, reconstruction, seed=seed)
+    if rows.bias_weight is None:
+        rows = cal.add_bias_weights(rows, data.heldout.op, reconstruction, seed=seed)
+    if missing:
+        rows = cal.add_features(rows, data.heldout.op, reconstruction, companions, seed=seed)
     cal.write_rows(path, rows)
     return rows
 

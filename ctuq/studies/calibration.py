@@ -21,7 +21,8 @@ every angle count of the study is a subset and the other angles stay unused (hel
    (:func:`score_run`): coverage at 0.5/0.9/0.95 and over 0.05…0.99, the right-scale factor
    ``sqrt(mean((err/std)²))``, the marginal log-likelihood against the best constant std (the oracle: a constant
    std equal to the RMS error, which knows the ground truth), the 10×10 joint log-likelihood (``metrics.json``)
-   against the same oracle, Spearman(std, |err|), and the held-out check when the run made one;
+   against the same oracle, Spearman(std, |err|) over the square and inside the object, the AUC of the std map for
+   the 10 % largest errors, coverage@0.9 per decile of std, and the held-out check when the run made one;
 4. aggregates mean ± s.e. over scans per (angle count, combination), also per content type, and, when the user
    passes targets (``opts["targets"]``: metric → ``[low, high]``, e.g. an issue's acceptance ranges), reports each
    combination's margin against them (:func:`gate_report`). No target is built in: by default the results show the
@@ -55,6 +56,7 @@ from ctuq import calibration as cal
 from ctuq.config import Config, ConfigError, load_config
 from ctuq.data.walnut import SIDECAR_NAME
 from ctuq.metrics import inner_square_roi
+from ctuq.metrics.calibration import error_localisation
 from ctuq.options import PhantomKind
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.runner import reconstruct, rerun_uq
@@ -295,7 +297,10 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     equal to the RMS error), ``joint_ll_10`` (10×10 patches, what ``metrics.json`` recorded for this map:
     :meth:`~ctuq.calibration.CalibrationMethod.recorded_joint_ll`, ``None`` when it did not) and
     ``oracle_joint_ll_10`` (the oracle is independent across pixels, so its joint LL per pixel equals its marginal
-    one), ``spearman`` (std against |err|; ``None`` for a constant std), ``rmse`` and ``mean_std`` (mm⁻¹), ``k`` and
+    one), ``spearman`` (std against |err|; ``None`` for a constant std), where the errors are
+    (:func:`ctuq.metrics.calibration.error_localisation`: ``spearman_inside`` the object, ``auc_top10``, and
+    ``decile_coverage`` with its ``_min``/``_max``: coverage@0.9 per decile of std inside the object), ``rmse`` and
+    ``mean_std`` (mm⁻¹), ``k`` and
     ``tau`` (the method's global scale and bias std, mm⁻¹, ``None`` when it has none) and ``heldout`` (the held-out
     check's headline numbers, if the run made one); for the identity (``none``), when the check fitted the bias
     model (rows saved with ``bias_weight``), ``bias``: ``tau`` (mm⁻¹) and the ``right_scale``,
@@ -318,7 +323,11 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     method = _fitted(run, calibration, heldout, read[rf.RECONSTRUCTION_NAME])
     joint = method.recorded_joint_ll(uq, (summary.get("joint_ll") or {}).get(JOINT_PATCH), JOINT_PATCH)
     applied = method.report()
-    std = method.apply_std(read[base])[roi].ravel()
+    std_map = method.apply_std(read[base])
+    abs_error = np.abs(read[rf.RECONSTRUCTION_NAME] - read[rf.GROUND_TRUTH_NAME])
+    where = error_localisation(std_map, abs_error, read[rf.GROUND_TRUTH_NAME], roi)
+    deciles = where["conditional_coverage_0.9"] or [None]
+    std = std_map[roi].ravel()
     z = np.abs(err) / std
     rmse = float(np.sqrt(np.mean(err**2)))
     oracle = _gaussian_ll(err, np.full_like(err, rmse))
@@ -343,6 +352,12 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
         "oracle_joint_ll_10": oracle,
         # a constant std ranks nothing: no correlation is defined (None, left out of the means)
         "spearman": float(spearmanr(std, np.abs(err)).statistic) if np.ptp(std) > 0 else None,
+        # where the errors are (DESIGN.md §8): ranks inside the object, the largest errors found, coverage per decile
+        "spearman_inside": where["spearman_inside"],
+        "auc_top10": where["auc_top10"],
+        "decile_coverage_min": min(deciles) if deciles[0] is not None else None,
+        "decile_coverage_max": max(deciles) if deciles[0] is not None else None,
+        "decile_coverage": where["conditional_coverage_0.9"],
         "rmse": rmse,
         "mean_std": float(np.mean(std)),
         "k": applied.get("k"),
@@ -381,7 +396,8 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 _SCALARS = ("coverage_0.5", "coverage_0.9", "coverage_0.95", "right_scale", "marginal_ll", "oracle_ll",
-            "joint_ll_10", "oracle_joint_ll_10", "spearman", "rmse", "mean_std")  # fmt: skip
+            "joint_ll_10", "oracle_joint_ll_10", "spearman", "spearman_inside", "auc_top10", "decile_coverage_min",
+            "decile_coverage_max", "rmse", "mean_std")  # fmt: skip
 
 
 def aggregate(records: list[dict], targets: dict | None = None) -> list[dict]:
@@ -397,7 +413,7 @@ def aggregate(records: list[dict], targets: dict | None = None) -> list[dict]:
     for (angles, combo, content), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "all")):
         row = {"angles": angles, "combination": combo, "content": content, "n_scans": len(rs)}
         for key in _SCALARS:
-            row[key] = _mean_se([r["scores"][key] for r in rs])
+            row[key] = _mean_se([r["scores"].get(key) for r in rs])
         row["ll_above_oracle_every_scan"] = all(r["scores"]["marginal_ll"] > r["scores"]["oracle_ll"] for r in rs)
         row["min_ll_margin"] = min(r["scores"]["marginal_ll"] - r["scores"]["oracle_ll"] for r in rs)
         row["calibration"] = [float(np.mean([r["scores"]["calibration"][i] for r in rs])) for i in range(len(LEVELS))]
@@ -548,15 +564,18 @@ def markdown_table(
         "small); oracle = a constant std equal to the RMS error (knows the ground truth); LL in nats/pixel.",
         "",
         "| angles | combination | content | scans | cov 0.5 | cov 0.9 | cov 0.95 | right scale | marginal LL "
-        "| oracle LL | joint LL 10×10 | Spearman | LL > oracle on every scan |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| oracle LL | joint LL 10×10 | Spearman | Spearman inside | AUC top 10 % | cov 0.9 per std decile (min–max) "
+        "| LL > oracle on every scan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['angles']} | {r['combination']} | {r['content']} | {r['n_scans']} | {_fmt(r['coverage_0.5'])} "
             f"| {_fmt(r['coverage_0.9'])} | {_fmt(r['coverage_0.95'])} | {_fmt(r['right_scale'], 2)} "
             f"| {_fmt(r['marginal_ll'], 2)} | {_fmt(r['oracle_ll'], 2)} | {_fmt(r['joint_ll_10'], 2)} "
-            f"| {_fmt(r['spearman'], 2)} | {'yes' if r['ll_above_oracle_every_scan'] else 'no'} "
+            f"| {_fmt(r['spearman'], 2)} | {_fmt(r['spearman_inside'], 2)} | {_fmt(r['auc_top10'], 2)} "
+            f"| {_fmt(r['decile_coverage_min'], 2)} – {_fmt(r['decile_coverage_max'], 2)} "
+            f"| {'yes' if r['ll_above_oracle_every_scan'] else 'no'} "
             f"(min {r['min_ll_margin']:+.2f}) |"
         )
     if gates:

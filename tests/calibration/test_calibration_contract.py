@@ -4,7 +4,7 @@ registry (:data:`ctuq.registry.CALIBRATIONS`) and what ``uq.calibration = auto``
 import numpy as np
 import pytest
 
-from ctuq.calibration import BiasModel, HeldoutScale, NoCalibration, resolve_calibration
+from ctuq.calibration import BiasModel, HeldoutRows, HeldoutScale, NoCalibration, SpatialBias, resolve_calibration
 from ctuq.registry import CALIBRATIONS
 from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
 
@@ -15,12 +15,30 @@ def disk(n: int = 24) -> np.ndarray:
     return 0.05 * (((yy - (n - 1) / 2) ** 2 + (xx - (n - 1) / 2) ** 2) < (n / 3) ** 2).astype(np.float64)
 
 
+def spatial_rows(w_object: float = 1e-5, w_edges: float = 2e-5, m: int = 40000, seed: int = 4) -> HeldoutRows:
+    """Rows drawn from the spatial model with a known answer: ``r_i ~ N(0, v_i + σ² + w_object W_oi + w_edges W_ei)``
+    (the object's weights on half the rows, the edges' on a third; no widening of the posterior), with the maps of
+    :func:`disk`'s reconstruction."""
+    rng = np.random.default_rng(seed)
+    v = rng.uniform(0.5, 1.5, m) * 2e-4
+    w_obj = np.where(rng.random(m) < 0.5, rng.uniform(5.0, 15.0, m), 0.0)
+    w_edge = np.where(rng.random(m) < 1 / 3, rng.uniform(0.0, 20.0, m), 0.0)
+    r = rng.normal(0.0, np.sqrt(v + 6e-4 + w_object * w_obj + w_edges * w_edge))
+    maps = SpatialBias.image_features(disk())
+    weights = {"spatial_object": w_obj, "spatial_edges": w_edge}
+    meta = {"n_samples": 256, "n_angles": 400, "n_used_angles": 400, "noise_model": "homoscedastic"}
+    groups = np.repeat(np.arange(400), m // 400)
+    return HeldoutRows(r, v, 6e-4, groups, meta=meta, features=maps, feature_weights=weights)
+
+
 # One case per built-in method; 40000 synthetic rows (seed 0) with the answer known. The s.e. of k and of τ there is
 # about 2-4 % (curvature; test_heldout.py, test_heldout_bias.py), so 10 % is at least 2.5 s.e.
 CASES = {
     "none": lambda: CalibrationCase(NoCalibration, synthetic_heldout_rows(k=2.0), disk()),
     "heldout": lambda: CalibrationCase(HeldoutScale, synthetic_heldout_rows(k=2.0), disk(), {"k": 2.0}, 0.10),
     "bias": lambda: CalibrationCase(BiasModel, synthetic_heldout_rows(tau=4e-3), disk(), {"tau": 4e-3}, 0.10),
+    # two weights fitted at once from 40000 rows: 20 % (their s.e. there is about 7 %, seed 4)
+    "spatial": lambda: CalibrationCase(SpatialBias, spatial_rows(), disk(), {"w_object": 1e-5, "w_edges": 2e-5}, 0.2),
 }
 
 
@@ -39,10 +57,21 @@ class TestBiasModel(CalibrationContract):
         return CASES["bias"]()
 
 
+class TestSpatialBias(CalibrationContract):
+    def make_case(self):
+        return CASES["spatial"]()
+
+
+def test_the_spatial_model_gives_no_weight_to_a_term_the_rows_do_not_show():
+    fitted = SpatialBias.fit(spatial_rows(w_object=1e-5, w_edges=0.0), disk())
+    assert fitted.weights["edges"] < 0.1 * fitted.weights["object"]
+    assert fitted.w_posterior < 0.05
+
+
 def test_every_built_in_method_has_a_contract_case_in_registration_order():
     built_in = [name for name, cls in CALIBRATIONS.items() if cls.__module__.startswith("ctuq.")]
-    assert built_in == list(CASES) == ["none", "heldout", "bias"]
-    assert CALIBRATIONS.choices()[:4] == ("auto", "none", "heldout", "bias")
+    assert built_in == list(CASES) == ["none", "heldout", "bias", "spatial"]
+    assert CALIBRATIONS.choices()[:5] == ("auto", "none", "heldout", "bias", "spatial")
     # the keys metrics.json has always had for the scores of the methods not applied
     assert HeldoutScale.summary_name() == "summary_recalibrated" and BiasModel.summary_name() == "summary_bias"
 
