@@ -253,14 +253,16 @@ def _gaussian_ll(err: np.ndarray, std: np.ndarray) -> float:
 def heldout_rows(run: Path) -> cal.HeldoutRows | None:
     """The held-out check of a finished run folder with the current statistic: its saved rows
     (``heldout_rows.npz``), scored (:meth:`ctuq.calibration.HeldoutRows.score`); ``None`` when the run made no check.
-    Rows saved before the bias model get its weights from the run's scan (loaded as its ``config.yaml`` says, the
-    held-out rows with it; :func:`ctuq.pipeline.uq_phase.saved_heldout_rows`, saved back into the run)."""
+    Rows saved before the bias model, or before a calibration method's image features, get them from the run's scan
+    (loaded as its ``config.yaml`` says, the held-out rows with it, only then;
+    :func:`ctuq.pipeline.uq_phase.saved_heldout_rows`, saved back into the run)."""
     run = Path(run)
     rows = cal.read_rows(run / rf.HELDOUT_ROWS_NAME)
-    if rows is not None and rows.bias_weight is None and (run / rf.CONFIG_NAME).is_file():
+    if rows is not None and (run / rf.CONFIG_NAME).is_file():
         cfg = load_config(run / rf.CONFIG_NAME)
-        device = resolve_device(cfg.device)
-        rows = saved_heldout_rows(run, lambda: load_scan(cfg, device, progress=False)[0], seed=cfg.seed + 1)
+        rows = saved_heldout_rows(
+            run, lambda: load_scan(cfg, resolve_device(cfg.device), progress=False)[0], seed=cfg.seed + 1
+        )
     if rows is not None:
         rows.score()
     return rows
