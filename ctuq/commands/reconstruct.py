@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from ctuq.commands import COMMANDS
-from ctuq.config import load_config
+from ctuq.config import describe, load_config
 from ctuq.errors import CTUQError
 from ctuq.log import run_log
 from ctuq.pipeline import run_folder
@@ -88,36 +88,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_keys(section: str = "") -> str:
     """Every key of the config (of ``section`` when given: ``"uq"``, ``"uq.cg"``) as ``key = default  # help``
-    lines, the defaults of the bundled ``demo`` config; :class:`~ctuq.errors.CTUQError` for an unknown section."""
+    lines, the defaults of the bundled ``demo`` config (:func:`ctuq.config.describe`); :class:`~ctuq.errors.CTUQError`
+    for an unknown section."""
     cfg = load_config(None)
     node = cfg
     for part in [p for p in section.split(".") if p]:
         child = getattr(node, part, None)
         if child is None or not dataclasses.is_dataclass(child):
-            raise CTUQError(f"--config-keys {section}: not a config section (sections: {_sections(cfg)})")
+            sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+            sections = ", ".join(sections)
+            raise CTUQError(f"--config-keys {section}: not a config section (sections: {sections})")
         node = child
-    lines: list[str] = []
-    _describe(node, section + "." if section else "", lines)
-    return "\n".join(lines)
-
-
-def _sections(cfg) -> str:
-    return ", ".join(f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
-
-
-def _describe(node, prefix: str, lines: list[str]) -> None:
-    values = dataclasses.asdict(node) if dataclasses.is_dataclass(node) else {}
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if f.name.endswith("_sections") and isinstance(value, object) and not dataclasses.is_dataclass(value):
-            for name in getattr(value, "names", lambda: ())():  # solver and prior sections derived from classes
-                _describe(getattr(node, name), f"{prefix}{name}.", lines)
-            continue
-        if dataclasses.is_dataclass(value):
-            _describe(value, f"{prefix}{f.name}.", lines)
-            continue
-        text = f.metadata.get("help", "")
-        lines.append(f"{prefix}{f.name} = {values.get(f.name, value)!r}" + (f"  # {text}" if text else ""))
+    prefix = section + "." if section else ""
+    return "\n".join(
+        f"{key} = {value!r}" + (f"  # {text}" if text else "") for key, value, text in describe(node, prefix)
+    )
 
 
 def run(args: argparse.Namespace) -> int:

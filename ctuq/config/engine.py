@@ -518,6 +518,22 @@ def to_dict(obj: Any) -> dict:
     return out
 
 
+def describe(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """Every key of the section ``obj`` as ``(dotted key, value, help)``, in :func:`to_dict`'s order (derived sections
+    under their names): what ``ctuq reconstruct --config-keys`` prints."""
+    out: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if _is_derived(f):
+            for name, section in value.items():
+                out.extend(describe(section, f"{prefix}{name}."))
+        elif dataclasses.is_dataclass(value):
+            out.extend(describe(value, f"{prefix}{f.name}."))
+        else:
+            out.append((f"{prefix}{f.name}", _plain(value), f.metadata.get("help", "")))
+    return out
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, str):
         return str(value)  # a vocabulary member (str enum): its value, which YAML can write
