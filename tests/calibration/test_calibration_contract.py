@@ -111,3 +111,13 @@ def test_bad_bias_model_arguments_are_named(args, fragment):
 def test_a_bad_scale_is_named():
     with pytest.raises(ValueError, match="HeldoutScale: k must be positive"):
         HeldoutScale(0.0)
+
+
+def test_spatial_refuses_negative_weights_and_unknown_features():
+    maps = SpatialBias.image_features(disk())
+    unit = {k.removeprefix("spatial_"): v for k, v in maps.items()}
+    with pytest.raises(ValueError, match="finite and ≥ 0"):
+        SpatialBias(0.0, {"edges": -1e-6}, unit)
+    with pytest.raises(ValueError, match="without a known feature or a map"):
+        SpatialBias(0.0, {"corners": 1e-6}, unit)
+    assert SpatialBias.fit(None, disk()) is None  # no held-out check: nothing to fit on
