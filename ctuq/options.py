@@ -247,6 +247,24 @@ class DesignRoute(Vocabulary):
     SAMPLED = "sampled"
 
 
+class ForecastCalibration(Vocabulary):
+    """The calibration of the design's error forecast (``design.calibration``): the held-out scale ``k``, the bias
+    model ``τ`` inside the object, or none (:mod:`ctuq.design.forecast`)."""
+
+    HELDOUT = "heldout"
+    BIAS = "bias"
+    NONE = "none"
+
+
+class ForecastUpdate(Vocabulary):
+    """What the forecast's calibration is refitted on during acquisition (``design.calibration_update``): the
+    pilot's held-out rows and the acquired angles' (pooled), the acquired angles' alone, or never (pilot)."""
+
+    POOLED = "pooled"
+    ONLINE = "online"
+    PILOT = "pilot"
+
+
 class Criterion(Vocabulary):
     """Acquisition criteria: expected information gain, expected squared error, diagonal EIG."""
 

@@ -101,6 +101,13 @@ class CalibrationMethod(abc.ABC):
         ``moments`` itself when nothing changes): their :meth:`~ctuq.metrics.SampleMoments.std` is
         :meth:`apply_std` of ``moments.std()``."""
 
+    def row_variance(self, rows: HeldoutRows):
+        """The recalibrated predictive variance ``(m,)`` float64 of each of ``rows`` (measurement units²): what the
+        method's map implies for unseen measurements, e.g. ``k² v_i + σ²_i`` for the scale. Used to score a row
+        with a calibration fitted before it was seen (the design's prequential check, :mod:`ctuq.design.forecast`).
+        """
+        raise NotImplementedError(f"calibration method {self.name!r} does not give row variances")
+
     # ------------------------------------------------------------------------------------------ reporting
     @abc.abstractmethod
     def report(self) -> dict[str, Any]:

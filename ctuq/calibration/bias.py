@@ -159,6 +159,13 @@ class BiasModel(CalibrationMethod):
             return moments
         return biased_moments(moments, torch.from_numpy(self.variance))
 
+    def row_variance(self, rows) -> np.ndarray:
+        """``v_i + τ² w_i + σ²_i`` (``ValueError`` for rows without bias weights)."""
+        if rows.bias_weight is None:
+            raise ValueError("BiasModel.row_variance: the rows carry no bias weights")
+        v = np.asarray(rows.variance, np.float64) + np.asarray(rows.noise_variance, np.float64)
+        return v + self.tau**2 * np.asarray(rows.bias_weight, np.float64)
+
     def report(self) -> dict:
         """``k`` (``None``), ``tau``, ``tau_se``, ``tau_interval_95`` and ``mask_fraction``."""
         return {

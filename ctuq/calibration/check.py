@@ -101,6 +101,54 @@ class HeldoutRows:
         """The check's recalibration scale of the image std (scored rows)."""
         return float(self.report["scale"]["k"])
 
+    @classmethod
+    def concat(cls, parts) -> HeldoutRows:
+        """The rows of ``parts`` (a non-empty sequence of :class:`HeldoutRows`) one after another, unscored; the
+        optional arrays (photon variances, bias and feature weights) are kept where every part has them."""
+        parts = list(parts)
+        if not parts:
+            raise ValueError("HeldoutRows.concat: no rows to join")
+
+        def joined(get):
+            got = [get(p) for p in parts]
+            return None if any(g is None for g in got) else np.concatenate([np.asarray(g, np.float64) for g in got])
+
+        sizes = [p.residual.size for p in parts]
+        noise = [np.broadcast_to(np.asarray(p.noise_variance, np.float64), (n,)) for p, n in zip(parts, sizes)]
+        names = set.intersection(*(set(p.feature_weights) for p in parts))
+        return cls(
+            residual=np.concatenate([np.asarray(p.residual, np.float64) for p in parts]),
+            variance=np.concatenate([np.asarray(p.variance, np.float64) for p in parts]),
+            noise_variance=np.concatenate(noise),
+            groups=np.concatenate([np.asarray(p.groups) for p in parts]),
+            photon_variance=joined(lambda p: p.photon_variance),
+            bias_weight=joined(lambda p: p.bias_weight),
+            meta=dict(parts[0].meta),
+            features=dict(parts[0].features) if names else {},
+            feature_weights={k: joined(lambda p, k=k: p.feature_weights[k]) for k in sorted(names)},
+        )
+
+    def take(self, index) -> HeldoutRows:
+        """The rows ``index`` (integer array or boolean mask over the rows), unscored: a copy."""
+        idx = np.asarray(index)
+
+        def pick(a):
+            return None if a is None else np.asarray(a)[idx]
+
+        noise = self.noise_variance if np.ndim(self.noise_variance) == 0 else pick(self.noise_variance)
+        return dataclasses.replace(
+            self,
+            residual=pick(self.residual),
+            variance=pick(self.variance),
+            noise_variance=noise,
+            groups=pick(self.groups),
+            photon_variance=pick(self.photon_variance),
+            bias_weight=pick(self.bias_weight),
+            feature_weights={k: pick(v) for k, v in self.feature_weights.items()},
+            meta=dict(self.meta),
+            report={},
+        )
+
 
 def add_bias_weights(rows: HeldoutRows, op, reconstruction, *, seed: int) -> HeldoutRows:
     """``rows`` with the bias weights of the held-out operator ``op`` (``T_h``) and the object mask of

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ctuq.calibration.base import CalibrationMethod, moments_with_sums, recorded_scores
 from ctuq.metrics import SampleMoments
 from ctuq.registry import CALIBRATIONS
@@ -80,6 +82,10 @@ class HeldoutScale(CalibrationMethod):
     def apply_moments(self, moments: SampleMoments) -> SampleMoments:
         """:func:`scaled_moments` by ``k``."""
         return scaled_moments(moments, self.k)
+
+    def row_variance(self, rows) -> np.ndarray:
+        """``k² v_i + σ²_i``."""
+        return self.k**2 * np.asarray(rows.variance, np.float64) + np.asarray(rows.noise_variance, np.float64)
 
     def report(self) -> dict:
         """``{"k": k}``."""

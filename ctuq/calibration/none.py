@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ctuq.calibration.base import NONE, CalibrationMethod
 from ctuq.registry import CALIBRATIONS
 
@@ -34,6 +36,10 @@ class NoCalibration(CalibrationMethod):
     def apply_moments(self, moments):
         """``moments`` itself."""
         return moments
+
+    def row_variance(self, rows) -> np.ndarray:
+        """``v_i + σ²_i``: the posterior predictive as it is."""
+        return np.asarray(rows.variance, np.float64) + np.asarray(rows.noise_variance, np.float64)
 
     def report(self) -> dict:
         """``{"k": None}``: no global scale applied."""

@@ -137,6 +137,17 @@ class SpatialBias(CalibrationMethod):
         w = res.x * scale
         return cls(w[0], dict(zip(names, w[1:])), {k: rows.features[_PREFIX + k] for k in names})
 
+    def row_variance(self, rows) -> np.ndarray:
+        """``(1 + w_post) v_i + Σ_k w_k (T² f_k)_i + σ²_i`` (``ValueError`` for rows without the features' weights)."""
+        missing = [k for k in self.weights if _PREFIX + k not in rows.feature_weights]
+        if missing:
+            raise ValueError(f"SpatialBias.row_variance: the rows carry no weights of the features {missing}")
+        out = (1.0 + self.w_posterior) * np.asarray(rows.variance, np.float64)
+        out = out + np.asarray(rows.noise_variance, np.float64)
+        for k, w in self.weights.items():
+            out = out + w * np.asarray(rows.feature_weights[_PREFIX + k], np.float64)
+        return out
+
     @classmethod
     def from_state(cls, state: dict) -> SpatialBias:
         weights = {k: state[f"w_{k}"] for k in FEATURES if state.get(f"w_{k}") is not None}

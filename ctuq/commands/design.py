@@ -38,6 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "  ctuq design --prior matern --candidates 120 --out runs/matern\n"
             "  ctuq design --pilot-angles pilot.txt --acquire 10 --data /data/Walnut1 --out runs/w1\n"
             "  ctuq design --resume --out runs/design               # continue a killed design\n"
+            "  ctuq design --plan --out runs/plan                   # predicted error vs number of angles\n"
+            "  ctuq design --target-rmse 0.002/mm --acquire 60 --out runs/stop   # acquire until good enough\n"
         ),
     )
     p.add_argument(
@@ -74,7 +76,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="N candidate angles evenly spaced among the scan's (default: all of the scan's angles)",
     )
-    p.add_argument("--acquire", type=int, metavar="N", help="angles to acquire (design.acquire, default 40)")
+    p.add_argument(
+        "--acquire",
+        type=int,
+        metavar="N",
+        help="angles to acquire (design.acquire, default 40); the cap of a stop rule",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="predict the error after pilot … pilot + acquire angles (designed and equidistant) and stop: "
+        "design.json, forecast.png; nothing acquired",
+    )
+    p.add_argument(
+        "--target-rmse",
+        metavar="R",
+        help="acquire until the predicted RMS error inside the object is at most R, with its unit (e.g. 0.002/mm)",
+    )
+    p.add_argument("--target-psnr", metavar="DB", help="acquire until the predicted PSNR is at least DB (e.g. 30dB)")
+    p.add_argument(
+        "--min-gain",
+        metavar="D",
+        help="acquire until an angle improves the predicted RMS error by less than D (e.g. 1%% or 1e-4/mm)",
+    )
     p.add_argument(
         "--criterion",
         choices=(*values(Criterion), *values(Baseline)),
@@ -111,10 +135,15 @@ def run(args: argparse.Namespace) -> int:
             "design.criterion": args.criterion,
             "design.prior": args.prior,
             "design.samples": args.samples,
+            "design.target_rmse": args.target_rmse,
+            "design.target_psnr": args.target_psnr,
+            "design.min_gain": args.min_gain,
         },
     )
     pilot_angles = design.read_angles_file(args.pilot_angles) if args.pilot_angles else None
     out = Path(args.out or run_folder.new_run_folder("runs"))
     with run_folder.discard_if_empty(out), run_log(out / run_folder.LOG_NAME):
-        design.run_design(cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress)
+        design.run_design(
+            cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress, plan=args.plan
+        )
     return 0

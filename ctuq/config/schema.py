@@ -45,6 +45,8 @@ from ctuq.options import (
     EMStopRule,
     EMUpdate,
     FilterType,
+    ForecastCalibration,
+    ForecastUpdate,
     GPriorMethod,
     NoiseModel,
     option,
@@ -352,6 +354,32 @@ class DesignConfig:
     )
     std_samples: int = option(256, ge=2, help="posterior samples for the std maps after pilot and design")
     reconstruct: bool = option(True, help="reconstruct pilot+designed and pilot+equidistant angles (FBP, TV, DIP)")
+    calibration: str = option(
+        "heldout",
+        choices=values(ForecastCalibration),
+        help="calibration of the error forecast, fitted on unseen rows (pilot: other candidates; then each new angle)",
+    )
+    calibration_update: str = option(
+        "pooled",
+        choices=values(ForecastUpdate),
+        help="refit the forecast's calibration on each new angle's rows: with the pilot's (pooled), alone, or never",
+    )
+    calibration_angles: int = option(60, ge=1, help="candidates outside the pilot whose rows calibrate at the pilot")
+    forecast_points: int = option(8, ge=2, help="angle counts of the predicted error curve (--plan)")
+    plan_samples: int = option(
+        250, ge=2, help="m of the plan's designed curve (sampled route): its order only, not its error forecast"
+    )
+    forecast_samples: int = option(128, ge=2, help="posterior samples per forecast variance map")
+    target_rmse: str | None = option(
+        None, help="stop when the predicted RMS error inside the object is at most this, e.g. 0.002/mm"
+    )
+    target_psnr: str | None = option(None, help="stop when the predicted PSNR is at least this, e.g. 30dB")
+    min_gain: str | None = option(
+        None, help="stop when the last angle improved the predicted RMS error by less than this, e.g. 1% or 1e-4/mm"
+    )
+    intensity_range: float | None = option(
+        None, gt=0.0, help="intensity range (mm⁻¹) of the predicted PSNR; null: the ground truth's max − min"
+    )
 
 
 @dataclasses.dataclass

@@ -177,7 +177,23 @@ class DIPPrior:
             image_scale=self.scale,
             row_store=self._rows,
         )
+        self._base = base
         return self._scaled(base, chosen)
+
+    def center(self) -> torch.Tensor:
+        """The image the current linearisation is centred on, ``g(ṽ)`` of the (possibly retrained) DIP, flat
+        ``(d_x,)`` float64 on the CPU, mm⁻¹ (after :meth:`build`)."""
+        if self.factor is None:
+            raise RuntimeError("DIPPrior.center: call build() first")
+        return (self.g0.detach().double().cpu() / self.scale).reshape(-1)
+
+    def model_for(self, chosen) -> DesignModel:
+        """The model of the current network with the g-prior and ``a`` of the candidate blocks ``chosen`` (after
+        :meth:`build`): what a design that had chosen them would use, e.g. an equidistant set of that size for
+        the forecast of equidistant acquisition (:mod:`ctuq.design.forecast`)."""
+        if self.factor is None:
+            raise RuntimeError("DIPPrior.model_for: call build() first")
+        return self._scaled(self._base, chosen)
 
     def _scaled(self, base: DesignModel, chosen) -> DesignModel:
         chosen = list(chosen)

@@ -150,16 +150,54 @@ class DesignEngine:
                 out[lo : lo + x.shape[0]] = mdl.op.forward_flat(x.to(mdl.op.dtype)).float().cpu()
         return out.reshape(n, mdl.n_candidates, mdl.k)
 
-    def posterior_std(self, n: int = 256, seed: int = 0) -> torch.Tensor:
-        """Pixelwise posterior std ``(d_x,)`` of the image given the chosen angles, from ``n`` core-sampler draws
-        (in the model's image units)."""
+    def posterior_variance(self, n: int = 256, seed: int = 0) -> torch.Tensor:
+        """Pixelwise posterior variance ``(d_x,)`` float64 of the image given the chosen angles, from ``n``
+        core-sampler draws (the model's image units squared)."""
         mdl = self.model
         chol = self._bound()
         moment = torch.zeros(mdl.d_x, dtype=torch.float64)
         for _, ps in sample_chunks(chol.features, chol, mdl.a, mdl.sigma2, n, chunk_size=self.sample_chunk, seed=seed):
             with torch.no_grad():
                 moment += mdl.images(ps.weights).double().pow(2).sum(0).cpu()
-        return (moment / n).sqrt().float()
+        return moment / n
+
+    def posterior_std(self, n: int = 256, seed: int = 0) -> torch.Tensor:
+        """Pixelwise posterior std ``(d_x,)`` of the image given the chosen angles, from ``n`` core-sampler draws
+        (in the model's image units)."""
+        return self.posterior_variance(n, seed).sqrt().float()
+
+    def predictive_variance(self, blocks) -> torch.Tensor:
+        """The image part of the predictive variance of the rows of candidate ``blocks`` given the chosen angles,
+        ``diag(T^β K_{x|τ} T^βᵀ)`` ``(len(blocks), k)`` float64 (model units²; add ``σ²`` for a measurement):
+        exact on the exact route, the mean square of the ``m`` pseudo-measurement samples on the sampled one."""
+        idx = [int(b) for b in blocks]
+        if self.route == DesignRoute.EXACT:
+            return torch.diagonal(self.M[idx], dim1=-2, dim2=-1).clone()
+        return self.samples()[:, idx, :].double().pow(2).mean(0)
+
+    def conditional_mean(self, prior_mean: torch.Tensor, targets: torch.Tensor, blocks=None) -> torch.Tensor:
+        """The predictive mean of the rows of candidate ``blocks`` (default: all) given the measurements of the
+        chosen angles: ``μ = m + T̄ K T^τᵀ C_τ⁻¹ (ỹ_τ − m_τ)`` ``(len(blocks), k)`` float64 (model units).
+
+        ``prior_mean`` ``(n_candidates, k)`` is ``T̄ x̂`` of the image the uncertainty is centred on (the pilot
+        reconstruction: the Gaussian is a correction around it, as the posterior of ``ctuq uq`` is), ``targets``
+        ``(len(chosen), k)`` the measurements of the chosen angles in :attr:`chosen` order, both in the model's
+        (scaled) units. Exact for every route: one solve with ``C_τ``, one ``K`` product and one projection.
+        """
+        mdl = self.model
+        m = prior_mean.double().cpu().reshape(mdl.n_candidates, mdl.k)
+        idx = list(range(mdl.n_candidates)) if blocks is None else [int(b) for b in blocks]
+        if not self.chosen:
+            return m[idx].clone()
+        r = targets.double().cpu().reshape(-1) - m[self.chosen].reshape(-1)
+        v = self.chol.solve_rows(r[None])[0]  # C_τ⁻¹ (ỹ_τ − m_τ)
+        feats = self._bound().features  # Ψ_τ = T^τ L diag(s)
+        w = feats.rmatvec(v[None].to(feats.device, feats.dtype)) / mdl.a  # (1, d): Ψ_τᵀ v / a
+        op = mdl.op if blocks is None else mdl.subset(idx)
+        with torch.no_grad():
+            x = mdl.images(w)  # K T^τᵀ v = L diag(s) Ψ_τᵀ v / a
+            proj = op.forward_flat(x.to(op.dtype)).double().cpu()
+        return m[idx] + proj.reshape(len(idx), mdl.k)
 
     # ------------------------------------------------------------------------------------------ steps
     def acquire(self, beta: int, step: int) -> None:

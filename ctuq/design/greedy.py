@@ -58,6 +58,8 @@ class DesignResult:
         ``setup_s`` (reset on the pilot), ``steps_s``, ``updates_s``, ``total_s``.
     resumed_steps : int
         Steps replayed from a checkpoint.
+    stopped_at : int or None
+        The step after which ``after_step`` stopped the design (a stop rule); ``None``: it ran its ``n_acquire``.
     """
 
     strategy: str
@@ -66,6 +68,7 @@ class DesignResult:
     steps: list[dict]
     timings: dict
     resumed_steps: int = 0
+    stopped_at: int | None = None
 
     @property
     def chosen(self) -> list[int]:
@@ -141,6 +144,8 @@ def greedy_design(
     log: Callable[[str], None] | None = None,
     on_setup: Callable | None = None,
     update_last: bool = False,
+    before_acquire: Callable | None = None,
+    after_step: Callable | None = None,
 ) -> DesignResult:
     """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
 
@@ -167,6 +172,12 @@ def greedy_design(
         Also call ``updater`` after the last acquisition. It changes no choice of this design (a g-prior refresh
         after 35 angles is the dearest: its measurement covariance has the most rows), so it is skipped unless
         the caller uses the engine afterwards (the std map after the design). A resumed longer design replays it.
+    before_acquire : callable, optional
+        ``before_acquire(engine, step, beta, replay)`` after ``beta`` was chosen and before it is conditioned on
+        (its measurement still unseen: the prequential check of :mod:`ctuq.design.forecast`); also on replay.
+    after_step : callable, optional
+        ``after_step(engine, step, replay) -> bool`` after the step (and its prior update); ``True`` stops the
+        design there (a stop rule). Called on replay too, so a resumed design that had stopped stops again.
     """
     if criterion not in option_values(Criterion):
         raise DesignError(f"design.criterion must be one of {list(option_values(Criterion))}, got {criterion!r}")
@@ -186,21 +197,32 @@ def greedy_design(
         on_setup(engine)
     if steps:
         say(f"resuming the design: replaying {len(steps)} recorded acquisitions")
+    stopped_at = None
     for rec in steps:  # replay: same conditioning, same noise streams, stored prior updates
+        if before_acquire is not None:
+            before_acquire(engine, rec["step"], rec["candidate"], True)
         engine.acquire(rec["candidate"], rec["step"])
         if updater is not None and (rec["step"] < n_acquire or update_last):
             new = updater(engine, rec["step"], engine.chosen, True)
             if new is not None:
                 engine.reset(engine.chosen, model=new)
+        if after_step is not None and after_step(engine, rec["step"], True):
+            stopped_at = rec["step"]
+            break
+    steps = steps[: stopped_at or len(steps)]
     resumed = len(steps)
     bar = _progress_bar(
         total=n_acquire, initial=resumed, desc=f"design ({criterion})", disable=None if progress else True
     )
     try:
         for step in range(resumed + 1, n_acquire + 1):
+            if stopped_at is not None:
+                break
             t0 = time.perf_counter()
             values, eta = engine.criteria(criterion, jitter)
             beta = int(torch.argmax(values))
+            if before_acquire is not None:
+                before_acquire(engine, step, beta, False)
             engine.acquire(beta, step)
             dt = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -211,6 +233,8 @@ def greedy_design(
                     if step < n_acquire:
                         engine.prepare()  # timed with the update; after the last step nothing is scored
             du = time.perf_counter() - t1
+            if after_step is not None and after_step(engine, step, False):
+                stopped_at = step
             rec = {
                 "step": step,
                 "candidate": beta,
@@ -240,7 +264,7 @@ def greedy_design(
     finally:
         bar.close()
     timings["total_s"] = time.perf_counter() - t_start
-    return DesignResult(criterion, pilot, [s["candidate"] for s in steps], steps, timings, resumed)
+    return DesignResult(criterion, pilot, [s["candidate"] for s in steps], steps, timings, resumed, stopped_at)
 
 
 def baseline_design(

@@ -10,11 +10,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib import cm
+from matplotlib.ticker import MaxNLocator
 
 from ctuq.figures import new_figure, save_figure
 from ctuq.outputs import to_numpy
 
-__all__ = ["plot_design_polar", "plot_std_maps", "plot_psnr_curves"]
+__all__ = ["plot_design_polar", "plot_std_maps", "plot_psnr_curves", "plot_forecast", "plot_online_calibration"]
 
 
 def plot_design_polar(
@@ -81,4 +82,72 @@ def plot_psnr_curves(path, curves: Mapping[str, tuple], *, title: str = "", ylab
     ax.legend(fontsize=7)
     if title:
         ax.set_title(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def plot_forecast(
+    path,
+    plan: Mapping | None,
+    online: Sequence[Mapping] = (),
+    *,
+    actual: Mapping[str, tuple] | None = None,
+    target: float | None = None,
+    dpi: int = 120,
+):
+    """ "Predicted error vs number of angles": the plan's curves (``plan["counts"]``, ``plan["designed"]`` and
+    ``plan["equidistant"]``, records of :meth:`ctuq.design.forecast.ErrorForecaster.predict`) with their 95 %
+    bands, the forecasts made during acquisition (``online``, same records), actual errors (``actual``: label →
+    ``(counts, rmse)``) and the target (mm⁻¹), all RMS errors inside the object in mm⁻¹."""
+    fig = new_figure(None, (6.4, 4.2), dpi)
+    ax = fig.add_subplot()
+    styles = {"designed": "C0", "equidistant": "C1"}
+    for name, color in styles.items():
+        recs = (plan or {}).get(name) or []
+        if not recs:
+            continue
+        n = [r["count"] for r in recs]
+        ax.plot(n, [r["rmse"] for r in recs], "-o", ms=3, color=color, label=f"predicted, {name} (plan)")
+        ax.fill_between(n, [r["rmse_band"][0] for r in recs], [r["rmse_band"][1] for r in recs], color=color, alpha=0.2)
+    if online:
+        n = [r["count"] for r in online]
+        ax.plot(n, [r["rmse"] for r in online], "-", color="C2", lw=1.2, label="predicted during acquisition")
+        ax.fill_between(
+            n, [r["rmse_band"][0] for r in online], [r["rmse_band"][1] for r in online], color="C2", alpha=0.15
+        )
+    for i, (label, (counts, rmse)) in enumerate((actual or {}).items()):
+        ax.plot(counts, rmse, "x", ms=7, mew=2, color=f"C{3 + i}", label=f"actual, {label}")
+    if target is not None:
+        ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target {target:.3g} mm⁻¹")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("number of angles")
+    ax.set_ylabel("RMS error inside the object (mm⁻¹)")
+    ax.set_title("predicted error vs number of angles (band: 95 %)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def plot_online_calibration(path, records: Sequence[Mapping], *, dpi: int = 120):
+    """Each acquired angle scored before it was used (:class:`ctuq.design.forecast.OnlineCalibration` records):
+    coverage of its rows' 90 % intervals (calibrated and raw) and of all acquired rows so far; mean ``z²``."""
+    fig = new_figure(None, (8.6, 3.6), dpi)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    step = [r["step"] for r in records]
+    ax.plot(step, [r["coverage_90"] for r in records], "o", ms=3, label="this angle, calibrated")
+    ax.plot(step, [r["coverage_90_raw"] for r in records], ".", ms=3, color="0.5", label="this angle, posterior alone")
+    ax.plot(step, [r["cumulative_coverage_90"] for r in records], "-", color="C3", label="all acquired so far")
+    ax.axhline(0.9, color="0.3", ls="--", lw=1)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("acquisition step")
+    ax.set_ylabel("coverage of the 90 % interval (fraction of rows)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bx.semilogy(step, [r["mean_z2"] for r in records], "o-", ms=3)
+    bx.axhline(1.0, color="0.3", ls="--", lw=1)
+    bx.set_xlabel("acquisition step")
+    bx.set_ylabel("mean z² of the angle's rows (1: calibrated)")
+    bx.grid(alpha=0.3)
+    fig.suptitle("online calibration: each new angle scored before it is used", fontsize=10)
     return save_figure(fig, path)

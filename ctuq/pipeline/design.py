@@ -35,11 +35,13 @@ from ctuq import __version__, interrupt
 from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
 from ctuq.design.dip_prior import DIPPrior
 from ctuq.design.engine import DesignEngine, auto_route
+from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, forecast_counts
 from ctuq.design.greedy import baseline_design, greedy_design
-from ctuq.design.plots import plot_design_polar, plot_std_maps
+from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves
+from ctuq.design.plots import plot_design_polar, plot_forecast, plot_online_calibration, plot_std_maps
 from ctuq.design.priors import isotropic_model, matern_model
 from ctuq.options import Criterion, DesignPriorKind, DesignRoute, values
-from ctuq.outputs import voxel_size_of, write_metrics, write_tiff
+from ctuq.outputs import read_tiff, voxel_size_of, write_metrics, write_tiff
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
@@ -47,9 +49,19 @@ from ctuq.pipeline.runner import run_phases, write_config
 from ctuq.pipeline.scan import check_device, load_scan
 from ctuq.utils import atomic_path, resolve_device
 
-__all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "WORK_DIR", "STATE_NAME"]
+__all__ = [
+    "run_design",
+    "read_angles_file",
+    "reconstruct_angles",
+    "DESIGN_NAME",
+    "ANGLES_NAME",
+    "WORK_DIR",
+    "STATE_NAME",
+]
 
 DESIGN_NAME = "design.json"
+FORECAST_PNG = "forecast.png"
+ONLINE_PNG = "online_calibration.png"
 ANGLES_NAME = "angles.txt"
 WORK_DIR = "work"
 STATE_NAME = f"{WORK_DIR}/design_state.pt"
@@ -88,7 +100,7 @@ def _read_metrics(path: Path) -> dict:
         raise DesignError(f"{path} could not be read as JSON ({exc}); delete it to recompute that part") from exc
 
 
-def _reconstruct(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
+def reconstruct_angles(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
     """A run folder of FBP/TV/DIP from ``op``/``y`` (the pipeline's phases); reused when already finished."""
     folder.mkdir(parents=True, exist_ok=True)
     state = RunState(
@@ -133,20 +145,23 @@ def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, 
             progress=progress,
             log=_log,
         )
-        return prior.build(pilot, n_steps=ds.acquire), prior.updater
+        return prior.build(pilot, n_steps=ds.acquire), prior.updater, prior
     if nv is None:  # the pilot DIP's mean squared residual, data units
         op_p = cand_op.subset(pilot)
         r = op_p.forward_flat(pilot_state.images["dip"].reshape(1, -1).to(op_p.dtype)) - y_cand[pilot].reshape(1, -1)
         nv = float(r.double().pow(2).mean())
     y_p = y_cand[pilot].reshape(-1).double()
     if image_prior == DesignPriorKind.ISOTROPIC:
-        return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None
-    return matern_model(
+        return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None, None
+    model = matern_model(
         cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale, log=_log
-    ), None
+    )
+    return model, None, None
 
 
-def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progress: bool = True) -> dict:
+def run_design(
+    cfg, out_dir, *, pilot_angles=None, resume: bool = False, progress: bool = True, plan: bool = False
+) -> dict:
     """Programmatic ``ctuq design`` (module docstring). Returns the ``design.json`` record.
 
     Parameters
@@ -160,6 +175,9 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
         Pilot angles in degrees (``--pilot-angles``); default ``design.pilot`` equidistant candidates.
     resume : bool
         Continue a killed design (finished reconstructions and the design checkpoint are reused).
+    plan : bool
+        ``--plan``: forecast the error after ``pilot … pilot + acquire`` angles (designed and equidistant) and write
+        it, without acquiring (:mod:`ctuq.design.plan`).
 
     Raises
     ------
@@ -171,13 +189,18 @@ def run_design(cfg, out_dir, *, pilot_angles=None, resume: bool = False, progres
     out = rf.check_writable_folder(out_dir)
     with run_lock(out):  # before anything in the folder is removed or written
         interrupt.note_run_folder(out)
-        return _run_design(cfg, out, pilot_angles=pilot_angles, resume=resume, progress=progress)
+        return _run_design(cfg, out, pilot_angles=pilot_angles, resume=resume, progress=progress, plan=plan)
 
 
-def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> dict:
+def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, plan: bool) -> dict:
     """:func:`run_design` in its locked output folder ``out_dir``."""
     t_start = time.perf_counter()
     ds = cfg.design
+    rule = StopRule.from_settings(ds.target_rmse, ds.target_psnr, ds.min_gain)  # bad targets: before any work
+    greedy = ds.criterion in values(Criterion)
+    if (plan or rule) and not greedy:
+        option = "--plan" if plan else "--target-rmse/--target-psnr/--min-gain"
+        raise DesignError(f"{option}: needs a greedy criterion ({', '.join(values(Criterion))}), not {ds.criterion}")
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out = rf.check_writable_folder(out_dir)
@@ -219,11 +242,11 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
     )
 
     # ---------------------------------------------------------------- pilot DIP, prior, design
-    pilot_state, pilot_metrics = _reconstruct(
+    pilot_state, pilot_metrics = reconstruct_angles(
         cfg, out / "pilot", cand_op.subset(pilot), y_cand[pilot], gt, device, progress, need_model=True
     )
     t0 = time.perf_counter()
-    model, updater = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
+    model, updater, prior = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
     refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
     route = auto_route(model, refreshed) if ds.route == DesignRoute.AUTO else ds.route
     engine = DesignEngine(model, route=route, n_samples=ds.samples, seed=cfg.seed, sample_chunk=ds.sample_chunk)
@@ -251,8 +274,12 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
         "sigma2": float(model.sigma2),
         "a": float(model.a),
     }
-    greedy = ds.criterion in values(Criterion)
+    forecast = None
     if greedy:
+        forecast = _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan, rule)
+        if plan:
+            return _write_plan(cfg, out, forecast, scan_path, cand_idx, cand_deg, pilot, period, route, t_start)
+        hooks = forecast["hooks"]
         result = greedy_design(
             engine,
             pilot,
@@ -266,7 +293,9 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
             progress=progress,
             log=_log,
             update_last=True,
-            on_setup=lambda _engine: std.__setitem__("after the pilot", std_map(pilot)),
+            on_setup=lambda eng: (std.__setitem__("after the pilot", std_map(pilot)), hooks.at_pilot(eng)),
+            before_acquire=hooks.before_acquire,
+            after_step=hooks.after_step,
         )
     else:
         result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
@@ -291,7 +320,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
             ("designed", sorted(result.chosen)),
             ("equidistant", sorted(equidistant_indices(len(cand_idx), n_total).tolist())),
         ):
-            _, m = _reconstruct(
+            _, m = reconstruct_angles(
                 cfg, out / name, cand_op.subset(idx), y_cand[idx], gt, device, progress, need_model=False
             )
             comparison[name] = {
@@ -299,6 +328,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
                 "angles_deg": cand_deg[idx].tolist(),
                 "psnr": m.get("psnr"),
                 "ssim": m.get("ssim"),
+                "rmse_object": _rmse_object(out / name, gt, forecast),
             }
             if m.get("psnr"):
                 _log(
@@ -335,6 +365,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
         "std_mean": {k: float(v.mean()) for k, v in std.items()},
         "pilot_reconstruction": {"psnr": pilot_metrics.get("psnr"), "ssim": pilot_metrics.get("ssim")},
         "comparison": comparison,
+        "forecast": _forecast_record(forecast, result, comparison, rule),
         "timings": {
             "prior_s": prior_s,
             **result.timings,
@@ -343,6 +374,192 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool) -> 
         },
         "config": cfg.to_dict(),
     }
+    if forecast is not None:
+        _forecast_figures(out, record["forecast"], comparison)
     write_metrics(out / DESIGN_NAME, record)
     _log(f"chose {len(acq_deg)} angles in {result.timings['total_s']:.1f} s; wrote {out}")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- forecast
+def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan: bool, rule) -> dict:
+    """The forecaster fitted at the pilot, the plan (``--plan`` or a stop target), and the acquisition hooks."""
+    ds = cfg.design
+    x_pilot = pilot_state.images["dip"].detach().cpu().double().reshape(engine.model.op.image_shape)
+    data_range = ds.intensity_range
+    if data_range is None and gt is not None:
+        data_range = float(gt.max() - gt.min())
+    forecaster = ErrorForecaster(ds.calibration, x_pilot, data_range=data_range, seed=cfg.seed)
+    predictor = RowPredictor(x_pilot.reshape(-1), y_cand, engine.model, forecaster.mask, seed=cfg.seed)
+    engine.reset(pilot)
+    rows = pilot_rows(engine, predictor, pilot, ds.calibration_angles)
+    if rows is not None:
+        forecaster.fit(rows)
+    else:  # every candidate is in the pilot: nothing unseen to calibrate on
+        forecaster.fit(predictor.rows(engine, pilot))
+    at_pilot = forecaster.report()
+    _log(f"forecast calibration at the pilot ({ds.calibration}): " + _describe_fit(at_pilot))
+    planned = None
+    if plan or rule:
+        n_max = len(pilot) + ds.acquire
+        model_plan = engine.model
+        if prior is not None:  # the angles not measured yet: the pilot reconstruction's projections
+            with torch.no_grad():
+                guess = engine.model.op.forward_flat(
+                    x_pilot.reshape(1, -1).to(engine.model.op.device, engine.model.op.dtype)
+                )
+            y_plan = guess.reshape(y_cand.shape).to(y_cand.dtype).cpu()
+            y_plan[pilot] = y_cand[pilot].cpu()
+            measured, prior.y = prior.y, y_plan
+            model_plan = prior.model_for(pilot)
+        try:
+            planned = plan_curves(
+                model_plan,
+                prior,
+                pilot,
+                forecast_counts(len(pilot), n_max, ds.forecast_points),
+                forecaster,
+                criterion=ds.criterion,
+                jitter=ds.jitter,
+                angles_deg=cand_deg,
+                route=route,
+                n_samples=min(ds.samples, ds.plan_samples),
+                refresh_every=ds.refresh_every,
+                std_samples=ds.forecast_samples,
+                seed=cfg.seed,
+                log=_log,
+            )
+        finally:
+            if prior is not None:
+                prior.y = measured
+        best = min((planned["designed"][-1], planned["equidistant"][-1]), key=lambda r: r["rmse"])
+        why = None if plan else rule.reachable(best)
+        if why is not None:
+            raise DesignError(why)
+    online = OnlineCalibration(forecaster, rows, ds.calibration_update)
+    hooks = AcquisitionHooks(
+        predictor,
+        online,
+        rule,
+        n_pilot=len(pilot),
+        angles_deg=cand_deg,
+        std_samples=ds.forecast_samples,
+        seed=cfg.seed,
+        center=prior.center if prior is not None else None,
+        log=_log,
+    )
+    return {"forecaster": forecaster, "at_pilot": at_pilot, "plan": planned, "hooks": hooks, "rule": rule}
+
+
+def _describe_fit(rep: dict) -> str:
+    keys = [k for k in ("k", "tau") if rep.get(k) is not None]
+    return ", ".join(f"{k} = {rep[k]:.3g}" for k in keys) + f" on {rep['n_rows']} rows"
+
+
+def _rmse_object(folder: Path, gt, forecast) -> dict | None:
+    """RMS error (mm⁻¹) inside the forecast's object mask of each reconstruction in ``folder`` against ``gt``."""
+    if gt is None or forecast is None:
+        return None
+    mask = forecast["forecaster"].mask > 0
+    truth = gt.detach().cpu().double().numpy().reshape(mask.shape)
+    out = {}
+    for name, file in (("fbp", rf.FBP_NAME), ("tv", rf.TV_NAME), ("dip", rf.RECONSTRUCTION_NAME)):
+        if (folder / file).is_file():
+            x, _ = read_tiff(folder / file)
+            out[name] = float(np.sqrt(np.mean((np.asarray(x, np.float64).reshape(mask.shape) - truth)[mask] ** 2)))
+    return out
+
+
+def _forecast_record(forecast, result, comparison, rule) -> dict | None:
+    """``design.json["forecast"]``: the calibration at the pilot, the plan, the online records and the stop."""
+    if forecast is None:
+        return None
+    hooks = forecast["hooks"]
+    last = hooks.forecasts[-1] if hooks.forecasts else None
+    actual = (comparison.get("designed") or {}).get("rmse_object") or {}
+    stop = None
+    if rule:
+        stop = {
+            "target": rule.target.text,
+            "target_rmse": rule.target.value if rule.target.kind == "rmse" else None,
+            "rule": rule.target.describe(),
+            "met": bool(result.stopped_at is not None),
+            "n_angles": len(result.chosen),
+            "predicted_rmse": last["rmse"] if last else None,
+            "predicted_rmse_band": last["rmse_band"] if last else None,
+            "predicted_psnr": last["psnr"] if last else None,
+            "actual_rmse": actual.get("dip"),
+            "actual_psnr": ((comparison.get("designed") or {}).get("psnr") or {}).get("dip"),
+        }
+        if stop["met"]:
+            _log(
+                f"stopped after {stop['n_angles']} angles: predicted RMS error {last['rmse']:.4g} mm⁻¹ "
+                f"[{last['rmse_band'][0]:.4g}, {last['rmse_band'][1]:.4g}]"
+                + (f", actual (DIP) {stop['actual_rmse']:.4g} mm⁻¹" if stop["actual_rmse"] is not None else "")
+            )
+        else:
+            _log(f"the stop rule was not met within --acquire {len(result.acquired)} angles ({rule.target.describe()})")
+    return {
+        "calibration": forecast["forecaster"].name,
+        "update": hooks.online.update,
+        "calibration_at_pilot": forecast["at_pilot"],
+        "plan": forecast["plan"],
+        "online": hooks.online.records,
+        "after_step": hooks.forecasts,
+        "stop": stop,
+        "time_s": hooks.time_s + (forecast["plan"] or {}).get("time_s", 0.0),
+    }
+
+
+def _forecast_figures(out: Path, fc: dict, comparison: dict) -> None:
+    actual = {}
+    for name in ("designed", "equidistant"):
+        rec = comparison.get(name) or {}
+        if (rec.get("rmse_object") or {}).get("dip") is not None:
+            actual[f"{name} DIP"] = ([rec["n_angles"]], [rec["rmse_object"]["dip"]])
+    target = (fc.get("stop") or {}).get("target_rmse")
+    plot_forecast(out / FORECAST_PNG, fc.get("plan"), fc.get("after_step") or [], actual=actual, target=target)
+    if fc.get("online"):
+        plot_online_calibration(out / ONLINE_PNG, fc["online"])
+
+
+def _write_plan(cfg, out: Path, forecast: dict, scan_path, cand_idx, cand_deg, pilot, period, route, t_start) -> dict:
+    """``--plan``: design.json with the forecast, forecast.png and the planned angles; nothing acquired."""
+    planned = forecast["plan"]
+    order = planned["designed_order"]
+    record = {
+        "ctuq_version": __version__,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "plan_only": True,
+        "scan": str(scan_path),
+        "strategy": cfg.design.criterion,
+        "route": route,
+        "period_deg": math.degrees(period),
+        "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
+        "pilot": {"candidates": pilot, "angles_deg": cand_deg[pilot].tolist()},
+        "planned": {"candidates": order, "angles_deg": cand_deg[order].tolist()},
+        "forecast": {
+            "calibration": forecast["forecaster"].name,
+            "calibration_at_pilot": forecast["at_pilot"],
+            "plan": planned,
+        },
+        "timings": {"plan_s": planned["time_s"], "total_s": time.perf_counter() - t_start},
+        "config": cfg.to_dict(),
+    }
+    plot_forecast(out / FORECAST_PNG, planned)
+    lines = [f"# ctuq design --plan: {cfg.design.criterion}; angle_deg role order (planned, not acquired)"]
+    lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(cand_deg[pilot])]
+    lines += [f"{a:.6f} planned {i + 1}" for i, a in enumerate(cand_deg[order])]
+    with atomic_path(out / ANGLES_NAME) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+    write_metrics(out / DESIGN_NAME, record)
+    rows = ["  angles  designed (mm⁻¹)          equidistant (mm⁻¹)"]
+    for n, d, e in zip(planned["counts"], planned["designed"], planned["equidistant"]):
+        rows.append(
+            f"  {n:6d}  {d['rmse']:.4g} [{d['rmse_band'][0]:.3g}, {d['rmse_band'][1]:.3g}]"
+            f"   {e['rmse']:.4g} [{e['rmse_band'][0]:.3g}, {e['rmse_band'][1]:.3g}]"
+        )
+    _log("predicted RMS error inside the object (95 % band):\n" + "\n".join(rows))
+    _log(f"planned in {record['timings']['total_s']:.1f} s; wrote {out / DESIGN_NAME} and {out / FORECAST_PNG}")
     return record

@@ -1,0 +1,217 @@
+"""The predicted error curve before acquiring (``ctuq design --plan``) and the hooks of a design with a stop rule.
+
+:func:`plan_curves` forecasts the error after ``n = pilot … pilot + acquire`` angles for two strategies, without any
+new measurement (:mod:`ctuq.design.forecast` for the quantities):
+
+* **designed**: the greedy design run ahead on the covariance alone. Its choices need no data; the linearised
+  DIP's refreshed ``a`` (the energy rule) does, so the angles not measured yet enter it as the pilot
+  reconstruction's projections, its best guess of them;
+* **equidistant**: ``n`` evenly spaced candidates, the prior's g-prior and ``a`` refitted on them as a design that
+  had chosen them would.
+
+:class:`AcquisitionHooks` are the ``before_acquire`` / ``after_step`` of :func:`ctuq.design.greedy.greedy_design`
+for a design on measured data: each new angle scored before it is used (:class:`~ctuq.design.forecast.
+OnlineCalibration`), the error forecast after every step, and the :class:`~ctuq.design.forecast.StopRule`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ctuq.design.candidates import equidistant_indices
+from ctuq.design.engine import DesignEngine
+from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule
+from ctuq.design.greedy import greedy_design
+
+__all__ = ["plan_curves", "pilot_rows", "AcquisitionHooks", "refresh_updater"]
+
+
+def _variance(engine: DesignEngine, n: int, seed: int):
+    """The posterior pixel variance after the engine's chosen angles, in the scan's image units² (mm⁻²)."""
+    return engine.posterior_variance(n, seed=seed) / float(engine.model.image_scale) ** 2
+
+
+def refresh_updater(prior, every: int) -> Callable | None:
+    """A greedy-design updater that refits the g-prior and ``a`` of ``prior`` (a :class:`DIPPrior`) on the chosen
+    angles every ``every`` acquisitions, and never retrains (``None`` without a prior or refresh)."""
+    if prior is None or not every:
+        return None
+
+    def update(engine, n_acquired: int, chosen, replay: bool):
+        return prior.model_for(chosen) if n_acquired % every == 0 else None
+
+    return update
+
+
+def pilot_rows(engine: DesignEngine, predictor: RowPredictor, pilot, max_angles: int):
+    """The held-out rows at the pilot: up to ``max_angles`` candidates outside the pilot, evenly spread (the
+    engine conditioned on the pilot); ``None`` when every candidate is in the pilot."""
+    rest = np.setdiff1d(np.arange(engine.model.n_candidates), np.asarray(pilot))
+    if rest.size == 0:
+        return None
+    take = rest[equidistant_indices(rest.size, min(int(max_angles), rest.size))]
+    return predictor.rows(engine, take.tolist())
+
+
+def plan_curves(
+    model,
+    prior,
+    pilot,
+    counts,
+    forecaster: ErrorForecaster,
+    *,
+    criterion: str,
+    jitter: float,
+    angles_deg,
+    route: str,
+    n_samples: int,
+    refresh_every: int,
+    std_samples: int,
+    seed: int,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """The predicted error after each of ``counts`` angles for the designed and the equidistant strategy.
+
+    Parameters
+    ----------
+    model : DesignModel
+        The design model after the pilot (its prior's data: the pilot's measurements and, for the DIP, the pilot
+        reconstruction's projections elsewhere).
+    prior : DIPPrior or None
+        Refits the g-prior and ``a`` (designed: every ``refresh_every`` angles; equidistant: on each set); ``None``
+        for a fixed prior (isotropic, Matérn).
+    pilot : list of int
+        Pilot candidate indices.
+    counts : list of int
+        Angle counts (pilot included), ascending, from ``len(pilot)``.
+    forecaster : ErrorForecaster
+        Fitted at the pilot.
+    criterion, jitter, angles_deg, route, n_samples : as for :func:`greedy_design` / :class:`DesignEngine`.
+    std_samples : int
+        Core-sampler draws per variance map.
+    seed : int
+        Seeds the engines and the variance maps.
+
+    Returns
+    -------
+    dict
+        ``counts``; ``designed`` and ``equidistant``: lists of :meth:`ErrorForecaster.predict` records per count;
+        ``designed_order``: the planned acquisitions (candidate indices); ``time_s``.
+    """
+    t0 = time.perf_counter()
+    say = log or (lambda _m: None)
+    counts = [int(c) for c in counts]
+    n0 = len(pilot)
+    designed: dict[int, dict] = {}
+
+    def record(engine, step, replay=False):
+        n = n0 + step
+        if n in counts:
+            designed[n] = forecaster.predict(_variance(engine, std_samples, seed + 17), n)
+        return False
+
+    engine = DesignEngine(model, route=route, n_samples=n_samples, seed=seed)
+    result = None
+    if max(counts) > n0:
+        result = greedy_design(
+            engine,
+            pilot,
+            max(counts) - n0,
+            criterion=criterion,
+            angles_deg=angles_deg,
+            jitter=jitter,
+            updater=refresh_updater(prior, refresh_every),
+            progress=progress,
+            log=say,
+            on_setup=lambda eng: record(eng, 0),
+            after_step=record,
+        )
+    else:
+        engine.reset(pilot)
+        record(engine, 0)
+    equidistant = []
+    eq = DesignEngine(model, route="sampled", n_samples=2, seed=seed)
+    for n in counts:
+        chosen = equidistant_indices(model.n_candidates, n).tolist()
+        eq.reset(chosen, model=prior.model_for(chosen) if prior is not None else model)
+        equidistant.append(forecaster.predict(_variance(eq, std_samples, seed + 17), n))
+    out = {
+        "counts": counts,
+        "designed": [designed[n] for n in counts],
+        "equidistant": equidistant,
+        "designed_order": list(result.acquired) if result is not None else [],
+        "time_s": time.perf_counter() - t0,
+    }
+    say(
+        "predicted RMS error (mm⁻¹) after "
+        + ", ".join(f"{n}: {d['rmse']:.3g}" for n, d in zip(counts, out["designed"]))
+        + " angles (designed)"
+    )
+    return out
+
+
+class AcquisitionHooks:
+    """``before_acquire`` / ``after_step`` of a design on measured data (module docstring).
+
+    ``online`` scores each new angle (its rows predicted from ``center()``, the current reconstruction, when
+    given: the retrained DIP of ``design.retrain_every``); ``forecasts`` holds the forecast after the pilot and after
+    every step (count, ``rmse``, band, ``psnr``, and the calibration it used); :attr:`stopped` tells whether the
+    rule stopped.
+    """
+
+    def __init__(
+        self,
+        predictor: RowPredictor,
+        online: OnlineCalibration,
+        rule: StopRule,
+        *,
+        n_pilot: int,
+        angles_deg,
+        std_samples: int,
+        seed: int,
+        center: Callable | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.predictor, self.online, self.rule = predictor, online, rule
+        self.center = center
+        self.n_pilot, self.angles_deg = int(n_pilot), np.asarray(angles_deg, np.float64)
+        self.std_samples, self.seed = int(std_samples), int(seed)
+        self.say = log or (lambda _m: None)
+        self.forecasts: list[dict] = []
+        self.stopped = False
+        self.time_s = 0.0
+
+    def at_pilot(self, engine) -> dict:
+        """The forecast after the pilot (the forecaster fitted on the pilot's rows)."""
+        rec = self.online.forecaster.predict(_variance(engine, self.std_samples, self.seed + 17), self.n_pilot)
+        self.forecasts = [rec]
+        return rec
+
+    def before_acquire(self, engine, step: int, beta: int, replay: bool) -> None:
+        t0 = time.perf_counter()
+        if self.center is not None:  # a retrained DIP: predict from it
+            self.predictor.recenter(self.center())
+        self.online.score(self.predictor.rows(engine, [beta]), step, float(self.angles_deg[beta]))
+        self.time_s += time.perf_counter() - t0
+
+    def after_step(self, engine, step: int, replay: bool) -> bool:
+        t0 = time.perf_counter()
+        rec = self.online.forecaster.predict(_variance(engine, self.std_samples, self.seed + 17), len(engine.chosen))
+        rec["calibration"] = self.online.forecaster.report()
+        self.forecasts.append(rec)
+        self.time_s += time.perf_counter() - t0
+        on = self.online.records[-1]
+        if not replay:
+            self.say(
+                f"step {step}: angle {on['angle_deg']:.1f}° scored before use: coverage@0.9 {on['coverage_90']:.2f} "
+                f"(all acquired {on['cumulative_coverage_90']:.2f}); predicted RMS error {rec['rmse']:.4g} mm⁻¹ "
+                f"[{rec['rmse_band'][0]:.4g}, {rec['rmse_band'][1]:.4g}]"
+            )
+        self.stopped = self.rule.met(self.forecasts)
+        if self.stopped and not replay:
+            self.say(f"stop rule met after {len(engine.chosen)} angles: {self.rule.target.describe()}")
+        return self.stopped
