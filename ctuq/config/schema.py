@@ -360,9 +360,16 @@ class DesignConfig:
         help="calibration of the error forecast, fitted on unseen rows (pilot: other candidates; then each new angle)",
     )
     calibration_update: str = option(
-        "pooled",
+        "online",
         choices=values(ForecastUpdate),
-        help="refit the forecast's calibration on each new angle's rows: with the pilot's (pooled), alone, or never",
+        help="refit the forecast's calibration on each new angle's rows: alone (online), with the pilot's (pooled), "
+        "or never (pilot)",
+    )
+    track_iterations: int | None = option(
+        None,
+        ge=0,
+        help="predict each new angle from the pilot DIP warm-started on the acquired angles for this many Adam steps "
+        "(0: from the design's linearised update); null: 300 with a stop target, else 0",
     )
     calibration_angles: int = option(60, ge=1, help="candidates outside the pilot whose rows calibrate at the pilot")
     forecast_points: int = option(8, ge=2, help="angle counts of the predicted error curve (--plan)")

@@ -44,7 +44,7 @@ from ctuq.options import DesignPriorKind, DesignPriorScale, GPriorMethod
 from ctuq.reconstruct.dip import fit_dip
 from ctuq.utils import atomic_torch_save
 
-__all__ = ["DIPPrior"]
+__all__ = ["DIPPrior", "DIPTracker"]
 
 
 class DIPPrior:
@@ -180,9 +180,10 @@ class DIPPrior:
         self._base = base
         return self._scaled(base, chosen)
 
-    def center(self) -> torch.Tensor:
+    def center(self, chosen=None) -> torch.Tensor:
         """The image the current linearisation is centred on, ``g(ṽ)`` of the (possibly retrained) DIP, flat
-        ``(d_x,)`` float64 on the CPU, mm⁻¹ (after :meth:`build`)."""
+        ``(d_x,)`` float64 on the CPU, mm⁻¹ (after :meth:`build`; ``chosen`` is not needed: the retraining knows
+        its angles)."""
         if self.factor is None:
             raise RuntimeError("DIPPrior.center: call build() first")
         return (self.g0.detach().double().cpu() / self.scale).reshape(-1)
@@ -274,3 +275,50 @@ class DIPPrior:
                 atomic_torch_save(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
         self.net_model = model.eval()
         self.n_retrains += 1
+
+
+class DIPTracker:
+    """The reconstruction a user would have after each acquisition, for the online check of
+    :mod:`ctuq.design.forecast`: a copy of the pilot DIP warm-started on the chosen angles for ``iterations`` Adam
+    steps whenever the chosen angles changed (the prior's linearisation is left alone).
+
+    The linearised update of the pilot DIP by the new angles (the design posterior's predictive mean) does not
+    generalise to unseen angles (notebook/experimental_design.md, "How many angles"): scored against it, every new
+    angle looks worse than the DIP the user will reconstruct. :meth:`center` is the image the next angle is
+    predicted from.
+    """
+
+    def __init__(self, prior: DIPPrior, iterations: int):
+        self.prior, self.iterations = prior, int(iterations)
+        self.model = copy.deepcopy(prior.net_model)
+        self._chosen: tuple[int, ...] | None = None
+        self._image: torch.Tensor | None = None
+
+    def center(self, chosen) -> torch.Tensor:
+        """``(d_x,)`` float64 CPU, mm⁻¹: the tracked DIP after training on ``chosen`` (the pilot DIP itself for the
+        pilot)."""
+        chosen = tuple(int(b) for b in chosen)
+        if chosen == self._chosen:
+            return self._image
+        p, dc = self.prior, self.prior.dip
+        if self._chosen is None and self._image is None:
+            self._chosen, self._image = chosen, p.center()  # the pilot DIP: nothing new to fit
+            return self._image
+        res = fit_dip(
+            p.op.subset(list(chosen)),
+            p.y[list(chosen)].to(p.op.device),
+            model=self.model,
+            net_input=p.net_input,
+            iterations=self.iterations,
+            lr=dc.lr if dc else 1e-3,
+            tv_weight=dc.tv_weight if dc else 1e-4,
+            clip_grad_norm=dc.clip_grad_norm if dc else 1.0,
+            scale=p.scale,
+            seed=p.seed + len(chosen),
+            device=p.op.device,
+            progress=False,
+        )
+        self.model.load_state_dict(res.final_state_dict)  # warm start of the next fit: where this one ended
+        self._chosen = chosen
+        self._image = res.reconstruction.detach().double().cpu().reshape(-1)
+        return self._image

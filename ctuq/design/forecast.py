@@ -326,10 +326,10 @@ class OnlineCalibration:
     """Prequential scoring of acquired angles and the calibration refitted on them.
 
     Each acquired angle's rows are scored with the forecaster as fitted *before* they were seen (:meth:`score`),
-    then the forecaster is refitted as ``update`` says (``design.calibration_update``): ``pooled`` on the pilot's
-    held-out rows and every acquired angle's, ``online`` on the acquired angles' alone (with the pilot's until
-    :data:`_MIN_ONLINE_ANGLES` are in), ``pilot`` never (the angles are scored, the pilot's fit is kept). The other
-    two fits are recorded beside (``alternatives``), so a study compares them on one run.
+    then the forecaster is refitted as ``update`` says (``design.calibration_update``): ``online`` (default) on the
+    acquired angles' rows alone (with the pilot's until :data:`_MIN_ONLINE_ANGLES` are in), ``pooled`` on the
+    pilot's held-out rows and every acquired angle's, ``pilot`` never (the angles are scored, the pilot's fit is
+    kept). The other two fits are recorded beside (``alternatives``), so a study compares them on one run.
 
     ``records`` has one entry per acquisition: ``step``, ``angle_deg``, ``coverage_90`` (its rows inside their
     calibrated 90 % interval), ``coverage_90_raw`` (under the posterior alone), ``mean_z2``, ``ll`` (mean Gaussian
@@ -338,7 +338,7 @@ class OnlineCalibration:
     ``alternatives`` (the other modes' fits).
     """
 
-    def __init__(self, forecaster: ErrorForecaster, pilot_rows: HeldoutRows | None, update: str = "pooled"):
+    def __init__(self, forecaster: ErrorForecaster, pilot_rows: HeldoutRows | None, update: str = "online"):
         if update not in values(ForecastUpdate):
             raise DesignError(f"design.calibration_update must be one of {values(ForecastUpdate)}, got {update!r}")
         self.forecaster, self.pilot_rows, self.update = forecaster, pilot_rows, update

@@ -194,7 +194,7 @@ class AcquisitionHooks:
     def before_acquire(self, engine, step: int, beta: int, replay: bool) -> None:
         t0 = time.perf_counter()
         if self.center is not None:  # a retrained DIP: predict from it
-            self.predictor.recenter(self.center())
+            self.predictor.recenter(self.center(engine.chosen))
         self.online.score(self.predictor.rows(engine, [beta]), step, float(self.angles_deg[beta]))
         self.time_s += time.perf_counter() - t0
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib import cm
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
 from ctuq.figures import new_figure, save_figure
 from ctuq.outputs import to_numpy
@@ -145,6 +145,8 @@ def plot_online_calibration(path, records: Sequence[Mapping], *, dpi: int = 120)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     bx.xaxis.set_major_locator(MaxNLocator(integer=True))
     bx.semilogy(step, [r["mean_z2"] for r in records], "o-", ms=3)
+    bx.yaxis.set_major_formatter(ScalarFormatter())
+    bx.yaxis.set_minor_formatter(NullFormatter())
     bx.axhline(1.0, color="0.3", ls="--", lw=1)
     bx.set_xlabel("acquisition step")
     bx.set_ylabel("mean z² of the angle's rows (1: calibrated)")

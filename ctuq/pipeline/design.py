@@ -33,7 +33,7 @@ import torch
 
 from ctuq import __version__, interrupt
 from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
-from ctuq.design.dip_prior import DIPPrior
+from ctuq.design.dip_prior import DIPPrior, DIPTracker
 from ctuq.design.engine import DesignEngine, auto_route
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, forecast_counts
 from ctuq.design.greedy import baseline_design, greedy_design
@@ -61,6 +61,7 @@ __all__ = [
 
 DESIGN_NAME = "design.json"
 FORECAST_PNG = "forecast.png"
+TRACK_ITERATIONS = 300  # design.track_iterations with a stop target (notebook/experimental_design.md)
 ONLINE_PNG = "online_calibration.png"
 ANGLES_NAME = "angles.txt"
 WORK_DIR = "work"
@@ -377,7 +378,8 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     if forecast is not None:
         _forecast_figures(out, record["forecast"], comparison)
     write_metrics(out / DESIGN_NAME, record)
-    _log(f"chose {len(acq_deg)} angles in {result.timings['total_s']:.1f} s; wrote {out}")
+    plural = "" if len(acq_deg) == 1 else "s"
+    _log(f"chose {len(acq_deg)} angle{plural} in {result.timings['total_s']:.1f} s; wrote {out}")
     return record
 
 
@@ -445,10 +447,42 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
         angles_deg=cand_deg,
         std_samples=ds.forecast_samples,
         seed=cfg.seed,
-        center=prior.center if prior is not None else None,
+        center=_center(ds, prior),
         log=_log,
     )
-    return {"forecaster": forecaster, "at_pilot": at_pilot, "plan": planned, "hooks": hooks, "rule": rule}
+    if hooks.center is None:
+        source = "the design posterior's mean (the pilot DIP updated linearly)"
+    elif isinstance(getattr(hooks.center, "__self__", None), DIPTracker):
+        source = f"the tracked DIP ({_track_iterations(ds)} warm-start Adam steps after each angle)"
+    else:
+        source = f"the DIP retrained every {ds.retrain_every} angles"
+    return {
+        "forecaster": forecaster,
+        "at_pilot": at_pilot,
+        "plan": planned,
+        "hooks": hooks,
+        "rule": rule,
+        "predicted_from": source if prior is not None else "the design posterior's mean",
+    }
+
+
+def _center(ds, prior):
+    """What each new angle is predicted from (``AcquisitionHooks(center=…)``): the tracked DIP
+    (``design.track_iterations``), the retrained one (``design.retrain_every``), else the design's linearised update of
+    the pilot DIP (``None``)."""
+    if prior is None:
+        return None
+    track = _track_iterations(ds)
+    if track:
+        return DIPTracker(prior, track).center
+    return prior.center if ds.retrain_every else None
+
+
+def _track_iterations(ds) -> int:
+    """``design.track_iterations``, its ``null`` resolved (:data:`TRACK_ITERATIONS` with a stop target, else 0)."""
+    if ds.track_iterations is not None:
+        return int(ds.track_iterations)
+    return TRACK_ITERATIONS if StopRule.from_settings(ds.target_rmse, ds.target_psnr, ds.min_gain) else 0
 
 
 def _describe_fit(rep: dict) -> str:
@@ -502,6 +536,7 @@ def _forecast_record(forecast, result, comparison, rule) -> dict | None:
     return {
         "calibration": forecast["forecaster"].name,
         "update": hooks.online.update,
+        "predicted_from": forecast["predicted_from"],
         "calibration_at_pilot": forecast["at_pilot"],
         "plan": forecast["plan"],
         "online": hooks.online.records,

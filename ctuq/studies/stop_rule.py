@@ -5,8 +5,9 @@ Per simulated scan (walnut and textured phantoms, :func:`ctuq.studies.calibratio
 
 1. ``plan/``: ``ctuq design --plan`` from the pilot: the predicted RMS error inside the object after ``n = pilot …
    pilot + acquire`` angles, designed and equidistant (:mod:`ctuq.design.plan`);
-2. ``acquire/``: the design on the scan's measurements, each new angle scored before it is used and the forecast
-   after every step (the stop rule needs nothing else: a target changes where the design stops, not its choices);
+2. ``acquire/``: the design on the scan's measurements, each new angle scored before it is used (predicted from
+   the tracked DIP, as with a stop target) and the forecast after every step (the stop rule needs nothing else: a
+   target changes where the design stops, not its choices);
 3. ``actual/<strategy>_<n>/``: FBP, TV and the DIP (cold start, the ``dip`` section) from the first ``n`` designed
    angles and from ``n`` equidistant ones, their RMS error inside the same object mask against the ground truth.
 
@@ -30,7 +31,7 @@ from ctuq.config import load_config
 from ctuq.design.candidates import equidistant_indices
 from ctuq.outputs import read_tiff
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.design import DESIGN_NAME, reconstruct_angles, run_design
+from ctuq.pipeline.design import DESIGN_NAME, TRACK_ITERATIONS, reconstruct_angles, run_design
 from ctuq.pipeline.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
 from ctuq.studies.common import Log, read_json
@@ -103,7 +104,8 @@ def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
     runs = {}
     for part, kwargs in (("plan", {"plan": True}), ("acquire", {})):
         folder = sdir / part
-        extra = [] if part == "plan" else ["design.reconstruct=false"]
+        # the acquisition as a stop rule runs it (its predictions from the tracked DIP); no target: it runs to the cap
+        extra = [] if part == "plan" else ["design.reconstruct=false", f"design.track_iterations={TRACK_ITERATIONS}"]
         if (folder / DESIGN_NAME).is_file():
             runs[part] = read_json(folder / DESIGN_NAME)
             continue
@@ -121,18 +123,20 @@ def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
     pilot_x, _ = read_tiff(sdir / "acquire" / "pilot" / rf.RECONSTRUCTION_NAME)
     mask = object_mask(np.asarray(pilot_x, np.float64)) > 0
     order = acq["pilot"]["candidates"] + [a["candidate"] for a in acq["acquired"]]
-    actual = {"designed": {}, "equidistant": {}}
+    actual: dict = {"designed": {}, "equidistant": {}}
+    done_sets: dict[tuple, float] = {}  # the same angles (the pilot: equidistant) are reconstructed once
     for n in opts["counts"]:
         for strategy in ("designed", "equidistant"):
-            idx = order[:n] if strategy == "designed" else equidistant_indices(len(cand), n).tolist()
-            folder = sdir / "actual" / f"{strategy}_{n:03d}"
-            if not rf.is_finished_run(folder):
-                log(f"{name}: DIP from {n} {strategy} angles")
-            idx = sorted(idx)
-            reconstruct_angles(
-                cfg, folder, cand_op.subset(idx), y_cand[idx], data.ground_truth, device, False, need_model=False
-            )
-            actual[strategy][n] = _rmse_inside(folder, gt, mask)
+            idx = sorted(order[:n] if strategy == "designed" else equidistant_indices(len(cand), n).tolist())
+            if tuple(idx) not in done_sets:
+                folder = sdir / "actual" / f"{strategy}_{n:03d}"
+                if not rf.is_finished_run(folder):
+                    log(f"{name}: DIP from {n} {strategy} angles")
+                reconstruct_angles(
+                    cfg, folder, cand_op.subset(idx), y_cand[idx], data.ground_truth, device, False, need_model=False
+                )
+                done_sets[tuple(idx)] = _rmse_inside(folder, gt, mask)
+            actual[strategy][n] = done_sets[tuple(idx)]
     record = {
         "scan": name,
         "counts": opts["counts"],
@@ -281,6 +285,31 @@ def report(records: list[dict], fractions) -> str:
         lines.append(
             f"| {mode} | {len(met)} | {100 * np.mean(met):.0f} % | {np.mean(ratio_counts):.2f} | {', '.join(cells)} |"
         )
+    lines += [
+        "",
+        "Equidistant acquisition stopped by the plan's curve (the first count, interpolated in log error between the "
+        "plan's counts, whose predicted error meets the target), against the oracle count of equidistant angles:",
+        "",
+        "| strategy | runs | target met | mean stop / oracle count | stop counts (oracle) |",
+        "|---|---|---|---|---|",
+    ]
+    met, ratio_counts, cells = [], [], []
+    for rec in records:
+        counts = [int(c) for c in rec["counts"]]
+        act = [rec["actual"]["equidistant"][str(c)] for c in counts]
+        plan = [rec["plan"]["equidistant"][str(c)][0] for c in counts]
+        dense = np.arange(counts[0], counts[-1] + 1)
+        for st in stop_counts(rec, fractions):
+            t = st["target"]
+            stop = next((int(n) for n in dense if _loglin(counts, plan, n) <= t), int(counts[-1]))
+            oracle = next((int(n) for n in dense if _loglin(counts, act, n) <= t), int(counts[-1]))
+            met.append(_loglin(counts, act, stop) <= 1.1 * t)
+            ratio_counts.append(stop / oracle)
+            cells.append(f"{stop} ({oracle})")
+    lines.append(
+        f"| equidistant, plan | {len(met)} | {100 * np.mean(met):.0f} % | {np.mean(ratio_counts):.2f} | "
+        f"{', '.join(cells)} |"
+    )
     lines += [
         "",
         "## Gate 3: online coverage@0.9 of the acquired angles' rows after 10 acquisitions (in [0.85, 0.95])",

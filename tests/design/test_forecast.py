@@ -26,7 +26,7 @@ from ctuq.design.forecast import (
 )
 from ctuq.design.greedy import greedy_design
 from ctuq.registry import CALIBRATIONS
-from tests.design.test_design import K, MODELS, N_ANG, dense_K, dense_model, op  # noqa: F401 - op is a fixture
+from tests.design.test_design import MODELS, N_ANG, K, dense_K, dense_model, op  # noqa: F401 - op is a fixture
 
 H = 8
 
@@ -242,6 +242,7 @@ def _cli(args):
     return main(["design", "--no-progress", *args])
 
 
+@pytest.mark.slow
 def test_plan_writes_the_forecast_without_acquiring(tiny_scan, tmp_path):
     out = tmp_path / "plan"
     sets = [x for s in TINY_SCAN for x in ("--set", s)]
@@ -271,6 +272,7 @@ def test_plan_writes_the_forecast_without_acquiring(tiny_scan, tmp_path):
     assert stop["met"] and stop["predicted_rmse"] <= target and stop["n_angles"] < 10
     assert len(got["forecast"]["online"]) == len(got["acquired"]) == stop["n_angles"] - 4
     assert (out3 / "online_calibration.png").stat().st_size > 0
+    assert got["forecast"]["predicted_from"].startswith("the tracked DIP (300 ")  # a stop target tracks the DIP
     # resumed: the same stop, nothing more acquired
     assert _cli([*args, *extra, "--target-rmse", f"{target}/mm", "--out", str(out3), "--resume"]) == 0
     again = json.loads((out3 / "design.json").read_text())
