@@ -85,8 +85,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="predict the error after pilot … pilot + acquire angles (designed and equidistant) and stop: "
-        "design.json, forecast.png; nothing acquired",
+        help="only predict the error after pilot … pilot + acquire angles, designed and equidistant "
+        "(design.json, forecast.png); nothing is acquired",
     )
     p.add_argument(
         "--target-rmse",
