@@ -44,8 +44,10 @@ from ctuq.design.criteria import (
 from ctuq.design.dip_prior import DIPPrior
 from ctuq.design.engine import DesignEngine, auto_route
 from ctuq.design.factors import DenseFactor, IdentityFactor, MaternFactor, kernel_apply
+from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, parse_target
 from ctuq.design.greedy import STRATEGIES, DesignResult, baseline_design, greedy_design
 from ctuq.design.model import DesignModel
+from ctuq.design.plan import AcquisitionHooks, plan_curves
 from ctuq.design.priors import (
     energy_precision,
     fit_precision,
@@ -54,6 +56,13 @@ from ctuq.design.priors import (
 )
 
 __all__ = [
+    "AcquisitionHooks",
+    "ErrorForecaster",
+    "OnlineCalibration",
+    "RowPredictor",
+    "StopRule",
+    "parse_target",
+    "plan_curves",
     "BorderedCholesky",
     "DIPPrior",
     "DEFAULT_JITTER",
