@@ -35,6 +35,7 @@ import torch
 from ctuq.calibration.bias import bias_weight, object_mask
 from ctuq.calibration.check import HeldoutRows
 from ctuq.design.candidates import DesignError
+from ctuq.metrics.image import psnr_from_mse
 from ctuq.options import ForecastCalibration, ForecastUpdate, values
 from ctuq.registry import CALIBRATIONS
 
@@ -310,15 +311,11 @@ class ErrorForecaster:
             "psnr_band": None,
         }
         if self.data_range is not None:
-            psnr = _psnr(mse, self.data_range)
-            ps = [_psnr(r[1], self.data_range) for r in reps] or [psnr]
+            psnr = psnr_from_mse(mse, self.data_range)
+            ps = [psnr_from_mse(r[1], self.data_range) for r in reps] or [psnr]
             out["psnr"] = psnr
             out["psnr_band"] = [min(float(np.quantile(ps, 0.025)), psnr), max(float(np.quantile(ps, 0.975)), psnr)]
         return out
-
-
-def _psnr(mse: float, data_range: float) -> float:
-    return 10.0 * math.log10(data_range**2 / mse) if mse > 0 else math.inf
 
 
 # ---------------------------------------------------------------------------------------------- online

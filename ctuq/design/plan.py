@@ -47,11 +47,9 @@ def refresh_updater(prior, every: int) -> Callable | None:
 
 
 def pilot_rows(engine: DesignEngine, predictor: RowPredictor, pilot, max_angles: int):
-    """The held-out rows at the pilot: up to ``max_angles`` candidates outside the pilot, evenly spread (the
-    engine conditioned on the pilot); ``None`` when every candidate is in the pilot."""
+    """The held-out rows at the pilot: up to ``max_angles`` candidates outside the pilot (at least one: a design
+    leaves candidates to acquire), evenly spread (the engine conditioned on the pilot)."""
     rest = np.setdiff1d(np.arange(engine.model.n_candidates), np.asarray(pilot))
-    if rest.size == 0:
-        return None
     take = rest[equidistant_indices(rest.size, min(int(max_angles), rest.size))]
     return predictor.rows(engine, take.tolist())
 

@@ -50,6 +50,7 @@ from ctuq.pipeline.scan import check_device, load_scan
 from ctuq.utils import atomic_path, resolve_device
 
 __all__ = [
+    "rmse_inside",
     "run_design",
     "read_angles_file",
     "reconstruct_angles",
@@ -329,7 +330,9 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
                 "angles_deg": cand_deg[idx].tolist(),
                 "psnr": m.get("psnr"),
                 "ssim": m.get("ssim"),
-                "rmse_object": _rmse_object(out / name, gt, forecast),
+                "rmse_object": None
+                if gt is None or forecast is None
+                else rmse_inside(out / name, gt, forecast["forecaster"].mask),
             }
             if m.get("psnr"):
                 _log(
@@ -395,16 +398,12 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
     predictor = RowPredictor(x_pilot.reshape(-1), y_cand, engine.model, forecaster.mask, seed=cfg.seed)
     engine.reset(pilot)
     rows = pilot_rows(engine, predictor, pilot, ds.calibration_angles)
-    if rows is not None:
-        forecaster.fit(rows)
-    else:  # every candidate is in the pilot: nothing unseen to calibrate on
-        forecaster.fit(predictor.rows(engine, pilot))
+    forecaster.fit(rows)
     at_pilot = forecaster.report()
     _log(f"forecast calibration at the pilot ({ds.calibration}): " + _describe_fit(at_pilot))
     planned = None
     if plan or rule:
         n_max = len(pilot) + ds.acquire
-        model_plan = engine.model
         if prior is not None:  # the angles not measured yet: the pilot reconstruction's projections
             with torch.no_grad():
                 guess = engine.model.op.forward_flat(
@@ -413,10 +412,9 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
             y_plan = guess.reshape(y_cand.shape).to(y_cand.dtype).cpu()
             y_plan[pilot] = y_cand[pilot].cpu()
             measured, prior.y = prior.y, y_plan
-            model_plan = prior.model_for(pilot)
         try:
             planned = plan_curves(
-                model_plan,
+                engine.model,
                 prior,
                 pilot,
                 forecast_counts(len(pilot), n_max, ds.forecast_points),
@@ -439,6 +437,7 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
         if why is not None:
             raise DesignError(why)
     online = OnlineCalibration(forecaster, rows, ds.calibration_update)
+    center, source = _center(ds, prior, rule)
     hooks = AcquisitionHooks(
         predictor,
         online,
@@ -447,42 +446,33 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
         angles_deg=cand_deg,
         std_samples=ds.forecast_samples,
         seed=cfg.seed,
-        center=_center(ds, prior),
+        center=center,
         log=_log,
     )
-    if hooks.center is None:
-        source = "the design posterior's mean (the pilot DIP updated linearly)"
-    elif isinstance(getattr(hooks.center, "__self__", None), DIPTracker):
-        source = f"the tracked DIP ({_track_iterations(ds)} warm-start Adam steps after each angle)"
-    else:
-        source = f"the DIP retrained every {ds.retrain_every} angles"
     return {
         "forecaster": forecaster,
         "at_pilot": at_pilot,
         "plan": planned,
         "hooks": hooks,
         "rule": rule,
-        "predicted_from": source if prior is not None else "the design posterior's mean",
+        "predicted_from": source,
     }
 
 
-def _center(ds, prior):
-    """What each new angle is predicted from (``AcquisitionHooks(center=…)``): the tracked DIP
-    (``design.track_iterations``), the retrained one (``design.retrain_every``), else the design's linearised update of
-    the pilot DIP (``None``)."""
+def _center(ds, prior, rule) -> tuple:
+    """``(center, description)``: what each new angle is predicted from (``AcquisitionHooks(center=…)``): the
+    tracked DIP (``design.track_iterations``; ``null``: :data:`TRACK_ITERATIONS` with a stop target ``rule``, else
+    0), the retrained one (``design.retrain_every``), else the design's linearised update of the pilot DIP
+    (``None``)."""
+    linear = (None, "the design posterior's mean (the pilot DIP updated linearly)")
     if prior is None:
-        return None
-    track = _track_iterations(ds)
+        return linear
+    track = ds.track_iterations if ds.track_iterations is not None else (TRACK_ITERATIONS if rule else 0)
     if track:
-        return DIPTracker(prior, track).center
-    return prior.center if ds.retrain_every else None
-
-
-def _track_iterations(ds) -> int:
-    """``design.track_iterations``, its ``null`` resolved (:data:`TRACK_ITERATIONS` with a stop target, else 0)."""
-    if ds.track_iterations is not None:
-        return int(ds.track_iterations)
-    return TRACK_ITERATIONS if StopRule.from_settings(ds.target_rmse, ds.target_psnr, ds.min_gain) else 0
+        return DIPTracker(prior, track).center, f"the tracked DIP ({track} warm-start Adam steps after each angle)"
+    if ds.retrain_every:
+        return prior.center, f"the DIP retrained every {ds.retrain_every} angles"
+    return linear
 
 
 def _describe_fit(rep: dict) -> str:
@@ -490,12 +480,12 @@ def _describe_fit(rep: dict) -> str:
     return ", ".join(f"{k} = {rep[k]:.3g}" for k in keys) + f" on {rep['n_rows']} rows"
 
 
-def _rmse_object(folder: Path, gt, forecast) -> dict | None:
-    """RMS error (mm⁻¹) inside the forecast's object mask of each reconstruction in ``folder`` against ``gt``."""
-    if gt is None or forecast is None:
-        return None
-    mask = forecast["forecaster"].mask > 0
-    truth = gt.detach().cpu().double().numpy().reshape(mask.shape)
+def rmse_inside(folder: Path, truth, mask) -> dict:
+    """RMS error (mm⁻¹) inside ``mask`` (image shape, 0/1) of each reconstruction of the run folder ``folder``
+    (``fbp``, ``tv``, ``dip``, those present) against ``truth`` (image shape, mm⁻¹; torch or numpy)."""
+    mask = np.asarray(mask) > 0
+    truth = truth.detach().cpu().double().numpy() if isinstance(truth, torch.Tensor) else np.asarray(truth, np.float64)
+    truth = truth.reshape(mask.shape)
     out = {}
     for name, file in (("fbp", rf.FBP_NAME), ("tv", rf.TV_NAME), ("dip", rf.RECONSTRUCTION_NAME)):
         if (folder / file).is_file():

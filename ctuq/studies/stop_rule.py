@@ -31,7 +31,7 @@ from ctuq.config import load_config
 from ctuq.design.candidates import equidistant_indices
 from ctuq.outputs import read_tiff
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.design import DESIGN_NAME, TRACK_ITERATIONS, reconstruct_angles, run_design
+from ctuq.pipeline.design import DESIGN_NAME, TRACK_ITERATIONS, reconstruct_angles, rmse_inside, run_design
 from ctuq.pipeline.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
 from ctuq.studies.common import Log, read_json
@@ -88,11 +88,6 @@ def _config(opts: dict, scan: Path, extra=()):
     )
 
 
-def _rmse_inside(folder: Path, gt: np.ndarray, mask: np.ndarray) -> float:
-    x, _ = read_tiff(folder / rf.RECONSTRUCTION_NAME)
-    return float(np.sqrt(np.mean((np.asarray(x, np.float64).reshape(mask.shape) - gt)[mask] ** 2)))
-
-
 def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
     """Plan, acquisition and actual errors of one scan into ``out/<name>``; returns its record (``result.json``)."""
     sdir = out / name
@@ -135,7 +130,7 @@ def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
                 reconstruct_angles(
                     cfg, folder, cand_op.subset(idx), y_cand[idx], data.ground_truth, device, False, need_model=False
                 )
-                done_sets[tuple(idx)] = _rmse_inside(folder, gt, mask)
+                done_sets[tuple(idx)] = rmse_inside(folder, gt, mask)["dip"]
             actual[strategy][n] = done_sets[tuple(idx)]
     record = {
         "scan": name,
