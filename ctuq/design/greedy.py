@@ -146,6 +146,7 @@ def greedy_design(
     update_last: bool = False,
     before_acquire: Callable | None = None,
     after_step: Callable | None = None,
+    desc: str | None = None,
 ) -> DesignResult:
     """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
 
@@ -178,6 +179,8 @@ def greedy_design(
     after_step : callable, optional
         ``after_step(engine, step, replay) -> bool`` after the step (and its prior update); ``True`` stops the
         design there (a stop rule). Called on replay too, so a resumed design that had stopped stops again.
+    desc : str, optional
+        The progress bar's label (default ``design (<criterion>)``).
     """
     if criterion not in option_values(Criterion):
         raise DesignError(f"design.criterion must be one of {list(option_values(Criterion))}, got {criterion!r}")
@@ -212,7 +215,7 @@ def greedy_design(
     steps = steps[: stopped_at or len(steps)]
     resumed = len(steps)
     bar = _progress_bar(
-        total=n_acquire, initial=resumed, desc=f"design ({criterion})", disable=None if progress else True
+        total=n_acquire, initial=resumed, desc=desc or f"design ({criterion})", disable=None if progress else True
     )
     try:
         for step in range(resumed + 1, n_acquire + 1):

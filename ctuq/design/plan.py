@@ -127,6 +127,7 @@ def plan_curves(
             log=say,
             on_setup=lambda eng: record(eng, 0),
             after_step=record,
+            desc=f"plan ({criterion})",
         )
     else:
         engine.reset(pilot)

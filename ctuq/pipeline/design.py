@@ -278,7 +278,9 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     }
     forecast = None
     if greedy:
-        forecast = _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan, rule)
+        forecast = _forecast_setup(
+            cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan, rule, progress
+        )
         if plan:
             return _write_plan(cfg, out, forecast, scan_path, cand_idx, cand_deg, pilot, period, route, t_start)
         hooks = forecast["hooks"]
@@ -387,7 +389,9 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
 
 
 # ---------------------------------------------------------------------------------------------- forecast
-def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan: bool, rule) -> dict:
+def _forecast_setup(
+    cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan: bool, rule, progress: bool
+) -> dict:
     """The forecaster fitted at the pilot, the plan (``--plan`` or a stop target), and the acquisition hooks."""
     ds = cfg.design
     x_pilot = pilot_state.images["dip"].detach().cpu().double().reshape(engine.model.op.image_shape)
@@ -427,6 +431,7 @@ def _forecast_setup(cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg
                 refresh_every=ds.refresh_every,
                 std_samples=ds.forecast_samples,
                 seed=cfg.seed,
+                progress=progress,
                 log=_log,
             )
         finally:
