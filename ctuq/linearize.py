@@ -150,6 +150,66 @@ def _forward_ad_enabled() -> Iterator[None]:
         yield
 
 
+def _check_arguments(model, net_input, chunk_size, memory_budget, mode) -> None:
+    """:class:`LinearizedNetwork`'s arguments of the right types and ranges (``TypeError`` / ``ValueError``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"LinearizedNetwork: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(net_input, torch.Tensor):
+        raise TypeError(f"LinearizedNetwork: net_input must be a torch.Tensor, got {type(net_input).__name__}")
+    if mode not in ("linearize", "recompute"):
+        raise ValueError(f"LinearizedNetwork: mode must be 'linearize' or 'recompute', got {mode!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"LinearizedNetwork: chunk_size must be a positive int or None, got {chunk_size!r}")
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"LinearizedNetwork: memory_budget must be positive bytes, got {memory_budget!r}")
+
+
+def _linearized_names(model: nn.Module, all_params: dict, param_names) -> list[str]:
+    """The names of ``v``: ``param_names`` checked against ``all_params`` (the model's named parameters; unknown
+    names get the closest matches), or :func:`default_linearized_parameters`."""
+    if not all_params:
+        raise ValueError("LinearizedNetwork: the model has no parameters")
+    if param_names is None:
+        names = default_linearized_parameters(model)
+        if not names:
+            raise ValueError(
+                "LinearizedNetwork: the model has no convolution or Linear weights to linearise by default; "
+                f"pass param_names (available: {list(all_params)[:10]}...)"
+            )
+        return names
+    if isinstance(param_names, str):
+        raise TypeError("LinearizedNetwork: param_names must be a sequence of names, not one string")
+    names = list(param_names)
+    if not names:
+        raise ValueError("LinearizedNetwork: param_names is empty")
+    unknown = [n for n in names if n not in all_params]
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, list(all_params), n=3) for n in unknown[:5]}
+        raise ValueError(
+            f"LinearizedNetwork: unknown parameter name(s) {unknown[:10]} in param_names; "
+            f"closest matches: {hints}; valid names are those of model.named_parameters()"
+        )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"LinearizedNetwork: param_names lists {dupes} more than once")
+    return names
+
+
+def _common_dtype_device(all_params: dict, first: str) -> tuple[torch.dtype, torch.device]:
+    """The dtype (float32 or float64) and device that every parameter shares with ``first`` (``TypeError``
+    naming the one that does not)."""
+    dtype, device = all_params[first].dtype, all_params[first].device
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"LinearizedNetwork: parameters must be float32 or float64, got {dtype}")
+    for n, p in all_params.items():
+        if p.dtype != dtype or p.device != device:
+            raise TypeError(
+                f"LinearizedNetwork: parameter {n!r} is {p.dtype} on {p.device} but {first!r} is "
+                f"{dtype} on {device}; convert the whole model (model.to(...))"
+            )
+    return dtype, device
+
+
 class LinearizedNetwork:
     """The Jacobian ``Φ = ∂g/∂v`` of ``g(v) = model(net_input; v)`` at the model's current weights ``ṽ``.
 
@@ -197,55 +257,10 @@ class LinearizedNetwork:
         memory_budget: int | None = None,
         mode: str = "linearize",
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"LinearizedNetwork: model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(net_input, torch.Tensor):
-            raise TypeError(f"LinearizedNetwork: net_input must be a torch.Tensor, got {type(net_input).__name__}")
-        if mode not in ("linearize", "recompute"):
-            raise ValueError(f"LinearizedNetwork: mode must be 'linearize' or 'recompute', got {mode!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"LinearizedNetwork: chunk_size must be a positive int or None, got {chunk_size!r}")
-        if memory_budget is not None and memory_budget <= 0:
-            raise ValueError(f"LinearizedNetwork: memory_budget must be positive bytes, got {memory_budget!r}")
-
+        _check_arguments(model, net_input, chunk_size, memory_budget, mode)
         all_params = dict(model.named_parameters())
-        if not all_params:
-            raise ValueError("LinearizedNetwork: the model has no parameters")
-        if param_names is None:
-            names = default_linearized_parameters(model)
-            if not names:
-                raise ValueError(
-                    "LinearizedNetwork: the model has no convolution or Linear weights to linearise by default; "
-                    f"pass param_names (available: {list(all_params)[:10]}...)"
-                )
-        else:
-            if isinstance(param_names, str):
-                raise TypeError("LinearizedNetwork: param_names must be a sequence of names, not one string")
-            names = list(param_names)
-            if not names:
-                raise ValueError("LinearizedNetwork: param_names is empty")
-            unknown = [n for n in names if n not in all_params]
-            if unknown:
-                hints = {n: difflib.get_close_matches(n, list(all_params), n=3) for n in unknown[:5]}
-                raise ValueError(
-                    f"LinearizedNetwork: unknown parameter name(s) {unknown[:10]} in param_names; "
-                    f"closest matches: {hints}; valid names are those of model.named_parameters()"
-                )
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            if dupes:
-                raise ValueError(f"LinearizedNetwork: param_names lists {dupes} more than once")
-
-        first = all_params[names[0]]
-        self.dtype: torch.dtype = first.dtype
-        self.device: torch.device = first.device
-        if self.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"LinearizedNetwork: parameters must be float32 or float64, got {self.dtype}")
-        for n, p in all_params.items():
-            if p.dtype != self.dtype or p.device != self.device:
-                raise TypeError(
-                    f"LinearizedNetwork: parameter {n!r} is {p.dtype} on {p.device} but {names[0]!r} is "
-                    f"{self.dtype} on {self.device}; convert the whole model (model.to(...))"
-                )
+        names = _linearized_names(model, all_params, param_names)
+        self.dtype, self.device = _common_dtype_device(all_params, names[0])
 
         self.model = model
         self.param_names: list[str] = names

@@ -1,13 +1,13 @@
 """Every option vocabulary of ctuq, as ``str`` enums, in one leaf module (it imports nothing from ctuq).
 
-A member compares equal to its string (``Prior.GPRIOR == "gprior"``), prints as its string (``f"{Prior.GPRIOR}"`` is
-``"gprior"`` on every Python version) and encodes to JSON as its string, so configs, checkpoints and messages keep
-plain strings; code names the member instead of repeating the literal. Configs and checkpoints store ``.value``
-(``torch.load(..., weights_only=True)`` cannot load an enum).
+A member compares equal to its string (``GPriorMethod.EXACT == "exact"``), prints as its string
+(``f"{GPriorMethod.EXACT}"`` is ``"exact"`` on every Python version) and encodes to JSON as its string, so configs,
+checkpoints and messages keep plain strings; code names the member instead of repeating the literal. Configs and
+checkpoints store ``.value`` (``torch.load(..., weights_only=True)`` cannot load an enum).
 
-Solver names are not listed here: they are the keys of the solver registry
-(:data:`ctuq.inference.solvers.SOLVERS`), which each solver class fills when its module is imported, so a new solver
-is one file plus one registry line.
+Solver and weight-prior names are not listed here: they are the keys of the registries
+(:data:`ctuq.registry.SOLVERS`, :data:`ctuq.registry.PRIORS`), which each class fills when its module is imported,
+so a new solver or prior is one file plus one registry line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "values",
     "option",
     # inference core
-    "Prior",
     "GPriorMethod",
     "Preconditioner",
     "CGBackend",
@@ -83,7 +82,7 @@ def values(vocabulary: type[Vocabulary]) -> tuple[str, ...]:
 def option(
     default: Any = None,
     *,
-    help: str = "",
+    help: str | Callable[[], str] = "",
     choices: tuple | Callable[[], tuple] | None = None,
     ge: float | None = None,
     gt: float | None = None,
@@ -94,9 +93,10 @@ def option(
     """A dataclass field that documents and constrains one option: a config key, or an option of a registered
     implementation (a solver's, a prior's) that the config derives its keys from.
 
-    ``choices``: allowed values, or a function returning them when a value is checked (for vocabularies that grow
-    at run time, such as a registry's names); ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied to list
-    items). The config checks them on every assignment.
+    ``help``: one line, or a function returning it when the keys are listed (a help that names what a registry
+    holds); ``choices``: allowed values, or a function returning them when a value is checked (for vocabularies
+    that grow at run time, such as a registry's names); ``ge``/``gt``/``le``/``lt``: numeric bounds (also applied
+    to list items). The config checks them on every assignment.
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
     if factory is not None:
@@ -105,17 +105,6 @@ def option(
 
 
 # ---------------------------------------------------------------------------------------------- inference core
-class Prior(Vocabulary):
-    """The built-in weight priors of :class:`~ctuq.inference.LinearizedPosterior`: g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹``,
-    ``s = 1``, or the TV-PredCP block prior (:mod:`ctuq.inference.priors`). The list of priors is the registry
-    :data:`ctuq.registry.PRIORS` (which a prior registered later joins); these are names for code that means one of
-    the built-ins."""
-
-    GPRIOR = "gprior"
-    ISOTROPIC = "isotropic"
-    TV_PREDCP = "tv_predcp"
-
-
 class GPriorMethod(Vocabulary):
     """How the g-prior's column norms are found: ``c`` VJPs, or Rademacher probes (unbiased)."""
 
@@ -247,15 +236,6 @@ class DesignRoute(Vocabulary):
     SAMPLED = "sampled"
 
 
-class ForecastCalibration(Vocabulary):
-    """The calibration of the design's error forecast (``design.calibration``): the held-out scale ``k``, the bias
-    model ``τ`` inside the object, or none (:mod:`ctuq.design.forecast`)."""
-
-    HELDOUT = "heldout"
-    BIAS = "bias"
-    NONE = "none"
-
-
 class ForecastUpdate(Vocabulary):
     """What the forecast's calibration is refitted on during acquisition (``design.calibration_update``): the
     pilot's held-out rows and the acquired angles' (pooled), the acquired angles' alone, or never (pilot)."""
@@ -338,7 +318,7 @@ class Centering(Vocabulary):
 class NoiseModel(Vocabulary):
     """Noise of the log-transformed CT measurements: one variance ``σ²`` for every ray, or ``σ² d_i`` with relative
     per-ray variances ``d_i`` from the scan's photon statistics (``uq.noise``; resolved once per run, against the
-    scan, by :func:`ctuq.pipeline.uq.resolve_noise`)."""
+    scan, by :func:`ctuq.pipeline.noise.resolve_noise`)."""
 
     HOMOSCEDASTIC = "homoscedastic"
     PER_RAY = "per_ray"

@@ -23,6 +23,7 @@ the same way, with one line.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -109,8 +110,9 @@ class Registry(Mapping[str, Any]):
     def register(self, obj: T | None = None, *, name: str | None = None) -> T | Callable[[T], T]:
         """Add ``obj`` under ``name`` (default ``obj.name``); usable as ``@REG.register`` or
         ``@REG.register(name="x")``. Re-registering the same object under its name is a no-op; another object
-        under a taken name, an empty or reserved name, or a class that is not a subclass of :attr:`base` raise
-        ``ValueError`` / ``TypeError``. Returns ``obj``."""
+        under a taken name, an empty or reserved name, a class that is not a subclass of :attr:`base`, or an
+        abstract class (one that leaves an abstract method of its base unimplemented) raise ``ValueError`` /
+        ``TypeError``. Returns ``obj``."""
 
         def add(target: T) -> T:
             # The built-ins first (they keep their order, and the provider sets the base class checked below);
@@ -123,6 +125,9 @@ class Registry(Mapping[str, Any]):
                 raise ValueError(f"{self.kind} registry: the name {key!r} is reserved ({list(self.reserved)})")
             if self.base is not None and not (isinstance(target, type) and issubclass(target, self.base)):
                 raise TypeError(f"{self.kind} registry: {target!r} is not a subclass of {self.base.__name__}")
+            if inspect.isabstract(target):  # it would fail only when first used: refuse it now, naming what it lacks
+                missing = ", ".join(sorted(getattr(target, "__abstractmethods__", ())))
+                raise TypeError(f"{self.kind} registry: {target.__name__} is abstract: it does not implement {missing}")
             taken = self._entries.get(key)
             if taken is not None and taken is not target:
                 raise ValueError(

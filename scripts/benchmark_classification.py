@@ -121,7 +121,7 @@ def make_laplace(
         hessian_at=hessian_at,
         prior_precision=a0,
         solver="exact" if exact else "cg",
-        gprior_floor=args.gprior_floor,
+        prior_options={"floor": args.gprior_floor},
         seed=args.seed,
         solver_options={} if exact else {"rank": args.rank, "adaptive_rank": args.adaptive_rank},
         dtype=getattr(torch, args.dtype),
@@ -485,7 +485,8 @@ def main(argv=None):
         "--gprior-floor",
         type=float,
         default=GPRIOR_FLOOR,
-        help=f"ctuq: the g-prior's ridge δ (LinearizedLaplace(gprior_floor); default {GPRIOR_FLOOR}, 0: plain g-prior)",
+        help=f"ctuq: the g-prior's ridge δ (LinearizedLaplace(prior_options={{'floor': δ}}); default {GPRIOR_FLOOR}, "
+        "0: plain g-prior)",
     )
     ap.add_argument("--em-steps", type=int, default=5)
     ap.add_argument("--em-samples", type=int, default=16)

@@ -14,9 +14,9 @@ where RUN is ``ctuq reconstruct --set model.preset=small --out RUN`` on the bund
 What it measures: Jacobian products, wall time, accuracy of the solves and of the sampled-EM fixed point against
 the exact route, the whole-workload product count (``--em-steps`` × (``--samples`` + 1) + ``--workload-samples`` +
 1 right-hand sides) and its ratio to rank-400 CG. ``--run RUN_DIR`` takes the problem from a finished
-``ctuq reconstruct`` run (its scan, fitted DIP and σ², through ctuq's CT front end ``ctuq.pipeline.uq.ct_posterior``);
-without it the problem is the synthetic one of ``scripts/_bench_common.py`` (a ctuq U-Net with random weights and a
-sparse line map in place of the ray transform).
+``ctuq reconstruct`` run (its scan, fitted DIP and σ², through ctuq's CT front end
+``ctuq.pipeline.ct_model.ct_posterior``); without it the problem is the synthetic one of ``scripts/_bench_common.py``
+(a ctuq U-Net with random weights and a sparse line map in place of the ray transform).
 
 Method (stated with the tables): the exact eigendecomposition ``K̄ = QΛQᵀ`` is computed once (``c`` VJPs + ``c``
 JVPs; cached with ``--cache``) and defines the exact reference and the EM fixed point. Iteration counts of the
@@ -61,8 +61,9 @@ from ctuq.inference import (
 from ctuq.linearize import LinearizedNetwork
 from ctuq.models import read_model_file
 from ctuq.pipeline import run_folder
+from ctuq.pipeline.ct_model import ct_posterior
+from ctuq.pipeline.noise import resolve_noise
 from ctuq.pipeline.scan import load_scan
-from ctuq.pipeline.uq import ct_posterior, resolve_noise
 from ctuq.utils import resolve_device, tune_malloc
 
 
@@ -96,9 +97,8 @@ def _exact_problem(args, device):
         model = mf.build(device)
         settings = UQConfig(
             solver="exact_dual",
-            gprior_method=args.gprior if args.gprior != "isotropic" else "exact",
             prior="isotropic" if args.gprior == "isotropic" else "gprior",
-            gprior_probes=args.gprior_probes,
+            gprior={"method": args.gprior if args.gprior != "isotropic" else "exact", "probes": args.gprior_probes},
             prior_precision=args.a0,
         )
         # one noise variance, as the documented table was measured (the scan's per-ray variances are not used)
@@ -126,8 +126,9 @@ def _exact_problem(args, device):
             base,
             y,
             prior="isotropic" if args.gprior == "isotropic" else "gprior",
-            gprior_method="exact" if args.gprior == "exact" else "stochastic",
-            gprior_probes=args.gprior_probes,
+            prior_options={}
+            if args.gprior == "isotropic"
+            else {"method": "exact" if args.gprior == "exact" else "stochastic", "probes": args.gprior_probes},
             likelihood=GaussianLikelihood(args.sigma2, True),
             a=args.a0,
             solver="exact_dual",

@@ -7,7 +7,7 @@ study loads the 2D slice problem and
 
 1. fits the DIP once (U-Net without dropout): its reconstruction ``x̃`` is the mean of both linearised methods;
 2. **linearised (sampled)**: g-prior, sampled EM with preconditioned CG, ``--samples`` dual Matheron samples
-   (:func:`ctuq.pipeline.uq.run_linearized_uq` with ``solver="cg"``);
+   (:class:`ctuq.pipeline.uq.UQRun` with ``solver="cg"``);
 3. **linearised (exact)**: the exact reference (``solver="exact"``: the dense route ``TΦ`` for ``d < c``, the
    ``c × c`` eigendecomposition otherwise; exact EM to convergence, exact samples) when ``--exact`` permits:
    ``auto`` runs it when its memory estimate (:func:`ctuq.inference.estimate_solver_costs` from ``c``, ``d`` and

@@ -30,9 +30,7 @@ def tiny_scan(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_run(tiny_scan, tmp_path_factory):
     """``ctuq reconstruct`` with uncertainty on :func:`tiny_scan` with the default settings otherwise (per-ray noise,
-    the held-out bias model applied, figures), finished once per session. Read it; copy it to change it. A module
-    that registers a solver or prior of its own requests it before registering: a run's config.yaml has a section
-    for every registered one, which a later config load without it refuses."""
+    the held-out bias model applied, figures), finished once per session. Read it; copy it to change it."""
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     assert main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_args()]) == 0
     return out

@@ -21,7 +21,7 @@ from ctuq.config import (
     resolve_config_path,
 )
 from ctuq.config.engine import Derivation, DerivedSections, derived, section_class, to_dict
-from ctuq.inference.solvers import SOLVERS, Solver, register_solver, unregister_solver
+from ctuq.inference.solvers import SOLVERS, Solver
 from ctuq.models.unet import PRESETS
 from ctuq.options import UNET_PRESETS, UNetPreset, values
 from ctuq.registry import CALIBRATIONS, PRIORS, RAY_TRANSFORMS, Registry
@@ -251,15 +251,15 @@ def test_the_solver_defaults_are_todays():
     "override, fragment",
     [
         ("uq.cg.rank=0", "--set uq.cg.rank=0: uq.cg.rank must be >= 1, got 0"),
-        ("uq.rank=0", "--set uq.rank=0: uq.rank must be >= 1, got 0"),
+        ("uq.rank=0", "--set uq.rank=0: unknown config key 'uq.rank'; valid keys of section 'uq': prior, "),
         ("uq.sdd.momentum=1.0", "uq.sdd.momentum must be < 1.0"),
         ("uq.sgd.lr_decay=cosine", "uq.sgd.lr_decay must be one of ['linear', 'none']"),
         ("uq.cg.preconditioner=magic", "uq.cg.preconditioner must be one of"),
         ("uq.cg.seed=3", "unknown config key 'uq.cg.seed'; valid keys of section 'uq.cg': preconditioner, rank"),
         ("uq.sdd.iterations=3", "unknown config key 'uq.sdd.iterations'"),
         ("uq.cg=3", "'uq.cg' is a section and needs a mapping of keys (preconditioner, rank"),
-        ("uq.cgx.rank=3", "valid keys of section 'uq': prior, tv_predcp, gprior_method, gprior_probes, solver, "),
-        ("uq.rank.x=3", "'uq.rank' is a value, not a section"),
+        ("uq.cgx.rank=3", "valid keys of section 'uq': prior, gprior, tv_predcp, solver, "),
+        ("uq.samples.x=3", "'uq.samples' is a value, not a section"),
     ],
 )
 def test_bad_solver_options_name_the_key(override, fragment):
@@ -281,10 +281,13 @@ def test_the_tv_predcp_section_is_the_priors_options():
     assert type(section) is options  # used as declared: every option is configurable
     cfg = load_config("demo", ["uq.prior=tv_predcp", "uq.tv_predcp.steps=7"])
     assert cfg.uq.tv_predcp == options(steps=7) and cfg.to_dict()["uq"]["tv_predcp"]["steps"] == 7
-    # priors without options have no section
-    assert [n for n in PRIORS if getattr(PRIORS[n], "Options", None) is None] == ["gprior", "isotropic"]
-    with pytest.raises(ConfigError, match="unknown config key 'uq.gprior'"):
-        load_config("demo", ["uq.gprior.probes=3"])
+    # priors without options have no section; the g-prior's options are its section uq.gprior
+    assert [n for n in PRIORS if getattr(PRIORS[n], "Options", None) is None] == ["isotropic"]
+    with pytest.raises(ConfigError, match="unknown config key 'uq.isotropic'"):
+        load_config("demo", ["uq.isotropic.probes=3"])
+    cfg = load_config("demo", ["uq.gprior.probes=3"])
+    assert type(cfg.uq.gprior) is PRIORS["gprior"].Options and cfg.uq.gprior.probes == 3
+    assert cfg.to_dict()["uq"]["gprior"] == {"method": "exact", "probes": 3}
     # a section given as its options object
     assert UQConfig(tv_predcp=options(steps=3)).tv_predcp.steps == 3
 
@@ -304,88 +307,28 @@ def test_registry_names_are_the_values_of_their_keys():
         assert f"{key} must be one of {list(registry.choices())}, got 'nonsense'" in str(e.value)
 
 
-# ------------------------------------------------------------------------------------------------ the old flat keys
-OLD_KEYS = {
-    "preconditioner": ("halko", "cg.preconditioner"),
-    "rank": (12, "cg.rank"),
-    "oversampling": (3, "cg.oversampling"),
-    "cg_tol": (1e-5, "cg.rtol"),
-    "cg_max_iter": (77, "cg.max_iter"),
-    "adaptive_rank": (True, "cg.adaptive_rank"),
-    "rank_threshold": (2.0, "cg.rank_threshold"),
-    "sdd_step": (0.7, "sdd.step_size"),
-    "sdd_momentum": (0.9, "sdd.momentum"),
-    "sdd_batch": (5, "sdd.batch_size"),
-    "sdd_iterations": (33, "sdd.max_iter"),
-    "sgd_lr": (0.5, "sgd.lr"),
-    "sgd_momentum": (0.8, "sgd.momentum"),
-    "sgd_lr_decay": ("linear", "sgd.lr_decay"),
-    "sgd_clip": (2.0, "sgd.clip"),
-    "sgd_iterations": (44, "sgd.max_iter"),
-}
-
-
-def test_every_old_flat_key_is_listed():
-    assert set(UQConfig.legacy_keys) == {*OLD_KEYS, "first_order_tol"}
-
-
-def test_a_run_folder_config_with_flat_keys_loads(tmp_path):
-    # what config.yaml held before the solver sections: flat keys in the uq section
+# ------------------------------------------------------------------------------------------------ no old flat keys
+@pytest.mark.parametrize("key", ["rank", "cg_tol", "sdd_iterations", "sgd_lr", "first_order_tol"])
+def test_a_flat_key_of_an_unreleased_version_is_an_unknown_key(key, tmp_path):
     f = tmp_path / "config.yaml"
-    f.write_text(yaml.safe_dump({"uq": {k: v for k, (v, _) in OLD_KEYS.items()} | {"first_order_tol": 1e-3}}))
-    cfg = load_config(f)
-    for old, (value, new) in OLD_KEYS.items():
-        assert cfg.get(f"uq.{new}") == value and cfg.get(f"uq.{old}") == value, old
-    assert cfg.uq.sdd.rtol == cfg.uq.sgd.rtol == cfg.uq.first_order_tol == 1e-3
-    # the resolved config writes the sections, and reads back equal
-    d = cfg.to_dict()["uq"]
-    assert "rank" not in d and d["cg"]["rank"] == 12 and d["sgd"]["max_iter"] == 44
-    assert Config.from_dict(cfg.to_dict()) == cfg
-
-
-def test_old_keys_through_set_constructor_and_attributes():
-    cfg = load_config("demo", ["uq.sdd_iterations=40", "uq.first_order_tol=1e-3", "uq.cg.rank=50"])
-    assert (cfg.uq.sdd.max_iter, cfg.uq.sdd.rtol, cfg.uq.sgd.rtol, cfg.uq.cg.rank) == (40, 1e-3, 1e-3, 50)
-    uq = UQConfig(solver="cg", rank=40, cg_tol=1e-5, sdd={"max_iter": 9})
-    assert (uq.cg.rank, uq.cg.rtol, uq.sdd.max_iter, uq.rank, uq.cg_tol) == (40, 1e-5, 9, 40, 1e-5)
-    uq.first_order_tol = 0.05
-    assert uq.sdd.rtol == uq.sgd.rtol == 0.05
-    uq.rank = 7
-    assert uq.cg.rank == 7
-    with pytest.raises(ConfigError, match=r"UQConfig\(...\): uq.rank must be >= 1, got 0"):
-        UQConfig(rank=0)
-    with pytest.raises(ConfigError, match="unknown config key 'uq.ranks'"):
-        UQConfig(ranks=3)
-    with pytest.raises(AttributeError, match="no config key 'ranks'"):
-        uq.ranks = 3
-    with pytest.raises(AttributeError, match="no config key 'ranks'"):
-        uq.ranks  # noqa: B018
-
-
-def test_an_old_key_and_its_new_key_disagreeing_is_refused(tmp_path):
-    f = tmp_path / "both.yaml"
-    f.write_text("uq:\n  rank: 20\n  cg:\n    rank: 30\n")
+    f.write_text(yaml.safe_dump({"uq": {key: 1}}))
     with pytest.raises(ConfigError) as e:
         load_config(f)
     msg = str(e.value)
-    assert str(f) in msg and "uq.rank = 20 and uq.cg.rank = 30" in msg and "\n" not in msg
-    f.write_text("uq:\n  rank: 20\n  cg:\n    rank: 20\n")
-    assert load_config(f).uq.cg.rank == 20  # the same value twice is no conflict
-    with pytest.raises(ConfigError, match="uq.first_order_tol = 0.001 and uq.sgd.rtol = 0.1"):
-        load_config("demo", ["uq.first_order_tol=1e-3", "uq.sgd.rtol=0.1"])
-    # the file says one thing, a later --set another: the later layer wins, as for any key
-    f.write_text("uq:\n  rank: 20\n")
-    assert load_config(f, ["uq.cg.rank=30"]).uq.cg.rank == 30
-    assert load_config("demo", ["uq.cg.rank=1", "uq.cg.rank=2"]).uq.cg.rank == 2
+    assert f"unknown config key 'uq.{key}'; valid keys of section 'uq': prior, " in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match=f"UQConfig\\(...\\): unknown config key 'uq.{key}'"):
+        UQConfig(**{key: 1})
+    with pytest.raises(AttributeError, match=f"no config key '{key}'"):
+        UQConfig().__setattr__(key, 1)
 
 
 def test_replace_and_copies_keep_their_own_sections():
-    uq = UQConfig(rank=20)
+    uq = UQConfig(cg={"rank": 20})
     other = dataclasses.replace(uq, noise="per_ray")
     assert other.cg.rank == 20 and other.solver_sections is not uq.solver_sections
     other.cg.rank = 5
     assert uq.cg.rank == 20
-    assert UQConfig(rank=20) == uq != UQConfig()
+    assert UQConfig(cg={"rank": 20}) == uq != UQConfig()
     check_section(uq, "uq")
     uq.cg.rank = 0
     with pytest.raises(ConfigError, match="uq.cg.rank must be >= 1, got 0"):
@@ -433,11 +376,11 @@ class ToyUndeclared(Solver):
 
 @pytest.fixture
 def toy_solvers():
-    register_solver(ToyIterative)
-    register_solver(ToyUndeclared)
+    SOLVERS.register(ToyIterative)
+    SOLVERS.register(ToyUndeclared)
     yield
-    unregister_solver("toy_iterative")
-    unregister_solver("toy_undeclared")
+    SOLVERS.unregister("toy_iterative")
+    SOLVERS.unregister("toy_undeclared")
 
 
 def test_a_solver_registered_later_has_its_section(toy_solvers):
@@ -453,22 +396,64 @@ def test_a_solver_registered_later_has_its_section(toy_solvers):
 
 
 def test_a_section_goes_with_its_solver(toy_solvers):
-    unregister_solver("toy_iterative")
+    SOLVERS.unregister("toy_iterative")
     with pytest.raises(ConfigError, match="unknown config key 'uq.toy_iterative'"):
         load_config("demo", ["uq.toy_iterative.sweeps=7"])
-    assert "toy_iterative" not in to_dict(UQConfig()) and "toy_undeclared" in to_dict(UQConfig())
+    names = UQConfig().solver_sections.names()
+    assert "toy_iterative" not in names and "toy_undeclared" in names
+
+
+def _uq_sections(d: dict) -> set[str]:
+    return set(d["uq"]) & {*SOLVERS, *PRIORS}
+
+
+def test_a_run_config_holds_the_sections_of_what_ran(toy_solvers):
+    prior = {UQConfig().prior} & set(UQConfig().prior_sections.names())  # the default prior's, if it has options
+    cfg = load_config("demo")
+    assert _uq_sections(cfg.to_dict()) == prior  # solver auto: no solver section until resolved
+    # what auto resolved to, as metrics.json holds it: that solver's section, uq.solver still auto
+    resolved = cfg.to_dict(resolved={"uq.solver": "cg"})
+    assert _uq_sections(resolved) == {"cg", *prior} and resolved["uq"]["solver"] == "auto"
+    assert resolved["uq"]["cg"] == to_dict(UQConfig().cg)
+    cases = {
+        ("uq.solver=cg",): {"cg", *prior},
+        ("uq.solver=toy_iterative", "uq.prior=tv_predcp"): {"toy_iterative", "tv_predcp"},
+        ("uq.solver=exact",): prior,  # exact_primal or exact_dual: resolved by the run
+        # a section set away from its defaults is kept (nothing configured is lost), the same value is not
+        ("uq.solver=cg", "uq.sdd.max_iter=5", "uq.sgd.max_iter=1000"): {"cg", "sdd", *prior},
+    }
+    for overrides, sections in cases.items():
+        cfg = load_config("demo", list(overrides))
+        d = cfg.to_dict()
+        assert _uq_sections(d) == sections, overrides
+        assert Config.from_dict(d) == cfg, overrides  # reads back as the same config
+    assert load_config("demo", ["uq.solver=cg", "uq.sdd.max_iter=5"]).to_dict()["uq"]["sdd"]["max_iter"] == 5
+
+
+def test_a_folder_written_while_a_plugin_was_registered_reads_without_it(toy_solvers, tmp_path):
+    plain, used = tmp_path / "plain.yaml", tmp_path / "used.yaml"
+    plain.write_text(yaml.safe_dump(load_config("demo").to_dict(), sort_keys=False))
+    used.write_text(yaml.safe_dump(load_config("demo", ["uq.toy_undeclared.jitter=0.5"]).to_dict(), sort_keys=False))
+    SOLVERS.unregister("toy_undeclared")
+    assert load_config(plain) == load_config("demo")
+    # a run that configured the plugin needs it: one line naming the section and why
+    with pytest.raises(ConfigError) as e:
+        load_config(used)
+    msg = str(e.value)
+    assert f"config file {used}: unknown config key 'uq.toy_undeclared' (no registered weight prior or solver " in msg
+    assert "named 'toy_undeclared' has options: register it before reading this)" in msg and "\n" not in msg
 
 
 def test_a_solver_name_that_is_already_a_key_is_refused():
     class Samples(ToyUndeclared):
         name = "samples"
 
-    register_solver(Samples)
+    SOLVERS.register(Samples)
     try:
         with pytest.raises(ConfigError, match="the solver 'samples' would have the config section 'samples', which"):
             load_config("demo", ["uq.cg.rank=3"])
     finally:
-        unregister_solver("samples")
+        SOLVERS.unregister("samples")
 
 
 def test_options_that_disagree_with_init_are_refused_where_the_class_is_defined():
@@ -529,10 +514,12 @@ def test_sections_derive_from_any_registry():
     # a class without options has no section; a class with them is used as declared
     assert section_class(BlockToy, Derivation(TOY_PRIORS)) is BlockToy.Options
     assert section_class(PlainToy, Derivation(TOY_PRIORS)) is None
-    with pytest.raises(
-        ConfigError, match="unknown config key 'toy.plain_toy'; valid keys of section 'toy': prior, block_toy"
-    ):
+    with pytest.raises(ConfigError) as e:
         apply_dict(cfg, {"toy": {"plain_toy": {}}}, "test")
+    assert str(e.value) == (
+        "test: unknown config key 'toy.plain_toy' (no registered toy prior named 'plain_toy' has options: register "
+        "it before reading this); valid keys of section 'toy': prior, block_toy"
+    )
     with pytest.raises(ConfigError, match=r"test: toy.block_toy.spread must be > 0.0, got \[-1.0\]"):
         apply_dict(cfg, {"toy": {"block_toy": {"spread": [-1.0]}}}, "test")
     with pytest.raises(ConfigError, match="toy.prior must be one of \\['block_toy', 'plain_toy'\\]"):

@@ -1,6 +1,7 @@
-"""The documentation's references hold: every ``docs/...md`` path cited in README.md, docs/, ctuq/ and scripts/
-exists, every relative Markdown link of README.md and docs/ resolves (file and ``#anchor``), every script the README
-and the guide name exists, and no two documentation files differ only in case (they collide on macOS and Windows).
+"""The documentation's references hold: every ``docs/...md`` path cited in README.md, CONTRIBUTING.md, docs/, ctuq/
+and scripts/ exists, every relative Markdown link of README.md, CONTRIBUTING.md and docs/ resolves (file and
+``#anchor``), every script they name exists, and no two documentation files differ only in case (they collide on
+macOS and Windows).
 
 Reads text files only (no torch): a second or so."""
 
@@ -25,13 +26,13 @@ FENCE = re.compile(r"^\s*```")
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]
 
 
 def _guide_files() -> list[Path]:
-    """README.md and the guide (docs/*.md): the pages that must name only what exists today. The notebook may cite
-    files that are gone (it is a dated record that says where they are kept)."""
-    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    """README.md, CONTRIBUTING.md and the guide (docs/*.md): the pages that must name only what exists today. The
+    notebook may cite files that are gone (it is a dated record that says where they are kept)."""
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(DOCS.glob("*.md"))]
 
 
 def _citing_files() -> list[Path]:

@@ -1,13 +1,17 @@
 """The import graph of ``ctuq/``: no cycle among module-level imports, and no import (module- or function-level) from
-a lower layer to a higher one. The graph is read from the source with ``ast`` (nothing is imported), so a failure
-lists the offending edges as ``module -> module (line)``."""
+a lower layer to a higher one; and the one description of the layout (docs/DESIGN.md §2) against the tree: every path
+it names exists, every package and module of ``ctuq/`` is named, the top level in layer order. The graph is read from
+the source with ``ast`` (nothing is imported), so a failure lists the offending edges as ``module -> module (line)``."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ctuq"
+ROOT = PACKAGE.parent
+DESIGN = ROOT / "docs" / "DESIGN.md"
 
-# Bottom → top (README "Layout"): a module may import from its own layer and the layers below it.
+# Bottom → top (docs/DESIGN.md §2): a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
     ("ctuq", "errors", "options", "registry", "config", "memory", "utils", "geometry", "interrupt", "log"),
     ("data", "operators", "metrics", "outputs", "figures", "calibration"),
@@ -181,3 +185,92 @@ def test_the_config_imports_only_leaves():
         if not any(dst == ok or dst.startswith(f"{ok}.") for ok in CONFIG_MAY_IMPORT)
     ]
     assert not bad, "the config imports beyond the leaves:\n" + "\n".join(bad)
+
+
+def test_nothing_in_ctuq_imports_the_shipped_contracts():
+    # ctuq.testing imports pytest: it is for test suites, never for the package itself
+    _, graph = _graph()
+    bad = [
+        f"{src} -> {dst} (line {line})"
+        for src, edges in graph.items()
+        if src != "ctuq.testing" and not src.startswith("ctuq.testing.")
+        for dst, line, _ in edges
+        if dst == "ctuq.testing" or dst.startswith("ctuq.testing.")
+    ]
+    assert not bad, "ctuq modules that import ctuq.testing:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------- the layout, described once
+#: A line of the layout tree naming paths: two spaces of indentation per level, one or more names separated by one
+#: space (``name/`` a directory, ``name.py`` a module), then, after two or more spaces, what they hold.
+TREE_LINE = re.compile(r"^(?P<indent> *)(?P<names>[\w.]+(?:/|\.py)(?: [\w.]+(?:/|\.py))*)(?: {2,}\S.*)?$")
+#: A line indented this far or further continues the description of the line above.
+DESCRIPTION_COLUMN = 24
+#: A path under ctuq/ written out in the prose of the section.
+PROSE_PATH = re.compile(r"\bctuq/(?:\w+/)*(?:\w+\.py|\w+/)?")
+
+
+def _layout_section() -> str:
+    text = DESIGN.read_text(encoding="utf-8")
+    m = re.search(r"^## 2\. .*?$(.*?)^## ", text, flags=re.M | re.S)
+    assert m, "docs/DESIGN.md has no section '## 2. ...' (the layout)"
+    return m.group(1)
+
+
+def _layout_tree() -> list[tuple[str, int]]:
+    """``(path relative to the repository root, line of the tree)`` for every name of the tree in docs/DESIGN.md §2
+    (the code block that starts with ``ctuq/``), in order; a directory's path ends in ``/``."""
+    blocks = [b for b in re.findall(r"^```\n(.*?)^```", _layout_section(), flags=re.M | re.S) if b.startswith("ctuq/")]
+    assert len(blocks) == 1, "docs/DESIGN.md §2 needs one code block that starts with 'ctuq/' (the tree)"
+    named: list[tuple[str, int]] = []
+    parents: list[str | None] = []  # per depth: the directory the next level lies in (None: not one directory)
+    for n, line in enumerate(blocks[0].splitlines(), start=1):
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= DESCRIPTION_COLUMN:
+            continue
+        m = TREE_LINE.match(line)
+        assert m and indent % 2 == 0, f"docs/DESIGN.md §2, tree line {n}: not 'names  what they hold': {line!r}"
+        depth = indent // 2
+        assert depth <= len(parents), f"docs/DESIGN.md §2, tree line {n}: indented past its parent: {line!r}"
+        parent = parents[depth - 1] if depth else ""
+        assert parent is not None, f"docs/DESIGN.md §2, tree line {n}: the line above is not one directory: {line!r}"
+        names = m["names"].split(" ")
+        named += [(parent + name, n) for name in names]
+        del parents[depth:]
+        parents.append(parent + names[0] if len(names) == 1 and names[0].endswith("/") else None)
+    return named
+
+
+def test_the_layout_names_only_what_exists():
+    missing = [
+        f"tree line {n}: {path}"
+        for path, n in _layout_tree()
+        if not ((ROOT / path).is_dir() if path.endswith("/") else (ROOT / path).is_file())
+    ]
+    missing += [f"prose: {p}" for p in sorted(set(PROSE_PATH.findall(_layout_section()))) if not (ROOT / p).exists()]
+    assert not missing, "docs/DESIGN.md §2 names paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_layout_names_every_package_and_module():
+    named = {path for path, _ in _layout_tree()}
+    have = {
+        str(p.relative_to(ROOT)) + ("/" if p.is_dir() else "")
+        for p in [*PACKAGE.rglob("*.py"), *(d for d in PACKAGE.rglob("*") if (d / "__init__.py").is_file())]
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    unnamed = sorted(have - named)
+    assert not unnamed, "packages and modules of ctuq/ missing from docs/DESIGN.md §2 (add them to the tree):\n" + (
+        "\n".join(unnamed)
+    )
+
+
+def test_the_layout_lists_the_top_level_bottom_layer_first():
+    top = [
+        p.removeprefix("ctuq/").removesuffix("/").removesuffix(".py")
+        for p, _ in _layout_tree()
+        if p.startswith("ctuq/")
+    ]
+    top = [name for name in top if "/" not in name and name in LAYER]  # the package's own entries, not configs/
+    assert top == sorted(top, key=LAYER.__getitem__), f"docs/DESIGN.md §2: the top level is not in layer order: {top}"
+    missing = sorted(set(LAYER) - {"ctuq"} - set(top))
+    assert not missing, f"top-level modules and packages missing from docs/DESIGN.md §2: {missing}"

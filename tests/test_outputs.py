@@ -124,7 +124,7 @@ def test_phase_write_puts_the_std_into_the_stack(tmp_path):
     state = RunState(cfg=cfg, out_dir=tmp_path, device=torch.device("cpu"), progress=False)
     rec, std, gt = (torch.from_numpy(np.abs(_awkward((8, 8), s, False))) for s in (4, 5, 6))
     state.op = SimpleNamespace(volume=VolumeGeometry((8, 8), 0.8))
-    state.images["dip"], state.ground_truth, state.uq_result = rec, gt, SimpleNamespace(std=std)
+    state.images["dip"], state.ground_truth, state.uq_result = rec, gt, SimpleNamespace(std=std, stats={"route": "cg"})
     phase_write(state)
     arr, voxel = read_tiff(tmp_path / rf.STACK_NAME)
     assert voxel == pytest.approx(0.8) and arr.shape == (4, 8, 8)

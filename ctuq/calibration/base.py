@@ -1,36 +1,65 @@
 """The calibration-method abstraction: what every recalibration of a std map is, and the ``auto`` rule.
 
-A calibration method (a value of ``uq.calibration``) is one :class:`CalibrationMethod` subclass, registered by name
-in :data:`ctuq.registry.CALIBRATIONS`. It fits itself on a run's scored held-out rows and its reconstruction
-(:meth:`~CalibrationMethod.fit`), applies itself to a std map and to the streamed sample moments (so that the
-recalibrated map is scored with every statistic of the posterior's own, joint log-likelihoods included), and reports
-itself (``metrics.json["uq"]["calibration"]``, its curve's label in ``calibration.png``, its log line).
+A calibration method (a value of ``uq.calibration`` and of ``design.calibration``) is one :class:`CalibrationMethod`
+subclass, registered by name in :data:`ctuq.registry.CALIBRATIONS`. It owns its whole model: it fits itself on the
+arrays of a run's held-out rows and its reconstruction (:meth:`~CalibrationMethod.fit`; the parametric ones by the
+shared maximum likelihood of :mod:`ctuq.calibration.likelihood`), gives the predictive variance it implies for
+held-out rows (:meth:`~CalibrationMethod.row_variance`), applies itself to a std map and to the streamed sample
+moments (so that the recalibrated map is scored with every statistic of the posterior's own, joint log-likelihoods
+included), and reports itself (its entry in the held-out check's report, ``metrics.json["uq"]["calibration"]``, its
+curve's label in ``calibration.png``, its log line, its sentence in the check's verdict).
 
 The uncertainty phase applies the method ``uq.calibration`` names and scores every other registered one beside it
-(``metrics.json["uq"][<its summary_key>]``); the calibration study scores each from the same objects. A new method
-is one module and one registry line (its ``name`` then is a valid ``uq.calibration``); its shipped contract is
-:class:`ctuq.testing.CalibrationContract`.
+(``metrics.json["uq"][<its summary_key>]``); the calibration study scores each from the same objects; ``ctuq
+design`` fits the one ``design.calibration`` names on unseen rows of the design (:mod:`ctuq.design.forecast`). A new
+method is one module and one registry line (its ``name`` then is a valid ``uq.calibration`` and
+``design.calibration``); its shipped contract is :class:`ctuq.testing.CalibrationContract`.
 """
 
 from __future__ import annotations
 
 import abc
-import copy
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ctuq.registry import CALIBRATIONS
 
-if TYPE_CHECKING:  # annotations only: check.py imports the registered methods' modules
-    from ctuq.calibration.check import HeldoutRows
+if TYPE_CHECKING:  # annotations only
+    from ctuq.calibration.rows import HeldoutRows
     from ctuq.metrics import SampleMoments
 
-__all__ = ["CalibrationMethod", "AUTO", "NONE", "resolve_calibration", "moments_with_sums"]
+__all__ = ["CalibrationMethod", "SideScore", "AUTO", "NONE", "resolve_calibration"]
 
 #: The ``uq.calibration`` value that picks a method per run (:func:`resolve_calibration`; a reserved registry name).
 AUTO = "auto"
 #: The identity (:class:`~ctuq.calibration.none.NoCalibration`): what ``auto`` means without a held-out check.
 NONE = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class SideScore:
+    """How the calibration study (:mod:`ctuq.studies.calibration`) scores a method's map beside the posterior's own
+    on the runs that applied none: the method fitted on the run's held-out rows, its map scored against the ground
+    truth under ``key`` (``score_run``'s entry and its summary over scans), and a table in ``results.md``.
+
+    Attributes
+    ----------
+    key : str
+        The scores' key (``"bias"`` for the bias model).
+    title : str
+        The heading of its ``results.md`` table.
+    note : str
+        The line under the heading (what the map is).
+    columns : dict
+        Each of the method's :attr:`~CalibrationMethod.parameters` → ``(symbol, unit)`` of its table columns (how
+        many scans have it > 0, its mean ± s.e.).
+    """
+
+    key: str
+    title: str
+    note: str
+    columns: dict[str, tuple[str, str]]
 
 
 class CalibrationMethod(abc.ABC):
@@ -58,8 +87,15 @@ class CalibrationMethod(abc.ABC):
         The :meth:`report` entries that identify a fit (not its standard errors): recorded scores are reused for
         this fit only when these agree (:meth:`recorded_joint_ll`).
     heldout_report_key : str or None
-        The entry of the held-out check's report that scores this method on the check's own rows (its
-        ``coverage_headline``: what the verdict reports for a run that applied it); ``None``: not scored there.
+        The entry of the held-out check's report that this method writes (:meth:`check_record`: its fit on the
+        check's own rows, with its ``coverage_headline``, which the verdict reports for a run that applied it);
+        ``None``: it writes none.
+    study_default : bool
+        Scored by the calibration study unless ``--calibrations`` says otherwise (``False`` for an option whose
+        study is run on request).
+    side_score : SideScore or None
+        How the calibration study scores this method's map beside the posterior's on the runs that applied none;
+        ``None``: it does not.
     """
 
     name: ClassVar[str] = ""
@@ -70,15 +106,26 @@ class CalibrationMethod(abc.ABC):
     summary_fields: ClassVar[tuple[str, ...]] = ()
     parameters: ClassVar[tuple[str, ...]] = ()
     heldout_report_key: ClassVar[str | None] = None
+    study_default: ClassVar[bool] = True
+    side_score: ClassVar[SideScore | None] = None
 
     # ------------------------------------------------------------------------------------------ fitting
     @classmethod
     @abc.abstractmethod
     def fit(cls, rows: HeldoutRows | None, reconstruction) -> CalibrationMethod | None:
-        """The method fitted on the held-out ``rows`` (scored: ``rows.report`` is the check's report; ``None``: the
-        run had no held-out check) and the ``reconstruction`` ``image_shape`` (mm⁻¹, torch or numpy) whose std map
-        it will recalibrate; ``None`` when the rows are missing or do not carry what it needs (e.g. the bias model
-        on rows saved without bias weights)."""
+        """The method fitted on the arrays of the held-out ``rows`` (scored or not; ``None``: the run had no held-out
+        check) and the ``reconstruction`` ``image_shape`` (mm⁻¹, torch or numpy) whose std map it will
+        recalibrate; standard errors by the rows' own bootstrap (``rows.n_bootstrap`` replicates of their
+        ``groups``, seeded by ``rows.seed``). ``None`` when the rows are missing or do not carry what it needs
+        (e.g. the bias model on rows without bias weights)."""
+
+    @classmethod
+    def check_record(cls, rows: HeldoutRows) -> dict | None:
+        """This method's entry in the held-out check's report of ``rows`` (under :attr:`heldout_report_key`;
+        ``heldout.json``): its fit on the rows (with the rows' bootstrap) as plain JSON values, with, where it can,
+        the ``coverage_headline`` of the rows under its map (what the verdict reports for a run that applied it).
+        Default: none."""
+        return None
 
     @classmethod
     def image_features(cls, reconstruction, companions: dict | None = None) -> dict:
@@ -101,12 +148,13 @@ class CalibrationMethod(abc.ABC):
         ``moments`` itself when nothing changes): their :meth:`~ctuq.metrics.SampleMoments.std` is
         :meth:`apply_std` of ``moments.std()``."""
 
+    @abc.abstractmethod
     def row_variance(self, rows: HeldoutRows):
         """The recalibrated predictive variance ``(m,)`` float64 of each of ``rows`` (measurement units²): what the
-        method's map implies for unseen measurements, e.g. ``k² v_i + σ²_i`` for the scale. Used to score a row
-        with a calibration fitted before it was seen (the design's prequential check, :mod:`ctuq.design.forecast`).
-        """
-        raise NotImplementedError(f"calibration method {self.name!r} does not give row variances")
+        method's map implies for unseen measurements, e.g. ``k² v_i + σ²_i`` for the scale. It describes the same
+        model as :meth:`apply_std`: for a posterior with independent pixels of std ``s``, ``row_variance(rows) −
+        σ²_i = Σ_j T_ij² apply_std(s)_j²`` (the contract checks it). Used to score a row with a calibration fitted
+        before it was seen (the design's prequential check, :mod:`ctuq.design.forecast`)."""
 
     # ------------------------------------------------------------------------------------------ reporting
     @abc.abstractmethod
@@ -141,6 +189,28 @@ class CalibrationMethod(abc.ABC):
     def log_line(self) -> str:
         """The line the uncertainty phase logs when it applies this method."""
         return f"uq.calibration = {self.name}: std.tif = {self.describe()}"
+
+    @classmethod
+    def verdict_action(cls, calibration: dict, call: str) -> str:
+        """What a run that chose this method did about its held-out check, one sentence for the verdict
+        (:func:`ctuq.calibration.report.verdict`): ``calibration`` is the run's ``metrics.json["uq"]
+        ["calibration"]`` (``mode`` and this method's report keys), ``call`` the check's ``"too narrow"``, ``"too
+        wide"`` or ``"about right"``."""
+        return f"std.tif is recalibrated by uq.calibration = {cls.name}; details: heldout.json."
+
+    @classmethod
+    def predicted_rms(cls, report: dict, rms_std: float) -> float:
+        """The RMS of this method's std map inside the object mask (mm⁻¹) from the posterior's there, ``rms_std``,
+        and a fit's :meth:`report` (e.g. a design's recorded forecast fits: the stop-rule study). Only for methods
+        whose map's mean variance inside the mask follows from those two; ``NotImplementedError`` otherwise."""
+        raise NotImplementedError(
+            f"calibration method {cls.name!r} cannot predict the RMS error inside the object from its report"
+        )
+
+    def side_parameters(self) -> dict[str, Any]:
+        """The :attr:`parameters` of :meth:`report` recorded with this method's :attr:`side_score`."""
+        rep = self.report()
+        return {key: rep[key] for key in self.parameters}
 
     def recorded_joint_ll(self, uq: dict, posterior_ll: float | None, patch: str) -> float | None:
         """The joint log-likelihood (nats/pixel, ``patch``×``patch`` patches) of this method's map, from the scores
@@ -190,14 +260,6 @@ def _same(recorded, fitted) -> bool:
     if isinstance(recorded, (int, float)) and isinstance(fitted, (int, float)):
         return math.isclose(float(recorded), float(fitted), rel_tol=1e-9, abs_tol=0.0)
     return recorded is not None and recorded == fitted
-
-
-def moments_with_sums(moments: SampleMoments, new, **state) -> SampleMoments:
-    """A copy of ``moments`` whose second-moment sums are ``new(sum, key)`` (``key``: ``"sum_sq"`` or a patch size;
-    the recalibrated posterior's), with the other ``state`` entries replaced; ``moments`` is left unchanged."""
-    sd = moments.state_dict()
-    sums = {"sum_sq": new(sd["sum_sq"], "sum_sq"), "patch_sums": {p: new(t, p) for p, t in sd["patch_sums"].items()}}
-    return copy.deepcopy(moments).load_state_dict({**sd, **state, **sums})
 
 
 def resolve_calibration(setting: str, checked: bool, preferred: str) -> str:

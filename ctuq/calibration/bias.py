@@ -1,89 +1,99 @@
 """``uq.calibration: bias``: the posterior kept, plus a white bias of std ``τ`` inside the object mask ``M``:
 ``std.tif = sqrt(std² + τ² M)`` (docs/calibration.md, "τ alone").
 
-The held-out rows see such a bias with per-row weights ``w_i = Σ_j T_ij² M_j`` (:func:`bias_weight`: the squared
-held-out operator applied to the mask), computed when the check projects its samples; ``τ`` is the maximum-likelihood
-std of ``var_i(τ) = v_i + τ² w_i + σ²_i`` (:func:`ctuq.metrics.heldout.fit_bias_variance`, fitted when the check
-scores its rows: ``report["bias"]``). ``M`` is the :func:`object_mask` of the reconstruction the check used.
+The held-out rows see such a bias with per-row weights ``w_i = Σ_j T_ij² M_j`` (:func:`ctuq.calibration.maps.
+bias_weight`: the squared held-out operator applied to the mask), computed when the check projects its samples;
+``τ`` is the maximum-likelihood std of ``var_i(τ) = v_i + τ² w_i + σ²_i`` (:func:`fit_bias_variance`: the shared fit
+of :mod:`ctuq.calibration.likelihood` with ``base = v + σ²`` and the one column ``w``, ``θ = τ²``); its entry in the
+check's report is ``bias``. ``M`` is the :func:`~ctuq.calibration.maps.object_mask` of the reconstruction the check
+used.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import scipy.sparse as sp
-import torch
-from scipy import ndimage
+import math
 
-from ctuq.calibration.base import CalibrationMethod, moments_with_sums
+import numpy as np
+import torch
+
+from ctuq.calibration.base import CalibrationMethod, SideScore
+from ctuq.calibration.likelihood import fit_linear_variance
+from ctuq.calibration.maps import biased_moments, object_mask
 from ctuq.metrics import SampleMoments
+from ctuq.metrics.heldout import check_rows, headline_coverage
 from ctuq.registry import CALIBRATIONS
 
-__all__ = ["BiasModel", "object_mask", "bias_weight", "biased_moments"]
+__all__ = ["BiasModel", "fit_bias_variance"]
 
-# the object of the bias model (docs/calibration.md, "τ alone"): x̂ smoothed by 1 px above 10 % of its maximum;
-# measured with these values on 24 runs, not tuned
-_MASK_FRACTION = 0.1
-_MASK_SMOOTH_PX = 1.0
-_BIAS_PROBES = 64  # Rademacher probes of diag(T M Tᵀ) for operators without an assembled matrix
+_LOG_2PI = math.log(2.0 * math.pi)
 
 
-def object_mask(image: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The object of the bias model: ``image`` ``(H, W)`` (mm⁻¹) smoothed by a Gaussian of 1 px, above 10 % of its
-    maximum. Returns ``(H, W)`` float64 0/1."""
-    x = image.detach().to("cpu", torch.float64).numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
-    smooth = ndimage.gaussian_filter(np.asarray(x, np.float64), _MASK_SMOOTH_PX)
-    return (smooth > _MASK_FRACTION * smooth.max()).astype(np.float64)
+def fit_bias_variance(
+    residual,
+    variance,
+    noise_variance,
+    bias_weight,
+    *,
+    groups=None,
+    n_bootstrap: int = 200,
+    seed: int = 0,
+) -> dict:
+    """Maximum-likelihood variance ``τ²`` of an error the posterior does not contain, added to its predictive
+    variance with known per-row weights: ``var_i(τ) = v_i + τ² w_i + σ²_i`` (docs/calibration.md, "τ alone").
 
+    For a bias independent from pixel to pixel inside an object mask ``M``, ``w_i = Σ_j T_ij² M_j`` (the squared
+    held-out operator applied to the mask) and ``τ`` is the bias std per pixel. The posterior part is kept as it
+    is (``k = 1``), so the fit can only add variance where the rows have room for it; ``τ = 0`` (``zero``) when
+    they have none. CT-free.
 
-def bias_weight(op, mask: np.ndarray, *, seed: int = 0) -> np.ndarray:
-    """``w_i = Σ_j T_ij² M_j`` ``(op.c,)`` float64 (mm²): the variance of held-out row ``i`` per unit ``τ²`` of a
-    bias independent from pixel to pixel inside ``mask`` (``op.image_shape``). Exact from the assembled matrix of
-    the sparse backend; otherwise the mean of ``(T(√M ⊙ ξ))²`` over 64 Rademacher probes ``ξ`` (unbiased)."""
-    m = torch.as_tensor(np.asarray(mask, np.float64).reshape(-1))
-    csr = getattr(op, "csr", None)
-    if isinstance(csr, torch.Tensor):
-        squared = sp.csr_matrix(
-            (
-                csr.values().detach().to("cpu", torch.float64).pow(2).numpy(),
-                csr.col_indices().cpu().numpy(),
-                csr.crow_indices().cpu().numpy(),
-            ),
-            shape=tuple(csr.shape),
-        )
-        return np.asarray(squared @ m.numpy(), np.float64)
-    gen = torch.Generator().manual_seed(seed)
-    total = torch.zeros(op.c, dtype=torch.float64)
-    with torch.no_grad():
-        for _ in range(_BIAS_PROBES):
-            xi = (torch.randint(0, 2, m.shape, generator=gen) * 2 - 1).to(torch.float64) * m.sqrt()
-            total += op.forward_flat(xi.reshape(1, -1).to(op.device, op.dtype))[0].double().cpu().pow(2)
-    return (total / _BIAS_PROBES).numpy()
+    Parameters
+    ----------
+    residual, variance, noise_variance, groups, n_bootstrap, seed
+        As for :func:`ctuq.metrics.heldout.fit_variance_scale`.
+    bias_weight : ``(m,)``
+        ``w_i ≥ 0`` (measurement units² per unit of ``τ²``); all zero (an empty object mask) gives ``τ = 0`` with
+        ``empty_mask``.
 
-
-def biased_moments(moments: SampleMoments, variance: torch.Tensor) -> SampleMoments:
-    """A copy of ``moments`` whose covariance has ``diag(variance)`` added (``variance``: ``image_shape``, mm⁻²,
-    e.g. the bias model's ``τ² M``): pixel variances and every patch covariance of the joint LL gain it on their
-    diagonal, as if the samples had an independent pixel noise of that variance. ``moments`` is left unchanged.
-
-    The sums are exact, not sampled: fed through :meth:`SampleMoments.update` as ``P²`` deterministic images
-    (``P`` the largest patch size) that each carry ``sqrt(k · variance)`` on one residue class of (row, column)
-    modulo ``P``; two pixels of one patch never share a class, so no cross term appears."""
-    k = moments.n_samples
-    var = torch.as_tensor(variance, dtype=torch.float64)
-    if tuple(var.shape) != moments.image_shape or not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
-        raise ValueError(
-            f"biased_moments: variance must be finite, ≥ 0 and of shape {moments.image_shape}, got {tuple(var.shape)}"
-        )
-    extra = moments_with_sums(moments, lambda t, _key: torch.zeros_like(t), n_samples=0)
-    period = max(moments.patch_sizes)
-    amp = (var * k).sqrt()
-    rows = torch.arange(amp.shape[-2]) % period
-    cols = torch.arange(amp.shape[-1]) % period
-    for a in range(period):
-        on_row = (rows == a).to(torch.float64)[:, None]
-        extra.update(torch.stack([amp * (on_row * (cols == b).to(torch.float64)[None, :]) for b in range(period)]))
-    ed = extra.state_dict()
-    return moments_with_sums(moments, lambda t, key: t + (ed["sum_sq"] if key == "sum_sq" else ed["patch_sums"][key]))
+    Returns
+    -------
+    dict
+        ``tau`` (units: sqrt(measurement units² / units of ``w``)); ``zero`` (the fit is at the lower end of the
+        searched range: no room for a bias, ``tau`` is reported as 0); ``at_upper_bound``; ``se_curvature``,
+        ``se_bootstrap``, ``interval_95`` of ``tau`` as for :func:`~ctuq.metrics.heldout.fit_variance_scale`
+        (``None`` when ``zero``); ``log_likelihood`` per row at ``tau``; ``coverage_headline`` with ``tau`` applied;
+        ``bias_variance_fraction`` ``mean τ² w_i / var_i``.
+    """
+    where = "fit_bias_variance"
+    r, v, s2, g = check_rows(residual, variance, noise_variance, groups, where)
+    w = np.asarray(bias_weight, np.float64)
+    if w.shape != r.shape or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"{where}: bias_weight must be ({r.size},) finite values ≥ 0, got shape {w.shape}")
+    empty = not np.any(w > 0)  # an empty object mask (e.g. an all-zero reconstruction): no bias to fit, τ = 0
+    fit, c = None, 1.0
+    if not empty:
+        # w normalised to the rows' predictive variance, so the searched bracket of τ² is unit-free (as k's is)
+        unit = float(np.mean(v + s2)) / float(np.mean(w))
+        _, fit = fit_linear_variance(r, v + s2, (w * unit)[:, None], groups=g, n_bootstrap=n_bootstrap, seed=seed)
+        c = math.sqrt(unit)
+    zero = empty or (fit["at_bound"] and fit["k"] < 1.0)
+    tau = 0.0 if zero else fit["k"] * c
+    u = tau * tau * w + v + s2
+    z = np.abs(r) / np.sqrt(u)
+    out = {
+        "tau": tau,
+        "zero": bool(zero),
+        "at_upper_bound": bool(not zero and fit["at_bound"]),
+        "se_curvature": None if zero else fit["se_curvature"] * c,
+        "se_bootstrap": None if zero or fit["se_bootstrap"] is None else fit["se_bootstrap"] * c,
+        "interval_95": None if zero or fit["interval_95"] is None else [x * c for x in fit["interval_95"]],
+        "n_bootstrap": 0 if empty else fit["n_bootstrap"],
+        "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
+        "coverage_headline": headline_coverage(z),
+        "bias_variance_fraction": float(np.mean(tau * tau * w / u)),
+    }
+    if empty:
+        out["empty_mask"] = True
+    return out
 
 
 @CALIBRATIONS.register
@@ -103,8 +113,14 @@ class BiasModel(CalibrationMethod):
     """
 
     name = "bias"
-    #: where the held-out check's report scores this method on the check's own rows (the verdict's coverage)
+    #: this method's entry in the held-out check's report (its fit on the check's rows; the verdict's coverage)
     heldout_report_key = "bias"
+    side_score = SideScore(
+        key="bias",
+        title="Held-out bias inside the object, posterior kept (τ alone; not applied by any run)",
+        note="std map sqrt(std² + τ² M), τ fitted on the held-out rows (docs/calibration.md); mean ± s.e. over scans",
+        columns={"tau": ("τ", "mm⁻¹")},
+    )
     summary = "sqrt(std² + τ² M): a white bias of std τ inside the object mask M, fitted on the held-out rows"
     report_keys = ("k", "tau", "tau_se", "tau_interval_95", "mask_fraction")
     summary_key = "summary_bias"
@@ -126,13 +142,31 @@ class BiasModel(CalibrationMethod):
 
     @classmethod
     def fit(cls, rows, reconstruction=None) -> BiasModel | None:
-        """``τ`` of the check's report (``rows.report["bias"]``, present when the rows carry bias weights) and the
-        :func:`object_mask` of ``reconstruction``; ``None`` without rows or without a bias fit."""
-        fit = rows.report.get("bias") if rows is not None else None
+        """``τ`` of :func:`fit_bias_variance` on ``rows`` (their bootstrap: ``tau_se`` the bootstrap s.e., else the
+        curvature's; the very fit of the check's ``bias`` entry when the rows were scored:
+        :meth:`HeldoutRows.check_record <ctuq.calibration.HeldoutRows.check_record>`) and the
+        :func:`~ctuq.calibration.maps.object_mask` of ``reconstruction``; ``None`` without rows or without bias
+        weights."""
+        fit = rows.check_record(cls) if rows is not None else None
         if fit is None:
             return None
         se = fit["se_bootstrap"] if fit.get("se_bootstrap") is not None else fit.get("se_curvature")
         return cls(float(fit["tau"]), object_mask(reconstruction), tau_se=se, tau_interval_95=fit.get("interval_95"))
+
+    @classmethod
+    def check_record(cls, rows) -> dict | None:
+        """``bias``: :func:`fit_bias_variance` with the rows' bootstrap; ``None`` for rows without bias weights."""
+        if rows.bias_weight is None:
+            return None
+        return fit_bias_variance(
+            rows.residual,
+            rows.variance,
+            rows.noise_variance,
+            rows.bias_weight,
+            groups=rows.groups,
+            n_bootstrap=rows.n_bootstrap,
+            seed=rows.seed,
+        )
 
     @classmethod
     def from_state(cls, state: dict) -> BiasModel:
@@ -154,7 +188,7 @@ class BiasModel(CalibrationMethod):
         return np.sqrt(std.astype(np.float64) ** 2 + self.variance).astype(std.dtype, copy=False)
 
     def apply_moments(self, moments: SampleMoments) -> SampleMoments:
-        """:func:`biased_moments` with ``τ² M``; ``moments`` itself when ``τ = 0``."""
+        """:func:`~ctuq.calibration.maps.biased_moments` with ``τ² M``; ``moments`` itself when ``τ = 0``."""
         if self.tau == 0:
             return moments
         return biased_moments(moments, torch.from_numpy(self.variance))
@@ -184,6 +218,22 @@ class BiasModel(CalibrationMethod):
             f"uq.calibration = bias: std.tif = sqrt(posterior std² + τ² M), τ = {self.tau:.3g} mm⁻¹ inside "
             f"{100 * self.mask_fraction:.0f} % of the pixels"
         )
+
+    @classmethod
+    def verdict_action(cls, calibration: dict, call: str) -> str:
+        if calibration.get("tau") is None:
+            return super().verdict_action(calibration, call)
+        return (
+            f"std.tif includes a bias term fitted on these angles (uq.calibration = bias, τ = "
+            f"{calibration['tau']:.2g} mm⁻¹ inside the object); details: heldout.json."
+        )
+
+    @classmethod
+    def predicted_rms(cls, report: dict, rms_std: float) -> float:
+        """``sqrt(rms_std² + τ²)``: the mask's pixels gain ``τ²`` each (``rms_std`` without a ``τ``)."""
+        if report.get("tau") is None:
+            return rms_std
+        return math.sqrt(rms_std**2 + report["tau"] ** 2)
 
     def state_dict(self) -> dict:
         """The report plus the mask (float64 array)."""

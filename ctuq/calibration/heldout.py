@@ -1,9 +1,10 @@
 """``uq.calibration: heldout``: the posterior std × the global scale ``k`` that explains the held-out rows best.
 
 ``k`` is the maximum-likelihood factor on the image part of the held-out predictive variance, ``var_i(k) = k² v_i +
-σ²_i`` (:func:`ctuq.metrics.heldout.fit_variance_scale`, fitted when the check scores its rows:
-``report["scale"]``). The recalibrated posterior is the posterior with every sample × ``k``: std × ``k``, every
-covariance × ``k²`` (:func:`scaled_moments`).
+σ²_i``: the shared fit of :mod:`ctuq.calibration.likelihood` with ``base = σ²`` and the one column ``v`` (``θ =
+k²``); its entry in the check's report is ``scale`` (with the block-bootstrap s.e. and interval of ``k``). The
+recalibrated posterior is the posterior with every sample × ``k``: std × ``k``, every covariance × ``k²``
+(:func:`ctuq.calibration.maps.scaled_moments`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ import math
 
 import numpy as np
 
-from ctuq.calibration.base import CalibrationMethod, moments_with_sums, recorded_scores
+from ctuq.calibration.base import CalibrationMethod, recorded_scores
+from ctuq.calibration.likelihood import fit_linear_variance
+from ctuq.calibration.maps import scaled_moments
 from ctuq.metrics import SampleMoments
+from ctuq.metrics.heldout import check_rows, headline_coverage
 from ctuq.registry import CALIBRATIONS
 
-__all__ = ["HeldoutScale", "scaled_moments", "joint_ll_at_scale"]
+__all__ = ["HeldoutScale", "joint_ll_at_scale", "fit_scale"]
 
 
-def scaled_moments(moments: SampleMoments, k: float) -> SampleMoments:
-    """A copy of ``moments`` whose samples are ``k ×`` those fed to it (covariances × ``k²``): the statistics of the
-    recalibrated posterior."""
-    return moments_with_sums(moments, lambda t, _key: t * (k * k))
+def fit_scale(rows, *, n_bootstrap: int, seed: int) -> dict:
+    """The maximum-likelihood ``k`` of ``var_i(k) = k² v_i + σ²_i`` on ``rows`` (:class:`~ctuq.calibration.rows.
+    HeldoutRows`) with ``n_bootstrap`` block-bootstrap replicates seeded by ``seed``: the dict of
+    :func:`ctuq.metrics.heldout.fit_variance_scale` (``k``, its s.e. and interval, ``at_bound``, the per-row
+    ``log_likelihood``) plus the ``coverage_headline`` of the rows with ``k`` applied."""
+    r, v, s2, g = check_rows(rows.residual, rows.variance, rows.noise_variance, rows.groups, "HeldoutScale.fit")
+    _, scale = fit_linear_variance(r, s2, v[:, None], groups=g, n_bootstrap=n_bootstrap, seed=seed)
+    k2 = scale["k"] ** 2
+    scale["coverage_headline"] = headline_coverage(np.abs(r) / np.sqrt(k2 * v + s2))
+    return scale
 
 
 def joint_ll_at_scale(ll_1: float, ll_k0: float, k0: float, k: float) -> float:
@@ -66,10 +76,16 @@ class HeldoutScale(CalibrationMethod):
 
     @classmethod
     def fit(cls, rows, reconstruction=None) -> HeldoutScale | None:
-        """``k`` of the check's report (``rows.report["scale"]["k"]``); ``None`` without rows."""
+        """The maximum-likelihood ``k`` on ``rows`` (:func:`fit_scale`; no bootstrap: the method keeps ``k`` alone);
+        ``None`` without rows."""
         if rows is None:
             return None
-        return cls(float(rows.report["scale"]["k"]))
+        return cls(float(fit_scale(rows, n_bootstrap=0, seed=rows.seed)["k"]))
+
+    @classmethod
+    def check_record(cls, rows) -> dict:
+        """``scale``: :func:`fit_scale` with the rows' bootstrap."""
+        return fit_scale(rows, n_bootstrap=rows.n_bootstrap, seed=rows.seed)
 
     @classmethod
     def from_state(cls, state: dict) -> HeldoutScale:
@@ -99,6 +115,19 @@ class HeldoutScale(CalibrationMethod):
 
     def log_line(self) -> str:
         return f"uq.calibration = heldout: std.tif = posterior std × {self.k:.3f}"
+
+    @classmethod
+    def verdict_action(cls, calibration: dict, call: str) -> str:
+        if calibration.get("k") is None:
+            return super().verdict_action(calibration, call)
+        return (
+            f"std.tif is the posterior std × {calibration['k']:.3g} fitted on these angles (uq.calibration = heldout)."
+        )
+
+    @classmethod
+    def predicted_rms(cls, report: dict, rms_std: float) -> float:
+        """``rms_std × k``."""
+        return rms_std * report["k"]
 
     def recorded_joint_ll(self, uq: dict, posterior_ll: float | None, patch: str) -> float | None:
         """From the posterior's own joint LL and the one recorded for a (possibly other) ``k0``, by

@@ -51,3 +51,13 @@ class NoCalibration(CalibrationMethod):
     def recorded_joint_ll(self, uq: dict, posterior_ll: float | None, patch: str) -> float | None:
         """The posterior's own, ``posterior_ll``."""
         return posterior_ll
+
+    @classmethod
+    def verdict_action(cls, calibration: dict, call: str) -> str:
+        hint = " (--set uq.calibration=bias adds a bias term fitted on these angles)" if call == "too narrow" else ""
+        return f"std.tif is the posterior's own std{hint}; details: heldout.json."
+
+    @classmethod
+    def predicted_rms(cls, report: dict, rms_std: float) -> float:
+        """``rms_std`` itself."""
+        return rms_std

@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from statistics import NormalDist
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ctuq import figures
-from ctuq.calibration.check import HeldoutRows
 from ctuq.registry import CALIBRATIONS
+
+if TYPE_CHECKING:  # annotations only
+    from ctuq.calibration.rows import HeldoutRows
 from ctuq.utils import atomic_write_json
 
 __all__ = ["assess", "verdict", "table", "write_report"]
@@ -49,7 +52,7 @@ def assess(report: dict, calibration: dict | None = None) -> dict:
     of these rows: the 0.9 quantile of ``|z|`` over 1.645; ``None`` when about right), ``tail`` (fraction of rows
     beyond 3 std, and the Gaussian's) and what the coverage is of."""
     coverage, of = _shipped(report, calibration)
-    n_groups = int(report.get("n_groups") or report.get("n_angles") or 1)
+    n_groups = int(report["n_groups"])
     tol = {q: _tolerance(float(q), n_groups) for q in _HEADLINE}
     low = sum(coverage[q] < float(q) - tol[q] for q in _HEADLINE)
     high = sum(coverage[q] > float(q) + tol[q] for q in _HEADLINE)
@@ -70,12 +73,10 @@ def assess(report: dict, calibration: dict | None = None) -> dict:
 def _factor_at_90(report: dict, coverage: dict, of: str) -> float:
     """The factor on the held-out predictive std that makes the 90 % intervals cover 90 %: for the posterior, the
     0.9 quantile of ``|z|`` over 1.645 (``z.abs_quantile_0.9``); for calibrated error bars, whose rows the report
-    scores at 50/90/95 % only, the level whose intervals would cover 90 % interpolated on those three, over 1.645
-    (reports written before the quantile existed take that route too)."""
+    scores at 50/90/95 % only, the level whose intervals would cover 90 % interpolated on those three, over 1.645."""
     nd = NormalDist()
-    exact = report["z"].get("abs_quantile_0.9")
-    if of == "posterior" and exact is not None:
-        return float(exact) / nd.inv_cdf(0.95)
+    if of == "posterior":
+        return float(report["z"]["abs_quantile_0.9"]) / nd.inv_cdf(0.95)
     levels = [0.0, *(float(q) for q in _HEADLINE), 1.0]
     cov = [0.0, *(float(coverage[q]) for q in _HEADLINE), 1.0]
     q = float(np.interp(0.9, cov, levels))
@@ -115,22 +116,13 @@ def verdict(report: dict, calibration: dict | None = None) -> str:
 
 
 def _action(calibration: dict | None, call: str) -> str:
-    """What the run did about it, in one sentence."""
+    """What the run did about it, in one sentence: the chosen method's own
+    (:meth:`~ctuq.calibration.CalibrationMethod.verdict_action`)."""
     mode = (calibration or {}).get("mode")
     if mode is None:
         return "Details: heldout.json."
-    if mode == "bias" and calibration.get("tau") is not None:
-        return (
-            f"std.tif includes a bias term fitted on these angles (uq.calibration = bias, τ = "
-            f"{calibration['tau']:.2g} mm⁻¹ inside the object); details: heldout.json."
-        )
-    if mode == "heldout" and calibration.get("k") is not None:
-        return (
-            f"std.tif is the posterior std × {calibration['k']:.3g} fitted on these angles (uq.calibration = heldout)."
-        )
-    if mode == "none":
-        hint = " (--set uq.calibration=bias adds a bias term fitted on these angles)" if call == "too narrow" else ""
-        return f"std.tif is the posterior's own std{hint}; details: heldout.json."
+    if mode in CALIBRATIONS:
+        return CALIBRATIONS[mode].verdict_action(calibration, call)
     return f"std.tif is recalibrated by uq.calibration = {mode}; details: heldout.json."
 
 

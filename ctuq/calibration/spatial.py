@@ -18,19 +18,21 @@ check: :attr:`~ctuq.calibration.HeldoutRows.feature_weights`), so the weights ar
 
     r_i ~ N(0, s_i),   s_i = (1 + w_post) v_i + σ²_i + Σ_k w_k W_ik,
 
-found by L-BFGS-B on the scaled weights (bounds ``w ≥ 0``). A term the held-out rows cannot see gets weight 0.
+the shared fit of :mod:`ctuq.calibration.likelihood` with ``base = v + σ²`` and the columns ``[v, W_1, …]``
+(L-BFGS-B on the scaled weights, bounds ``w ≥ 0``). A term the held-out rows cannot see gets weight 0.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-import scipy.optimize
 import torch
 from scipy import ndimage
 
 from ctuq.calibration.base import CalibrationMethod
-from ctuq.calibration.bias import biased_moments, object_mask
-from ctuq.calibration.heldout import scaled_moments
+from ctuq.calibration.likelihood import fit_linear_variance
+from ctuq.calibration.maps import biased_moments, object_mask, scaled_moments
 from ctuq.metrics import SampleMoments
 from ctuq.registry import CALIBRATIONS
 
@@ -70,6 +72,8 @@ class SpatialBias(CalibrationMethod):
     report_keys = ("k", "w_posterior", "w_object", "w_edges", "w_disagreement")
     summary_fields = ("w_posterior", "w_object", "w_edges", "w_disagreement")
     parameters = ("w_posterior", "w_object", "w_edges", "w_disagreement")
+    # an option, not a default (docs/calibration.md, "Where the errors are"): the study scores it when asked
+    study_default = False
 
     def __init__(self, w_posterior: float, weights: dict, maps: dict):
         w_posterior = float(w_posterior)
@@ -113,28 +117,15 @@ class SpatialBias(CalibrationMethod):
     @classmethod
     def fit(cls, rows, reconstruction=None) -> SpatialBias | None:
         """The maximum-likelihood weights on the held-out ``rows`` (module docstring); ``None`` without rows or
-        without the object feature's row weights (rows saved before the method)."""
+        without the object feature's row weights."""
         if rows is None or _PREFIX + "object" not in rows.feature_weights:
             return None
         names = [k for k in FEATURES if _PREFIX + k in rows.feature_weights]
-        r2 = np.asarray(rows.residual, np.float64) ** 2
+        r = np.asarray(rows.residual, np.float64)
         v = np.asarray(rows.variance, np.float64)
-        n = np.broadcast_to(np.asarray(rows.noise_variance, np.float64), r2.shape)
+        n = np.broadcast_to(np.asarray(rows.noise_variance, np.float64), r.shape)
         W = np.stack([np.asarray(rows.feature_weights[_PREFIX + k], np.float64) for k in names], axis=1)
-        base = v + n
-        # columns in units of the predictive variance they would carry alone: the search is scale free
-        cols = np.concatenate([v[:, None], W], axis=1)
-        scale = np.array([base.mean() / max(float(c.mean()), 1e-300) for c in cols.T])
-        A = cols * scale[None, :]
-
-        def nll(u):
-            s = base + A @ u
-            return 0.5 * float(np.sum(np.log(s) + r2 / s)), 0.5 * (A.T @ (1.0 / s - r2 / s**2))
-
-        res = scipy.optimize.minimize(
-            nll, np.zeros(A.shape[1]), jac=True, method="L-BFGS-B", bounds=[(0.0, None)] * A.shape[1]
-        )
-        w = res.x * scale
+        w, _ = fit_linear_variance(r, v + n, np.concatenate([v[:, None], W], axis=1))
         return cls(w[0], dict(zip(names, w[1:])), {k: rows.features[_PREFIX + k] for k in names})
 
     def row_variance(self, rows) -> np.ndarray:
@@ -165,8 +156,8 @@ class SpatialBias(CalibrationMethod):
         return np.sqrt(var).astype(std.dtype, copy=False)
 
     def apply_moments(self, moments: SampleMoments) -> SampleMoments:
-        """The moments scaled by ``sqrt(1 + w_post)`` (:func:`~ctuq.calibration.heldout.scaled_moments`), with
-        ``Σ w_k f_k`` on every diagonal (:func:`~ctuq.calibration.bias.biased_moments`)."""
+        """The moments scaled by ``sqrt(1 + w_post)`` (:func:`~ctuq.calibration.maps.scaled_moments`), with
+        ``Σ w_k f_k`` on every diagonal (:func:`~ctuq.calibration.maps.biased_moments`)."""
         out = scaled_moments(moments, (1.0 + self.w_posterior) ** 0.5) if self.w_posterior > 0 else moments
         return biased_moments(out, torch.from_numpy(self.variance)) if self.variance.any() else out
 
@@ -182,6 +173,13 @@ class SpatialBias(CalibrationMethod):
     def describe(self) -> str:
         terms = ", ".join(f"{k} {w:.2g}" for k, w in self.weights.items() if w > 0) or "no bias term"
         return f"sqrt({1 + self.w_posterior:.3g} std² + Σ w_k f_k), w: {terms} mm⁻²"
+
+    @classmethod
+    def predicted_rms(cls, report: dict, rms_std: float) -> float:
+        """``sqrt((1 + w_post) rms_std² + Σ_k w_k)``: each map has mean 1 inside the object mask, when the mask is
+        that of the reconstruction the maps were made from (as the design's forecast has it)."""
+        extra = sum(report[f"w_{k}"] for k in FEATURES if report.get(f"w_{k}") is not None)
+        return math.sqrt((1.0 + report["w_posterior"]) * rms_std**2 + extra)
 
     def state_dict(self) -> dict:
         """The report plus the feature maps (float64 arrays, ``map_<feature>``)."""

@@ -8,10 +8,13 @@
   the dense budget (:func:`~ctuq.inference.dense_features_fit`); for the iterative solvers when one copy fits and
   a product over the data costs more than a GEMM with ``Ψ₀`` (:func:`assembly_pays`: weight sharing, as in a
   CNN); for any solver with ``dense_features="always"``.
-* Scales: the g-prior ``s_j = ‖Ψ₀[:, j]‖⁻¹`` exactly (the GGN diagonal from per-example Jacobians, ``C`` backward
-  passes over the data; free when ``Ψ₀`` is dense) or stochastically (``gprior_probes`` Rademacher probes through
-  ``Ψ₀ᵀ``, :func:`ctuq.inference.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns get
-  ``s_j = 0``.
+* Scales: of a diagonal prior of :data:`ctuq.registry.PRIORS` made by name
+  (:meth:`~ctuq.inference.priors.DiagonalPrior.compute_scales`), which gets the exact squared column norms of
+  ``Ψ₀`` the classifier's way (:attr:`~ctuq.inference.priors.PriorProblem.column_norms`: the GGN diagonal from
+  per-example Jacobians, ``C`` backward passes over the data; free when ``Ψ₀`` is dense). The g-prior
+  ``s_j = ‖Ψ₀[:, j]‖⁻¹`` takes them (``method="exact"``) or ``probes`` Rademacher probes through ``Ψ₀ᵀ``
+  (``"stochastic"``, :func:`ctuq.inference.priors.gprior_scales`); ones for ``"isotropic"``; or given. Zero columns
+  get ``s_j = 0``.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from ctuq.classify.hessian import SoftmaxHessianRoot
 from ctuq.classify.jacobians import DenseJacobian, assemble_jacobian, assemble_whitened_jacobian, ggn_diagonal
 from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
-from ctuq.inference.priors import gprior_scales, scales_from_sq_norms
+from ctuq.inference.priors import DiagonalPrior, PriorProblem
 from ctuq.linearize import eval_mode
-from ctuq.options import GPriorMethod, Prior
+from ctuq.registry import PRIORS
 
 __all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays", "whitened_matrix"]
 
@@ -111,6 +114,7 @@ def whitened_matrix(jac: DenseJacobian, root: SoftmaxHessianRoot) -> torch.Tenso
 
 def prior_scales(
     prior,
+    options: dict,
     *,
     base: FeatureOperator,
     model,
@@ -119,35 +123,28 @@ def prior_scales(
     root: SoftmaxHessianRoot,
     n_params: int,
     sq_norms: torch.Tensor | None = None,
-    gprior_method: str = "exact",
-    gprior_probes: int = 256,
-    gprior_floor: float = 0.0,
+    a: float = 1.0,
     seed: int = 0,
     chunk_size: int = 32,
     progress: bool = False,
-) -> torch.Tensor:
-    """The scales ``s`` ``(d,)`` float64 for ``prior`` (``"gprior"``, ``"isotropic"`` or a tensor); the g-prior's
-    squared column norms get the ridge ``gprior_floor · median``
-    (:func:`ctuq.inference.priors.scales_from_sq_norms`)."""
+) -> tuple[torch.Tensor, DiagonalPrior | None]:
+    """``(s, prior)``: the scales ``(d,)`` float64 of ``prior`` (a diagonal prior's registry name, made with
+    ``options`` on ``base`` = ``Ψ₀``; or a tensor of scales, then ``prior`` is ``None``). The prior is handed the
+    exact squared column norms ``sq_norms`` (those of an assembled ``Ψ₀``) or, computed only if it asks, the GGN
+    diagonal from per-example Jacobians (:func:`~ctuq.classify.jacobians.ggn_diagonal`)."""
     if isinstance(prior, torch.Tensor):
         if tuple(prior.shape) != (n_params,):
             raise ValueError(f"LinearizedLaplace: prior scales must have shape ({n_params},), got {tuple(prior.shape)}")
         if not torch.isfinite(prior).all() or (prior < 0).any():
             raise ValueError("LinearizedLaplace: prior scales must be finite and >= 0")
-        return prior.detach().double()
-    if prior == Prior.ISOTROPIC:
-        return torch.ones(n_params, dtype=torch.float64)
-    if gprior_method == GPriorMethod.STOCHASTIC:
-        return gprior_scales(
-            base.rmatvec,
-            base.n_outputs,
-            method=GPriorMethod.STOCHASTIC.value,
-            n_probes=gprior_probes,
-            seed=seed,
-            floor=gprior_floor,
-            dtype=base.dtype,
-            progress=progress,
-        ).double()
-    if sq_norms is None:
-        sq_norms = ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
-    return scales_from_sq_norms(sq_norms, floor=gprior_floor)
+        return prior.detach().double(), None
+
+    def exact_norms() -> torch.Tensor:
+        if sq_norms is not None:
+            return sq_norms
+        return ggn_diagonal(model, X, names, root, chunk_size=chunk_size, progress=progress)
+
+    made = PRIORS[prior].create(base, **options)
+    # no targets yet: the pseudo-targets come from the linearised mode, which needs these scales
+    problem = PriorProblem(base, None, a=float(a), sigma2=1.0, seed=seed, progress=progress, column_norms=exact_norms)
+    return made.compute_scales(problem).double(), made

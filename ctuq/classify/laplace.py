@@ -4,7 +4,8 @@ The model (DESIGN.md §1, classification row). A classifier ``f(x; v)`` with ``C
 ``n`` training pairs ``(x_i, y_i)``, probabilities ``p_i = softmax(f(x_i; ṽ))`` and softmax Hessians
 ``B_i = diag(p_i) − p_i p_iᵀ = L_i L_iᵀ`` (:mod:`ctuq.classify.hessian`). Scaled weights ``w`` with
 ``v = s ⊙ w`` and prior ``w ~ N(0, a⁻¹ I)``; ``s`` is the g-prior ``s_j = [Σ_i J_iᵀ B_i J_i]_jj^(−1/2)`` (exact:
-per-example Jacobians, :mod:`ctuq.classify.jacobians`) or ones.
+per-example Jacobians, :mod:`ctuq.classify.jacobians`; with a ridge, ``GPRIOR_FLOOR``), ones, or the scales of any
+other diagonal prior of :data:`ctuq.registry.PRIORS` (``prior=name, prior_options={...}``).
 
 * E-step: the categorical log-likelihood of the linearised model is replaced by its second-order expansion with
   curvature ``B_i``, evaluated at the linearised model's mode (``hessian_at="linear_mode"``, the default: ``p_i``
@@ -63,22 +64,22 @@ from ctuq.inference import (
     dense_features_fit,
     solver_choices,
 )
+from ctuq.inference.priors import GPrior
 from ctuq.linearize import LinearizedNetwork
 from ctuq.memory import Budget, memory_budget
 from ctuq.metrics.classification import nll as _nll
 from ctuq.options import DenseFeatures as DenseChoice
 from ctuq.options import (
     EMUpdate,
-    GPriorMethod,
     HessianAt,
     HessianRoot,
     LinearModel,
     Link,
-    Prior,
     PriorMethod,
     SolverAlias,
     values,
 )
+from ctuq.registry import PRIORS
 from ctuq.utils import progress as _progress_bar
 
 __all__ = [
@@ -102,7 +103,8 @@ mode at the chosen ``a`` (docs/classification.md §2.4: 0.0008 and 0 on the two 
 MAP; 0.057 on the MNIST-1D MLP, which over-fits and whose evidence-chosen predictive stays at 0.85 × MAP's NLL)."""
 
 GPRIOR_FLOOR = 1.0
-"""Default ``gprior_floor`` ``δ``: the g-prior's squared column norms get ``δ ×`` their median added (a ridge on the
+"""Default ridge ``δ`` of the classifier's g-prior (``prior_options={"floor": δ}``): the g-prior's squared column norms
+get ``δ ×`` their median added (a ridge on the
 g-prior; docs/notebook/classification.md §2.1: on the digits MLP it takes the corrupted-input NLL at noise σ = 0.1
 from 2.9 to 0.09 and the test NLL below MAP's; MNIST-1D's GGN diagonal spans only 3 decades and hardly moves)."""
 
@@ -115,6 +117,27 @@ worth of solves)."""
 DEFAULT_GRID = tuple(float(10.0**e) for e in torch.linspace(-2.0, 6.0, 25).tolist())
 """Prior precisions of ``optimize_prior("gridsearch")`` by default: 1e-2 … 1e6, three per decade (the g-prior's
 ``a`` is dimensionless; measured EM values lie between 3 and 2,500 on the benchmark's networks)."""
+
+
+def _prior_options(prior, options: dict | None) -> dict:
+    """The checked ``prior_options`` of the ``prior`` argument: for a diagonal prior of the registry by name, its
+    option names (the g-prior's ``floor`` defaulting to :data:`GPRIOR_FLOOR`); none for given scales."""
+    options = dict(options or {})
+    if isinstance(prior, torch.Tensor):
+        if options:
+            raise ValueError(f"LinearizedLaplace: prior_options {sorted(options)} do not apply to given scales")
+        return options
+    diagonal = [n for n in PRIORS.names() if PRIORS[n].diagonal]
+    if not isinstance(prior, str) or prior not in diagonal:  # a block prior (CT's tv_predcp) gives no scales
+        raise ValueError(
+            f"LinearizedLaplace: prior must be a diagonal prior ({', '.join(diagonal)}) or a tensor of scales, "
+            f"got {prior!r}"
+        )
+    cls = PRIORS[prior]
+    cls.check_option_names(options)
+    if issubclass(cls, GPrior):
+        options.setdefault("floor", GPRIOR_FLOOR)
+    return options
 
 
 def exact_solver(solver: str) -> bool:
@@ -130,22 +153,26 @@ class LinearizedLaplace(PredictiveMixin):
     ----------
     model : nn.Module
         Maps inputs ``(N, ...)`` to logits ``(N, C)``. Copied (in ``dtype``) at :meth:`fit`; evaluated in eval mode.
-    prior : {"gprior", "isotropic"} or torch.Tensor
-        Prior scales ``s``, or the scales themselves ``(d,)``.
+    prior : str or torch.Tensor
+        The prior scales ``s``: a diagonal prior of :data:`ctuq.registry.PRIORS` by name (``"gprior"``,
+        ``"isotropic"``, or one registered later; :attr:`ctuq.inference.priors.WeightPrior.diagonal`), made with
+        ``prior_options`` on the whitened features ``Ψ₀`` (its
+        :meth:`~ctuq.inference.priors.DiagonalPrior.compute_scales`, given the exact GGN diagonal as
+        :attr:`~ctuq.inference.priors.PriorProblem.column_norms`), or the scales themselves ``(d,)``.
+    prior_options : dict, optional
+        Options of a prior given by name. The g-prior's: ``method`` (``"exact"``: the GGN diagonal from per-example
+        Jacobians, ``C`` backward passes over the data; ``"stochastic"``: ``probes`` Rademacher probes), ``probes``
+        and ``floor``, ``δ ≥ 0``: its precision is ``a (diag(GGN) + δ m)`` with ``m`` the median of the non-zero
+        GGN diagonal (:mod:`ctuq.inference.priors.gprior`), so that weights the training data barely reach do not
+        get prior standard deviations thousands of times the typical one (which any shifted input then turns into
+        huge logit variances); ``0`` is the plain g-prior of the published method. Default ``floor``:
+        ``GPRIOR_FLOOR`` (docs/notebook/classification.md §2.1 for the measurements behind it).
     weights : {"all", "last_layer"} or list of str
         The linearised parameters (all by default, biases and normalisation parameters included).
     prior_precision : float
         Initial ``a``.
     linear_model : {"tangent", "affine"}
         Whose categorical mode enters the M-step (:mod:`ctuq.classify.mode`).
-    gprior_method : {"exact", "stochastic"}
-        Exact GGN diagonal (``C`` per-example backward passes) or ``gprior_probes`` Rademacher probes.
-    gprior_floor : float
-        ``δ ≥ 0``: the g-prior's precision is ``a (diag(GGN) + δ m)`` with ``m`` the median of the non-zero GGN
-        diagonal (:mod:`ctuq.inference.priors.gprior`), so that weights the training data barely reach do not get prior
-        standard deviations thousands of times the typical one (which any shifted input then turns into huge
-        logit variances). ``0``: the plain g-prior of the published method. Default ``GPRIOR_FLOOR``
-        (docs/notebook/classification.md §2.1 for the measurements behind it).
     hessian_root : {"closed_form", "symmetric"}
         Factor of ``B_i`` (:mod:`ctuq.classify.hessian`).
     hessian_at : {"linear_mode", "network"}
@@ -188,12 +215,10 @@ class LinearizedLaplace(PredictiveMixin):
         model: nn.Module,
         *,
         prior: str | torch.Tensor = "gprior",
+        prior_options: dict | None = None,
         weights: str | Sequence[str] = "all",
         prior_precision: float = 1.0,
         linear_model: str = "tangent",
-        gprior_method: str = "exact",
-        gprior_probes: int = 256,
-        gprior_floor: float = GPRIOR_FLOOR,
         hessian_root: str = "closed_form",
         hessian_at: str = "linear_mode",
         solver: str = "auto",
@@ -208,34 +233,27 @@ class LinearizedLaplace(PredictiveMixin):
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"LinearizedLaplace: model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(prior, str) and prior not in (Prior.GPRIOR, Prior.ISOTROPIC):  # a CT block prior is not one
-            raise ValueError(
-                f"LinearizedLaplace: prior must be 'gprior', 'isotropic' or a tensor of scales, got {prior!r}"
-            )
+        options = _prior_options(prior, prior_options)
         if not (float(prior_precision) > 0 and math.isfinite(float(prior_precision))):
             raise ValueError(f"LinearizedLaplace: prior_precision must be positive and finite, got {prior_precision}")
         for name, value, allowed in (
             ("linear_model", linear_model, values(LinearModel)),
             ("hessian_root", hessian_root, values(HessianRoot)),
             ("hessian_at", hessian_at, values(HessianAt)),
-            ("gprior_method", gprior_method, values(GPriorMethod)),
             ("solver", solver, solver_choices()),
             ("dense_features", dense_features, values(DenseChoice)),
         ):
             if value not in allowed:
                 raise ValueError(f"LinearizedLaplace: {name} must be one of {list(allowed)}, got {value!r}")
-        if not (math.isfinite(float(gprior_floor)) and float(gprior_floor) >= 0):
-            raise ValueError(f"LinearizedLaplace: gprior_floor must be finite and >= 0, got {gprior_floor}")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"LinearizedLaplace: dtype must be torch.float32 or torch.float64, got {dtype}")
         self.model = model
         self.weights = weights if isinstance(weights, str) else list(weights)
         self.param_names = resolve_weights(model, weights)
         self.prior = prior
+        self.prior_options = options
         self.a0 = float(prior_precision)
         self.linear_model = linear_model
-        self.gprior_method, self.gprior_probes = gprior_method, int(gprior_probes)
-        self.gprior_floor = float(gprior_floor)
         self.hessian_root = hessian_root
         self.hessian_at = str(hessian_at)
         self.solver = solver
@@ -255,7 +273,6 @@ class LinearizedLaplace(PredictiveMixin):
         self._model: nn.Module | None = None
         self._net = None
         self._root: SoftmaxHessianRoot | None = None  # the B of the features (network or linear mode)
-        self._root_net: SoftmaxHessianRoot | None = None  # B at the trained network (g-prior, diagnostic)
         self._jnet = None  # J on the training inputs (products or held densely): the features' and the mode's
         self._trace_net: float | None = None  # mean tr B_i at the network
         self._trace_mode: float | None = None  # mean tr B_i at the linearised model's mode (at _hessian_a)
@@ -380,7 +397,7 @@ class LinearizedLaplace(PredictiveMixin):
             self._net = LinearizedNetwork(self._model, X, param_names=self.param_names)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        self._root_net = self._root = root = SoftmaxHessianRoot(torch.softmax(logits.double(), 1), self.hessian_root)
+        self._root = root = SoftmaxHessianRoot(torch.softmax(logits.double(), 1), self.hessian_root)
         self._trace_net = mean_hessian_trace(root.p)
         # A network's fit can take minutes (every product runs over all n training inputs): say what runs.
         t0 = time.perf_counter()
@@ -391,8 +408,9 @@ class LinearizedLaplace(PredictiveMixin):
         )
         if self.scales is None:  # else restored from a state
             t0 = time.perf_counter()
-            self.scales = prior_scales(
+            self.scales, made = prior_scales(
                 self.prior,
+                self.prior_options,
                 base=base,
                 model=self._model,
                 X=X,
@@ -400,18 +418,13 @@ class LinearizedLaplace(PredictiveMixin):
                 root=root,
                 n_params=self.n_params,
                 sq_norms=sq_norms,
-                gprior_method=self.gprior_method,
-                gprior_probes=self.gprior_probes,
-                gprior_floor=self.gprior_floor,
+                a=self.prior_precision,
                 seed=self.seed,
                 chunk_size=self.jacobian_chunk,
                 progress=self.progress,
             )
-            self.say(
-                f"prior scales ({self.prior if isinstance(self.prior, str) else 'given'}"
-                f"{', ' + self.gprior_method if self.prior == 'gprior' else ''}): "
-                f"{time.perf_counter() - t0:.1f} s"
-            )
+            what = "given" if made is None else f"{made.label}, {made.method}"
+            self.say(f"prior scales ({what}): {time.perf_counter() - t0:.1f} s")
         self._jnet = mode_net
         self._mode_finder = LinearMode(mode_net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
@@ -624,61 +637,15 @@ class LinearizedLaplace(PredictiveMixin):
             raise ValueError(
                 f"LinearizedLaplace.optimize_prior: val_loader and grid belong to method='gridsearch', not {method!r}"
             )
-        post = self.posterior
-        if method == PriorMethod.EXACT and not post.exact:
-            self.say("optimize_prior('exact'): rebuilding the posterior with an exact solver")
-            self._old_trace += post.em_trace
-            if self._linear_mode:
-                self._hold_jacobian()
-                base = self._whitened_base(exact=True)
-            elif isinstance(post.base, DenseFeatures):
-                base = post.base
-            elif isinstance(getattr(post.base, "network", None), DenseJacobian) and dense_features_fit(
-                post.base.n_outputs, post.base.n_features, "cpu"
-            ):
-                base = DenseFeatures(whitened_matrix(post.base.network, self._root))  # no Jacobians again
-            else:
-                base = self._features(self._net.net_input, True)[0]
-            post = self._new_posterior(base, post.targets, post.a, SolverAlias.EXACT.value, None)
-            self.posterior, self.solver = post, SolverAlias.EXACT.value
-        elif post.em is not None and self._em_method not in (None, method):
-            self._old_trace += post.em_trace  # a new EM for the other γ method; keep the trace
-            post.reset_em()
-        elif post.em is not None:
-            post.em.converged = False  # continue the same EM (same generator) for max_steps more steps
-        self._em_method = method
+        post = self._em_posterior(method)
         bar = None
         if self.progress:
             bar = _progress_bar(total=max_steps, desc=f"EM ({method})")
         state = {"mode": self._mode}
 
         def after(record: dict) -> None:
-            record["mode_norm_sq"] = float(state["mode"].w.pow(2).sum())
-            record["mode_evaluations"] = int(state["mode"].evaluations)
-            if self._linear_mode and update == EMUpdate.DAMPED:
-                self._secant(record)
-            a_new = float(record["a_new"])
-            self.posterior.a = a_new
-            targets = self._refresh_mode(a_new)
-            if self._linear_mode:
-                self._rebuild_posterior(targets)  # the EM moves to the posterior with B at the new mode
-            else:
-                self.posterior.set_targets(targets.to(self.dtype))
-            record["hessian_ratio"] = self.hessian_ratio
-            record["overfit_fraction"] = self.overfit_fraction
+            self._em_step_done(record, state["mode"], update)
             state["mode"] = self._mode
-            self._samples = None
-            damped = (
-                f" ({'damped' if record['damping'] < 1 else 'secant'} {record['damping']:.2f}; "
-                f"MacKay {record['a_mackay']:.4g})"
-                if record["damping"] != 1
-                else ""
-            )
-            self.say(
-                f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
-                f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}, "
-                f"tr B ratio (mode/network) {self.hessian_ratio:.3g}"
-            )
             if bar is not None:
                 bar.update(1)
             if callback is not None:
@@ -708,6 +675,65 @@ class LinearizedLaplace(PredictiveMixin):
         self._warn_hessian()
         self._warn_overfit()
         return result
+
+    def _em_posterior(self, method: str):
+        """The posterior the EM of ``method`` runs on: rebuilt with an exact solver for ``"exact"`` (from the
+        features at hand where it can), a new EM for the other γ method (the trace kept), else the same EM
+        continued."""
+        post = self.posterior
+        if method == PriorMethod.EXACT and not post.exact:
+            self.say("optimize_prior('exact'): rebuilding the posterior with an exact solver")
+            self._old_trace += post.em_trace
+            if self._linear_mode:
+                self._hold_jacobian()
+                base = self._whitened_base(exact=True)
+            elif isinstance(post.base, DenseFeatures):
+                base = post.base
+            elif isinstance(getattr(post.base, "network", None), DenseJacobian) and dense_features_fit(
+                post.base.n_outputs, post.base.n_features, "cpu"
+            ):
+                base = DenseFeatures(whitened_matrix(post.base.network, self._root))  # no Jacobians again
+            else:
+                base = self._features(self._net.net_input, True)[0]
+            post = self._new_posterior(base, post.targets, post.a, SolverAlias.EXACT.value, None)
+            self.posterior, self.solver = post, SolverAlias.EXACT.value
+        elif post.em is not None and self._em_method not in (None, method):
+            self._old_trace += post.em_trace  # a new EM for the other γ method; keep the trace
+            post.reset_em()
+        elif post.em is not None:
+            post.em.converged = False  # continue the same EM (same generator) for max_steps more steps
+        self._em_method = method
+        return post
+
+    def _em_step_done(self, record: dict, mode, update: str) -> None:
+        """After an EM step (its ``record``, made at the linearised model's ``mode``): the secant step where it
+        applies, the mode and pseudo-targets at the new ``a`` (with ``hessian_at="linear_mode"`` the posterior
+        rebuilt on the new ``B``), the record's additions (:meth:`optimize_prior`) and its log line."""
+        record["mode_norm_sq"] = float(mode.w.pow(2).sum())
+        record["mode_evaluations"] = int(mode.evaluations)
+        if self._linear_mode and update == EMUpdate.DAMPED:
+            self._secant(record)
+        a_new = float(record["a_new"])
+        self.posterior.a = a_new
+        targets = self._refresh_mode(a_new)
+        if self._linear_mode:
+            self._rebuild_posterior(targets)  # the EM moves to the posterior with B at the new mode
+        else:
+            self.posterior.set_targets(targets.to(self.dtype))
+        record["hessian_ratio"] = self.hessian_ratio
+        record["overfit_fraction"] = self.overfit_fraction
+        self._samples = None
+        damped = (
+            f" ({'damped' if record['damping'] < 1 else 'secant'} {record['damping']:.2f}; "
+            f"MacKay {record['a_mackay']:.4g})"
+            if record["damping"] != 1
+            else ""
+        )
+        self.say(
+            f"EM step {record['step']}: a {record['a']:.4g} -> {record['a_new']:.4g}{damped}, "
+            f"γ {record['gamma']:.4g}, ‖w*‖² {record['weight_norm_sq']:.4g}, "
+            f"tr B ratio (mode/network) {self.hessian_ratio:.3g}"
+        )
 
     def _secant(self, record: dict) -> None:
         """The damped update's secant step also where the map ``T(x) = log(γ/‖w*‖²)`` of ``x = log a`` has a slope

@@ -3,12 +3,12 @@
 Holds the settings, a fingerprint of the model's weights and buffers (a state never silently attaches to another
 network), the prior scales, ``a``, the linearised model's mode, the posterior's own state (EM trace and generator,
 CG preconditioner; exact decompositions are left out: they are recomputed from the data on :meth:`fit`) and the
-cached posterior samples, with which a loaded object predicts without the training data. Version 2 adds where the
-softmax Hessians were evaluated (``hessian_at``), the curvature diagnostic (mean ``tr B`` at the network and at
-the linearised model's mode, the ``a`` of that mode), the grid search's trace, and a SHA-256 checksum of everything
-else (:func:`state_checksum`): a state edited after it was written is refused with one line
-(:class:`ClassifierStateError`), as a damaged model file is. Version-1 states (``hessian_at="network"``, no
-checksum) still load.
+cached posterior samples, with which a loaded object predicts without the training data; where the softmax
+Hessians were evaluated (``hessian_at``), the curvature diagnostic (mean ``tr B`` at the network and at the
+linearised model's mode, the ``a`` of that mode), the grid search's trace, the prior's options (``prior_options``)
+and a SHA-256 checksum of everything else (:func:`state_checksum`): a state edited after it was written is refused
+with one line (:class:`ClassifierStateError`), as a damaged model file is. A state of another version is refused
+the same way (refit to regenerate it).
 
 Files: :func:`save_state` writes a state atomically; :func:`load_state` reads one with ``weights_only=True`` and
 names the file in every error.
@@ -38,8 +38,7 @@ __all__ = [
     "load_state",
 ]
 
-STATE_VERSION = 2
-_READS = (1, 2)
+STATE_VERSION = 3
 _KIND = "ctuq.classify.LinearizedLaplace"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -111,10 +110,8 @@ def state_dict(la) -> dict:
         "settings": {
             "weights": list(la.param_names),
             "prior": la.prior if isinstance(la.prior, str) else "given",
+            "prior_options": dict(la.prior_options),
             "linear_model": la.linear_model,
-            "gprior_method": la.gprior_method,
-            "gprior_probes": la.gprior_probes,
-            "gprior_floor": la.gprior_floor,
             "hessian_root": la.hessian_root,
             "hessian_at": la.hessian_at,
             "solver": la.solver,
@@ -149,11 +146,12 @@ def _check(state, where: str = "LinearizedLaplace.load_state_dict") -> dict:
     if not isinstance(state, dict) or state.get("kind") != _KIND:
         got = sorted(state, key=str)[:8] if isinstance(state, dict) else type(state).__name__
         raise ClassifierStateError(f"{where}: not a LinearizedLaplace state (got {got})")
-    if state.get("version") not in _READS:
+    if state.get("version") != STATE_VERSION:
         raise ClassifierStateError(
-            f"{where}: state version {state.get('version')!r}; this ctuq reads versions {list(_READS)}"
+            f"{where}: state version {state.get('version')!r}; this ctuq reads version {STATE_VERSION} (refit to "
+            f"regenerate it)"
         )
-    if state["version"] >= 2 and state.get("checksum") != state_checksum(state):
+    if state.get("checksum") != state_checksum(state):
         raise ClassifierStateError(
             f"{where}: the state was modified after it was written (checksum mismatch); refit, or restore the "
             f"file ctuq wrote"
@@ -164,8 +162,6 @@ def _check(state, where: str = "LinearizedLaplace.load_state_dict") -> dict:
 def settings(state: dict) -> dict:
     """Constructor keyword arguments stored in ``state``."""
     s = dict(_check(state)["settings"])
-    s.setdefault("hessian_at", "network")  # version 1 had only the network's Hessians
-    s.setdefault("gprior_floor", 0.0)  # states before the floor had the plain g-prior
     if s["prior"] == "given":
         s["prior"] = state["scales"]
     s["dtype"] = _DTYPES[s["dtype"]]
@@ -192,7 +188,7 @@ def load_state_dict(la, state: dict) -> None:
                 f"{where}: the model's weights differ from those the state was computed for "
                 f"(weight {key} {now[key]:.8g} vs {saved[key]:.8g})"
             )
-    stored = {"hessian_at": "network", **state["settings"]}
+    stored = state["settings"]
     for key in ("linear_model", "hessian_root", "hessian_at", "dtype"):
         mine = str(la.dtype).replace("torch.", "") if key == "dtype" else getattr(la, key)
         if stored[key] != mine:
@@ -202,12 +198,12 @@ def load_state_dict(la, state: dict) -> None:
     la.scales = None if state["scales"] is None else state["scales"].double()
     la._mode_w = None if state["mode"] is None else state["mode"].double()
     la._pending_posterior = state["posterior"]
-    la._old_trace = [dict(r) for r in state.get("em_trace_before", [])]
+    la._old_trace = [dict(r) for r in state["em_trace_before"]]
     la._samples = None if state["samples"] is None else dict(state["samples"])
-    hess = state.get("hessian") or {}
-    la._trace_net, la._trace_mode, la._hessian_a = hess.get("trace_network"), hess.get("trace_mode"), hess.get("a")
-    la._precond_trace = hess.get("preconditioner_trace")
-    la.gridsearch_trace = [dict(r) for r in state.get("gridsearch", [])]
+    hess = state["hessian"]
+    la._trace_net, la._trace_mode, la._hessian_a = hess["trace_network"], hess["trace_mode"], hess["a"]
+    la._precond_trace = hess["preconditioner_trace"]
+    la.gridsearch_trace = [dict(r) for r in state["gridsearch"]]
     la._model = copy.deepcopy(la.model).to(la.dtype)
 
 

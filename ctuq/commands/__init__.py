@@ -7,6 +7,7 @@ and its one-line summary, so ``ctuq --help`` lists the commands without importin
 :mod:`ctuq.cli` imports only the module of the command it runs (a command whose module is missing is left out).
 """
 
+import argparse
 from typing import NamedTuple
 
 
@@ -40,3 +41,16 @@ COMMANDS: dict[str, Command] = {
     ),
 }
 """Every sub-command, in the order ``ctuq --help`` lists them."""
+
+
+def command_parser(subparsers, name: str, doc: str, examples: str, extra: str = "") -> argparse.ArgumentParser:
+    """The sub-parser of ``ctuq NAME``: :data:`COMMANDS`' summary as its help, the first paragraph of the command
+    module's docstring ``doc`` (then ``extra``) as its description, and ``examples`` (lines as written) as its
+    epilog."""
+    return subparsers.add_parser(
+        name,
+        help=COMMANDS[name].summary,
+        description=doc.split("\n\n")[0] + extra,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + examples,
+    )

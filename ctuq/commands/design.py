@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.config import load_config
 from ctuq.log import run_log
 from ctuq.options import Baseline, Criterion, DesignPriorKind, values
@@ -26,21 +26,17 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq design`` with ``subparsers``; returns its parser."""
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "design",
-        help=COMMANDS["design"].summary,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq design --out runs/design                        # bundled scan: 20-angle pilot, 40 acquired\n"
-            "  ctuq design --pilot 10 --acquire 20 --criterion ese --out runs/ese\n"
-            "  ctuq design --prior matern --candidates 120 --out runs/matern\n"
-            "  ctuq design --pilot-angles pilot.txt --acquire 10 --data /data/Walnut1 --out runs/w1\n"
-            "  ctuq design --resume --out runs/design               # continue a killed design\n"
-            "  ctuq design --plan --out runs/plan                   # predicted error vs number of angles\n"
-            "  ctuq design --target-rmse 0.002/mm --acquire 60 --out runs/stop   # acquire until good enough\n"
-        ),
+        __doc__,
+        "  ctuq design --out runs/design                        # bundled scan: 20-angle pilot, 40 acquired\n"
+        "  ctuq design --pilot 10 --acquire 20 --criterion ese --out runs/ese\n"
+        "  ctuq design --prior matern --candidates 120 --out runs/matern\n"
+        "  ctuq design --pilot-angles pilot.txt --acquire 10 --data /data/Walnut1 --out runs/w1\n"
+        "  ctuq design --resume --out runs/design               # continue a killed design\n"
+        "  ctuq design --plan --out runs/plan                   # predicted error vs number of angles\n"
+        "  ctuq design --target-rmse 0.002/mm --acquire 60 --out runs/stop   # acquire until good enough\n",
     )
     p.add_argument(
         "--data",

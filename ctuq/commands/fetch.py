@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.data.walnut_records import BASE_URL_ENV, DEFAULT_BASE_URL, N_WALNUTS, WALNUT_RECORDS
 from ctuq.registry import lazy_module
 
@@ -27,17 +27,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"  walnuts {r.first:2d}–{r.last:2d}  {r.doi_url}" + (f"  (version record {r.version})" if r.version else "")
         for r in WALNUT_RECORDS
     )
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "fetch",
-        help=COMMANDS["fetch"].summary,
-        description=__doc__.split("\n\n")[0] + "\n\nrecords:\n" + records,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq fetch walnut 1 --dest /data          # -> /data/Walnut1 (run again to resume if interrupted)\n"
-            "  ctuq reconstruct --config walnut_2d_60 --data /data/Walnut1 --device cuda\n"
-            f"  {BASE_URL_ENV}=https://mirror.example ctuq fetch walnut 9   # another server with Zenodo's API\n"
-        ),
+        __doc__,
+        "  ctuq fetch walnut 1 --dest /data          # -> /data/Walnut1 (run again to resume if interrupted)\n"
+        "  ctuq reconstruct --config walnut_2d_60 --data /data/Walnut1 --device cuda\n"
+        f"  {BASE_URL_ENV}=https://mirror.example ctuq fetch walnut 9   # another server with Zenodo's API\n",
+        extra="\n\nrecords:\n" + records,
     )
     p.add_argument("dataset", choices=("walnut",), help="the data set (walnut: Der Sarkissian et al. 2019)")
     p.add_argument("number", type=int, metavar="N", help=f"walnut number, 1–{N_WALNUTS}")

@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.config import load_config
 from ctuq.log import run_log
 from ctuq.registry import lazy_module
@@ -28,18 +28,14 @@ _log = logging.getLogger(__name__)
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq pretrain`` with ``subparsers``; returns its parser."""
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "pretrain",
-        help=COMMANDS["pretrain"].summary,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq pretrain --out pretrained.pt                     # demo geometry and network\n"
-            "  ctuq reconstruct --set model.pretrained=pretrained.pt --set model.input=fbp \\\n"
-            "                   --set dip.iterations=500 --out runs/educated\n"
-            "  ctuq pretrain --config walnut_2d_60 --data /data/Walnut1 --device cuda --out walnut60.pt\n"
-        ),
+        __doc__,
+        "  ctuq pretrain --out pretrained.pt                     # demo geometry and network\n"
+        "  ctuq reconstruct --set model.pretrained=pretrained.pt --set model.input=fbp \\\n"
+        "                   --set dip.iterations=500 --out runs/educated\n"
+        "  ctuq pretrain --config walnut_2d_60 --data /data/Walnut1 --device cuda --out walnut60.pt\n",
     )
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the weights (.pt)")
     p.add_argument("--config", metavar="FILE", help="config whose data/model/dip sections to match (default demo)")

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.config import describe, load_config
 from ctuq.errors import CTUQError
 from ctuq.log import run_log
@@ -27,18 +27,14 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq reconstruct`` with ``subparsers``; returns its parser."""
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "reconstruct",
-        help=COMMANDS["reconstruct"].summary,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq reconstruct --no-uq                   # bundled demo scan, CPU, ~45 s (with uncertainty ~85 s)\n"
-            "  ctuq reconstruct --config walnut_2d_60 --data /data/Walnut1 --device cuda\n"
-            "  ctuq reconstruct --set dip.iterations=300 --set tv.enabled=true --out runs/quick\n"
-            "  ctuq reconstruct --resume --out runs/quick     # continue an interrupted run\n"
-        ),
+        __doc__,
+        "  ctuq reconstruct --no-uq                   # bundled demo scan, CPU, ~45 s (with uncertainty ~85 s)\n"
+        "  ctuq reconstruct --config walnut_2d_60 --data /data/Walnut1 --device cuda\n"
+        "  ctuq reconstruct --set dip.iterations=300 --set tv.enabled=true --out runs/quick\n"
+        "  ctuq reconstruct --resume --out runs/quick     # continue an interrupted run\n",
     )
     p.add_argument(
         "--data",

@@ -13,7 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.data.presets import SCAN_PRESETS
 from ctuq.log import run_log
 from ctuq.options import PhantomKind, values
@@ -34,25 +34,22 @@ _log = logging.getLogger(__name__)
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq simulate`` with ``subparsers``; returns its parser."""
     presets = "\n".join(f"  {name:8s} {info['help']}" for name, info in SCAN_PRESETS.items())
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "simulate",
-        help=COMMANDS["simulate"].summary,
-        description=__doc__.split("\n\n")[0] + "\n\npresets:\n" + presets,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq simulate --out my_scan                       # the 'bundled' preset (~20 s, ~1.8 MB)\n"
-            "  ctuq simulate --preset bundled --out data/Walnut1 --overwrite   # regenerate the bundled scan\n"
-            "  ctuq simulate --preset tiny --no-noise --out /tmp/exact          # noise-free, for checks\n"
-            "  ctuq simulate --preset bundled --seed 3 --projections 481 --out scans/w3  # other nut, 480 angles\n"
-            "  ctuq simulate --preset walnut --out scans/full    # the real sizes: ~12 CPU hours, ~5 GB\n"
-            "  ctuq simulate --phantom textured --seed 2 --out scans/t2   # textured object instead of a walnut\n"
-            "  ctuq simulate --layout yaml-npy --out scans/y      # scans/y/scan.yaml + .npy counts, flats, darks\n"
-            "  ctuq simulate --preset tiny --no-corrections --layout walnut yaml-npy yaml-tiff nxtomo --out scans/all\n"
-            "\n"
-            "Load the result with ctuq.data.load_data(PATH, ...) or `ctuq reconstruct --data PATH` (PATH: the walnut\n"
-            "folder, the scan.yaml, or the .nxs file).\n"
-        ),
+        __doc__,
+        "  ctuq simulate --out my_scan                       # the 'bundled' preset (~20 s, ~1.8 MB)\n"
+        "  ctuq simulate --preset bundled --out data/Walnut1 --overwrite   # regenerate the bundled scan\n"
+        "  ctuq simulate --preset tiny --no-noise --out /tmp/exact          # noise-free, for checks\n"
+        "  ctuq simulate --preset bundled --seed 3 --projections 481 --out scans/w3  # other nut, 480 angles\n"
+        "  ctuq simulate --preset walnut --out scans/full    # the real sizes: ~12 CPU hours, ~5 GB\n"
+        "  ctuq simulate --phantom textured --seed 2 --out scans/t2   # textured object instead of a walnut\n"
+        "  ctuq simulate --layout yaml-npy --out scans/y      # scans/y/scan.yaml + .npy counts, flats, darks\n"
+        "  ctuq simulate --preset tiny --no-corrections --layout walnut yaml-npy yaml-tiff nxtomo --out scans/all\n"
+        "\n"
+        "Load the result with ctuq.data.load_data(PATH, ...) or `ctuq reconstruct --data PATH` (PATH: the walnut\n"
+        "folder, the scan.yaml, or the .nxs file).\n",
+        extra="\n\npresets:\n" + presets,
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
     # No argparse choices: a bad value is the one-line error of the pipeline, naming the valid layouts.

@@ -24,7 +24,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.config import load_config
 from ctuq.log import run_log
 from ctuq.pipeline import run_folder
@@ -41,19 +41,15 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq uq`` with ``subparsers``; returns its parser."""
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "uq",
-        help=COMMANDS["uq"].summary,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq uq runs/demo                                   # same settings as the run\n"
-            "  ctuq uq runs/demo --set uq.samples=256 --set uq.em_steps=10\n"
-            "  ctuq uq runs/demo --resume                          # continue an interrupted inference\n"
-            "  ctuq uq runs/demo --check                           # held-out calibration check only\n"
-            "  torchrun --nproc_per_node=4 -m ctuq uq runs/walnut --device cuda   # 4 GPUs (NCCL)\n"
-        ),
+        __doc__,
+        "  ctuq uq runs/demo                                   # same settings as the run\n"
+        "  ctuq uq runs/demo --set uq.samples=256 --set uq.em_steps=10\n"
+        "  ctuq uq runs/demo --resume                          # continue an interrupted inference\n"
+        "  ctuq uq runs/demo --check                           # held-out calibration check only\n"
+        "  torchrun --nproc_per_node=4 -m ctuq uq runs/walnut --device cuda   # 4 GPUs (NCCL)\n",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="folder written by `ctuq reconstruct`")
     p.add_argument(

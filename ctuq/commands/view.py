@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ctuq.commands import COMMANDS
+from ctuq.commands import command_parser
 from ctuq.registry import lazy_module
 
 viewer = lazy_module("ctuq.viewer")  # napari and the images: imported when a window opens, not for --help
@@ -19,16 +19,12 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ctuq view`` with ``subparsers``; returns its parser."""
-    p = subparsers.add_parser(
+    p = command_parser(
+        subparsers,
         "view",
-        help=COMMANDS["view"].summary,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  ctuq view runs/demo                 # side by side: ground truth, reconstruction, |error|, std\n"
-            "  ctuq view runs/demo --overlay       # stacked layers instead (toggle them in the layer list)\n"
-        ),
+        __doc__,
+        "  ctuq view runs/demo                 # side by side: ground truth, reconstruction, |error|, std\n"
+        "  ctuq view runs/demo --overlay       # stacked layers instead (toggle them in the layer list)\n",
     )
     p.add_argument("run_dir", metavar="RUN", help="folder written by `ctuq reconstruct` (or `ctuq uq`)")
     p.add_argument("--overlay", action="store_true", help="stack the layers instead of napari's grid view")

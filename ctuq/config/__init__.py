@@ -10,9 +10,10 @@ path or the name of a bundled config (``demo``, ``walnut_2d_60``, ...).
 
 Two modules: :mod:`.schema` (every section and key: :class:`Config`, :class:`UQConfig`, ...; :func:`load_config`)
 and :mod:`.engine` (files, ``--set`` parsing, coercion, bounds, messages, sections derived from registered classes'
-options, old key names). The package is a leaf: it imports :mod:`ctuq.errors`, :mod:`ctuq.options` and
-:mod:`ctuq.registry` only (registries load their implementations when a value is checked). The mapping from these
-keys to the inference core's arguments is the CT front end's (:func:`ctuq.pipeline.uq_settings.posterior_arguments`).
+options and which of them a run's config.yaml holds). The package is a leaf: it imports :mod:`ctuq.errors`,
+:mod:`ctuq.options` and :mod:`ctuq.registry` only (registries load their implementations when a value is checked).
+The mapping from these keys to the inference core's arguments is the CT front end's
+(:func:`ctuq.pipeline.uq_settings.posterior_arguments`).
 """
 
 from ctuq.config.engine import (

@@ -6,18 +6,19 @@ later ones winning (dataclass defaults → YAML file → ``--set`` overrides →
 checked as it is applied, so an error names its source (file or ``--set``), the full key and, for unknown keys, the
 valid keys of that section.
 
-Two things a section may declare besides its fields:
+A section may declare **derived sections** besides its fields (:func:`derived`): a field whose value holds one
+section per registered class of a :class:`ctuq.registry.Registry` that carries a dataclass of options
+(``Options``). Their keys sit directly in the declaring section: ``uq.cg.rank`` is ``CGSolver.Options.rank`` with
+its default, bounds and help. They are read from the registry when first needed (the registry imports its provider
+then, not when the config is imported), so a class registered later, e.g. in a test, has its section too. Keys
+listed in a class attribute named by the :class:`Derivation` (``runtime_options`` for solvers: what the caller
+supplies at run time) are left out.
 
-* **derived sections** (:func:`derived`): a field whose value holds one section per registered class of a
-  :class:`ctuq.registry.Registry` that carries a dataclass of options (``Options``). Their keys sit directly in the
-  declaring section: ``uq.cg.rank`` is ``CGSolver.Options.rank`` with its default, bounds and help. They are read
-  from the registry when first needed (the registry imports its provider then, not when the config is imported), so
-  a class registered later, e.g. in a test, has its section too. Keys listed in a class attribute named by the
-  :class:`Derivation` (``runtime_options`` for solvers: what the caller supplies at run time) are left out.
-* **old names** (a class attribute ``legacy_keys``: old name → the dotted keys it stands for, relative to the
-  section): accepted in files, ``--set``, the constructor and attribute access, and written to the keys they stand
-  for. One layer (one file, or all ``--set`` overrides together) that sets an old name and a key it stands for to
-  different values is refused, naming both.
+:func:`to_dict` (a run folder's ``config.yaml``, the config in ``metrics.json``) writes only the derived sections of
+what runs: the one that the key named by :attr:`Derivation.chosen_by` names (``uq.solver: cg`` writes ``uq.cg``;
+``auto`` names none until the run resolves it), and any other set to values other than its defaults (nothing set is
+lost). So a folder written while a plugin was registered reads without it unless the run used or configured it; a
+file with the section of a class that is not registered is refused with one line naming the section.
 
 Cross-field checks go in a section's ``validate(self)`` method, called after every layer, raising
 :class:`ConfigError`.
@@ -74,11 +75,14 @@ class ConfigError(CTUQError):
 class Derivation:
     """One source of derived sections: every entry of ``registry`` whose class attribute ``attr`` is a dataclass of
     options gets a section under its registry name, without the option names listed in the entry's class attribute
-    ``exclude`` (when given; e.g. ``runtime_options``). An entry without ``attr`` has no section."""
+    ``exclude`` (when given; e.g. ``runtime_options``). An entry without ``attr`` has no section. ``chosen_by``: the
+    key of the declaring section whose value names the entry that runs (``"solver"`` for ``uq.solver``): its section
+    is the one :func:`to_dict` always writes (module docstring)."""
 
     registry: Registry
     attr: str = "Options"
     exclude: str | None = None
+    chosen_by: str | None = None
 
 
 _SUPPORTED = (int, float, bool, str)
@@ -192,6 +196,22 @@ class DerivedSections:
         """``(name, section)`` for the sections read or set so far (no registry is read)."""
         return iter(list(self._values.items()))
 
+    def written(self, owner: Any, resolved: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+        """``(name, section)`` for the sections :func:`to_dict` writes, in registry order: the one named by the value
+        of each source's ``chosen_by`` key of ``owner`` (the section holding this field; ``resolved[prefix + key]``
+        instead where given: what the run resolved ``auto`` to), and every other section set to values other than
+        its defaults."""
+        classes = self.classes()
+        for name, (cls, src) in classes.items():
+            key = src.chosen_by
+            chosen = None if key is None else resolved.get(f"{prefix}{key}", getattr(owner, key))
+            if name == chosen:
+                yield name, self.get(name, classes)
+                continue
+            section = self._values.get(name)
+            if isinstance(section, cls) and to_dict(section) != to_dict(cls()):
+                yield name, section
+
     def copy(self) -> DerivedSections:
         """An independent copy (the sources shared, the sections deep-copied)."""
         return DerivedSections(self.sources, copy.deepcopy(self._values))
@@ -229,8 +249,8 @@ def _containers(obj: Any) -> list[DerivedSections]:
 
 def _derived_classes(obj: Any) -> dict[str, tuple[DerivedSections, dict]]:
     """Derived section name → (its container, that container's classes), checking the names against ``obj``'s own
-    keys and old names."""
-    own = {f.name for f in dataclasses.fields(obj) if not _is_derived(f)} | set(_legacy(obj))
+    keys."""
+    own = {f.name for f in dataclasses.fields(obj) if not _is_derived(f)}
     out: dict[str, tuple[DerivedSections, dict]] = {}
     for box in _containers(obj):
         classes = box.classes()
@@ -244,13 +264,9 @@ def _derived_classes(obj: Any) -> dict[str, tuple[DerivedSections, dict]]:
     return out
 
 
-def _legacy(obj: Any) -> Mapping[str, tuple[str, ...]]:
-    return getattr(type(obj), "legacy_keys", {})
-
-
 def keys_of(obj: Any) -> list[str]:
-    """The keys of the section ``obj`` in order: its fields, with each derived field replaced by its sections' names
-    (old names are not listed: they are accepted, not offered)."""
+    """The keys of the section ``obj`` in order: its fields, with each derived field replaced by its sections'
+    names."""
     out: list[str] = []
     for f in dataclasses.fields(obj):
         if _is_derived(f):
@@ -359,39 +375,12 @@ def _check_bounds(value: Any, meta: Mapping, key: str, source: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- setting values
-class _Layer:
-    """What one layer (a file, the ``--set`` overrides together, the flags) assigned: canonical key → (the key as
-    written, the value, its source); two spellings of one key with different values are refused."""
-
-    def __init__(self):
-        self.assigned: dict[str, tuple[str, Any, str]] = {}
-
-    def record(self, canonical: str, written: str, value: Any, source: str) -> None:
-        seen = self.assigned.get(canonical)
-        if seen is not None and seen[0] != written and seen[1] != value:
-            where = source if seen[2] == source else f"{seen[2]} and {source}"
-            raise ConfigError(
-                f"{where}: {seen[0]} = {seen[1]!r} and {written} = {value!r} set the same option ({canonical}) to "
-                f"different values (an old name and its new key); keep one"
-            )
-        self.assigned[canonical] = (written, value, source)
-
-
-def set_value(
-    obj: Any,
-    path: list[str],
-    value: Any,
-    source: str,
-    prefix: str = "",
-    *,
-    layer: _Layer | None = None,
-    written: str | None = None,
-) -> None:
+def set_value(obj: Any, path: list[str], value: Any, source: str, prefix: str = "") -> None:
     """Assign ``value`` at ``path`` inside the section ``obj``, checking key, type and bounds.
 
-    A whole section may be assigned a mapping (merged key by key). ``path`` may name a derived section and use an
-    old name (module docstring); ``layer`` collects what one layer assigned, to refuse an old name and its new key
-    set to different values; ``written`` is the key as the user wrote it when an old name led here (for messages).
+    A whole section may be assigned a mapping (merged key by key); ``path`` may name a derived section. An unknown
+    key is refused naming the valid keys of its section (and, for a mapping under a section with derived sections,
+    that no registered class has that section).
     """
     name = path[0]
     full = f"{prefix}{name}"
@@ -399,7 +388,7 @@ def set_value(
     if name in fields:
         tp = _hints(obj)[name]
         if _is_section(tp):
-            _set_in_section(getattr(obj, name), path, value, source, full, layer, written)
+            _set_in_section(getattr(obj, name), path, value, source, full)
             return
         if len(path) > 1:
             raise ConfigError(f"{source}: '{full}' is a value, not a section, so '{full}.{path[1]}' does not exist")
@@ -407,34 +396,31 @@ def set_value(
             coerced = _coerce(value, tp)
         except _CoerceError:
             raise ConfigError(
-                f"{source}: {written or full} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+                f"{source}: {full} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"
             ) from None
-        _check_bounds(coerced, fields[name].metadata, written or full, source)
-        if layer is not None:
-            layer.record(full, written or full, coerced, source)
+        _check_bounds(coerced, fields[name].metadata, full, source)
         setattr(obj, name, coerced)
-        return
-    legacy = _legacy(obj)
-    if name in legacy:
-        if len(path) > 1:
-            raise ConfigError(f"{source}: '{full}' is a value, not a section, so '{full}.{path[1]}' does not exist")
-        for target in legacy[name]:
-            set_value(obj, target.split("."), value, source, prefix, layer=layer, written=full)
         return
     derived_names = _derived_classes(obj)
     if name in derived_names:
         box, classes = derived_names[name]
-        _set_in_section(box.get(name, classes), path, value, source, full, layer, written)
+        _set_in_section(box.get(name, classes), path, value, source, full)
         return
     where = f"section '{prefix[:-1]}'" if prefix else "the top level"
-    raise ConfigError(f"{source}: unknown config key '{full}'; valid keys of {where}: {', '.join(keys_of(obj))}")
+    unregistered = ""
+    containers = _containers(obj)
+    if containers and (len(path) > 1 or isinstance(value, dict)):
+        # a section: of a plugin that is not registered in this process, or a typo
+        kinds = " or ".join(dict.fromkeys(src.registry.kind for box in containers for src in box.sources))
+        unregistered = f" (no registered {kinds} named {name!r} has options: register it before reading this)"
+    raise ConfigError(
+        f"{source}: unknown config key '{full}'{unregistered}; valid keys of {where}: {', '.join(keys_of(obj))}"
+    )
 
 
-def _set_in_section(
-    section: Any, path: list[str], value: Any, source: str, full: str, layer: _Layer | None, written: str | None
-) -> None:
+def _set_in_section(section: Any, path: list[str], value: Any, source: str, full: str) -> None:
     if len(path) > 1:
-        set_value(section, path[1:], value, source, f"{full}.", layer=layer, written=written)
+        set_value(section, path[1:], value, source, f"{full}.")
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = to_dict(value)  # a section built in code (e.g. the options dataclass it derives from), key by key
@@ -443,19 +429,17 @@ def _set_in_section(
             f"{source}: '{full}' is a section and needs a mapping of keys "
             f"({', '.join(keys_of(section))}), got {type(value).__name__}"
         )
-    apply_dict(section, value, source, f"{full}.", layer=layer)
+    apply_dict(section, value, source, f"{full}.")
 
 
-def apply_dict(obj: Any, d: dict, source: str, prefix: str = "", *, layer: _Layer | None = None) -> None:
-    """Merge the nested mapping ``d`` into ``obj`` (a :class:`Config` or a section), validating everything; one
-    call is one layer (an old name and its new key set to different values in ``d`` are refused)."""
+def apply_dict(obj: Any, d: dict, source: str, prefix: str = "") -> None:
+    """Merge the nested mapping ``d`` into ``obj`` (a :class:`Config` or a section), validating everything."""
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
-    layer = layer if layer is not None else _Layer()
     for key, value in d.items():
         if not isinstance(key, str):
             raise ConfigError(f"{source}: config keys must be strings, got {key!r}")
-        set_value(obj, [key], value, source, prefix, layer=layer)
+        set_value(obj, [key], value, source, prefix)
     if not prefix:
         validate_all(obj, source)
 
@@ -502,17 +486,24 @@ def validate_all(obj: Any, source: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- reading values
-def to_dict(obj: Any) -> dict:
-    """The section ``obj`` as a plain nested dict (JSON/YAML serialisable; derived sections under their names,
-    strings as plain ``str``)."""
+def to_dict(obj: Any, resolved: Mapping[str, Any] | None = None, prefix: str = "") -> dict:
+    """The section ``obj`` as a plain nested dict (JSON/YAML serialisable; strings as plain ``str``).
+
+    Derived sections appear under their names where they are written (:meth:`DerivedSections.written`): the chosen
+    entry's, and any set to values other than its defaults. ``resolved`` maps a choosing key (dotted, from ``obj``:
+    ``{"uq.solver": "cg"}``) to the entry a run resolved it to, whose section is written instead of the one its value
+    names (``auto`` names none); ``prefix`` is ``obj``'s own dotted key (with the dot) inside the root of
+    ``resolved``'s keys.
+    """
+    resolved = resolved or {}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if _is_derived(f):
-            for name, section in value.items():
+            for name, section in value.written(obj, resolved, prefix):
                 out[name] = to_dict(section)
         elif dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
+            out[f.name] = to_dict(value, resolved, f"{prefix}{f.name}.")
         else:
             out[f.name] = _plain(value)
     return out
@@ -530,7 +521,8 @@ def describe(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
         elif dataclasses.is_dataclass(value):
             out.extend(describe(value, f"{prefix}{f.name}."))
         else:
-            out.append((f"{prefix}{f.name}", _plain(value), f.metadata.get("help", "")))
+            text = f.metadata.get("help", "")
+            out.append((f"{prefix}{f.name}", _plain(value), text() if callable(text) else text))
     return out
 
 
@@ -545,8 +537,7 @@ def _plain(value: Any) -> Any:
 
 
 def get_value(obj: Any, key: str) -> Any:
-    """The value at the dotted ``key`` inside ``obj`` (derived sections and old names resolved; an old name that
-    stands for several keys gives the first one's value)."""
+    """The value at the dotted ``key`` inside ``obj`` (derived sections resolved: ``get_value(cfg, "uq.cg.rank")``)."""
     for part in key.split("."):
         obj = _attribute(obj, part)
     return obj
@@ -555,9 +546,6 @@ def get_value(obj: Any, key: str) -> Any:
 def _attribute(obj: Any, name: str) -> Any:
     if name in {f.name for f in dataclasses.fields(obj) if not _is_derived(f)}:
         return getattr(obj, name)
-    legacy = _legacy(obj)
-    if name in legacy:
-        return get_value(obj, legacy[name][0])
     derived_names = _derived_classes(obj)
     if name in derived_names:
         box, classes = derived_names[name]
@@ -566,11 +554,10 @@ def _attribute(obj: Any, name: str) -> Any:
 
 
 def accepts_derived_keys(prefix: str):
-    """Class decorator (over ``@dataclass``) for a section with derived sections or old names: attribute access
-    (``uq.cg``, ``uq.rank``), assignment to old names (written to the keys they stand for) and constructor keywords
-    for both (``UQConfig(rank=20, cg={"rtol": 1e-5})``, checked like a file's keys; ``prefix`` is the section's key
-    for the messages, e.g. ``"uq"``). The derived sections of a new instance are its own copies, so that
-    :func:`dataclasses.replace` gives an independent section."""
+    """Class decorator (over ``@dataclass``) for a section with derived sections: attribute access (``uq.cg``) and
+    constructor keywords (``UQConfig(cg={"rtol": 1e-5})``, checked like a file's keys; ``prefix`` is the section's
+    key for the messages, e.g. ``"uq"``); assigning an attribute that is no key is refused. The derived sections of a
+    new instance are its own copies, so that :func:`dataclasses.replace` gives an independent section."""
 
     def wrap(cls: type) -> type:
         init = cls.__init__
@@ -588,7 +575,7 @@ def accepts_derived_keys(prefix: str):
                 apply_dict(self, extra, f"{cls.__name__}(...)", f"{prefix}.")
 
         def __getattr__(self, name: str):
-            # only called when normal lookup fails: derived sections and old names
+            # only called when normal lookup fails: derived sections
             if name.startswith("_") or not all(n in self.__dict__ for n in derived_fields):
                 raise AttributeError(name)
             return _attribute(self, name)
@@ -596,11 +583,6 @@ def accepts_derived_keys(prefix: str):
         def __setattr__(self, name: str, value: Any) -> None:
             if name in plain or name.startswith("_"):
                 object.__setattr__(self, name, value)
-            elif name in _legacy(self):
-                for target in _legacy(self)[name]:
-                    *parents, leaf = target.split(".")
-                    holder = get_value(self, ".".join(parents)) if parents else self
-                    setattr(holder, leaf, value)
             else:
                 raise AttributeError(
                     f"{cls.__name__} has no config key {name!r} to assign; keys: {', '.join(keys_of(self))}"
@@ -672,16 +654,14 @@ def load(root: type, path: str | Path | None, overrides: list[str] | None, flags
     if raw is not None:
         apply_dict(cfg, raw, f"config file {cfg_path}")
     applied = []
-    layer = _Layer()  # every --set together: an old name and its new key given different values are refused
     for item in overrides or []:
         keys, value = parse_override(item)
-        set_value(cfg, keys, value, f"--set {item}", layer=layer)
+        set_value(cfg, keys, value, f"--set {item}")
         applied.append(f"--set {item}")
-    layer = _Layer()
     for key, value in flags.items():
         if value is None:
             continue
-        set_value(cfg, key.split("."), value, f"command-line option for {key}", layer=layer)
+        set_value(cfg, key.split("."), value, f"command-line option for {key}")
         applied.append(f"{key}={value!r}")
     if applied:
         validate_all(cfg, f"config file {cfg_path} with overrides {', '.join(applied)}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from ctuq.config.engine import (
     ConfigError,
@@ -45,9 +45,7 @@ from ctuq.options import (
     EMStopRule,
     EMUpdate,
     FilterType,
-    ForecastCalibration,
     ForecastUpdate,
-    GPriorMethod,
     NoiseModel,
     option,
     values,
@@ -71,7 +69,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------- sections
 @dataclasses.dataclass
 class DataConfig:
-    """Which scan to load and how to subsample it (see ``ctuq.data.load_walnut_slice``)."""
+    """Which scan to load and how to subsample it (see :mod:`ctuq.data.loader`)."""
 
     path: str | None = option(
         None,
@@ -124,7 +122,9 @@ class ModelConfig:
     dropout: float = option(0.0, ge=0.0, lt=1.0, help="channel dropout after every conv (MC dropout)")
     input: str = option("noise", choices=("noise", "fbp"), help="fixed network input: seeded noise or the FBP")
     input_std: float = option(0.1, gt=0.0, help="std of the noise input")
-    pretrained: str | None = option(None, help="weights to start from (.pt state dict / DIP checkpoint)")
+    pretrained: str | None = option(
+        None, help="weights to start from: a model file (ctuq pretrain, dip_model.pt) or a DIP checkpoint"
+    )
 
     def validate(self) -> None:
         preset = UNET_PRESETS[self.preset]
@@ -168,10 +168,22 @@ class TVConfig:
     isotropic: bool = option(True, help="isotropic (else anisotropic) TV")
 
 
+def _calibration_help() -> str:
+    """The help of ``uq.calibration``: ``auto`` and every registered calibration method's summary (read when the
+    keys are listed, so a method registered later is listed too)."""
+    methods = "; ".join(f"{name}: {method.summary}" for name, method in CALIBRATIONS.items())
+    preferred = ", ".join(f"{prior}: {getattr(cls, 'auto_calibration', '?')}" for prior, cls in PRIORS.items())
+    return (
+        f"{methods}; auto: when the held-out check runs, the method the weight prior prefers ({preferred}), else "
+        "none. A method that changes the map writes it to std.tif and keeps the posterior's in "
+        "std_uncalibrated.tif; the check runs either way when the scan has unused angles"
+    )
+
+
 @accepts_derived_keys("uq")
 @dataclasses.dataclass
 class UQConfig:
-    """Linearised inference (DESIGN.md §1; ``ctuq.pipeline.uq.run_linearized_uq``). ``--no-uq`` skips it.
+    """Linearised inference (DESIGN.md §1; ``ctuq.pipeline.uq.UQRun``). ``--no-uq`` skips it.
 
     The one settings class of the inference: the ``uq`` config section, and what the CT front end takes;
     :func:`ctuq.pipeline.uq_settings.posterior_arguments` maps it onto :class:`ctuq.inference.LinearizedPosterior`'s
@@ -182,36 +194,13 @@ class UQConfig:
     the solver's defaults, bounds and help (a solver registered later has its section too); so are each registered
     weight prior's (``uq.tv_predcp.steps``: :attr:`ctuq.inference.priors.TVPredCPPrior.Options`; a prior without
     ``Options`` has none). The values of ``uq.prior``, ``uq.solver`` and ``uq.calibration`` are the registries' names
-    (:mod:`ctuq.registry`). The flat keys of earlier versions (``uq.rank``, ``uq.cg_tol``, ``uq.sdd_iterations``,
-    ``uq.first_order_tol``, ...: :attr:`legacy_keys`) are still accepted, in files, ``--set``, the constructor and as
-    attributes.
+    (:mod:`ctuq.registry`). A run folder's ``config.yaml`` holds the section of the chosen prior and solver (none for
+    ``solver: auto`` or ``exact`` until the run resolves it: ``metrics.json`` has the resolved one's) and any other
+    set to values other than its defaults (:func:`ctuq.config.engine.to_dict`).
 
     Units: ``noise_variance`` is in *scaled* data units (× ``dip.scale``², where the network lives);
     ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
     """
-
-    #: The flat keys of earlier versions → the keys they stand for (``first_order_tol`` sets both first-order
-    #: solvers' tolerance). Run folders written before keep loading; checkpoints keep these names in their
-    #: fingerprint (:func:`ctuq.pipeline.checkpoints.uq_fingerprint`).
-    legacy_keys: ClassVar[dict[str, tuple[str, ...]]] = {
-        "preconditioner": ("cg.preconditioner",),
-        "rank": ("cg.rank",),
-        "oversampling": ("cg.oversampling",),
-        "cg_tol": ("cg.rtol",),
-        "cg_max_iter": ("cg.max_iter",),
-        "adaptive_rank": ("cg.adaptive_rank",),
-        "rank_threshold": ("cg.rank_threshold",),
-        "sdd_step": ("sdd.step_size",),
-        "sdd_momentum": ("sdd.momentum",),
-        "sdd_batch": ("sdd.batch_size",),
-        "sdd_iterations": ("sdd.max_iter",),
-        "sgd_lr": ("sgd.lr",),
-        "sgd_momentum": ("sgd.momentum",),
-        "sgd_lr_decay": ("sgd.lr_decay",),
-        "sgd_clip": ("sgd.clip",),
-        "sgd_iterations": ("sgd.max_iter",),
-        "first_order_tol": ("sdd.rtol", "sgd.rtol"),
-    }
 
     prior: str = option(
         "gprior",
@@ -219,15 +208,9 @@ class UQConfig:
         help="weight prior: g-prior or isotropic scaling s, or the tv_predcp block prior",
     )
     prior_sections: DerivedSections = derived(
-        Derivation(PRIORS, "Options"),
-        help="one section per registered weight prior with options (uq.tv_predcp, ...): its Options",
+        Derivation(PRIORS, "Options", chosen_by="prior"),
+        help="one section per registered weight prior with options (uq.gprior, uq.tv_predcp, ...): its Options",
     )
-    gprior_method: str = option(
-        "exact",
-        choices=values(GPriorMethod),
-        help="g-prior column norms: exact (c VJPs) or stochastic (gprior_probes VJPs)",
-    )
-    gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
     solver: str = option(
         "auto",
         choices=SOLVERS.choices,
@@ -236,7 +219,7 @@ class UQConfig:
         "sample-then-optimise); exact: the cheaper exact one; auto: by estimated cost",
     )
     solver_sections: DerivedSections = derived(
-        Derivation(SOLVERS, "Options", exclude="runtime_options"),
+        Derivation(SOLVERS, "Options", exclude="runtime_options", chosen_by="solver"),
         help="one section per registered solver with options (uq.cg, uq.sdd, uq.sgd, ...): its Options",
     )
     em_steps: int = option(5, ge=0, help="sampled-EM steps (0: keep the initial a, σ²)")
@@ -283,23 +266,23 @@ class UQConfig:
     calibration: str = option(
         "auto",
         choices=CALIBRATIONS.choices,
-        help="none: std.tif is the posterior std; heldout: std.tif is the std × k fitted by maximum likelihood to the "
-        "scan's unused angles (std_uncalibrated.tif keeps the posterior's); bias: std.tif is sqrt(std² + τ² M), a "
-        "bias of std τ inside the object mask M fitted to the same angles; auto: when the held-out check runs, bias "
-        "(g-prior) or heldout (tv_predcp), else none; the check runs either way when the scan has unused angles",
+        help=lambda: _calibration_help(),
     )
     save_samples: bool = option(
         False, help="also write every image sample to the run folder (samples/, large); statistics never need them"
     )
 
 
+@accepts_derived_keys("design")
 @dataclasses.dataclass
 class DesignConfig:
     """Experimental design of scan angles (``ctuq design``; :mod:`ctuq.design`, ``docs/experimental_design.md``).
 
     The one settings class of the design: the ``design`` config section and what :func:`ctuq.design.run_design`
     and the angle-selection study take. ``noise_variance`` is in data units² (line integrals²); the linearised DIP
-    works in scaled units (× ``dip.scale``²) and converts it.
+    works in scaled units (× ``dip.scale``²) and converts it. The linearised DIP's weight prior is
+    ``design.weight_prior`` (any diagonal prior of :data:`ctuq.registry.PRIORS`), with its options in the section
+    derived from its class, ``design.<name>`` (``design.gprior.method``), as ``uq.<name>`` is for the inference.
     """
 
     criterion: str = option(
@@ -329,7 +312,7 @@ class DesignConfig:
         0.01, ge=0.0, help="criteria jitter η as a fraction of the mean diagonal of the candidate blocks"
     )
     refresh_every: int = option(
-        5, ge=0, help="refresh the DIP's g-prior scales and a every this many angles (0: never)"
+        5, ge=0, help="refresh the DIP's weight-prior scales and a every this many angles (0: never)"
     )
     retrain_every: int = option(0, ge=0, help="retrain the DIP (warm start) every this many angles (0: never)")
     retrain_iterations: int = option(300, ge=1, help="Adam iterations of one retraining")
@@ -339,8 +322,16 @@ class DesignConfig:
         help="a by exact EM on the chosen rows, or by the signal energy; auto: em for "
         "isotropic/Matérn, energy for the DIP",
     )
-    gprior_method: str = option("exact", choices=values(GPriorMethod), help="g-prior of a non-assembled network")
-    gprior_probes: int = option(256, ge=1, help="probes of the stochastic g-prior")
+    weight_prior: str = option(
+        "gprior",
+        choices=lambda: tuple(n for n in PRIORS.names() if PRIORS[n].diagonal),
+        help="weight prior of the linearised DIP (design.prior = dip): a diagonal prior of the registry; its options "
+        "are the section design.<name> (design.gprior.method, ...)",
+    )
+    prior_sections: DerivedSections = derived(
+        Derivation(PRIORS, "Options", chosen_by="weight_prior"),
+        help="one section per registered weight prior with options (design.gprior, ...): its Options",
+    )
     dense: str = option(
         "auto",
         choices=values(DenseFeatures),
@@ -356,8 +347,9 @@ class DesignConfig:
     reconstruct: bool = option(True, help="reconstruct pilot+designed and pilot+equidistant angles (FBP, TV, DIP)")
     calibration: str = option(
         "heldout",
-        choices=values(ForecastCalibration),
-        help="calibration of the error forecast, fitted on unseen rows (pilot: other candidates; then each new angle)",
+        choices=CALIBRATIONS.names,
+        help="calibration of the error forecast, a calibration method as uq.calibration (not auto), fitted on unseen "
+        "rows (pilot: other candidates; then each new angle)",
     )
     calibration_update: str = option(
         "online",
@@ -425,10 +417,12 @@ class Config:
             raise ConfigError("data.ndim = 3 (volumes) needs device 'cuda': ASTRA has no 3D projectors on CPU")
 
     # -------------------------------------------------------------------- conversion
-    def to_dict(self) -> dict:
+    def to_dict(self, resolved: dict[str, str] | None = None) -> dict:
         """Plain nested dict (JSON/YAML serialisable): the resolved config written into metrics.json and the run
-        folder's config.yaml (derived sections under their names: ``uq.cg.rank``)."""
-        return to_dict(self)
+        folder's config.yaml. Of the derived sections (``uq.cg.rank``) it holds the chosen prior's and solver's and
+        any set to other than its defaults; ``resolved`` (e.g. ``{"uq.solver": "cg"}``: what ``auto`` resolved to)
+        adds that one's (:func:`ctuq.config.engine.to_dict`)."""
+        return to_dict(self, resolved)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "dict") -> Config:
@@ -438,8 +432,7 @@ class Config:
         return cfg
 
     def get(self, key: str) -> Any:
-        """Value at a dotted key, e.g. ``cfg.get('dip.lr')``, ``cfg.get('uq.cg.rank')`` (old names too:
-        ``cfg.get('uq.rank')``)."""
+        """Value at a dotted key, e.g. ``cfg.get('dip.lr')``, ``cfg.get('uq.cg.rank')``."""
         return get_value(self, key)
 
 

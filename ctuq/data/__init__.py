@@ -9,10 +9,9 @@
   :class:`CTData`.
 * :data:`DATA_FORMATS` (:mod:`ctuq.data.formats`): the registry of :class:`ScanFormat` classes — the walnut folder
   (:mod:`ctuq.data.walnut`), ``scan.yaml`` (:mod:`ctuq.data.scan_file`), NXtomo (:mod:`ctuq.data.nxtomo`) — each
-  one module that detects, opens and writes its layout; :func:`load_data` / :func:`read_data` open any of them.
-  :func:`load_walnut_slice` / :func:`load_walnut_volume` (and ``read_*``) open a walnut folder with the published
-  sparse setting as defaults; :func:`default_data_dir`: ``$CTUQ_DATA`` or the bundled simulated scan
-  ``data/Walnut1``.
+  one module that detects, opens and writes its layout; :func:`load_data` / :func:`read_data` open any of them
+  (a format's source, e.g. :class:`WalnutScan`, goes to the loader directly); :func:`default_data_dir`:
+  ``$CTUQ_DATA`` or the bundled simulated scan ``data/Walnut1``.
 * :func:`walnut_phantom`, :class:`EllipsoidPhantom`, :class:`Ellipsoid`: phantoms (mm, mm⁻¹).
 * :func:`simulate_scan`, :class:`SimulationParameters`, :data:`SCAN_PRESETS`: the simulator behind ``ctuq simulate``,
   writing through the format registry (``docs/data_formats.md``).
@@ -48,10 +47,6 @@ _HOMES = {
             "WalnutFormatError",
             "WalnutScan",
             "default_data_dir",
-            "load_walnut_slice",
-            "load_walnut_volume",
-            "read_walnut_slice",
-            "read_walnut_volume",
         ),
         "ctuq.data.walnut",
     ),
@@ -83,10 +78,6 @@ __all__ = [
     "WalnutScan",
     "area_average",
     "default_data_dir",
-    "load_walnut_slice",
-    "load_walnut_volume",
-    "read_walnut_slice",
-    "read_walnut_volume",
     "Ellipsoid",
     "EllipsoidPhantom",
     "rotation_from_euler",

@@ -328,77 +328,23 @@ def download(
     bar = None
     try:
         while True:
-            have = part.stat().st_size if part.exists() else 0
-            if remote.size is not None and have > remote.size:
-                part.unlink()  # longer than the file: not ours, start again
-                have = 0
-            if remote.size is not None:
-                _check_free_space(target.parent, remote.size - have, f"the rest of {remote.name}")
+            have = _resumable_bytes(part, remote, target)
             if remote.size is not None and have == remote.size:
-                digest = _md5_of(part).hexdigest()
-                _verify(part, remote, digest, have)
-                os.replace(part, target)
-                return target
+                return _accept_part(part, target, remote, have)
             headers = {"Range": f"bytes={have}-"} if have else {}
             try:
                 resp = _open(remote.url, headers=headers, timeout=timeout)
             except urllib.error.HTTPError as exc:
                 if exc.code == 416 and have:  # nothing after `have`: the part file may be complete
-                    digest = _md5_of(part).hexdigest()
-                    _verify(part, remote, digest, have)
-                    os.replace(part, target)
-                    return target
+                    return _accept_part(part, target, remote, have)
                 raise _http_error(remote.url, exc, f"downloading {remote.name}") from exc
             with resp:
-                start = _content_range_start(resp.headers.get("Content-Range")) if resp.status == 206 else 0
-                if start is None or start > have:
-                    raise FetchError(
-                        f"{remote.url}: the server answered the range request with "
-                        f"{resp.headers.get('Content-Range')!r}; delete {part} and run the command again"
-                    )
-                h = _md5_of(part, upto=start) if start else hashlib.md5()
-                length = resp.headers.get("Content-Length")
-                # http.client ends a body cut short by the server as if it were complete: compare with what was
-                # announced (the record's size where the server sends no length)
-                end = start + int(length) if length and length.isdigit() else remote.size
+                start, end, h = _answered_range(resp, remote, part, have)
                 if bar is None:
-                    total = remote.size
-                    if total is None:
-                        total = end
-                    bar = _progress_bar(
-                        total=total,
-                        desc=remote.name,
-                        disable=None if progress else True,
-                        unit="B",
-                        unit_scale=True,
-                        unit_divisor=1024,
-                    )
+                    bar = _bytes_bar(remote, end, progress)
                 bar.n = start
                 bar.refresh()
-                got, dropped = start, None
-                with open(part, "r+b" if start else "wb") as fh:
-                    fh.seek(start)
-                    fh.truncate()  # a server that restarts (200) or resumes earlier overwrites the rest
-                    while True:
-                        try:
-                            block = resp.read(_CHUNK)
-                        except (http.client.HTTPException, OSError) as exc:  # reading a socket: the network
-                            dropped = exc
-                            break
-                        if not block:
-                            break
-                        try:
-                            fh.write(block)
-                        except OSError as exc:
-                            raise FetchError(
-                                f"{part}: cannot write ({exc.strerror or exc}); {part} is kept, free some space and "
-                                f"run the command again to resume"
-                            ) from exc
-                        h.update(block)
-                        got += len(block)
-                        bar.update(len(block))
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                got, dropped = _write_body(resp, part, start, h, bar)
             short = end is not None and got < end
             if dropped is not None or short:
                 attempt += 1
@@ -417,6 +363,89 @@ def download(
     finally:
         if bar is not None:
             bar.close()
+
+
+def _resumable_bytes(part: Path, remote: RemoteFile, target: Path) -> int:
+    """The bytes of ``part`` an earlier run left to resume from (0 when it is longer than the file: not ours,
+    removed), after checking that the disk holds the rest."""
+    have = part.stat().st_size if part.exists() else 0
+    if remote.size is not None and have > remote.size:
+        part.unlink()  # longer than the file: not ours, start again
+        have = 0
+    if remote.size is not None:
+        _check_free_space(target.parent, remote.size - have, f"the rest of {remote.name}")
+    return have
+
+
+def _accept_part(part: Path, target: Path, remote: RemoteFile, have: int) -> Path:
+    """Verify the complete ``part`` file (``have`` bytes) and rename it to ``target``."""
+    digest = _md5_of(part).hexdigest()
+    _verify(part, remote, digest, have)
+    os.replace(part, target)
+    return target
+
+
+def _answered_range(resp, remote: RemoteFile, part: Path, have: int):
+    """Where the server's answer starts (``have`` for a resumed range, 0 for the whole file), where it should end
+    (its announced length, else the record's size) and the md5 of ``part``'s bytes before the start;
+    :class:`FetchError` for a range the part file cannot continue."""
+    start = _content_range_start(resp.headers.get("Content-Range")) if resp.status == 206 else 0
+    if start is None or start > have:
+        raise FetchError(
+            f"{remote.url}: the server answered the range request with "
+            f"{resp.headers.get('Content-Range')!r}; delete {part} and run the command again"
+        )
+    h = _md5_of(part, upto=start) if start else hashlib.md5()
+    length = resp.headers.get("Content-Length")
+    # http.client ends a body cut short by the server as if it were complete: compare with what was
+    # announced (the record's size where the server sends no length)
+    end = start + int(length) if length and length.isdigit() else remote.size
+    return start, end, h
+
+
+def _bytes_bar(remote: RemoteFile, end: int | None, progress: bool):
+    """The download's progress bar in bytes (total: the record's size, else the announced end)."""
+    total = remote.size
+    if total is None:
+        total = end
+    return _progress_bar(
+        total=total,
+        desc=remote.name,
+        disable=None if progress else True,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+    )
+
+
+def _write_body(resp, part: Path, start: int, h, bar) -> tuple[int, BaseException | None]:
+    """Write the response body into ``part`` from byte ``start`` (truncating what follows), hashing it into ``h``:
+    the bytes the part file then holds and the network error that cut the body short (``None``)."""
+    got, dropped = start, None
+    with open(part, "r+b" if start else "wb") as fh:
+        fh.seek(start)
+        fh.truncate()  # a server that restarts (200) or resumes earlier overwrites the rest
+        while True:
+            try:
+                block = resp.read(_CHUNK)
+            except (http.client.HTTPException, OSError) as exc:  # reading a socket: the network
+                dropped = exc
+                break
+            if not block:
+                break
+            try:
+                fh.write(block)
+            except OSError as exc:
+                raise FetchError(
+                    f"{part}: cannot write ({exc.strerror or exc}); {part} is kept, free some space and "
+                    f"run the command again to resume"
+                ) from exc
+            h.update(block)
+            got += len(block)
+            bar.update(len(block))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return got, dropped
 
 
 # --------------------------------------------------------------------------------------------- unpack

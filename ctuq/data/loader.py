@@ -293,10 +293,7 @@ def _slice(
     """:func:`load_slice`'s work (``backend`` ``None``: :func:`read_slice`'s, no operators): plan the used and
     held-out rows, build the operators, read the rows and the ground truth, assemble the :class:`CTData`."""
     image_shape = _check_image_shape(image_shape, 2)
-    n_z = scan.gt_shape[0]
-    k = n_z // 2 if slice_index is None else int(slice_index)
-    if not 0 <= k < n_z:
-        raise ValueError(f"slice_index {slice_index} out of range: the volume grid has {n_z} slices (0 … {n_z - 1})")
+    k = _slice_number(scan, slice_index)
     ass = positive_int(ass, "angular_subsampling")
     z = scan.slice_z(k)
     plan = plan_slice(scan, z, *scan.angle_plan(ass), dss, binning)
@@ -307,15 +304,7 @@ def _slice(
             f"backend='astra_cuda' (GPU), or use a slice at the source height",
             stacklevel=3,
         )
-    held, reason = None, HELDOUT_NOT_READ
-    if heldout and ass == 1:
-        reason = HELDOUT_NO_UNUSED_ANGLES
-    elif heldout:
-        rows, files = scan.heldout_plan(ass)
-        if len(rows):
-            held, reason = plan_slice(scan, z, rows, files, dss, binning), ""
-        else:
-            reason = heldout_every_angle_used(scan.path)
+    held, reason = _heldout_slice_plan(scan, z, ass, dss, binning, heldout)
     volume = _coarsened(VolumeGeometry(scan.gt_shape[1:], scan.voxel_size), image_shape)
 
     def operator(p: SlicePlan):
@@ -331,6 +320,58 @@ def _slice(
     gt = None
     if scan.has_ground_truth:
         gt = torch.from_numpy(area_average(scan.read_ground_truth_slice(k), volume.shape).astype(np.float32))
+    meta = _slice_meta(scan, plan, k, ass, dss, binning, volume, backend, op)
+    heldout_data = None
+    if held is not None:
+        y_h, var_h = read[1]
+        heldout_data = HeldoutData(
+            op=held_op,
+            y=_rows_tensor(y_h, held_op),
+            geometry_rows=held.rows,
+            n_used=len(plan.rows),
+            variances=_rows_tensor(var_h, held_op),
+        )
+    return CTData(
+        op=op,
+        y=_rows_tensor(y, op),
+        ground_truth=gt,
+        volume=volume,
+        geometry=plan.fan,
+        meta=meta,
+        slice_cone_geometry=plan.cone,
+        variances=_rows_tensor(var, op),
+        heldout=heldout_data,
+        heldout_reason=reason,
+    )
+
+
+def _slice_number(scan: ScanSource, slice_index) -> int:
+    """The slice of the volume grid to load (default the central one, ``n_z // 2``), checked in range."""
+    n_z = scan.gt_shape[0]
+    k = n_z // 2 if slice_index is None else int(slice_index)
+    if not 0 <= k < n_z:
+        raise ValueError(f"slice_index {slice_index} out of range: the volume grid has {n_z} slices (0 … {n_z - 1})")
+    return k
+
+
+def _heldout_slice_plan(scan: ScanSource, z: float, ass: int, dss, binning: bool, heldout: bool):
+    """The plan of the held-out angles of the slice at height ``z`` and why there is none (``(None, reason)``):
+    not asked for, no angle left out, or every angle used."""
+    held, reason = None, HELDOUT_NOT_READ
+    if heldout and ass == 1:
+        reason = HELDOUT_NO_UNUSED_ANGLES
+    elif heldout:
+        rows, files = scan.heldout_plan(ass)
+        if len(rows):
+            held, reason = plan_slice(scan, z, rows, files, dss, binning), ""
+        else:
+            reason = heldout_every_angle_used(scan.path)
+    return held, reason
+
+
+def _slice_meta(scan: ScanSource, plan: SlicePlan, k: int, ass, dss, binning, volume, backend, op) -> dict:
+    """``CTData.meta`` of a slice: the scan's record, the slice and grid, the detector rows read, the cone angle,
+    the backend and the operator's geometry."""
     meta = scan.record(plan.rows, plan.files, ass, dss, binning, plan.cols)
     meta.update(
         {
@@ -359,28 +400,7 @@ def _slice(
     else:
         meta["backend"] = Backend.ASTRA_CUDA.value if backend == Backend.ASTRA_CUDA else type(op).__name__
     meta["operator_geometry"] = plan.cone.kind + " slice" if backend == Backend.ASTRA_CUDA else plan.fan.kind
-    heldout_data = None
-    if held is not None:
-        y_h, var_h = read[1]
-        heldout_data = HeldoutData(
-            op=held_op,
-            y=_rows_tensor(y_h, held_op),
-            geometry_rows=held.rows,
-            n_used=len(plan.rows),
-            variances=_rows_tensor(var_h, held_op),
-        )
-    return CTData(
-        op=op,
-        y=_rows_tensor(y, op),
-        ground_truth=gt,
-        volume=volume,
-        geometry=plan.fan,
-        meta=meta,
-        slice_cone_geometry=plan.cone,
-        variances=_rows_tensor(var, op),
-        heldout=heldout_data,
-        heldout_reason=reason,
-    )
+    return meta
 
 
 def read_slice(
@@ -479,26 +499,7 @@ def _volume(
     col_step = positive_int(dss, "detector_subsampling")
     row_step = col_step if drs is None else positive_int(drs, "detector_row_subsampling")
     rows, files = scan.angle_plan(ass)
-    n_rows, n_cols = scan.det_shape
-    try:
-        cols, col_off = column_plan(n_cols, col_step, binning)
-    except ValueError as exc:
-        raise scan.error(f"{scan.path}: {exc}") from None
-    try:
-        drows, row_off = column_plan(n_rows, row_step, binning)
-    except ValueError:
-        raise scan.error(
-            f"{scan.path}: detector_row_subsampling {row_step} exceeds the {n_rows} detector rows"
-        ) from None
-    vec = scan.vectors[rows].copy()
-    u, v = vec[:, 6:9].copy(), vec[:, 9:12].copy()
-    vec[:, 3:6] += col_off * u + row_off * v
-    vec[:, 6:9] = col_step * u
-    vec[:, 9:12] = row_step * v
-    n_out_r = len(drows) // row_step if binning else len(drows)
-    n_out_c = len(cols) // col_step if binning else len(cols)
-    kind = "parallel3d_vec" if scan.geometry_type == ScanGeometry.PARALLEL else "cone_vec"
-    geometry = ProjectionGeometry(kind, (n_out_r, n_out_c), vectors=vec)
+    drows, cols, geometry = _volume_detector(scan, rows, row_step, col_step, binning)
     volume = _coarsened(scan.ground_truth_grid(), image_shape)
     op = None if backend is None else make_ray_transform(volume, geometry, backend=backend, device=device)
 
@@ -510,18 +511,7 @@ def _volume(
         y[a] = log_t
         if var is not None:
             var[a] = va
-    gt = None
-    if scan.has_ground_truth:
-        # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
-        # sits in memory at full resolution in float64.
-        n_z = scan.gt_shape[0]
-        planes = np.stack(
-            [
-                area_average(scan.read_ground_truth_slice(k), volume.shape[1:])
-                for k in _progress(range(n_z), n_z, "read ground truth", progress)
-            ]
-        )
-        gt = torch.from_numpy(area_average(planes, volume.shape).astype(np.float32))
+    gt = _volume_ground_truth(scan, volume, progress) if scan.has_ground_truth else None
     meta = scan.record(rows, files, ass, dss, binning, cols)
     meta.update(
         {
@@ -551,6 +541,46 @@ def _volume(
         variances=var_t,
         heldout_reason=reason,
     )
+
+
+def _volume_detector(scan: ScanSource, rows: np.ndarray, row_step: int, col_step: int, binning: bool):
+    """The detector rows and columns a volume reads and its projection geometry (geometry ``rows`` of the scan,
+    the detector subsampled or binned by ``row_step`` × ``col_step``); the scan's error when a step exceeds the
+    detector."""
+    n_rows, n_cols = scan.det_shape
+    try:
+        cols, col_off = column_plan(n_cols, col_step, binning)
+    except ValueError as exc:
+        raise scan.error(f"{scan.path}: {exc}") from None
+    try:
+        drows, row_off = column_plan(n_rows, row_step, binning)
+    except ValueError:
+        raise scan.error(
+            f"{scan.path}: detector_row_subsampling {row_step} exceeds the {n_rows} detector rows"
+        ) from None
+    vec = scan.vectors[rows].copy()
+    u, v = vec[:, 6:9].copy(), vec[:, 9:12].copy()
+    vec[:, 3:6] += col_off * u + row_off * v
+    vec[:, 6:9] = col_step * u
+    vec[:, 9:12] = row_step * v
+    n_out_r = len(drows) // row_step if binning else len(drows)
+    n_out_c = len(cols) // col_step if binning else len(cols)
+    kind = "parallel3d_vec" if scan.geometry_type == ScanGeometry.PARALLEL else "cone_vec"
+    return drows, cols, ProjectionGeometry(kind, (n_out_r, n_out_c), vectors=vec)
+
+
+def _volume_ground_truth(scan: ScanSource, volume: VolumeGeometry, progress) -> torch.Tensor:
+    """The ground truth area-averaged onto ``volume`` (float32, mm⁻¹)."""
+    # In-plane averaging slice by slice, then along z (the weights are separable): a 501³ ground truth never
+    # sits in memory at full resolution in float64.
+    n_z = scan.gt_shape[0]
+    planes = np.stack(
+        [
+            area_average(scan.read_ground_truth_slice(k), volume.shape[1:])
+            for k in _progress(range(n_z), n_z, "read ground truth", progress)
+        ]
+    )
+    return torch.from_numpy(area_average(planes, volume.shape).astype(np.float32))
 
 
 def read_volume(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -39,6 +40,7 @@ import numpy as np
 from ctuq.data.astra_geometry import angle_range_values, circular_vectors, to_radians
 from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume, mean_flat_dark
 from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, one_plane_orbit
+from ctuq.data.source import ValueOrigin
 from ctuq.options import AngleUnit, MeasurementKind, ScanGeometry
 from ctuq.utils import atomic_path
 
@@ -108,127 +110,22 @@ def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
     except OSError as exc:
         raise NXtomoError(f"{path}: not a readable HDF5 file ({exc})") from None
     with f:
-        e = _find_entry(f, path)
-
-        def fail(key: str, problem: str):
-            raise NXtomoError(f"{path}:/{e}/{key}: {problem}")
-
-        def dataset(key: str, required: bool = True):
-            if key not in f[e]:
-                if required:
-                    fail(key, "missing (NXtomo needs it)")
-                return None
-            ds = f[e][key]
-            if not isinstance(ds, h5py.Dataset):
-                fail(key, "is a group, not a dataset")
-            return ds
-
-        def length(key: str, required: bool = True, default: float | None = None) -> float | None:
-            ds = dataset(key, required)
-            if ds is None:
-                return default
-            unit = _text(ds.attrs.get("units", "m")).strip()
-            if unit not in _LENGTH_MM:
-                fail(key, f"units {unit!r} unknown; valid: {', '.join(_LENGTH_MM)}")
-            v = float(np.asarray(ds[()], dtype=np.float64).reshape(-1)[0])
-            if not np.isfinite(v):
-                fail(key, f"must be finite, got {v}")
-            return v * _LENGTH_MM[unit]
-
-        data = dataset("instrument/detector/data")
-        if data.ndim != 3:
-            fail("instrument/detector/data", f"shape {data.shape}: expected (frame, row, column)")
-        n_frames, rows, cols = (int(s) for s in data.shape)
-        keys_ds = dataset("instrument/detector/image_key", required=False)
-        if keys_ds is None:
-            keys_ds = dataset("data/image_key")
-        keys = np.asarray(keys_ds[()]).reshape(-1)
-        if keys.shape != (n_frames,):
-            fail("instrument/detector/image_key", f"{keys.size} entries but the data have {n_frames} frames")
-        unknown = sorted(set(np.unique(keys).tolist()) - set(IMAGE_KEYS.values()))
-        if unknown:
-            fail(
-                "instrument/detector/image_key", f"unknown value {unknown[0]} (0 projection, 1 flat, 2 dark, 3 invalid)"
-            )
-        proj_idx = np.flatnonzero(keys == 0)
-        flat_idx = np.flatnonzero(keys == 1)
-        dark_idx = np.flatnonzero(keys == 2)
-        for name, idx, k in (("projections", proj_idx, 0), ("flats", flat_idx, 1), ("darks", dark_idx, 2)):
-            if idx.size == 0:
-                fail("instrument/detector/image_key", f"no {name} (image_key {k}); ctuq needs raw counts with both")
-
-        ang_ds = dataset("sample/rotation_angle")
-        unit = _text(ang_ds.attrs.get("units", "degree")).strip().lower()
-        if unit not in _ANGLE:
-            fail("sample/rotation_angle", f"units {unit!r} unknown; valid: {', '.join(_ANGLE)}")
-        ang_all = np.asarray(ang_ds[()], dtype=np.float64).reshape(-1)
-        if ang_all.shape != (n_frames,):
-            fail("sample/rotation_angle", f"{ang_all.size} angles but the data have {n_frames} frames (one per frame)")
-        angles = to_radians(ang_all[proj_idx], _ANGLE[unit])
-        if not np.all(np.isfinite(angles)):
-            fail("sample/rotation_angle", f"{int((~np.isfinite(angles)).sum())} projection angles are NaN or Inf")
-
-        px = length("instrument/detector/x_pixel_size")
-        py = length("instrument/detector/y_pixel_size", required=False, default=px)
-        for key, v in (("instrument/detector/x_pixel_size", px), ("instrument/detector/y_pixel_size", py)):
-            if not v > 0:
-                fail(key, f"must be positive, got {v:g} mm")
-        src = length("instrument/source/distance", required=False)
-        odd = length("instrument/detector/distance", required=src is not None, default=0.0)
-        if odd < 0:
-            fail("instrument/detector/distance", f"must not be negative, got {odd:g} mm")
-        cor_ds = dataset("instrument/detector/x_rotation_axis_pixel_position", required=False)
-        cor = 0.0 if cor_ds is None else float(np.asarray(cor_ds[()], dtype=np.float64).reshape(-1)[0])
-        rn_ds = dataset("instrument/detector/ctuq_read_noise", required=False)
-        read_noise = 0.0 if rn_ds is None else float(np.asarray(rn_ds[()], dtype=np.float64).reshape(-1)[0])
-        if not (np.isfinite(cor) and np.isfinite(read_noise) and read_noise >= 0):
-            fail("instrument/detector", f"x_rotation_axis_pixel_position {cor} / ctuq_read_noise {read_noise} invalid")
-
-        if src is None:
-            kind, sod = ScanGeometry.PARALLEL.value, None
-        else:
-            sod = abs(src)
-            if sod == 0:
-                fail("instrument/source/distance", "is 0: a cone or fan beam needs the source away from the sample")
-            kind = ScanGeometry.CONE.value if rows > 1 else ScanGeometry.FAN.value
-
-        flats = np.asarray(data[flat_idx], dtype=np.float64)
-        darks = np.asarray(data[dark_idx], dtype=np.float64)
-        for name, frames in (("flats", flats), ("darks", darks)):
-            if not np.all(np.isfinite(frames)):
-                fail(
-                    "instrument/detector/data",
-                    f"{int((~np.isfinite(frames)).sum())} values of the {name} are NaN or Inf",
-                )
-        flat, dark, problem = mean_flat_dark(flats, darks)
-        if problem:
-            fail("instrument/detector/data", problem)
-
-        gt = None
-        if "ctuq_ground_truth" in f[e]:
-            gds = dataset("ctuq_ground_truth/data")
-            voxel = length("ctuq_ground_truth/voxel_size")
-            if gds.ndim != 3 or min(gds.shape) < 1 or not voxel > 0:
-                fail("ctuq_ground_truth", f"data {gds.shape} must be (n_z, n_y, n_x) with a positive voxel_size")
-            gt_shape, vsource = tuple(int(s) for s in gds.shape), "ctuq_ground_truth/voxel_size"
-            gt = ArraySource(
-                path,
-                key=f"/{e}/ctuq_ground_truth/data",
-                described_by=path,
-                error=NXtomoError,
-                dataset=f"/{e}/ctuq_ground_truth/data",
-            )
-        else:
-            gt_shape, voxel = default_volume(kind, (rows, cols), px, sod, odd)
-            vsource = "default (detector pixel / magnification)"
+        nx = _Entry(f, path, _find_entry(f, path))
+        e = nx.name
+        frames = _read_frames(nx)
+        angles, unit = _projection_angles(nx, frames)
+        det = _read_detector(nx)
+        kind, sod = _beam(nx, det.source_distance, frames.rows)
+        flat, dark = _mean_flat_dark(nx, frames)
+        gt_shape, voxel, vsource, gt = _volume_grid(nx, kind, frames, det.pixel, sod, det.distance)
     vectors = circular_vectors(
         kind,
         angles,
-        pixel_size=px,
-        row_pixel_size=py,
+        pixel_size=det.pixel,
+        row_pixel_size=det.row_pixel,
         source_object=sod,
-        object_detector=odd,
-        cor_offset_px=cor,
+        object_detector=det.distance,
+        cor_offset_px=det.cor,
     )
     projections = ArraySource(
         path,
@@ -236,14 +133,15 @@ def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
         described_by=path,
         error=NXtomoError,
         dataset=f"/{e}/instrument/detector/data",
-        index=proj_idx,
+        index=frames.projections,
     )
+    origins = _origins(path, e, kind, det.row_pixel_given, gt is not None)
     return ProjectionScan(
         path=path,
         format=NXtomoFormat.name,
         geometry_type=kind,
         vectors=vectors,
-        det_shape=(rows, cols),
+        det_shape=(frames.rows, frames.cols),
         projections=projections,
         measurement=MeasurementKind.COUNTS.value,
         gt_shape=gt_shape,
@@ -251,12 +149,237 @@ def open_nxtomo(path: str | os.PathLike) -> ProjectionScan:
         voxel_size_source=vsource,
         flat=flat,
         dark=dark,
-        n_flats=int(len(flat_idx)),
-        n_darks=int(len(dark_idx)),
-        read_noise=read_noise,
+        n_flats=int(len(frames.flats)),
+        n_darks=int(len(frames.darks)),
+        read_noise=det.read_noise,
         ground_truth=gt,
-        info={"nxtomo_entry": f"/{e}", "rotation_angle_units": unit, "frames": n_frames},
+        info={"nxtomo_entry": f"/{e}", "rotation_angle_units": unit, "frames": frames.n},
+        origins=origins,
     )
+
+
+class _Entry:
+    """Validating access to the NXtomo entry ``name`` of the open file ``f``: every error names the file and the
+    dataset path."""
+
+    def __init__(self, f: h5py.File, path: Path, name: str):
+        self.f, self.path, self.name = f, path, name
+
+    def fail(self, key: str, problem: str):
+        raise NXtomoError(f"{self.path}:/{self.name}/{key}: {problem}")
+
+    def dataset(self, key: str, required: bool = True):
+        """The dataset ``key`` of the entry (``None`` when absent and not ``required``)."""
+        if key not in self.f[self.name]:
+            if required:
+                self.fail(key, "missing (NXtomo needs it)")
+            return None
+        ds = self.f[self.name][key]
+        if not isinstance(ds, h5py.Dataset):
+            self.fail(key, "is a group, not a dataset")
+        return ds
+
+    def length(self, key: str, required: bool = True, default: float | None = None) -> float | None:
+        """The length ``key`` in mm (its ``units`` attribute, default metres); ``default`` when absent."""
+        ds = self.dataset(key, required)
+        if ds is None:
+            return default
+        unit = _text(ds.attrs.get("units", "m")).strip()
+        if unit not in _LENGTH_MM:
+            self.fail(key, f"units {unit!r} unknown; valid: {', '.join(_LENGTH_MM)}")
+        v = float(np.asarray(ds[()], dtype=np.float64).reshape(-1)[0])
+        if not np.isfinite(v):
+            self.fail(key, f"must be finite, got {v}")
+        return v * _LENGTH_MM[unit]
+
+
+class _Frames(NamedTuple):
+    """``instrument/detector/data`` (the dataset, its frame count and detector shape) and the frame indices of the
+    projections, flats and darks by ``image_key``."""
+
+    data: h5py.Dataset
+    n: int
+    rows: int
+    cols: int
+    projections: np.ndarray
+    flats: np.ndarray
+    darks: np.ndarray
+
+
+def _read_frames(nx: _Entry) -> _Frames:
+    """The detector data's header and the frames' ``image_key`` (from ``instrument/detector`` or ``data``),
+    checked: one key per frame, known values, at least one projection, flat and dark."""
+    data = nx.dataset("instrument/detector/data")
+    if data.ndim != 3:
+        nx.fail("instrument/detector/data", f"shape {data.shape}: expected (frame, row, column)")
+    n_frames, rows, cols = (int(s) for s in data.shape)
+    keys_ds = nx.dataset("instrument/detector/image_key", required=False)
+    if keys_ds is None:
+        keys_ds = nx.dataset("data/image_key")
+    keys = np.asarray(keys_ds[()]).reshape(-1)
+    if keys.shape != (n_frames,):
+        nx.fail("instrument/detector/image_key", f"{keys.size} entries but the data have {n_frames} frames")
+    unknown = sorted(set(np.unique(keys).tolist()) - set(IMAGE_KEYS.values()))
+    if unknown:
+        nx.fail(
+            "instrument/detector/image_key", f"unknown value {unknown[0]} (0 projection, 1 flat, 2 dark, 3 invalid)"
+        )
+    proj_idx = np.flatnonzero(keys == 0)
+    flat_idx = np.flatnonzero(keys == 1)
+    dark_idx = np.flatnonzero(keys == 2)
+    for name, idx, k in (("projections", proj_idx, 0), ("flats", flat_idx, 1), ("darks", dark_idx, 2)):
+        if idx.size == 0:
+            nx.fail("instrument/detector/image_key", f"no {name} (image_key {k}); ctuq needs raw counts with both")
+    return _Frames(data, n_frames, rows, cols, proj_idx, flat_idx, dark_idx)
+
+
+def _projection_angles(nx: _Entry, frames: _Frames) -> tuple[np.ndarray, str]:
+    """The projections' ``sample/rotation_angle`` in radians ``(n_projections,)`` and the unit as stored."""
+    ang_ds = nx.dataset("sample/rotation_angle")
+    unit = _text(ang_ds.attrs.get("units", "degree")).strip().lower()
+    if unit not in _ANGLE:
+        nx.fail("sample/rotation_angle", f"units {unit!r} unknown; valid: {', '.join(_ANGLE)}")
+    ang_all = np.asarray(ang_ds[()], dtype=np.float64).reshape(-1)
+    if ang_all.shape != (frames.n,):
+        nx.fail("sample/rotation_angle", f"{ang_all.size} angles but the data have {frames.n} frames (one per frame)")
+    angles = to_radians(ang_all[frames.projections], _ANGLE[unit])
+    if not np.all(np.isfinite(angles)):
+        nx.fail("sample/rotation_angle", f"{int((~np.isfinite(angles)).sum())} projection angles are NaN or Inf")
+    return angles, unit
+
+
+class _Detector(NamedTuple):
+    """The detector's and source's fields: pitches and distances (mm; ``source_distance`` ``None`` for a parallel
+    beam), centre-of-rotation offset (pixels), read noise (counts)."""
+
+    pixel: float
+    row_pixel: float
+    row_pixel_given: bool
+    source_distance: float | None
+    distance: float
+    cor: float
+    read_noise: float
+
+
+def _read_detector(nx: _Entry) -> _Detector:
+    """The pixel sizes, source and detector distances, centre-of-rotation offset and ctuq's read noise, checked."""
+    px = nx.length("instrument/detector/x_pixel_size")
+    py = nx.length("instrument/detector/y_pixel_size", required=False, default=px)
+    py_given = "instrument/detector/y_pixel_size" in nx.f[nx.name]
+    for key, v in (("instrument/detector/x_pixel_size", px), ("instrument/detector/y_pixel_size", py)):
+        if not v > 0:
+            nx.fail(key, f"must be positive, got {v:g} mm")
+    src = nx.length("instrument/source/distance", required=False)
+    odd = nx.length("instrument/detector/distance", required=src is not None, default=0.0)
+    if odd < 0:
+        nx.fail("instrument/detector/distance", f"must not be negative, got {odd:g} mm")
+    cor_ds = nx.dataset("instrument/detector/x_rotation_axis_pixel_position", required=False)
+    cor = 0.0 if cor_ds is None else float(np.asarray(cor_ds[()], dtype=np.float64).reshape(-1)[0])
+    rn_ds = nx.dataset("instrument/detector/ctuq_read_noise", required=False)
+    read_noise = 0.0 if rn_ds is None else float(np.asarray(rn_ds[()], dtype=np.float64).reshape(-1)[0])
+    if not (np.isfinite(cor) and np.isfinite(read_noise) and read_noise >= 0):
+        nx.fail("instrument/detector", f"x_rotation_axis_pixel_position {cor} / ctuq_read_noise {read_noise} invalid")
+    return _Detector(px, py, py_given, src, odd, cor, read_noise)
+
+
+def _beam(nx: _Entry, src: float | None, rows: int) -> tuple[str, float | None]:
+    """The beam kind and the source–axis distance (mm): parallel without a source distance, else cone (fan for one
+    detector row) at ``|src|``."""
+    if src is None:
+        return ScanGeometry.PARALLEL.value, None
+    sod = abs(src)
+    if sod == 0:
+        nx.fail("instrument/source/distance", "is 0: a cone or fan beam needs the source away from the sample")
+    return (ScanGeometry.CONE.value if rows > 1 else ScanGeometry.FAN.value), sod
+
+
+def _mean_flat_dark(nx: _Entry, frames: _Frames) -> tuple[np.ndarray, np.ndarray]:
+    """The mean flat and dark ``(rows, cols)`` float64 (counts) of the flat and dark frames, checked finite and
+    flat above dark."""
+    flats = np.asarray(frames.data[frames.flats], dtype=np.float64)
+    darks = np.asarray(frames.data[frames.darks], dtype=np.float64)
+    for name, stack in (("flats", flats), ("darks", darks)):
+        if not np.all(np.isfinite(stack)):
+            nx.fail(
+                "instrument/detector/data",
+                f"{int((~np.isfinite(stack)).sum())} values of the {name} are NaN or Inf",
+            )
+    flat, dark, problem = mean_flat_dark(flats, darks)
+    if problem:
+        nx.fail("instrument/detector/data", problem)
+    return flat, dark
+
+
+def _volume_grid(nx: _Entry, kind: str, frames: _Frames, px: float, sod, odd: float):
+    """The volume grid, its voxel size (mm), where that came from and the ground truth: ctuq's
+    ``ctuq_ground_truth`` group, else CIL's default grid (:func:`~ctuq.data.projections.default_volume`) and
+    ``None``."""
+    e = nx.name
+    if "ctuq_ground_truth" not in nx.f[e]:
+        gt_shape, voxel = default_volume(kind, (frames.rows, frames.cols), px, sod, odd)
+        return gt_shape, voxel, "default (detector pixel / magnification)", None
+    gds = nx.dataset("ctuq_ground_truth/data")
+    voxel = nx.length("ctuq_ground_truth/voxel_size")
+    if gds.ndim != 3 or min(gds.shape) < 1 or not voxel > 0:
+        nx.fail("ctuq_ground_truth", f"data {gds.shape} must be (n_z, n_y, n_x) with a positive voxel_size")
+    gt = ArraySource(
+        nx.path,
+        key=f"/{e}/ctuq_ground_truth/data",
+        described_by=nx.path,
+        error=NXtomoError,
+        dataset=f"/{e}/ctuq_ground_truth/data",
+    )
+    return tuple(int(s) for s in gds.shape), voxel, "ctuq_ground_truth/voxel_size", gt
+
+
+def _origins(path: Path, e: str, kind: str, has_y_pixel: bool, has_ground_truth: bool) -> dict[str, ValueOrigin]:
+    """The field of the NXtomo file (entry ``e``) each geometry quantity comes from, for the messages of
+    :mod:`ctuq.data.plausibility`."""
+    det = f"/{e}/instrument/detector"
+    return {
+        "source": ValueOrigin(
+            path, f"/{e}/sample/rotation_angle" if kind == ScanGeometry.PARALLEL else f"/{e}/instrument/source/distance"
+        ),
+        "detector": ValueOrigin(path, f"{det}/distance"),
+        "u_step": ValueOrigin(path, f"{det}/x_pixel_size"),
+        "v_step": ValueOrigin(path, f"{det}/y_pixel_size" if has_y_pixel else f"{det}/x_pixel_size"),
+        "voxel_size": ValueOrigin(
+            path,
+            f"/{e}/ctuq_ground_truth/voxel_size"
+            if has_ground_truth
+            else f"{det}/x_pixel_size (no ctuq_ground_truth: the voxel is pixel / magnification)",
+        ),
+        "grid": ValueOrigin(path, f"/{e}/ctuq_ground_truth/data" if has_ground_truth else f"{det}/data"),
+    }
+
+
+def _frame_stack(projections, flats, darks, angles_deg):
+    """``(frames, image_key, rotation_angle)`` of :func:`write_nxtomo`: darks, the first flat, the projections, the
+    remaining flats (flats before and after, as at a beamline); the flats and darks at the nearest projection's
+    angle."""
+    proj = np.asarray(projections)
+    fl, dk = np.asarray(flats), np.asarray(darks)
+    frames = np.concatenate([dk, fl[:1], proj, fl[1:]], axis=0)
+    keys = np.concatenate(
+        [np.full(len(dk), 2), np.full(min(1, len(fl)), 1), np.zeros(len(proj), np.int64), np.full(len(fl) - 1, 1)]
+    ).astype(np.int32)
+    ang = np.asarray(angles_deg, dtype=np.float64)
+    frame_angles = np.concatenate([np.full(len(dk) + min(1, len(fl)), ang[0]), ang, np.full(len(fl) - 1, ang[-1])])
+    return frames, keys, frame_angles
+
+
+def _nx(group, cls):
+    """``group`` tagged as NeXus class ``cls``."""
+    group.attrs["NX_class"] = cls
+    return group
+
+
+def _put(group, name, value, units=None):
+    """A dataset ``name`` of ``group`` holding ``value``, with its ``units`` attribute when given."""
+    ds = group.create_dataset(name, data=value)
+    if units is not None:
+        ds.attrs["units"] = units
+    return ds
 
 
 def write_nxtomo(
@@ -284,61 +407,43 @@ def write_nxtomo(
     (mm⁻¹, ``voxel_size`` mm) and ``read_noise`` (counts) go into ctuq's own fields. Written atomically.
     """
     path = Path(path)
-    proj = np.asarray(projections)
-    fl, dk = np.asarray(flats), np.asarray(darks)
-    frames = np.concatenate([dk, fl[:1], proj, fl[1:]], axis=0)
-    keys = np.concatenate(
-        [np.full(len(dk), 2), np.full(min(1, len(fl)), 1), np.zeros(len(proj), np.int64), np.full(len(fl) - 1, 1)]
-    ).astype(np.int32)
-    ang = np.asarray(angles_deg, dtype=np.float64)
-    frame_angles = np.concatenate([np.full(len(dk) + min(1, len(fl)), ang[0]), ang, np.full(len(fl) - 1, ang[-1])])
-
-    def nx(group, cls):
-        group.attrs["NX_class"] = cls
-        return group
-
-    def put(group, name, value, units=None):
-        ds = group.create_dataset(name, data=value)
-        if units is not None:
-            ds.attrs["units"] = units
-        return ds
-
+    frames, keys, frame_angles = _frame_stack(projections, flats, darks, angles_deg)
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             f.attrs["default"] = "entry"
-            e = nx(f.create_group("entry"), "NXentry")
+            e = _nx(f.create_group("entry"), "NXentry")
             e.attrs["default"] = "data"
-            put(e, "definition", "NXtomo")
-            put(e, "title", title)
-            inst = nx(e.create_group("instrument"), "NXinstrument")
-            src = nx(inst.create_group("source"), "NXsource")
-            put(src, "type", "Fixed Tube X-ray" if source_object is not None else "Synchrotron X-ray Source")
-            put(src, "probe", "x-ray")
+            _put(e, "definition", "NXtomo")
+            _put(e, "title", title)
+            inst = _nx(e.create_group("instrument"), "NXinstrument")
+            src = _nx(inst.create_group("source"), "NXsource")
+            _put(src, "type", "Fixed Tube X-ray" if source_object is not None else "Synchrotron X-ray Source")
+            _put(src, "probe", "x-ray")
             if source_object is not None:
-                put(src, "distance", -float(source_object), "mm")  # NeXus: upstream of the sample is negative
-            det = nx(inst.create_group("detector"), "NXdetector")
-            put(det, "data", frames).attrs["interpretation"] = "image"
-            put(det, "image_key", keys)
-            put(det, "x_pixel_size", float(pixel_size), "mm")
-            put(det, "y_pixel_size", float(pixel_size if row_pixel_size is None else row_pixel_size), "mm")
+                _put(src, "distance", -float(source_object), "mm")  # NeXus: upstream of the sample is negative
+            det = _nx(inst.create_group("detector"), "NXdetector")
+            _put(det, "data", frames).attrs["interpretation"] = "image"
+            _put(det, "image_key", keys)
+            _put(det, "x_pixel_size", float(pixel_size), "mm")
+            _put(det, "y_pixel_size", float(pixel_size if row_pixel_size is None else row_pixel_size), "mm")
             if object_detector is not None:
-                put(det, "distance", float(object_detector), "mm")
-            put(det, "x_rotation_axis_pixel_position", float(cor_offset_px), "pixel")
+                _put(det, "distance", float(object_detector), "mm")
+            _put(det, "x_rotation_axis_pixel_position", float(cor_offset_px), "pixel")
             if read_noise is not None:
-                put(det, "ctuq_read_noise", float(read_noise), "counts")
-            sample = nx(e.create_group("sample"), "NXsample")
-            put(sample, "name", title)
-            put(sample, "rotation_angle", frame_angles, "degree")
-            d = nx(e.create_group("data"), "NXdata")
+                _put(det, "ctuq_read_noise", float(read_noise), "counts")
+            sample = _nx(e.create_group("sample"), "NXsample")
+            _put(sample, "name", title)
+            _put(sample, "rotation_angle", frame_angles, "degree")
+            d = _nx(e.create_group("data"), "NXdata")
             d.attrs["signal"] = "data"
             d["data"] = det["data"]
             d["rotation_angle"] = sample["rotation_angle"]
             d["image_key"] = det["image_key"]
             if ground_truth is not None:
-                g = nx(e.create_group("ctuq_ground_truth"), "NXdata")
+                g = _nx(e.create_group("ctuq_ground_truth"), "NXdata")
                 g.attrs["signal"] = "data"
-                put(g, "data", np.asarray(ground_truth, dtype=np.float32), "1/mm")
-                put(g, "voxel_size", float(voxel_size), "mm")
+                _put(g, "data", np.asarray(ground_truth, dtype=np.float32), "1/mm")
+                _put(g, "voxel_size", float(voxel_size), "mm")
     return path
 
 

@@ -538,13 +538,7 @@ def walnut_phantom(
         Pores tried in the shell wall.
     """
     rng = np.random.default_rng([int(seed), 0x5A1A])
-    mu_shell = shell_value if shell_value is not None else rng.uniform(0.052, 0.058)
-    mu_kernel = kernel_value if kernel_value is not None else rng.uniform(0.031, 0.036)
-    mu_septum = septum_value if septum_value is not None else rng.uniform(0.042, 0.048)
-    for name, v in (("shell_value", mu_shell), ("kernel_value", mu_kernel), ("septum_value", mu_septum)):
-        if not v > 0:
-            raise ValueError(f"walnut_phantom: {name} must be positive, got {v}")
-
+    mu_shell, mu_kernel, mu_septum = _walnut_values(rng, shell_value, kernel_value, septum_value)
     scale = size * rng.uniform(0.95, 1.05)
     outer_axes = np.array([15.5, 14.5, 17.0]) * scale * rng.uniform(0.96, 1.04, size=3)
     thickness = rng.uniform(1.2, 1.8) * size
@@ -552,8 +546,52 @@ def walnut_phantom(
     outer = Ellipsoid((0, 0, 0), outer_axes, mu_shell, name="shell")
     cavity = Ellipsoid((0, 0, 0), cavity_axes, -mu_shell, name="cavity")
     parts: list[Ellipsoid] = [outer, cavity]
+    parts += _shell_pores(rng, outer, cavity, outer_axes, thickness, mu_shell, n_pores)
 
-    # Pores in the shell wall: inside the outer ellipsoid, outside the cavity.
+    septum_half = rng.uniform(0.5, 0.7) * size
+    septum = Ellipsoid((0, 0, 0), (septum_half, cavity_axes[1] * 0.93, cavity_axes[2] * 0.93), mu_septum, name="septum")
+    if not _inside(septum, cavity, 0.01):  # pragma: no cover - the axes above always fit
+        raise RuntimeError("walnut_phantom: septum does not fit into the cavity")
+    parts.append(septum)
+
+    halves = _kernel_halves(rng, cavity, cavity_axes, septum, septum_half, mu_kernel, size)
+    parts += halves
+    for half in halves:
+        parts += _kernel_carvings(rng, half, size, n_folds, n_pockets)
+
+    # Pose: a small tilt, a turn about z that avoids the axis-aligned (mirror-symmetric) orientations, a shift.
+    turn = rng.uniform(math.radians(12), math.radians(35)) * rng.choice([-1.0, 1.0])
+    pose = rotation_from_euler(turn, rng.uniform(-0.1, 0.1), rng.uniform(-0.1, 0.1))
+    if center is None:
+        # Off-centre, but the shell stays inside the cylinder of radius 18.3 mm that the real detector (768 ×
+        # 0.1496 mm at 199 mm, source 66 mm from the axis) sees at every angle: no truncated projections.
+        shift = np.array(
+            [
+                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
+                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
+                rng.uniform(-0.5, 0.5),
+            ]
+        )
+    else:
+        shift = np.asarray(center, dtype=np.float64).reshape(3)
+    return EllipsoidPhantom(e.transformed(pose, shift) for e in parts)
+
+
+def _walnut_values(rng, shell_value, kernel_value, septum_value) -> tuple[float, float, float]:
+    """The shell's, kernel's and septum's attenuation (mm⁻¹): the given ones, else seeded around 0.055, 0.034 and
+    0.045 (drawn in that order); ``ValueError`` for one that is not positive."""
+    mu_shell = shell_value if shell_value is not None else rng.uniform(0.052, 0.058)
+    mu_kernel = kernel_value if kernel_value is not None else rng.uniform(0.031, 0.036)
+    mu_septum = septum_value if septum_value is not None else rng.uniform(0.042, 0.048)
+    for name, v in (("shell_value", mu_shell), ("kernel_value", mu_kernel), ("septum_value", mu_septum)):
+        if not v > 0:
+            raise ValueError(f"walnut_phantom: {name} must be positive, got {v}")
+    return mu_shell, mu_kernel, mu_septum
+
+
+def _shell_pores(rng, outer, cavity, outer_axes, thickness: float, mu_shell: float, n_pores: int) -> list[Ellipsoid]:
+    """Up to ``n_pores`` pores carved out of the shell wall (``thickness`` mm, value ``mu_shell``): inside the outer
+    ellipsoid (semi-axes ``outer_axes``), outside the cavity, pairwise separated (200 tries)."""
     pores: list[Ellipsoid] = []
     for _ in range(200):
         if len(pores) == n_pores:
@@ -569,14 +607,12 @@ def walnut_phantom(
             and all(_separated(cand, o, 0.2) for o in pores)
         ):
             pores.append(cand)
-    parts += pores
+    return pores
 
-    septum_half = rng.uniform(0.5, 0.7) * size
-    septum = Ellipsoid((0, 0, 0), (septum_half, cavity_axes[1] * 0.93, cavity_axes[2] * 0.93), mu_septum, name="septum")
-    if not _inside(septum, cavity, 0.01):  # pragma: no cover - the axes above always fit
-        raise RuntimeError("walnut_phantom: septum does not fit into the cavity")
-    parts.append(septum)
 
+def _kernel_halves(rng, cavity, cavity_axes, septum, septum_half: float, mu_kernel: float, size: float):
+    """The two kernel halves (value about ``mu_kernel``), one per side of the septum (half thickness
+    ``septum_half``), each shrunk until it fits the cavity (semi-axes ``cavity_axes``) with an air gap."""
     gap = 0.5 * size  # air between kernel and septum / shell
     halves: list[Ellipsoid] = []
     # One kernel half per side of the septum, laid out in the cavity's unit-sphere frame: centred at
@@ -598,65 +634,51 @@ def walnut_phantom(
         if half is None:  # pragma: no cover - the shrink range always leaves room
             raise RuntimeError("walnut_phantom: a kernel half does not fit into the cavity")
         halves.append(half)
-    parts += halves
+    return halves
 
-    for half in halves:
-        ha = np.asarray(half.semi_axes)
-        # The deep crease that splits each kernel half into two lobes: a thin disc across the middle (y ≈ 0).
-        crease = None
-        for shrink in np.linspace(0.85, 0.5, 15):
-            cand = Ellipsoid(
-                half.center,
-                (ha[0] * shrink, rng.uniform(0.25, 0.35) * size, ha[2] * shrink),
-                -half.value,
-                np.asarray(half.rotation) @ rotation_from_euler(rng.uniform(-0.15, 0.15)),
-                name="crease",
-            )
-            if _inside(cand, half, 0.03):
-                crease = cand
-                break
-        carvings = [crease] if crease is not None else []
 
-        def make_fold(rng, point, half=half):
-            length = rng.uniform(1.2, 2.6) * size
-            return Ellipsoid(
-                point,
-                (rng.uniform(0.15, 0.3) * size, length, length * rng.uniform(1.2, 2.5)),
-                -half.value,
-                _random_rotation(rng),
-                name="fold",
-            )
-
-        def make_pocket(rng, point, half=half):
-            r = rng.uniform(0.25, 0.7) * size
-            return Ellipsoid(
-                point,
-                (r, r * rng.uniform(0.7, 1.0), r * rng.uniform(0.7, 1.0)),
-                -half.value,
-                _random_rotation(rng),
-                name="pocket",
-            )
-
-        folds = _place_carvings(rng, half, n_folds, make_fold, carvings)
-        pockets = _place_carvings(rng, half, n_pockets, make_pocket, carvings + folds)
-        parts += carvings + folds + pockets
-
-    # Pose: a small tilt, a turn about z that avoids the axis-aligned (mirror-symmetric) orientations, a shift.
-    turn = rng.uniform(math.radians(12), math.radians(35)) * rng.choice([-1.0, 1.0])
-    pose = rotation_from_euler(turn, rng.uniform(-0.1, 0.1), rng.uniform(-0.1, 0.1))
-    if center is None:
-        # Off-centre, but the shell stays inside the cylinder of radius 18.3 mm that the real detector (768 ×
-        # 0.1496 mm at 199 mm, source 66 mm from the axis) sees at every angle: no truncated projections.
-        shift = np.array(
-            [
-                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
-                rng.uniform(0.3, 1.0) * rng.choice([-1, 1]),
-                rng.uniform(-0.5, 0.5),
-            ]
+def _kernel_carvings(rng, half: Ellipsoid, size: float, n_folds: int, n_pockets: int) -> list[Ellipsoid]:
+    """What is carved out of a kernel half: the deep crease that splits it into two lobes, up to ``n_folds``
+    folds and ``n_pockets`` air pockets."""
+    ha = np.asarray(half.semi_axes)
+    # The deep crease that splits each kernel half into two lobes: a thin disc across the middle (y ≈ 0).
+    crease = None
+    for shrink in np.linspace(0.85, 0.5, 15):
+        cand = Ellipsoid(
+            half.center,
+            (ha[0] * shrink, rng.uniform(0.25, 0.35) * size, ha[2] * shrink),
+            -half.value,
+            np.asarray(half.rotation) @ rotation_from_euler(rng.uniform(-0.15, 0.15)),
+            name="crease",
         )
-    else:
-        shift = np.asarray(center, dtype=np.float64).reshape(3)
-    return EllipsoidPhantom(e.transformed(pose, shift) for e in parts)
+        if _inside(cand, half, 0.03):
+            crease = cand
+            break
+    carvings = [crease] if crease is not None else []
+
+    def make_fold(rng, point):
+        length = rng.uniform(1.2, 2.6) * size
+        return Ellipsoid(
+            point,
+            (rng.uniform(0.15, 0.3) * size, length, length * rng.uniform(1.2, 2.5)),
+            -half.value,
+            _random_rotation(rng),
+            name="fold",
+        )
+
+    def make_pocket(rng, point):
+        r = rng.uniform(0.25, 0.7) * size
+        return Ellipsoid(
+            point,
+            (r, r * rng.uniform(0.7, 1.0), r * rng.uniform(0.7, 1.0)),
+            -half.value,
+            _random_rotation(rng),
+            name="pocket",
+        )
+
+    folds = _place_carvings(rng, half, n_folds, make_fold, carvings)
+    pockets = _place_carvings(rng, half, n_pockets, make_pocket, carvings + folds)
+    return carvings + folds + pockets
 
 
 # ---------------------------------------------------------------------------------------- textured phantom
@@ -902,12 +924,32 @@ def textured_phantom(seed: int = 0, *, pixel_size: float = 0.1) -> TexturedPhant
     n += n % 2
     c = (np.arange(n) + 0.5 - n / 2.0) * pixel_size
     y, x = np.meshgrid(c, c, indexing="ij")
-    r = np.hypot(x, y)
 
     def field(scale: float) -> np.ndarray:
         return _band_limited_field(rng, n, pixel_size, scale)
 
-    # Body: shrink until it lies within the radius (superellipse corners reach further than the semi-axes).
+    outline, body = _body_outline(rng, x, y)
+    cx, cy, a, b, power, angle = outline
+    skin = rng.uniform(0.8, 1.5)
+    fat = rng.uniform(0.8, 2.0)
+    img, mu_soft = _paint_body(rng, x, y, outline, body, skin, fat, field)
+    # Organs and the bone centres: inside the core, at distance from each other (rejection sampling).
+    place = _placer(rng, outline, skin, fat)
+    core_size = min(a, b) - skin - fat
+    _paint_bone(rng, img, x, y, place, field, core_size)
+    _paint_organs(rng, img, x, y, place, field, core_size, mu_soft)
+    _paint_spots(rng, img, x, y, place)
+    np.clip(img, 0.0, 0.058, out=img)
+    return TexturedPhantom(
+        img, pixel_size, {"kind": PhantomKind.TEXTURED.value, "seed": int(seed), "generator": "textured_phantom"}
+    )
+
+
+def _body_outline(rng, x: np.ndarray, y: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """The textured body's superellipse ``(cx, cy, a, b, power, angle)`` on the grid ``x``, ``y`` (mm), shrunk
+    until it lies within :data:`_TEXTURED_RADIUS` (superellipse corners reach further than the semi-axes), and
+    its mask."""
+    r = np.hypot(x, y)
     a, b = rng.uniform(12.5, 16.5), rng.uniform(11.0, 15.0)
     power, angle = rng.uniform(2.0, 3.0), rng.uniform(0.0, math.pi)
     cx, cy = rng.uniform(-0.6, 0.6, size=2)
@@ -916,19 +958,28 @@ def textured_phantom(seed: int = 0, *, pixel_size: float = 0.1) -> TexturedPhant
         if r[body].max() <= _TEXTURED_RADIUS:
             break
         a, b = a * 0.97, b * 0.97
-    skin = rng.uniform(0.8, 1.5)
-    fat = rng.uniform(0.8, 2.0)
+    return (cx, cy, a, b, power, angle), body
+
+
+def _paint_body(rng, x, y, outline, body: np.ndarray, skin: float, fat: float, field) -> tuple[np.ndarray, float]:
+    """The image with the body (mask ``body``) painted: a dense skin layer ``skin`` mm thick, a fat layer ``fat``
+    mm beneath it, textured soft tissue in the core; and the soft tissue's attenuation (mm⁻¹)."""
+    cx, cy, a, b, power, angle = outline
     inner = _superellipse(x, y, cx, cy, a - skin, b - skin, power, angle)
     core = _superellipse(x, y, cx, cy, a - skin - fat, b - skin - fat, power, angle)
-
     mu_soft = rng.uniform(0.018, 0.024)
     texture = 1.0 + 0.08 * field(3.0) + 0.05 * field(1.0) + 0.04 * field(0.35)
-    img = np.zeros((n, n))
+    img = np.zeros(x.shape)
     img[body] = rng.uniform(0.046, 0.052) * (1.0 + 0.03 * field(0.5))[body]
     img[inner] = (rng.uniform(0.012, 0.016) * texture)[inner]
     img[core] = (mu_soft * texture)[core]
+    return img, mu_soft
 
-    # Organs and the bone centres: inside the core, at distance from each other (rejection sampling).
+
+def _placer(rng, outline, skin: float, fat: float):
+    """``place(radius, tries=200)``: a centre ``(px, py)`` whose disc of ``radius`` lies inside the body's core
+    and keeps 0.5 mm from every disc placed before (rejection sampling), or ``None``."""
+    cx, cy, a, b, power, angle = outline
     placed: list[tuple[float, float, float]] = []
 
     def place(radius: float, tries: int = 200) -> tuple[float, float] | None:
@@ -942,7 +993,12 @@ def textured_phantom(seed: int = 0, *, pixel_size: float = 0.1) -> TexturedPhant
                 return px, py
         return None
 
-    core_size = min(a, b) - skin - fat
+    return place
+
+
+def _paint_bone(rng, img: np.ndarray, x, y, place, field, core_size: float) -> None:
+    """A bone where one fits: a cortical shell around trabecular struts (where a band-pass field crosses zero)
+    over marrow."""
     bone_r = rng.uniform(0.18, 0.28) * core_size
     pos = place(bone_r)
     if pos is not None:
@@ -954,6 +1010,10 @@ def textured_phantom(seed: int = 0, *, pixel_size: float = 0.1) -> TexturedPhant
         img[shell] = rng.uniform(0.052, 0.056)
         trab = np.abs(field(0.8)) < rng.uniform(0.25, 0.35)  # thin network along the zero set
         img[marrow] = np.where(trab, rng.uniform(0.042, 0.048), rng.uniform(0.023, 0.028))[marrow]
+
+
+def _paint_organs(rng, img: np.ndarray, x, y, place, field, core_size: float, mu_soft: float) -> None:
+    """3–5 organs of low or high contrast against the soft tissue, each with its own texture."""
     for _ in range(int(rng.integers(3, 6))):
         radius = rng.uniform(0.12, 0.3) * core_size
         pos = place(radius)
@@ -965,17 +1025,17 @@ def textured_phantom(seed: int = 0, *, pixel_size: float = 0.1) -> TexturedPhant
         base = mu_soft * rng.uniform(0.8, 1.2) if rng.uniform() < 0.5 else rng.uniform(0.03, 0.045)
         tex = 1.0 + rng.uniform(0.03, 0.12) * field(rng.uniform(0.4, 2.5))
         img[mask] = (base * tex)[mask]
-    for _ in range(int(rng.integers(6, 14))):  # air pockets and calcifications, anywhere in the core
+
+
+def _paint_spots(rng, img: np.ndarray, x, y, place) -> None:
+    """6–13 air pockets and small dense calcifications, 0.3–1 mm across, anywhere in the core."""
+    for _ in range(int(rng.integers(6, 14))):
         radius = rng.uniform(0.15, 0.5)
         pos = place(radius, tries=50)
         if pos is None:
             continue
         mask = _superellipse(x, y, *pos, radius, radius * rng.uniform(0.6, 1.0), 2.0, rng.uniform(0, math.pi))
         img[mask] = 0.0 if rng.uniform() < 0.4 else rng.uniform(0.048, 0.056)
-    np.clip(img, 0.0, 0.058, out=img)
-    return TexturedPhantom(
-        img, pixel_size, {"kind": PhantomKind.TEXTURED.value, "seed": int(seed), "generator": "textured_phantom"}
-    )
 
 
 def make_phantom(kind: str, seed: int = 0, *, voxel_size: float = 0.4) -> EllipsoidPhantom | TexturedPhantom:

@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 import tifffile
 
-from ctuq.data.source import ScanSource, positive_int
+from ctuq.data.source import VECTOR_PARTS, ScanSource, ValueOrigin, positive_int, vector_file_origin
 from ctuq.errors import CTUQError
 from ctuq.options import MeasurementKind, ScanGeometry
 
@@ -191,6 +191,11 @@ class ProjectionScan(ScanSource):
         ``gt_shape`` in mm⁻¹.
     info : dict
         Format-specific record for ``CTData.meta``.
+    origins : dict of str to ValueOrigin
+        Where each :meth:`origin` quantity came from (the described file's key or field), for messages.
+    vectors_file : Path or None
+        The text file the geometry rows were read from, one row per line (``scan.yaml``'s ``geometry.vectors``);
+        :meth:`origin` then names its line.
     """
 
     path: Path
@@ -211,6 +216,8 @@ class ProjectionScan(ScanSource):
     variances: ArraySource | None = None
     ground_truth: ArraySource | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    origins: dict[str, ValueOrigin] = dataclasses.field(default_factory=dict)
+    vectors_file: Path | None = None
 
     @property
     def error(self) -> type[ScanFormatError]:
@@ -285,6 +292,17 @@ class ProjectionScan(ScanSource):
             f"projection {index}: {n_bad} used pixels have counts ≤ dark (first at detector row {row}, column "
             f"{col}: {counts:g} ≤ {dark:g}); −log is undefined there"
         )
+
+    def origin(self, quantity: str, row: int | None = None) -> ValueOrigin:
+        """:meth:`ScanSource.origin <ctuq.data.source.ScanSource.origin>`: the line of :attr:`vectors_file`, the
+        key or field :attr:`origins` names, or the projections' file (and dataset)."""
+        if quantity in VECTOR_PARTS and self.vectors_file is not None:
+            return vector_file_origin(self.vectors_file, quantity, row)
+        if quantity in self.origins:
+            return self.origins[quantity]
+        if quantity == "projections":
+            return ValueOrigin(self.projections.path, self.projections.dataset)
+        return super().origin(quantity, row)
 
     def record(self, *args) -> dict:
         """:meth:`ScanSource.record <ctuq.data.source.ScanSource.record>`'s entries, the projections file, the axis

@@ -51,7 +51,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
@@ -59,6 +59,7 @@ import yaml
 from ctuq.data.astra_geometry import AstraGeometryError, angle_range, circular_vectors, load_astra_vectors, to_radians
 from ctuq.data.projections import ArraySource, ProjectionScan, ScanFormatError, default_volume, mean_flat_dark
 from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, one_plane_orbit, write_tiff_array
+from ctuq.data.source import ValueOrigin
 from ctuq.options import AngleUnit, LengthUnit, MeasurementKind, ScanGeometry, values
 from ctuq.utils import atomic_path
 
@@ -263,14 +264,8 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
     path = Path(path)
     if not path.is_file():
         raise ScanFileError(f"{path}: file missing")
-    doc = _load_yaml(path)
-    r = _Reader(path, doc)
-    unknown = sorted(set(doc) - set(SCAN_FILE_KEYS[""]))
-    if unknown:
-        r.fail(unknown[0], f"unknown key; valid top-level keys: {', '.join(SCAN_FILE_KEYS[''])}")
-    if doc.get("format") != FORMAT_TAG:
-        r.fail("format", f"must be {FORMAT_TAG!r} (this file's version), got {doc.get('format')!r}")
-    units = r.choice(doc, "", "units", LengthUnit, default=LengthUnit.MM.value)
+    r = _Reader(path, _load_yaml(path))
+    units = _read_top_level(r)
     mm = LENGTH_FACTORS[units]
 
     geo = r.section("geometry")
@@ -280,117 +275,14 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
     vol = r.section("volume", required=False)
 
     kind = r.choice(geo, "geometry", "type", ScanGeometry)
-    rows = r.integer(det, "detector", "rows")
-    cols = r.integer(det, "detector", "columns")
-    det_shape = (rows, cols)
-    if kind == ScanGeometry.FAN and rows != 1:
-        r.fail("detector.rows", f"a fan beam has one detector row, got {rows}; use geometry.type cone for several")
-    if kind == ScanGeometry.CONE and rows < 2:
-        r.fail("detector.rows", "a cone beam needs at least 2 detector rows; use geometry.type fan for one")
-    pixel = r.number(det, "detector", "pixel_size", positive=True) * mm
-    row_pixel = r.number(det, "detector", "row_pixel_size", required=False, default=pixel / mm, positive=True) * mm
-    row_offset = r.number(det, "detector", "row_offset", required=False, default=0.0)
-    tilt = r.number(det, "detector", "tilt", required=False, default=0.0)
+    d = _read_detector(r, det, kind, mm)
     angles = _read_angles(r, ang)
-
-    sod = odd = None
-    if kind != ScanGeometry.PARALLEL:
-        sod = r.number(geo, "geometry", "source_object_distance", required="vectors" not in geo, positive=True)
-        odd = r.number(geo, "geometry", "object_detector_distance", required="vectors" not in geo, nonneg=True)
-    elif "source_object_distance" in geo or "object_detector_distance" in geo:
-        key = "source_object_distance" if "source_object_distance" in geo else "object_detector_distance"
-        r.number(geo, "geometry", key, nonneg=True)  # a negative one is still refused as such
-    cor = r.number(geo, "geometry", "centre_of_rotation_offset", required=False, default=0.0)
-    if "vectors" in geo:
-        clash = [
-            k for k in ("source_object_distance", "object_detector_distance", "centre_of_rotation_offset") if k in geo
-        ]
-        clash += [f"detector.{k}" for k in ("row_offset", "tilt") if k in det]
-        if clash:
-            r.fail("geometry.vectors", f"replaces the parametric geometry; remove {clash[0]}")
-        vpath = Path(str(geo["vectors"])).expanduser()
-        vpath = vpath if vpath.is_absolute() else path.parent / vpath
-        try:
-            vectors = load_astra_vectors(vpath) * mm
-        except AstraGeometryError as exc:
-            r.fail("geometry.vectors", str(exc))
-        if len(vectors) != len(angles):
-            r.fail("geometry.vectors", f"{vpath}: {len(vectors)} rows but the angles give {len(angles)} projections")
-    else:
-        vectors = circular_vectors(
-            kind,
-            angles,
-            pixel_size=pixel,
-            row_pixel_size=row_pixel,
-            source_object=None if sod is None else sod * mm,
-            object_detector=0.0 if odd is None else odd * mm,
-            cor_offset_px=cor,
-            row_offset_px=row_offset,
-            tilt_deg=tilt,
-        )
-
-    mkind = r.choice(mea, "measurements", "type", MeasurementKind)
-    proj = r.source(mea, "measurements", "projections")
-    n = len(angles)
-    want = (n, rows, cols)
-    if tuple(proj.shape) != want and not (rows == 1 and tuple(proj.shape) == (n, cols)):
-        if len(proj.shape) == 3 and proj.shape[0] != n and tuple(proj.shape[1:]) == det_shape:
-            proj.fail(
-                f"{proj.shape[0]} projections but the angles give {n} (angles.{'file' if 'file' in ang else 'count'})"
-            )
-        proj.fail(
-            f"shape {tuple(proj.shape)} is not (angle, row, column) = {want} from the angles and "
-            f"detector.rows/columns" + (" (a transposed stack?)" if sorted(proj.shape) == sorted(want) else "")
-        )
-    flat = dark = None
-    n_flats = n_darks = 0
-    read_noise = 0.0
-    variances = None
-    if mkind == MeasurementKind.COUNTS:
-        if "variances" in mea:
-            r.fail("measurements.variances", "only for line_integrals (counts give their own variances)")
-        fl = _frames(r, r.source(mea, "measurements", "flats"), det_shape, "flats")
-        dk = _frames(r, r.source(mea, "measurements", "darks"), det_shape, "darks")
-        n_flats, n_darks = fl.shape[0], dk.shape[0]
-        flat, dark, problem = mean_flat_dark(fl, dk)
-        if problem:
-            r.fail("measurements.flats", problem)
-        read_noise = r.number(mea, "measurements", "read_noise", required=False, default=0.0, nonneg=True)
-    else:
-        for key in ("flats", "darks", "read_noise"):
-            if key in mea:
-                r.fail(f"measurements.{key}", "only for counts (line integrals are already flat-field corrected)")
-        variances = r.source(mea, "measurements", "variances", required=False)
-        if variances is not None and tuple(variances.shape) != tuple(proj.shape):
-            variances.fail(f"shape {tuple(variances.shape)} differs from the projections' {tuple(proj.shape)}")
-
-    if vol:
-        shape = vol.get("shape")
-        ok_len = (3,) if rows > 1 else (2, 3)
-        if (
-            not isinstance(shape, list)
-            or len(shape) not in ok_len
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
-        ):
-            r.fail("volume.shape", f"must be [n_z, n_y, n_x] positive integers, got {shape!r}")
-        if len(shape) == 2:
-            shape = [1, *shape]
-        if rows == 1 and shape[0] != 1:
-            r.fail("volume.shape", f"a one-row detector images one slice: n_z must be 1, got {shape[0]}")
-        voxel = r.number(vol, "volume", "voxel_size", positive=True) * mm
-        gt_shape, source = tuple(int(s) for s in shape), "volume"
-    else:
-        gt_shape, voxel = default_volume(
-            kind, det_shape, pixel, None if sod is None else sod * mm, 0.0 if odd is None else odd * mm
-        )
-        if rows == 1:
-            gt_shape = (1, *gt_shape[1:])
-        source = "default (detector pixel / magnification)"
-    gt = r.source(doc, "", "ground_truth", required=False)
-    if gt is not None:
-        gshape = tuple(gt.shape)
-        if gshape != gt_shape and not (gt_shape[0] == 1 and gshape == gt_shape[1:]):
-            gt.fail(f"shape {gshape} differs from the volume grid {gt_shape} (n_z, n_y, n_x; volume.shape)")
+    sod, odd = _read_distances(r, geo, kind)
+    vectors, vpath = _scan_vectors(r, geo, det, kind, angles, d, sod, odd, mm)
+    m = _read_measurements(r, mea, ang, d.shape, len(angles))
+    gt_shape, voxel, source = _volume_grid(r, vol, kind, d, sod, odd, mm)
+    gt = _read_ground_truth(r, gt_shape)
+    origins = _origins(path, kind, det, vol)
     info = {
         "scan_file": str(path),
         "units": units,
@@ -401,21 +293,205 @@ def open_scan_file(path: str | os.PathLike) -> ProjectionScan:
         format=ScanYamlFormat.name,
         geometry_type=kind,
         vectors=vectors,
-        det_shape=det_shape,
-        projections=proj,
-        measurement=mkind,
+        det_shape=d.shape,
+        projections=m.projections,
+        measurement=m.kind,
         gt_shape=gt_shape,
         voxel_size=float(voxel),
         voxel_size_source=source,
-        flat=flat,
-        dark=dark,
-        n_flats=n_flats,
-        n_darks=n_darks,
-        read_noise=float(read_noise),
-        variances=variances,
+        flat=m.flat,
+        dark=m.dark,
+        n_flats=m.n_flats,
+        n_darks=m.n_darks,
+        read_noise=float(m.read_noise),
+        variances=m.variances,
         ground_truth=gt,
         info=info,
+        origins=origins,
+        vectors_file=vpath,
     )
+
+
+def _read_top_level(r: _Reader) -> str:
+    """Check the top-level keys and the format tag; returns ``units`` (default ``mm``)."""
+    unknown = sorted(set(r.doc) - set(SCAN_FILE_KEYS[""]))
+    if unknown:
+        r.fail(unknown[0], f"unknown key; valid top-level keys: {', '.join(SCAN_FILE_KEYS[''])}")
+    if r.doc.get("format") != FORMAT_TAG:
+        r.fail("format", f"must be {FORMAT_TAG!r} (this file's version), got {r.doc.get('format')!r}")
+    return r.choice(r.doc, "", "units", LengthUnit, default=LengthUnit.MM.value)
+
+
+class _Detector(NamedTuple):
+    """The ``detector`` section: shape ``(rows, columns)``, pitches (mm), row offset (rows), tilt (degrees)."""
+
+    shape: tuple[int, int]
+    pixel: float
+    row_pixel: float
+    row_offset: float
+    tilt: float
+
+
+def _read_detector(r: _Reader, det: dict, kind: str, mm: float) -> _Detector:
+    """The ``detector`` section, its rows checked against the beam ``kind``, lengths converted by ``mm``."""
+    rows = r.integer(det, "detector", "rows")
+    cols = r.integer(det, "detector", "columns")
+    if kind == ScanGeometry.FAN and rows != 1:
+        r.fail("detector.rows", f"a fan beam has one detector row, got {rows}; use geometry.type cone for several")
+    if kind == ScanGeometry.CONE and rows < 2:
+        r.fail("detector.rows", "a cone beam needs at least 2 detector rows; use geometry.type fan for one")
+    pixel = r.number(det, "detector", "pixel_size", positive=True) * mm
+    row_pixel = r.number(det, "detector", "row_pixel_size", required=False, default=pixel / mm, positive=True) * mm
+    row_offset = r.number(det, "detector", "row_offset", required=False, default=0.0)
+    tilt = r.number(det, "detector", "tilt", required=False, default=0.0)
+    return _Detector((rows, cols), pixel, row_pixel, row_offset, tilt)
+
+
+def _read_distances(r: _Reader, geo: dict, kind: str) -> tuple[float | None, float | None]:
+    """``geometry.source_object_distance`` and ``object_detector_distance`` in the file's unit (``None`` for a
+    parallel beam, or when ``geometry.vectors`` replaces them); a parallel beam's are checked only for sign."""
+    sod = odd = None
+    if kind != ScanGeometry.PARALLEL:
+        sod = r.number(geo, "geometry", "source_object_distance", required="vectors" not in geo, positive=True)
+        odd = r.number(geo, "geometry", "object_detector_distance", required="vectors" not in geo, nonneg=True)
+    elif "source_object_distance" in geo or "object_detector_distance" in geo:
+        key = "source_object_distance" if "source_object_distance" in geo else "object_detector_distance"
+        r.number(geo, "geometry", key, nonneg=True)  # a negative one is still refused as such
+    return sod, odd
+
+
+def _scan_vectors(r: _Reader, geo: dict, det: dict, kind: str, angles, d: _Detector, sod, odd, mm: float):
+    """The geometry rows ``(n_angles, 12)`` (mm) and the ``geometry.vectors`` file they came from (``None``: built
+    from the parameters by :func:`~ctuq.data.astra_geometry.circular_vectors`)."""
+    cor = r.number(geo, "geometry", "centre_of_rotation_offset", required=False, default=0.0)
+    if "vectors" not in geo:
+        vectors = circular_vectors(
+            kind,
+            angles,
+            pixel_size=d.pixel,
+            row_pixel_size=d.row_pixel,
+            source_object=None if sod is None else sod * mm,
+            object_detector=0.0 if odd is None else odd * mm,
+            cor_offset_px=cor,
+            row_offset_px=d.row_offset,
+            tilt_deg=d.tilt,
+        )
+        return vectors, None
+    clash = [k for k in ("source_object_distance", "object_detector_distance", "centre_of_rotation_offset") if k in geo]
+    clash += [f"detector.{k}" for k in ("row_offset", "tilt") if k in det]
+    if clash:
+        r.fail("geometry.vectors", f"replaces the parametric geometry; remove {clash[0]}")
+    vpath = Path(str(geo["vectors"])).expanduser()
+    vpath = vpath if vpath.is_absolute() else r.path.parent / vpath
+    try:
+        vectors = load_astra_vectors(vpath) * mm
+    except AstraGeometryError as exc:
+        r.fail("geometry.vectors", str(exc))
+    if len(vectors) != len(angles):
+        r.fail("geometry.vectors", f"{vpath}: {len(vectors)} rows but the angles give {len(angles)} projections")
+    return vectors, vpath
+
+
+class _Measurements(NamedTuple):
+    """The ``measurements`` section: kind, projections, mean flat and dark (counts), frames averaged, read noise,
+    variances of line integrals."""
+
+    kind: str
+    projections: ArraySource
+    flat: np.ndarray | None
+    dark: np.ndarray | None
+    n_flats: int
+    n_darks: int
+    read_noise: float
+    variances: ArraySource | None
+
+
+def _read_measurements(r: _Reader, mea: dict, ang: dict, det_shape: tuple[int, int], n: int) -> _Measurements:
+    """The ``measurements`` section: the projections' header checked against ``n`` angles and ``det_shape``;
+    counts with their flats and darks (read and averaged), or line integrals with optional variances."""
+    rows, cols = det_shape
+    mkind = r.choice(mea, "measurements", "type", MeasurementKind)
+    proj = r.source(mea, "measurements", "projections")
+    want = (n, rows, cols)
+    if tuple(proj.shape) != want and not (rows == 1 and tuple(proj.shape) == (n, cols)):
+        if len(proj.shape) == 3 and proj.shape[0] != n and tuple(proj.shape[1:]) == det_shape:
+            proj.fail(
+                f"{proj.shape[0]} projections but the angles give {n} (angles.{'file' if 'file' in ang else 'count'})"
+            )
+        proj.fail(
+            f"shape {tuple(proj.shape)} is not (angle, row, column) = {want} from the angles and "
+            f"detector.rows/columns" + (" (a transposed stack?)" if sorted(proj.shape) == sorted(want) else "")
+        )
+    if mkind != MeasurementKind.COUNTS:
+        for key in ("flats", "darks", "read_noise"):
+            if key in mea:
+                r.fail(f"measurements.{key}", "only for counts (line integrals are already flat-field corrected)")
+        variances = r.source(mea, "measurements", "variances", required=False)
+        if variances is not None and tuple(variances.shape) != tuple(proj.shape):
+            variances.fail(f"shape {tuple(variances.shape)} differs from the projections' {tuple(proj.shape)}")
+        return _Measurements(mkind, proj, None, None, 0, 0, 0.0, variances)
+    if "variances" in mea:
+        r.fail("measurements.variances", "only for line_integrals (counts give their own variances)")
+    fl = _frames(r, r.source(mea, "measurements", "flats"), det_shape, "flats")
+    dk = _frames(r, r.source(mea, "measurements", "darks"), det_shape, "darks")
+    flat, dark, problem = mean_flat_dark(fl, dk)
+    if problem:
+        r.fail("measurements.flats", problem)
+    read_noise = r.number(mea, "measurements", "read_noise", required=False, default=0.0, nonneg=True)
+    return _Measurements(mkind, proj, flat, dark, fl.shape[0], dk.shape[0], read_noise, None)
+
+
+def _volume_grid(r: _Reader, vol: dict, kind: str, d: _Detector, sod, odd, mm: float):
+    """The volume grid ``(n_z, n_y, n_x)``, its voxel size (mm) and where that came from: the ``volume`` section,
+    else CIL's default (:func:`~ctuq.data.projections.default_volume`)."""
+    rows = d.shape[0]
+    if not vol:
+        gt_shape, voxel = default_volume(
+            kind, d.shape, d.pixel, None if sod is None else sod * mm, 0.0 if odd is None else odd * mm
+        )
+        if rows == 1:
+            gt_shape = (1, *gt_shape[1:])
+        return gt_shape, voxel, "default (detector pixel / magnification)"
+    shape = vol.get("shape")
+    ok_len = (3,) if rows > 1 else (2, 3)
+    if (
+        not isinstance(shape, list)
+        or len(shape) not in ok_len
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+    ):
+        r.fail("volume.shape", f"must be [n_z, n_y, n_x] positive integers, got {shape!r}")
+    if len(shape) == 2:
+        shape = [1, *shape]
+    if rows == 1 and shape[0] != 1:
+        r.fail("volume.shape", f"a one-row detector images one slice: n_z must be 1, got {shape[0]}")
+    voxel = r.number(vol, "volume", "voxel_size", positive=True) * mm
+    return tuple(int(s) for s in shape), voxel, "volume"
+
+
+def _read_ground_truth(r: _Reader, gt_shape: tuple[int, int, int]) -> ArraySource | None:
+    """The ``ground_truth`` array's header, checked against the volume grid (``None`` without one)."""
+    gt = r.source(r.doc, "", "ground_truth", required=False)
+    if gt is not None:
+        gshape = tuple(gt.shape)
+        if gshape != gt_shape and not (gt_shape[0] == 1 and gshape == gt_shape[1:]):
+            gt.fail(f"shape {gshape} differs from the volume grid {gt_shape} (n_z, n_y, n_x; volume.shape)")
+    return gt
+
+
+def _origins(path: Path, kind: str, det: dict, vol: dict) -> dict[str, ValueOrigin]:
+    """The key of ``scan.yaml`` each geometry quantity of a parametric description comes from (for the messages of
+    :mod:`ctuq.data.plausibility`; a ``geometry.vectors`` file names its own lines)."""
+    row_pitch = "detector.row_pixel_size" if "row_pixel_size" in det else "detector.pixel_size"
+    return {
+        "source": ValueOrigin(path, "angles" if kind == ScanGeometry.PARALLEL else "geometry.source_object_distance"),
+        "detector": ValueOrigin(path, "geometry.object_detector_distance"),
+        "u_step": ValueOrigin(path, "detector.pixel_size"),
+        "v_step": ValueOrigin(path, row_pitch),
+        "voxel_size": ValueOrigin(
+            path, "volume.voxel_size" if vol else "detector.pixel_size (no volume: the voxel is pixel / magnification)"
+        ),
+        "grid": ValueOrigin(path, "volume.shape" if vol else "detector.rows/columns (no volume: the grid is theirs)"),
+    }
 
 
 def write_scan_file(path: str | os.PathLike, doc: dict[str, Any]) -> Path:

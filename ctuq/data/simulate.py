@@ -448,8 +448,71 @@ def simulate_scan(
     dirs = _layout_dirs(out_dir, layouts)
     available = write_layouts()
     degree_angles = _degree_angles(layouts)
-    others = [x for x in layouts if x != WalnutFormat.name]
+    sidecar = _sidecar(params, preset, phantom, out_dir, dirs, degree_angles)
 
+    def write_sidecars() -> None:
+        for d in {out_dir, *dirs.values()}:
+            atomic_write_json(d / SIDECAR_NAME, sidecar)
+
+    write_sidecars()
+
+    content = _scan_content(params, preset, sidecar)
+    streams = _stream_writers(layouts, available, dirs, content, params.compress)
+    whole = [x for x in layouts if x not in streams]
+    for orbit in params.orbits:
+        geometry = simulation_orbit(params, orbit, degree_angles=degree_angles)
+        _simulate_orbit(params, orbit, geometry, phantom, list(streams.values()), content if whole else None, progress)
+        sidecar["orbits"][str(orbit)] = {
+            "folder": f"Projections/tubeV{orbit}",
+            "source_z_mm": float(geometry.vectors(closing=True)[0, 2]),
+            "corrections": ORBIT_CORRECTIONS[orbit] if params.corrections else None,
+        }
+    gt_max = _simulate_ground_truth(params, phantom, list(streams.values()), content if whole else None, progress)
+
+    for x in whole:
+        fmt, options = available[x]
+        fmt.write(dirs[x], content, compress=params.compress, **options)
+    for writer in streams.values():
+        writer.close()
+
+    sidecar["complete"] = True
+    sidecar["ground_truth_max"] = gt_max
+    # no timings or dates in the sidecar: re-running the same command reproduces every file byte for byte
+    write_sidecars()
+    return sidecar
+
+
+def _scan_content(params: SimulationParameters, preset: str | None, sidecar: dict) -> ScanContent:
+    """The scan-level facts every writer gets; its orbits and ground truth are filled for the formats written
+    whole."""
+    read_noise = float(params.read_noise) if params.noise else 0.0  # the walnut loader's reading of the sidecar
+    return ScanContent(
+        orbits={},
+        ground_truth=None,
+        gt_shape=params.gt_shape,
+        voxel_size=float(params.gt_voxel_size),
+        read_noise=read_noise,
+        record=sidecar,
+        title=f"ctuq simulated scan ({preset})",
+    )
+
+
+def _stream_writers(layouts, available: dict, dirs: dict[str, Path], content: ScanContent, compress: bool) -> dict:
+    """The piece-by-piece writers (layout → :class:`~ctuq.data.scan_format.ScanWriter`) of the ``layouts`` whose
+    format has one (:meth:`~ctuq.data.scan_format.ScanFormat.writer`); the others are written whole at the end."""
+    streams = {}
+    for x in layouts:
+        fmt, options = available[x]
+        writer = fmt.writer(dirs[x], content, compress=compress, **options)
+        if writer is not None:
+            streams[x] = writer
+    return streams
+
+
+def _sidecar(params, preset, phantom, out_dir: Path, dirs: dict[str, Path], degree_angles: bool) -> dict[str, Any]:
+    """The sidecar ``ctuq_simulation.json`` of a simulation starting (``complete`` false, no orbits yet): the
+    parameters, the conventions of the layouts written into ``dirs``, the phantom."""
+    others = [x for x in dirs if x != WalnutFormat.name]
     sidecar: dict[str, Any] = {
         "format": "ctuq simulated walnut scan",
         "ctuq_version": __version__,
@@ -482,118 +545,99 @@ def simulate_scan(
             "scan.yaml / scan.nxs: the N-1 distinct angles in geometry-row order, (angle, row, column) uint16 counts "
             "P (not flipped); flats (2, row, column), darks (1, row, column); ground truth (n_z, n_y, n_x)"
         )
+    return sidecar
 
-    def write_sidecars() -> None:
-        for d in {out_dir, *dirs.values()}:
-            atomic_write_json(d / SIDECAR_NAME, sidecar)
 
-    write_sidecars()
+def _flats_and_dark(params: SimulationParameters, orbit: int, flat_true, dark_true, noise_seed: int):
+    """The orbit's two raw flats ``(2, det_rows, det_cols)`` and dark ``(1, det_rows, det_cols)`` (uint16): the
+    flat-field counts with Poisson noise plus the dark pattern, and read noise on each frame."""
+    rng = np.random.default_rng([noise_seed, int(orbit), 0xDA4C])
+    frames = {DARK_NAME: dark_true.copy()}
+    for name in FLAT_NAMES:
+        frames[name] = (rng.poisson(flat_true).astype(np.float64) if params.noise else flat_true) + dark_true
+    raw = {}
+    for name, frame in frames.items():
+        if params.noise:
+            frame = frame + rng.normal(0.0, params.read_noise, size=frame.shape)
+        raw[name] = _to_uint16(frame, f"tubeV{orbit}/{name}")
+    return np.stack([raw[name] for name in FLAT_NAMES]), raw[DARK_NAME][None]
 
+
+def _projection_counts(params: SimulationParameters, orbit: int, k: int, trans, flat_true, dark_true, noise_seed):
+    """Projection ``k`` of the orbit as uint16 counts ``(det_rows, det_cols)`` from its mean transmission."""
+    n = int(params.n_projections)
+    mean = flat_true * trans
+    if params.noise:
+        # One generator per file: the noise of a file does not depend on which files were written before.
+        prng = np.random.default_rng([noise_seed, int(orbit), k, 0x9E37])
+        counts = prng.poisson(mean) + dark_true + prng.normal(0.0, params.read_noise, size=mean.shape)
+    else:
+        counts = mean + dark_true
+    return _to_uint16(counts, f"tubeV{orbit}/{projection_file_name(n - 1 - k)}")
+
+
+def _simulate_orbit(params, orbit: int, geometry: CircularOrbit, phantom, streams, content, progress: bool) -> None:
+    """Scan ``phantom`` along ``orbit``: its flats, dark and ``N`` projections (the last, the closing one, at angle 0
+    again with its own noise) go to every writer of ``streams`` as they are made, and into ``content.orbits``
+    (``content`` ``None``: no format is written whole)."""
     n = int(params.n_projections)
     rows, cols, s = int(params.det_rows), int(params.det_cols), int(params.supersampling)
+    vec = geometry.vectors(closing=True)
+    flat_true, dark_true = _detector_patterns(params, orbit)
+    noise_seed = int(params.seed if params.noise_seed is None else params.noise_seed)
+    flats, darks = _flats_and_dark(params, orbit, flat_true, dark_true, noise_seed)
+    for writer in streams:
+        writer.orbit(orbit, geometry, flats, darks)
+    stack = None
+    if content is not None:
+        stack = np.empty((n - 1, rows, cols), dtype=np.uint16)
+        content.orbits[orbit] = ScanOrbit(geometry, stack, flats, darks)
+
+    first = None
+    # the bar counts the distinct angles; the closing projection (angle 0 again, walnut layout) is not one
+    bar = _progress_bar(total=n - 1, desc=f"simulate tubeV{orbit}", disable=not progress)
+    for k in range(n):
+        if k == n - 1 and first is not None:
+            trans = first  # same angle as row 0 (bit-identical vectors)
+        else:
+            trans = _transmission(phantom, vec[k], rows, cols, s)
+            if k == 0:
+                first = trans
+        counts16 = _projection_counts(params, orbit, k, trans, flat_true, dark_true, noise_seed)
+        if k < n - 1:
+            for writer in streams:
+                writer.projection(orbit, k, counts16)
+            if stack is not None:
+                stack[k] = counts16
+            bar.update(1)
+        else:  # the closing projection: angle 0 again, its own noise
+            for writer in streams:
+                writer.closing(orbit, counts16)
+            if stack is not None:
+                content.orbits[orbit].closing = counts16
+    bar.close()
+
+
+def _simulate_ground_truth(params: SimulationParameters, phantom, streams, content, progress: bool) -> float:
+    """Rasterise the ground truth slice by slice (float32, mm⁻¹) to every writer of ``streams`` and into
+    ``content.ground_truth`` (``content`` ``None``: no format is written whole); returns its maximum."""
     nz, ny, nx = params.gt_shape
     h = float(params.gt_voxel_size)
-    read_noise = float(params.read_noise) if params.noise else 0.0  # the walnut loader's reading of the sidecar
-    # the scan-level facts every writer gets; its orbits and ground truth are filled for the formats written whole
-    content = ScanContent(
-        orbits={},
-        ground_truth=None,
-        gt_shape=params.gt_shape,
-        voxel_size=h,
-        read_noise=read_noise,
-        record=sidecar,
-        title=f"ctuq simulated scan ({preset})",
-    )
-    streams = {}
-    for x in layouts:
-        fmt, options = available[x]
-        writer = fmt.writer(dirs[x], content, compress=params.compress, **options)
-        if writer is not None:
-            streams[x] = writer
-    whole = [x for x in layouts if x not in streams]
-    for orbit in params.orbits:
-        geometry = simulation_orbit(params, orbit, degree_angles=degree_angles)
-        vec = geometry.vectors(closing=True)
-        flat_true, dark_true = _detector_patterns(params, orbit)
-        noise_seed = int(params.seed if params.noise_seed is None else params.noise_seed)
-        rng = np.random.default_rng([noise_seed, int(orbit), 0xDA4C])
-        frames = {DARK_NAME: dark_true.copy()}
-        for name in FLAT_NAMES:
-            frames[name] = (rng.poisson(flat_true).astype(np.float64) if params.noise else flat_true) + dark_true
-        raw = {}
-        for name, frame in frames.items():
-            if params.noise:
-                frame = frame + rng.normal(0.0, params.read_noise, size=frame.shape)
-            raw[name] = _to_uint16(frame, f"tubeV{orbit}/{name}")
-        flats, darks = np.stack([raw[name] for name in FLAT_NAMES]), raw[DARK_NAME][None]
-        for writer in streams.values():
-            writer.orbit(orbit, geometry, flats, darks)
-        stack = None
-        if whole:
-            stack = np.empty((n - 1, rows, cols), dtype=np.uint16)
-            content.orbits[orbit] = ScanOrbit(geometry, stack, flats, darks)
-
-        first = None
-        # the bar counts the distinct angles; the closing projection (angle 0 again, walnut layout) is not one
-        bar = _progress_bar(total=n - 1, desc=f"simulate tubeV{orbit}", disable=not progress)
-        for k in range(n):
-            if k == n - 1 and first is not None:
-                trans = first  # same angle as row 0 (bit-identical vectors)
-            else:
-                trans = _transmission(phantom, vec[k], rows, cols, s)
-                if k == 0:
-                    first = trans
-            mean = flat_true * trans
-            if params.noise:
-                # One generator per file: the noise of a file does not depend on which files were written before.
-                prng = np.random.default_rng([noise_seed, int(orbit), k, 0x9E37])
-                counts = prng.poisson(mean) + dark_true + prng.normal(0.0, params.read_noise, size=mean.shape)
-            else:
-                counts = mean + dark_true
-            counts16 = _to_uint16(counts, f"tubeV{orbit}/{projection_file_name(n - 1 - k)}")
-            if k < n - 1:
-                for writer in streams.values():
-                    writer.projection(orbit, k, counts16)
-                if stack is not None:
-                    stack[k] = counts16
-                bar.update(1)
-            else:  # the closing projection: angle 0 again, its own noise
-                for writer in streams.values():
-                    writer.closing(orbit, counts16)
-                if stack is not None:
-                    content.orbits[orbit].closing = counts16
-        bar.close()
-        sidecar["orbits"][str(orbit)] = {
-            "folder": f"Projections/tubeV{orbit}",
-            "source_z_mm": float(vec[0, 2]),
-            "corrections": ORBIT_CORRECTIONS[orbit] if params.corrections else None,
-        }
-
     slice_grid = VolumeGeometry((ny, nx), h)
     gt_max = 0.0
-    gt_volume = np.empty((nz, ny, nx), dtype=np.float32) if whole else None
+    gt_volume = np.empty((nz, ny, nx), dtype=np.float32) if content is not None else None
     for k in _progress_bar(range(nz), total=nz, desc="ground truth", disable=not progress):
         z = (k + 0.5 - nz / 2.0) * h
         img = phantom.rasterize(slice_grid, z=z, thickness=h, supersampling=params.gt_supersampling)
         gt_max = max(gt_max, float(img.max()))
         img32 = img.astype(np.float32)
-        for writer in streams.values():
+        for writer in streams:
             writer.ground_truth_slice(k, img32)
         if gt_volume is not None:
             gt_volume[k] = img32
-    content.ground_truth = gt_volume
-
-    for x in whole:
-        fmt, options = available[x]
-        fmt.write(dirs[x], content, compress=params.compress, **options)
-    for writer in streams.values():
-        writer.close()
-
-    sidecar["complete"] = True
-    sidecar["ground_truth_max"] = gt_max
-    # no timings or dates in the sidecar: re-running the same command reproduces every file byte for byte
-    write_sidecars()
-    return sidecar
+    if content is not None:
+        content.ground_truth = gt_volume
+    return gt_max
 
 
 def estimate_work(params: SimulationParameters, n_ellipsoids: int = 60) -> dict:

@@ -24,6 +24,7 @@ of the rays of one column across angles, of relative size ``1/(n_f F)`` against 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,9 @@ from ctuq.options import MeasurementKind
 
 __all__ = [
     "ScanSource",
+    "ValueOrigin",
+    "VECTOR_PARTS",
+    "vector_file_origin",
     "log_count_variance",
     "count_variance",
     "binned_variance",
@@ -107,6 +111,56 @@ def binned_variance(t: np.ndarray, var: np.ndarray, steps: tuple[int, int]) -> t
     tb = bin_pixels(bin_pixels(t, steps[0], 0), steps[1], 1)
     k = steps[0] * steps[1]
     return tb, bin_pixels(bin_pixels(t * t * var, steps[0], 0), steps[1], 1) / (k * tb * tb)
+
+
+# --------------------------------------------------------------------------------------------- where values come from
+#: The four 3-vectors of a geometry row (columns 1–3, 4–6, 7–9, 10–12 of ``vectors``) by the name
+#: :meth:`ScanSource.origin` takes, with the words messages use for them.
+VECTOR_PARTS = {
+    "source": "source position",
+    "detector": "detector centre",
+    "u_step": "u step",
+    "v_step": "v step",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueOrigin:
+    """Where a value of an opened scan came from, for messages (:meth:`ScanSource.origin`): a file and, where the
+    format knows it, the row or field in it. ``str`` gives ``"<file>: <field>"`` (``"<file>:<field>"`` for an HDF5
+    path, as h5py names datasets), or the file alone."""
+
+    file: Path
+    field: str | None = None
+
+    def __str__(self) -> str:
+        if self.field is None:
+            return str(self.file)
+        sep = ":" if self.field.startswith("/") else ": "
+        return f"{self.file}{sep}{self.field}"
+
+
+def _data_line(path: Path, row: int) -> int | None:
+    """The 1-based line of text file ``path`` that holds data row ``row`` (blank lines and ``#`` comments skipped,
+    as the vector readers skip them); ``None`` when the file cannot be read or is shorter."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    data = [i + 1 for i, line in enumerate(lines) if line.split("#", 1)[0].strip()]
+    return data[row] if 0 <= row < len(data) else None
+
+
+def vector_file_origin(path: Path, part: str, row: int | None = None) -> ValueOrigin:
+    """The origin of ``part`` (a :data:`VECTOR_PARTS` name) of geometry row ``row`` in a text file of ASTRA vectors,
+    one row per line (the walnut ``.geom`` file, ``scan.yaml``'s ``geometry.vectors``): ``"line 3, columns 7–9 (u
+    step)"``; the file alone without ``row``."""
+    if row is None:
+        return ValueOrigin(Path(path))
+    first = 3 * list(VECTOR_PARTS).index(part) + 1
+    line = _data_line(Path(path), row)
+    where = f"row {row}" if line is None else f"line {line}"
+    return ValueOrigin(Path(path), f"{where}, columns {first}–{first + 2} ({VECTOR_PARTS[part]})")
 
 
 # --------------------------------------------------------------------------------------------- the protocol
@@ -292,6 +346,18 @@ class ScanSource(ABC):
         """The error for a geometry the loader cannot cut (``slice_plane``: the slice plane misses the detector),
         naming where the geometry comes from: ``"<path>: geometry: <problem>"``."""
         return self.error(f"{self.path}: geometry: {problem}")
+
+    def origin(self, quantity: str, row: int | None = None) -> ValueOrigin:
+        """The file (and, where known, the row or field) that ``quantity`` of this scan came from, for the
+        messages of :mod:`ctuq.data.plausibility`: a :data:`VECTOR_PARTS` name (``source``, ``detector``,
+        ``u_step``, ``v_step``: that part of :attr:`vectors`, ``row`` the geometry row at fault), ``voxel_size``,
+        ``grid`` (:attr:`gt_shape`) or ``projections`` (the measurements). Default: :attr:`path` (:attr:`proj_dir`
+        for the projections) with the geometry row; formats refine it."""
+        if quantity == "projections":
+            return ValueOrigin(Path(self.proj_dir))
+        if quantity in VECTOR_PARTS and row is not None:
+            return ValueOrigin(Path(self.path), f"geometry row {row} ({VECTOR_PARTS[quantity]})")
+        return ValueOrigin(Path(self.path))
 
     def record(self, rows, files, angular_subsampling, detector_subsampling, binning, cols) -> dict:
         """The source's entries of ``CTData.meta`` for the geometry ``rows`` read from projections ``files`` with

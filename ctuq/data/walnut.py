@@ -20,9 +20,9 @@ Rules (those of the data set):
   0.1 mm; the grid is centred at the origin and slice ``k`` lies at ``z = (k + ½ − n_z/2)·h`` (ctuq's
   convention, ``ctuq.geometry``).
 
-Slices and volumes are cut by the one loader (:mod:`ctuq.data.loader`); :func:`load_walnut_slice`,
-:func:`load_walnut_volume`, :func:`read_walnut_slice` and :func:`read_walnut_volume` open a folder and call it with
-the published sparse setting as defaults (60 of 1200 angles, every 6th of 768 columns). Writing
+Slices and volumes are cut by the one loader (:mod:`ctuq.data.loader`) from a :class:`WalnutScan`
+(``load_slice(WalnutScan(path), angular_subsampling=20, detector_subsampling=6)`` is the published sparse setting:
+60 of 1200 angles, every 6th of 768 columns), or by :func:`ctuq.data.load_data` from any scan path. Writing
 (:meth:`WalnutFormat.write`, or piece by piece through :meth:`WalnutFormat.writer`, as ``ctuq simulate`` does)
 stores the raw images as ``flipud(P.T)``, the geometry with the closing row, and the content's record as the
 sidecar ``ctuq_simulation.json`` (where a simulated scan's read noise and voxel size live).
@@ -42,10 +42,8 @@ from pathlib import Path
 import numpy as np
 import tifffile
 
-from ctuq.data import loader
-from ctuq.data.problem import CTData
 from ctuq.data.scan_format import CircularOrbit, ScanContent, ScanFormat, ScanWriter, write_tiff_array
-from ctuq.data.source import ScanSource, detector_record, positive_int
+from ctuq.data.source import VECTOR_PARTS, ScanSource, ValueOrigin, detector_record, positive_int, vector_file_origin
 from ctuq.errors import CTUQError
 from ctuq.options import MeasurementKind, ScanGeometry
 from ctuq.utils import atomic_path, atomic_write_json
@@ -56,10 +54,6 @@ __all__ = [
     "WalnutScan",
     "WalnutWriter",
     "default_data_dir",
-    "load_walnut_slice",
-    "load_walnut_volume",
-    "read_walnut_slice",
-    "read_walnut_volume",
     "DEFAULT_VOXEL_SIZE",
     "SIDECAR_NAME",
     "PROJECTION_PATTERN",
@@ -365,6 +359,23 @@ class WalnutScan(ScanSource):
         where = self.proj_dir if slice_plane else self.proj_dir / GEOMETRY_NAME
         return WalnutFormatError(f"{where}: {problem}")
 
+    def origin(self, quantity: str, row: int | None = None) -> ValueOrigin:
+        """:meth:`ScanSource.origin <ctuq.data.source.ScanSource.origin>`: the line of the ``.geom`` file, the
+        sidecar's key, the first ground-truth slice file or the projection folder."""
+        if quantity in VECTOR_PARTS:
+            return vector_file_origin(self.proj_dir / GEOMETRY_NAME, quantity, row)
+        if quantity == "voxel_size" and self.voxel_size_source == SIDECAR_NAME:
+            return ValueOrigin(self.path / SIDECAR_NAME, "gt_voxel_size_mm")
+        if quantity == "voxel_size":
+            return ValueOrigin(self.path, f"voxel size: {self.voxel_size_source}")
+        if quantity == "grid" and self.has_ground_truth:
+            return ValueOrigin(self.rec_dir / GT_PATTERN.format(0))
+        if quantity == "grid" and self.sidecar and "gt_shape" in self.sidecar:
+            return ValueOrigin(self.path / SIDECAR_NAME, "gt_shape")
+        if quantity == "grid":
+            return ValueOrigin(self.path, f"no {self.rec_dir.name}: the data set's grid {self.gt_shape}")
+        return super().origin(quantity, row)
+
     # ------------------------------------------------------------------ geometry
     def angle_plan(self, angular_subsampling: int) -> tuple[np.ndarray, np.ndarray]:
         """Geometry rows ``k·ass < N−1`` and their files ``N−1−k·ass``: two int arrays."""
@@ -547,75 +558,3 @@ class WalnutFormat(ScanFormat):
                 if d.is_dir():
                     found += [p for p in d.iterdir() if p.is_file() and rx.match(p.name)]
         return found
-
-
-# --------------------------------------------------------------------------------------------- loading
-# The four openers below: a WalnutScan (path, orbit, voxel_size) cut by the loader, with the published sparse setting
-# as defaults (angular_subsampling 20: 60 of the data set's 1200 angles; detector_subsampling 6: 128 of 768 columns).
-def _cut(cut, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options: dict) -> CTData:
-    scan = WalnutScan(path, orbit, voxel_size)
-    return cut(scan, angular_subsampling=angular_subsampling, detector_subsampling=detector_subsampling, **options)
-
-
-def load_walnut_slice(
-    path: str | os.PathLike,
-    *,
-    orbit: int = 2,
-    voxel_size: float | None = None,
-    angular_subsampling: int = 20,
-    detector_subsampling: int = 6,
-    **options,
-) -> CTData:
-    """Load one slice of a walnut scan as a 2D problem: operator, sinogram, ground truth
-    (:func:`ctuq.data.loader.load_slice` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
-
-    Parameters
-    ----------
-    path : path
-        ``Walnut{id}`` folder (real or simulated).
-    orbit : int
-        Source orbit 1, 2 or 3 (``tubeV{orbit}``); orbit 2 has the source in ``z = 0``.
-    voxel_size : float, optional
-        Ground-truth voxel edge (mm); default: the simulation sidecar's, else 0.1.
-    angular_subsampling : int
-        Use geometry rows ``0, k, 2k, … < N−1`` (20 → 60 angles of the real data's 1200).
-    detector_subsampling : int
-        Keep every k-th detector column (6 → 128 of 768), or bin k columns with ``detector_binning``.
-    **options
-        ``slice_index`` (default: the central one; for 501 slices that is ``z = 0``), ``image_shape``, ``backend``,
-        ``device``, ``detector_binning``, ``progress``, ``heldout``: as in :func:`ctuq.data.loader.load_slice`.
-
-    Returns
-    -------
-    CTData
-        ``y`` ``(n_angles, n_cols)``, ``ground_truth`` ``image_shape`` (mm⁻¹), ``geometry`` ``fanflat_vec``.
-    """
-    return _cut(loader.load_slice, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
-
-
-def read_walnut_slice(
-    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
-) -> CTData:
-    """Everything :func:`load_walnut_slice` returns except the operator (``op=None``; ``y`` on the CPU): its
-    parameters less ``backend``/``device``/``heldout`` (:func:`ctuq.data.loader.read_slice`)."""
-    return _cut(loader.read_slice, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
-
-
-def load_walnut_volume(
-    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
-) -> CTData:
-    """Load a walnut scan as a 3D cone-beam problem (GPU: ASTRA CUDA operator;
-    :func:`ctuq.data.loader.load_volume` on :class:`WalnutScan` ``(path, orbit, voxel_size)``).
-
-    Parameters as :func:`load_walnut_slice` and :func:`ctuq.data.loader.load_volume` (``detector_row_subsampling``
-    defaults to ``detector_subsampling``; ``image_shape`` is ``(D, H, W)``).
-    """
-    return _cut(loader.load_volume, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)
-
-
-def read_walnut_volume(
-    path, *, orbit=2, voxel_size=None, angular_subsampling=20, detector_subsampling=6, **options
-) -> CTData:
-    """Everything :func:`load_walnut_volume` returns except the operator (``op=None``): runs on the CPU
-    (:func:`ctuq.data.loader.read_volume`)."""
-    return _cut(loader.read_volume, path, orbit, voxel_size, angular_subsampling, detector_subsampling, options)

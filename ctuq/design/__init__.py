@@ -10,7 +10,8 @@ expected to tell the most about the image (``docs/experimental_design.md``). Pie
 * :mod:`.model` — :class:`DesignModel`: candidates' operator, factor, scales, ``a``, ``σ²``; the core's feature
   operators ``Ψ = T_B L diag(s)`` for any candidate set.
 * :mod:`.priors`, :mod:`.dip_prior` — building the image priors on the pilot (EM / evidence with the core's
-  :class:`ctuq.inference.LinearizedPosterior`; the DIP's g-prior refreshed every few angles, optional retraining).
+  :class:`ctuq.inference.LinearizedPosterior`; the DIP's weight prior (``design.weight_prior``, the g-prior by
+  default) refreshed every few angles, optional retraining).
 * :mod:`.criteria` — EIG, ESE, diagonal EIG from candidate blocks or samples; the dense reference.
 * :mod:`.bordered` — :class:`BorderedCholesky`: the measurement covariance of the chosen angles grown by bordering
   (a core solver, so the core sampler draws with it).

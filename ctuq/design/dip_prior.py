@@ -1,6 +1,6 @@
 """The linearised-DIP design prior: ``K = Φ diag(s)² Φᵀ / a`` around a DIP fitted on the pilot.
 
-* ``Φ`` (``d_x × d``) is the Jacobian of the fitted U-Net (linearised as :func:`ctuq.pipeline.uq.ct_features`
+* ``Φ`` (``d_x × d``) is the Jacobian of the fitted U-Net (linearised as :func:`ctuq.pipeline.ct_model.ct_features`
   does). For small networks it is assembled once with ``min(d, d_x)`` products (``d`` JVPs or ``d_x`` VJPs,
   :func:`ctuq.inference.assemble_features`) and every later product is a GEMM
   (:class:`~ctuq.design.factors.DenseFactor`); otherwise the design uses JVPs/VJPs directly (``dense="auto"``
@@ -9,14 +9,18 @@
   the chosen angles are then kept once projected (:class:`~ctuq.design.factors.BlockRowStore`, when the design's
   rows fit the :data:`~ctuq.memory.Budget.DESIGN_ROWS` budget, a quarter of the free memory), because every
   refresh below needs them all.
-* ``s``: the exact g-prior on the *chosen* rows, ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹``
-  (:func:`ctuq.inference.priors.scales_from_sq_norms`; for a network without the assembled Jacobian,
-  :func:`ctuq.inference.priors.gprior_scales` with ``exact`` or ``stochastic`` probes), refreshed every
-  ``refresh_every`` acquired angles together with ``a`` — this is what makes the prior adaptive: ``Φ`` and ``s``
-  depend on the data.
+* ``s``: the scales of the weight prior ``design.weight_prior`` (a diagonal prior of :data:`ctuq.registry.PRIORS`,
+  made by name with the options of its section ``design.<name>``) on the *chosen* rows ``Ψ₀ = T^(t) Φ``
+  (:meth:`ctuq.inference.priors.DiagonalPrior.compute_scales`). The default, the g-prior, is exact,
+  ``s_i = ‖(T^(t) Φ)_{:,i}‖⁻¹``, from the column norms the design keeps block by block
+  (:meth:`DesignModel.column_sq_norms`, handed to the prior as :attr:`~ctuq.inference.priors.PriorProblem.column_norms`;
+  for a network without the assembled Jacobian and ``design.gprior.method = stochastic``, by probes). They are
+  refreshed every ``refresh_every`` acquired angles together with ``a`` — this is what makes the prior adaptive:
+  ``Φ`` and ``s`` depend on the data.
 * ``a``: by the energy rule (default for the DIP; :func:`ctuq.design.priors.energy_precision` with
-  ``tr(T K̄ Tᵀ) = #non-zero scales``) or by exact EM on the chosen rows.
-* targets ``ỹ = scale·y + T(Φṽ − g(ṽ))`` (the DIP's offset, as in :func:`ctuq.pipeline.uq.ct_posterior`),
+  ``tr(T K̄ Tᵀ)`` from :meth:`~ctuq.inference.priors.DiagonalPrior.kernel_trace`: the g-prior's is the number of
+  non-zero scales) or by exact EM on the chosen rows.
+* targets ``ỹ = scale·y + T(Φṽ − g(ṽ))`` (the DIP's offset, as in :func:`ctuq.pipeline.ct_model.ct_posterior`),
   ``σ²`` in scaled units (default: the DIP's mean squared residual on the pilot).
 * optional retraining every ``retrain_every`` angles: the DIP is fitted further on the pilot plus the acquired
   angles (warm start, :func:`ctuq.reconstruct.dip.fit_dip`), re-linearised and re-assembled.
@@ -31,20 +35,22 @@ from pathlib import Path
 
 import torch
 
+from ctuq.config.engine import to_dict
 from ctuq.design.factors import BlockRowStore, DenseFactor
 from ctuq.design.model import DesignModel
 from ctuq.design.priors import energy_precision, fit_precision
 from ctuq.errors import CheckpointMismatch
 from ctuq.inference import LinearizedFeatures, assemble_features
-from ctuq.inference.priors import gprior_scales, scales_from_sq_norms
+from ctuq.inference.priors import PriorProblem
 from ctuq.linearize import LinearizedNetwork, count_linearized_weights
 from ctuq.memory import Budget, memory_budget
 from ctuq.options import DenseFeatures as DenseChoice
-from ctuq.options import DesignPriorKind, DesignPriorScale, GPriorMethod
+from ctuq.options import DesignPriorKind, DesignPriorScale
 from ctuq.reconstruct.dip import fit_dip
+from ctuq.registry import PRIORS
 from ctuq.utils import atomic_torch_save
 
-__all__ = ["DIPPrior", "DIPTracker"]
+__all__ = ["DIPPrior", "DIPTracker", "weight_prior_of"]
 
 
 class DIPPrior:
@@ -66,8 +72,8 @@ class DIPPrior:
     sigma2 : float, optional
         Noise variance in scaled units; default the DIP's mean squared residual on the pilot.
     settings : DesignConfig
-        ``refresh_every``, ``retrain_every``, ``retrain_iterations``, ``prior_scale``, ``gprior_method``,
-        ``dense``; the ``dip`` section of the config for retraining (``lr``, ``tv_weight``, ``clip_grad_norm``).
+        ``refresh_every``, ``retrain_every``, ``retrain_iterations``, ``prior_scale``, ``weight_prior`` and its
+        section (``design.gprior``, ...), ``dense``.
     dip_settings : DIPConfig, optional
         Learning rate, TV weight and clipping of retraining.
     work_dir : path, optional
@@ -104,8 +110,13 @@ class DIPPrior:
         self._rows = None  # BlockRowStore of the current Φ (network through VJPs)
         self._n_blocks = 0  # pilot + acquisitions of the design: the blocks a store must hold
         self.timings: dict[str, float] = {"linearize_s": 0.0}
-        self.n_refreshes = 0
         self.n_retrains = 0
+        self.prior_name, self.prior_options = weight_prior_of(settings)
+
+    def weight_prior(self, features):
+        """A fresh weight prior ``design.weight_prior`` with its options, on the unscaled features ``features``
+        (``Ψ₀``, the chosen rows): a :class:`~ctuq.inference.priors.DiagonalPrior` whose scales are computed once."""
+        return PRIORS[self.prior_name].create(features, **self.prior_options)
 
     # ------------------------------------------------------------------------------------------ linearisation
     def _linearize(self, n_steps: int, n_blocks: int) -> None:
@@ -157,7 +168,8 @@ class DIPPrior:
 
     # ------------------------------------------------------------------------------------------ models
     def build(self, chosen, n_steps: int = 1) -> DesignModel:
-        """Linearise (first call), then the model with the g-prior and ``a`` of the ``chosen`` angles."""
+        """Linearise (first call), then the model with the weight prior's scales and ``a`` of the ``chosen``
+        angles."""
         self._n_blocks = max(self._n_blocks, len(list(chosen)) + int(n_steps))
         if self.factor is None:
             self._linearize(n_steps, self._n_blocks)
@@ -189,7 +201,7 @@ class DIPPrior:
         return (self.g0.detach().double().cpu() / self.scale).reshape(-1)
 
     def model_for(self, chosen) -> DesignModel:
-        """The model of the current network with the g-prior and ``a`` of the candidate blocks ``chosen`` (after
+        """The model of the current network with the prior's scales and ``a`` of the candidate blocks ``chosen`` (after
         :meth:`build`): what a design that had chosen them would use, e.g. an equidistant set of that size for
         the forecast of equidistant acquisition (:mod:`ctuq.design.forecast`)."""
         if self.factor is None:
@@ -198,30 +210,28 @@ class DIPPrior:
 
     def _scaled(self, base: DesignModel, chosen) -> DesignModel:
         chosen = list(chosen)
-        if isinstance(self.factor, DenseFactor) or self.settings.gprior_method == GPriorMethod.EXACT:
-            s = scales_from_sq_norms(base.column_sq_norms(chosen, cache=self._sq_norms))
-        else:
-            feats = base.features(chosen)
-            s = gprior_scales(
-                feats.rmatvec,
-                feats.n_outputs,
-                method=GPriorMethod.STOCHASTIC.value,
-                n_features=base.d,
-                n_probes=self.settings.gprior_probes,
-                seed=self.seed,
-                dtype=feats.dtype,
-                device=feats.device,
-            )
-        s = s.to(self.factor.dtype)
-        model = base.with_updates(scales=s, info={"n_chosen": len(chosen), "nonzero_scales": int((s > 0).sum())})
         y_t = self.targets(chosen)
+        feats = base.features(chosen)  # Ψ₀ = T^(t) Φ (the base model's scales are ones)
+        problem = PriorProblem(
+            feats,
+            y_t,
+            a=float(base.a),
+            sigma2=float(base.sigma2),
+            seed=self.seed,
+            # exact column norms block by block, kept while Φ stays (free once Φ is assembled)
+            column_norms=lambda: base.column_sq_norms(chosen, cache=self._sq_norms),
+            column_norms_free=isinstance(self.factor, DenseFactor),
+        )
+        prior = self.weight_prior(feats)
+        s = prior.compute_scales(problem).to(self.factor.dtype)
+        model = base.with_updates(scales=s, info={"n_chosen": len(chosen), "nonzero_scales": int((s > 0).sum())})
         if self.settings.prior_scale == DesignPriorScale.EM:
             a, s2, ev = fit_precision(model, chosen, y_t, learn_noise=False)
             return model.with_updates(
                 a=a, info={**model.info, "prior_scale": DesignPriorScale.EM.value, "log_evidence": ev}
             )
-        # auto and energy: the energy rule (the authors' g-prior scale)
-        a, clipped = energy_precision(float((s > 0).sum()), y_t, model.sigma2)
+        # auto and energy: the energy rule (the authors' g-prior scale), with the prior's tr(T K̄ Tᵀ)
+        a, clipped = energy_precision(prior.kernel_trace(s, problem), y_t, model.sigma2)
         return model.with_updates(
             a=a, info={**model.info, "prior_scale": DesignPriorScale.ENERGY.value, "energy_clipped": clipped}
         )
@@ -235,7 +245,6 @@ class DIPPrior:
             self.factor = None
             return self.build(chosen)
         if st.refresh_every and n_acquired % st.refresh_every == 0:
-            self.n_refreshes += 1
             return self._scaled(engine.model.with_updates(scales=torch.ones(self.factor.d)), chosen)
         return None
 
@@ -275,6 +284,20 @@ class DIPPrior:
                 atomic_torch_save(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
         self.net_model = model.eval()
         self.n_retrains += 1
+
+
+def weight_prior_of(settings) -> tuple[str, dict]:
+    """``(name, options)`` of the linearised DIP's weight prior from the design settings: ``design.weight_prior``
+    and the values of its section ``design.<name>`` (none for a prior without options). One line naming
+    ``design.weight_prior`` for a prior that is not diagonal (the design keeps scales ``s``)."""
+    name = str(settings.weight_prior)
+    if name not in PRIORS or not PRIORS[name].diagonal:
+        valid = [n for n in PRIORS.names() if PRIORS[n].diagonal]
+        raise ValueError(f"design.weight_prior must be a diagonal weight prior ({', '.join(valid)}), got {name!r}")
+    sections = dict(settings.prior_sections.items())
+    options = to_dict(sections[name]) if name in sections else {}
+    PRIORS[name].check_option_names(options)
+    return name, options
 
 
 class DIPTracker:

@@ -3,20 +3,25 @@
 Notation (``docs/experimental_design.md`` §7). After the chosen angles ``τ`` the design engine's posterior gives the
 pixel variance ``v_τ(x)`` of the image (``DesignEngine.posterior_variance``, sampled) and, for every candidate row,
 its predictive mean ``μ = T̄x̂ + T̄ K T^τᵀ C_τ⁻¹ (y_τ − T^τ x̂)`` around the pilot reconstruction ``x̂`` and the image
-part ``v_i`` of its predictive variance. A calibration method of :data:`ctuq.registry.CALIBRATIONS` (``heldout``:
-the scale ``k``; ``bias``: a bias ``τ`` inside the object mask ``M``; ``none``) is fitted on rows whose measurements
-the posterior has not seen, as ``ctuq uq`` fits it on the scan's unused angles:
+part ``v_i`` of its predictive variance. A calibration method of :data:`ctuq.registry.CALIBRATIONS`
+(``design.calibration``: any registered one, e.g. ``heldout``: the scale ``k``; ``bias``: a bias ``τ`` inside the
+object mask ``M``; ``none``) is fitted on rows whose measurements the posterior has not seen, as ``ctuq uq`` fits it
+on the scan's unused angles (the rows carry the bias weights of ``M`` and the row weights of the method's image
+features, :meth:`~ctuq.calibration.CalibrationMethod.image_features`):
 
 * **at the pilot**: the candidates not in the pilot (the scan measured them; a plan made before any further
   scanning has only those);
 * **online**: before an acquired angle is conditioned on, its rows are unseen: their residuals ``y_β − μ_β`` are
-  scored against the calibration fitted on the earlier ones (a prequential check: coverage, ``z²``, log-likelihood)
+  scored against the calibration fitted on the earlier ones (its
+  :meth:`~ctuq.calibration.CalibrationMethod.row_variance`: a prequential check of coverage, ``z²``, log-likelihood)
   and then join the fit.
 
 The **predicted RMS error** after ``τ`` is the calibrated std map's root mean square inside the object mask ``M``
 of the pilot reconstruction (the bias model's mask), ``sqrt(mean_M(c(√v_τ)²))``, ``c`` the fitted method's
 :meth:`~ctuq.calibration.CalibrationMethod.apply_std` (mm⁻¹); its 95 % band comes from refitting the method on
-block-bootstrap resamples of the rows (angles drawn with replacement). The predicted PSNR uses the whole image and
+block-bootstrap resamples of the rows (angles drawn with replacement; each refit is the method's
+:meth:`~ctuq.calibration.CalibrationMethod.fit` on the resampled rows, a point fit without a bootstrap of its own).
+The predicted PSNR uses the whole image and
 an intensity range (the ground truth's, else ``design.intensity_range``).
 
 A :class:`StopRule` reads targets with units (``0.002/mm``, ``30dB``, ``1%``) and says after each acquisition
@@ -32,15 +37,14 @@ import re
 import numpy as np
 import torch
 
-from ctuq.calibration.bias import bias_weight, object_mask
-from ctuq.calibration.check import HeldoutRows
+from ctuq.calibration.maps import bias_weight, object_mask
+from ctuq.calibration.rows import HeldoutRows
 from ctuq.design.candidates import DesignError
 from ctuq.metrics.image import psnr_from_mse
-from ctuq.options import ForecastCalibration, ForecastUpdate, values
+from ctuq.options import ForecastUpdate, values
 from ctuq.registry import CALIBRATIONS
 
 __all__ = [
-    "FORECAST_CALIBRATIONS",
     "Target",
     "parse_target",
     "StopRule",
@@ -50,9 +54,6 @@ __all__ = [
     "forecast_counts",
 ]
 
-#: Calibration methods the forecast can fit: those needing only the rows and the object mask (``spatial`` needs
-#: image features of every candidate row).
-FORECAST_CALIBRATIONS = tuple(values(ForecastCalibration))
 _Z90 = 1.6448536269514722  # Φ⁻¹(0.95): the central 90 % interval
 _MIN_ONLINE_ANGLES = 3  # below this the online fit adds the pilot's rows: 1-2 angles are too few rows in blocks
 
@@ -193,15 +194,25 @@ class RowPredictor:
         For the operator, ``image_scale`` and the bias weights of its rows.
     mask : np.ndarray
         The object mask ``M`` (image shape, 0/1) of the bias model's row weights ``Σ_j T_ij² M_j``.
+    features : dict, optional
+        Image maps (name → image shape, ≥ 0) whose row weights ``Σ_j T_ij² f_j`` the rows carry (the forecast's
+        calibration method's :meth:`~ctuq.calibration.CalibrationMethod.image_features`: :attr:`ErrorForecaster.
+        features`).
+    seed : int
+        Seeds the probes of the row weights on an operator without an assembled matrix.
     """
 
-    def __init__(self, center: torch.Tensor, y: torch.Tensor, model, mask: np.ndarray, *, seed: int = 0):
+    def __init__(self, center: torch.Tensor, y: torch.Tensor, model, mask: np.ndarray, *, seed: int = 0, features=None):
         self.op = model.op
         self.k, self.n = model.k, model.n_candidates
         self.y = y.detach().double().cpu().reshape(self.n, self.k)
         self.center = None
         self.recenter(center)
         self.bias = bias_weight(self.op, mask, seed=seed).reshape(self.n, self.k)
+        self.features = dict(features or {})
+        self.feature_weights = {
+            name: bias_weight(self.op, f, seed=seed).reshape(self.n, self.k) for name, f in self.features.items()
+        }
 
     def recenter(self, center: torch.Tensor) -> None:
         """Centre the predictions on ``center`` ``(d_x,)`` (mm⁻¹): a retrained reconstruction. A no-op for the
@@ -216,7 +227,8 @@ class RowPredictor:
 
     def rows(self, engine, blocks) -> HeldoutRows:
         """The rows of candidate ``blocks`` given the engine's chosen angles (data units): residuals ``y − μ``, the
-        image part of their predictive variance, ``σ²``, the angle as group, the bias weights."""
+        image part of their predictive variance, ``σ²``, the angle as group, the bias and feature weights; no
+        bootstrap of their own (the forecaster resamples them itself)."""
         blocks = [int(b) for b in blocks]
         mdl = engine.model
         s = float(mdl.image_scale)
@@ -229,6 +241,9 @@ class RowPredictor:
             groups=np.repeat(np.asarray(blocks), self.k),
             bias_weight=self.bias[blocks].reshape(-1).copy(),
             meta={"n_angles": len(blocks), "n_used_angles": len(engine.chosen)},
+            features=self.features,
+            feature_weights={name: w[blocks].reshape(-1).copy() for name, w in self.feature_weights.items()},
+            n_bootstrap=0,
         )
 
 
@@ -239,10 +254,13 @@ class ErrorForecaster:
     Parameters
     ----------
     method : str
-        A name of :data:`FORECAST_CALIBRATIONS`.
+        A name of :data:`ctuq.registry.CALIBRATIONS` (``design.calibration``).
     reconstruction : array-like
         The pilot reconstruction ``x̂`` (image shape, mm⁻¹): its object mask ``M``
-        (:func:`ctuq.calibration.bias.object_mask`) is where the RMS error is predicted.
+        (:func:`ctuq.calibration.maps.object_mask`) is where the RMS error is predicted, and the method's image
+        features (:attr:`features`) are its.
+    companions : dict, optional
+        The pilot's other reconstructions by name (``"fbp"``, ``"tv"``), for methods whose features use them.
     data_range : float, optional
         The intensity range (mm⁻¹) of the predicted PSNR; ``None``: no PSNR.
     n_bootstrap : int
@@ -251,25 +269,41 @@ class ErrorForecaster:
         Seeds the bootstrap.
     """
 
-    def __init__(self, method: str, reconstruction, *, data_range=None, n_bootstrap: int = 50, seed: int = 0):
-        if method not in FORECAST_CALIBRATIONS:
-            raise DesignError(f"design.calibration must be one of {list(FORECAST_CALIBRATIONS)}, got {method!r}")
+    def __init__(
+        self,
+        method: str,
+        reconstruction,
+        *,
+        companions: dict | None = None,
+        data_range=None,
+        n_bootstrap: int = 50,
+        seed: int = 0,
+    ):
+        if method not in CALIBRATIONS:
+            raise DesignError(f"design.calibration must be one of {list(CALIBRATIONS.names())}, got {method!r}")
         x = reconstruction.detach().cpu().numpy() if isinstance(reconstruction, torch.Tensor) else reconstruction
         self.reconstruction = np.asarray(x, np.float64)
         self.name, self.mask = method, object_mask(self.reconstruction)
         if not self.mask.any():
             raise DesignError("the pilot reconstruction has no object (its object mask is empty): nothing to forecast")
+        self.cls = CALIBRATIONS[method]
+        #: the image maps the method fits on (name → image shape, float64): their row weights come with the rows
+        self.features = self.cls.image_features(self.reconstruction, companions)
         self.data_range = None if data_range is None else float(data_range)
         self.n_bootstrap, self.seed = int(n_bootstrap), int(seed)
         self.method = None
         self.replicates: list = []
         self.n_rows = 0
 
+    def fit_once(self, rows: HeldoutRows):
+        """The method fitted on ``rows`` alone (a point fit: no bootstrap of the method's own), or ``None`` when it
+        cannot be fitted on them."""
+        return self.cls.fit(dataclasses.replace(rows, n_bootstrap=0, report={}), self.reconstruction)
+
     def fit(self, rows: HeldoutRows) -> ErrorForecaster:
-        """Fit the method on ``rows`` and on ``n_bootstrap`` block-bootstrap resamples of them; returns self."""
-        cls = CALIBRATIONS[self.name]
-        rows.score(n_bootstrap=0)
-        self.method = cls.fit(rows, self.reconstruction)
+        """Fit the method on ``rows`` and on ``n_bootstrap`` block-bootstrap resamples of them (:meth:`fit_once`
+        each: nothing else is scored); returns self."""
+        self.method = self.fit_once(rows)
         self.n_rows = int(rows.residual.size)
         groups = np.asarray(rows.groups)
         labels, inverse = np.unique(groups, return_inverse=True)
@@ -278,9 +312,7 @@ class ErrorForecaster:
         self.replicates = []
         for _ in range(self.n_bootstrap if len(labels) > 1 else 0):
             pick = gen.integers(0, len(labels), len(labels))
-            sub = rows.take(np.concatenate([members[j] for j in pick]))
-            sub.score(n_bootstrap=0)
-            self.replicates.append(cls.fit(sub, self.reconstruction))
+            self.replicates.append(self.fit_once(rows.take(np.concatenate([members[j] for j in pick]))))
         return self
 
     def report(self) -> dict:
@@ -376,8 +408,7 @@ class OnlineCalibration:
         for other in values(ForecastUpdate):
             got = self._rows_for(other) if other != self.update else None
             if got is not None:
-                got.score(n_bootstrap=0)
-                self.fits[other] = CALIBRATIONS[self.forecaster.name].fit(got, self.forecaster.reconstruction)
+                self.fits[other] = self.forecaster.fit_once(got)
             if other != self.update:
                 fit = self.fits[other]
                 alternatives[other] = fit.report() if fit is not None else None

@@ -101,8 +101,7 @@ def _load(path: Path, fingerprint: dict, n_candidates: int) -> dict:
     steps = state.get("steps")
     if not isinstance(steps, list) or not isinstance(state.get("fingerprint", {}), dict):
         raise CheckpointMismatch(f"{path}: a damaged design checkpoint (no list of steps); {hint}")
-    digest = state.get("digest")  # absent in checkpoints written before it was recorded
-    if digest is not None and digest != _digest(state.get("fingerprint", {}), steps):
+    if state.get("digest") != _digest(state.get("fingerprint", {}), steps):
         raise CheckpointMismatch(f"{path}: its content does not match its digest (edited or damaged); {hint}")
     seen: set[int] = set()
     for k, rec in enumerate(steps, start=1):
@@ -192,6 +191,7 @@ def greedy_design(
     ckpt = Path(checkpoint) if checkpoint is not None else None
     saved = _load(ckpt, fingerprint, len(angles_deg)) if ckpt is not None and ckpt.is_file() else {"steps": []}
     steps: list[dict] = [dict(s) for s in saved["steps"]][:n_acquire]
+    hooks = _Hooks(n_acquire, updater, update_last, before_acquire, after_step)
     t_start = time.perf_counter()
     engine.reset(pilot)
     engine.prepare()  # the set-up's samples are timed as set-up, not as the first step
@@ -200,18 +200,7 @@ def greedy_design(
         on_setup(engine)
     if steps:
         say(f"resuming the design: replaying {len(steps)} recorded acquisitions")
-    stopped_at = None
-    for rec in steps:  # replay: same conditioning, same noise streams, stored prior updates
-        if before_acquire is not None:
-            before_acquire(engine, rec["step"], rec["candidate"], True)
-        engine.acquire(rec["candidate"], rec["step"])
-        if updater is not None and (rec["step"] < n_acquire or update_last):
-            new = updater(engine, rec["step"], engine.chosen, True)
-            if new is not None:
-                engine.reset(engine.chosen, model=new)
-        if after_step is not None and after_step(engine, rec["step"], True):
-            stopped_at = rec["step"]
-            break
+    stopped_at = _replay(engine, steps, hooks)
     steps = steps[: stopped_at or len(steps)]
     resumed = len(steps)
     bar = _progress_bar(
@@ -221,53 +210,90 @@ def greedy_design(
         for step in range(resumed + 1, n_acquire + 1):
             if stopped_at is not None:
                 break
-            t0 = time.perf_counter()
-            values, eta = engine.criteria(criterion, jitter)
-            beta = int(torch.argmax(values))
-            if before_acquire is not None:
-                before_acquire(engine, step, beta, False)
-            engine.acquire(beta, step)
-            dt = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            if updater is not None and (step < n_acquire or update_last):
-                new = updater(engine, step, engine.chosen, False)
-                if new is not None:
-                    engine.reset(engine.chosen, model=new)
-                    if step < n_acquire:
-                        engine.prepare()  # timed with the update; after the last step nothing is scored
-            du = time.perf_counter() - t1
-            if after_step is not None and after_step(engine, step, False):
+            rec, stop = _acquire(engine, step, criterion, jitter, angles_deg, hooks)
+            if stop:
                 stopped_at = step
-            rec = {
-                "step": step,
-                "candidate": beta,
-                "angle_deg": float(angles_deg[beta]),
-                "criterion": float(values[beta]),
-                "jitter": eta,
-                "time_s": dt,
-                "update_s": du,
-                "n_chosen": len(engine.chosen),
-                "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()],
-            }
             steps.append(rec)
-            timings["steps_s"] += dt
-            timings["updates_s"] += du
+            timings["steps_s"] += rec["time_s"]
+            timings["updates_s"] += rec["update_s"]
             if ckpt is not None:
-                atomic_torch_save(
-                    ckpt,
-                    {
-                        "version": CHECKPOINT_VERSION,
-                        "fingerprint": fingerprint,
-                        "steps": steps,
-                        "digest": _digest(fingerprint, steps),
-                    },
-                )
+                state = {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "steps": steps}
+                atomic_torch_save(ckpt, {**state, "digest": _digest(fingerprint, steps)})
             bar.update(1)
-            bar.set_postfix({"angle": f"{rec['angle_deg']:.1f}°", "s/step": f"{dt:.2f}"}, refresh=False)
+            bar.set_postfix({"angle": f"{rec['angle_deg']:.1f}°", "s/step": f"{rec['time_s']:.2f}"}, refresh=False)
     finally:
         bar.close()
     timings["total_s"] = time.perf_counter() - t_start
     return DesignResult(criterion, pilot, [s["candidate"] for s in steps], steps, timings, resumed, stopped_at)
+
+
+@dataclasses.dataclass
+class _Hooks:
+    """The caller's callbacks around each acquisition of :func:`greedy_design` (its parameters of these names)."""
+
+    n_acquire: int
+    updater: Callable | None
+    update_last: bool
+    before_acquire: Callable | None
+    after_step: Callable | None
+
+    def before(self, engine, step: int, beta: int, replay: bool) -> None:
+        if self.before_acquire is not None:
+            self.before_acquire(engine, step, beta, replay)
+
+    def update(self, engine, step: int, replay: bool) -> bool:
+        """The prior update after ``step`` (not after the last unless ``update_last``): whether it replaced the
+        model (the engine is then reset on all chosen angles)."""
+        if self.updater is None or not (step < self.n_acquire or self.update_last):
+            return False
+        new = self.updater(engine, step, engine.chosen, replay)
+        if new is None:
+            return False
+        engine.reset(engine.chosen, model=new)
+        return True
+
+    def stop(self, engine, step: int, replay: bool) -> bool:
+        return self.after_step is not None and bool(self.after_step(engine, step, replay))
+
+
+def _replay(engine, steps: list[dict], hooks: _Hooks) -> int | None:
+    """Condition ``engine`` on the recorded ``steps`` again (same conditioning, same noise streams, the updater
+    restoring its stored prior updates); the step at which the stop rule stopped the design, else ``None``."""
+    for rec in steps:
+        hooks.before(engine, rec["step"], rec["candidate"], True)
+        engine.acquire(rec["candidate"], rec["step"])
+        hooks.update(engine, rec["step"], True)
+        if hooks.stop(engine, rec["step"], True):
+            return rec["step"]
+    return None
+
+
+def _acquire(engine, step: int, criterion: str, jitter: float, angles_deg: np.ndarray, hooks: _Hooks):
+    """One acquisition: score every candidate, condition on the argmax, update the prior; ``(record, stop)`` with
+    the step's record (:class:`DesignResult` ``steps``) and whether the stop rule ends the design here."""
+    t0 = time.perf_counter()
+    values, eta = engine.criteria(criterion, jitter)
+    beta = int(torch.argmax(values))
+    hooks.before(engine, step, beta, False)
+    engine.acquire(beta, step)
+    dt = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if hooks.update(engine, step, False) and step < hooks.n_acquire:
+        engine.prepare()  # timed with the update; after the last step nothing is scored
+    du = time.perf_counter() - t1
+    stop = hooks.stop(engine, step, False)
+    rec = {
+        "step": step,
+        "candidate": beta,
+        "angle_deg": float(angles_deg[beta]),
+        "criterion": float(values[beta]),
+        "jitter": eta,
+        "time_s": dt,
+        "update_s": du,
+        "n_chosen": len(engine.chosen),
+        "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()],
+    }
+    return rec, stop
 
 
 def baseline_design(

@@ -42,7 +42,8 @@ class DesignModel:
     factor : object
         ``L`` (``jvp``/``vjp`` on rows, ``d``, ``d_out``).
     scales : torch.Tensor
-        ``s`` ``(d,)`` (g-prior for the DIP, ones otherwise).
+        ``s`` ``(d,)`` (the weight prior's for the DIP, ``design.weight_prior``: the g-prior by default; ones
+        otherwise).
     a, sigma2 : float
         Prior precision and noise variance.
     image_prior : str

@@ -35,8 +35,8 @@ def _variance(engine: DesignEngine, n: int, seed: int):
 
 
 def refresh_updater(prior, every: int) -> Callable | None:
-    """A greedy-design updater that refits the g-prior and ``a`` of ``prior`` (a :class:`DIPPrior`) on the chosen
-    angles every ``every`` acquisitions, and never retrains (``None`` without a prior or refresh)."""
+    """A greedy-design updater that refits the weight prior's scales and ``a`` of ``prior`` (a :class:`DIPPrior`) on
+    the chosen angles every ``every`` acquisitions, and never retrains (``None`` without a prior or refresh)."""
     if prior is None or not every:
         return None
 
@@ -103,46 +103,32 @@ def plan_curves(
     t0 = time.perf_counter()
     say = log or (lambda _m: None)
     counts = [int(c) for c in counts]
-    n0 = len(pilot)
-    designed: dict[int, dict] = {}
-
-    def record(engine, step, replay=False):
-        n = n0 + step
-        if n in counts:
-            designed[n] = forecaster.predict(_variance(engine, std_samples, seed + 17), n)
-        return False
-
-    engine = DesignEngine(model, route=route, n_samples=n_samples, seed=seed)
-    result = None
-    if max(counts) > n0:
-        result = greedy_design(
-            engine,
-            pilot,
-            max(counts) - n0,
-            criterion=criterion,
-            angles_deg=angles_deg,
-            jitter=jitter,
-            updater=refresh_updater(prior, refresh_every),
-            progress=progress,
-            log=say,
-            on_setup=lambda eng: record(eng, 0),
-            after_step=record,
-            desc=f"plan ({criterion})",
-        )
-    else:
-        engine.reset(pilot)
-        record(engine, 0)
+    designed, order = _designed_curve(
+        DesignEngine(model, route=route, n_samples=n_samples, seed=seed),
+        prior,
+        pilot,
+        counts,
+        forecaster,
+        refresh_every=refresh_every,
+        std_samples=std_samples,
+        seed=seed,
+        criterion=criterion,
+        angles_deg=angles_deg,
+        jitter=jitter,
+        progress=progress,
+        log=say,
+    )
     equidistant = []
     eq = DesignEngine(model, route="sampled", n_samples=2, seed=seed)
-    for n in counts:
+    for n in counts:  # each set as a design that had chosen it would: the prior refitted on it
         chosen = equidistant_indices(model.n_candidates, n).tolist()
         eq.reset(chosen, model=prior.model_for(chosen) if prior is not None else model)
         equidistant.append(forecaster.predict(_variance(eq, std_samples, seed + 17), n))
     out = {
         "counts": counts,
-        "designed": [designed[n] for n in counts],
+        "designed": designed,
         "equidistant": equidistant,
-        "designed_order": list(result.acquired) if result is not None else [],
+        "designed_order": order,
         "time_s": time.perf_counter() - t0,
     }
     say(
@@ -151,6 +137,36 @@ def plan_curves(
         + " angles (designed)"
     )
     return out
+
+
+def _designed_curve(engine, prior, pilot, counts, forecaster, *, refresh_every, std_samples, seed, **greedy):
+    """The designed strategy of :func:`plan_curves`: ``(forecast per count, planned acquisitions)``, the greedy
+    design (``greedy``: its keyword arguments) run ahead on the covariance of ``engine`` with a forecast at each
+    count."""
+    n0 = len(pilot)
+    designed: dict[int, dict] = {}
+
+    def record(eng, step, replay=False):
+        n = n0 + step
+        if n in counts:
+            designed[n] = forecaster.predict(_variance(eng, std_samples, seed + 17), n)
+        return False
+
+    if max(counts) <= n0:
+        engine.reset(pilot)
+        record(engine, 0)
+        return [designed[n] for n in counts], []
+    result = greedy_design(
+        engine,
+        pilot,
+        max(counts) - n0,
+        updater=refresh_updater(prior, refresh_every),
+        on_setup=lambda eng: record(eng, 0),
+        after_step=record,
+        desc=f"plan ({greedy['criterion']})",
+        **greedy,
+    )
+    return [designed[n] for n in counts], list(result.acquired)
 
 
 class AcquisitionHooks:

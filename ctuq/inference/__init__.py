@@ -28,7 +28,7 @@ equation                                              implementation
 any prior ``Ψ = Ψ₀ L``; TV-PredCP, its type-II MAP    :class:`WeightPrior` (``priors/base.py``);
                                                       :class:`BlockFeatures` (``block_features.py``);
                                                       :class:`TVPredCPPrior`, :func:`fit_block_prior`
-                                                      (``priors/tv_predcp.py``)
+                                                      (``priors/tv_predcp/``)
 ``K̄ = ΨΨᵀ``                                           :class:`KernelOperator` (``kernel.py``, a LinearOperator)
 ``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
 ``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
@@ -135,12 +135,10 @@ from ctuq.inference.solvers import (
     pcg,
     pivoted_cholesky_eig,
     randomized_eig,
-    register_solver,
     relative_residual,
     resolve_solver,
     solver_choices,
     solver_kwargs,
-    unregister_solver,
 )
 
 __all__ = [
@@ -181,8 +179,6 @@ __all__ = [
     "assemble_kernel",
     "kernel_diagonal",
     "SOLVERS",
-    "register_solver",
-    "unregister_solver",
     "solver_choices",
     "check_solver_options",
     "solver_kwargs",

@@ -395,7 +395,7 @@ class SampledEM:
 
     # ------------------------------------------------------------------------------------------ state
     def _fingerprint(self) -> dict:
-        fp = {
+        return {
             "c": int(self.features.n_outputs),
             "d": int(self.features.n_features),
             "y_sum": float(self.y_tilde.double().sum()),
@@ -403,13 +403,9 @@ class SampledEM:
             "learn_noise": self.learn_noise,
             "exact_gamma": self.exact_gamma,
             "seed": self.seed,
+            "fixed_probes": self.fixed_probes,
+            "stop_on": self.stop_on,
         }
-        # Only non-default settings enter (older states, which lack these keys, still resume).
-        if self.fixed_probes:
-            fp["fixed_probes"] = True
-        if self.stop_on != "a":
-            fp["stop_on"] = self.stop_on
-        return fp
 
     def state_dict(self) -> dict:
         """Everything needed to resume (tensors and plain values only; ``weights_only``-loadable)."""

@@ -24,6 +24,7 @@ Lifecycle (the same for every front end)::
     post = LinearizedPosterior(features, targets, prior="gprior", likelihood=GaussianLikelihood(σ², True),
                                a=100.0, solver="auto", seed=0)
     post.setup()                        # the prior (fit, Ψ), solver set-up   (stage "scales", then "solver")
+    post.timings[post.weight_prior.timing_key]   # the prior's set-up seconds (the g-prior's: "gprior")
     post.fit(max_steps=5, n_samples=16) # sampled (or exact) EM for a (and σ²)   (stage "em" after each step)
     for i, chunk in post.sample_outputs(1024, chunk_size=64, seed=1): ...   # zero-mean image samples
     post.mean(); post.log_evidence()    # w*; exact evidence where the solver is exact
@@ -58,7 +59,7 @@ from ctuq.inference.em import EMResult, SampledEM
 from ctuq.inference.features import FeatureOperator, RowScaledFeatures, stack_features
 from ctuq.inference.kernel import assemble_features
 from ctuq.inference.likelihoods import GaussianLikelihood, Likelihood
-from ctuq.inference.priors import DiagonalPrior, GPrior, PriorProblem, WeightPrior
+from ctuq.inference.priors import DiagonalPrior, PriorProblem, WeightPrior
 from ctuq.inference.sampler import PosteriorSamples, posterior_mean, sample_chunks
 from ctuq.inference.solvers import (
     SOLVERS,
@@ -70,7 +71,7 @@ from ctuq.inference.solvers import (
     solver_choices,
     solver_kwargs,
 )
-from ctuq.options import EMUpdate, GPriorMethod, values
+from ctuq.options import EMUpdate, values
 from ctuq.registry import PRIORS
 
 __all__ = ["LinearizedPosterior", "POSTERIOR_STATE_VERSION"]
@@ -97,13 +98,10 @@ class LinearizedPosterior:
         learns it); the features are then ``Ψ = Ψ₀ L``.
     prior_options : dict, optional
         Options of a prior given by name (its :meth:`~ctuq.inference.priors.WeightPrior.option_names`; e.g.
-        ``steps``, ``scale``, ``image_shape``, ``param_shapes`` (default: the linearised parameters of
-        ``features.network``) and ``image_map`` (network weights → outputs, default ``features.network_matvec``) for
-        ``"tv_predcp"``); for a given instance, what it takes from the posterior (TV-PredCP: ``image_map``).
-    gprior_method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
-        The g-prior's column norms, exact (``c`` VJPs) or by ``gprior_probes`` probes (its ``method`` option).
-    gprior_probes : int
-        Probes of the stochastic g-prior (its ``probes`` option).
+        ``method`` (``"exact"`` or ``"stochastic"`` column norms) and ``probes`` for ``"gprior"``; ``steps``,
+        ``scale``, ``image_shape``, ``param_shapes`` (default: the linearised parameters of ``features.network``)
+        and ``image_map`` (network weights → outputs, default ``features.network_matvec``) for ``"tv_predcp"``); for
+        a given instance, what it takes from the posterior (TV-PredCP: ``image_map``).
     likelihood : Likelihood, optional
         Default ``GaussianLikelihood(1.0)``. A ``DiagonalGaussianLikelihood`` (noise ``σ² D``) must have one
         variance per target; the posterior then whitens by ``D^(−1/2)`` (module docstring).
@@ -120,7 +118,7 @@ class LinearizedPosterior:
     workload : Workload, optional
         What the run will do (for ``solver="auto"``'s cost model).
     seed : int
-        Seeds the g-prior probes, the preconditioner and the EM.
+        Seeds the prior's probes (the stochastic g-prior), the preconditioner and the EM.
     output_map : callable, optional
         ``W`` ``(B, d)`` scaled weights → ``(B, d_out)`` network outputs; default ``Φ(s ⊙ w)`` when
         ``features`` has ``network_matvec`` (a :class:`~ctuq.inference.features.LinearizedFeatures`).
@@ -140,8 +138,6 @@ class LinearizedPosterior:
         *,
         prior: str | torch.Tensor | Any = "gprior",
         prior_options: dict | None = None,
-        gprior_method: str = "exact",
-        gprior_probes: int = 256,
         likelihood: Likelihood | None = None,
         a: float = 1.0,
         solver: str = "auto",
@@ -153,19 +149,11 @@ class LinearizedPosterior:
         log: Callable[[str], None] | None = None,
         shard: Shard | None = None,
     ):
-        if gprior_method not in values(GPriorMethod):
-            raise ValueError(
-                f"LinearizedPosterior: gprior_method must be one of {list(values(GPriorMethod))}, got {gprior_method!r}"
-            )
         if solver not in solver_choices():
             raise ValueError(f"LinearizedPosterior: solver must be one of {list(solver_choices())}, got {solver!r}")
         self.base = features
         self.targets = check_targets(targets, features, "LinearizedPosterior")
-        options = dict(prior_options or {})
-        if isinstance(prior, str) and prior in PRIORS and issubclass(PRIORS[prior], GPrior):
-            # the g-prior's options, given as this constructor's own arguments (before there were other priors)
-            options = {"method": str(gprior_method), "probes": int(gprior_probes), **options}
-        self.weight_prior = self._make_prior(prior, options, features)
+        self.weight_prior = self._make_prior(prior, dict(prior_options or {}), features)
         self.likelihood = likelihood if likelihood is not None else GaussianLikelihood(1.0)
         self._row_scales = self._check_row_scales()
         self.a, _ = check_hyper(a, self.likelihood.sigma2, "LinearizedPosterior")
@@ -321,7 +309,7 @@ class LinearizedPosterior:
             self.likelihood.sigma2 = done.sigma2
         if done.fit_seconds is not None:
             self.timings["prior_fit"] = done.fit_seconds
-        self.timings["gprior"] = time.perf_counter() - t0
+        self.timings[self.weight_prior.timing_key] = time.perf_counter() - t0
         hook("scales")
 
         t0 = time.perf_counter()

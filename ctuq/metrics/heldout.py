@@ -5,17 +5,16 @@ Measurements the reconstruction did not use, ``y_h`` (``m`` rows), are predicted
 (``(k, m)``), the image part of the predictive variance of row ``i`` is ``v_i = (1/k) Σ_j (T_h x_j)_i²`` and the
 row's predictive variance is ``v_i + σ²_i``. No ground truth is needed: this is the check a user can run on a scan.
 
-:func:`heldout_check` reports, from ``r = y_h − T_h x̂`` and ``z_i = r_i / sqrt(v_i + σ²_i)``:
+:func:`heldout_check` scores ``r = y_h − T_h x̂`` and ``z_i = r_i / sqrt(v_i + σ²_i)``: coverage of the central
+intervals, a z-score summary, the predictive log-likelihood per row, the image-variance fraction ``mean_i v_i /
+(v_i + σ²_i)`` (near 0 the check cannot see the std map at all) and diagnostics of the image part's scale that no
+calibration method applies.
 
-* measurement-space coverage of the central intervals at levels ``0.05 … 0.99`` (and the headline 0.5/0.9/0.95);
-* a z-score summary (mean, std, fraction ``|z| > 3``, a histogram);
-* the held-out marginal predictive log-likelihood per row (and with the image part left out, ``σ²`` alone);
-* the image-variance fraction ``mean_i v_i / (v_i + σ²_i)``: how much of the predictive spread comes from the
-  image; near 0 the check cannot see the std map at all;
-* the recalibration scale ``k`` (:func:`fit_variance_scale`): the factor on the image std that explains the held-out
-  rows best, ``var_i(k) = k² v_i + σ²_i`` by maximum likelihood, with its uncertainty from the curvature and from a
-  bootstrap that resamples *groups* (the rows of one projection angle are correlated, so angles are resampled as
-  blocks). ``k > 1``: the std map is too narrow; ``k < 1``: too wide.
+:func:`fit_variance_scale` is the maximum-likelihood factor ``k`` on the image std, ``var_i(k) = k² v_i + σ²_i``,
+with its uncertainty from the curvature and from a bootstrap that resamples *groups* (the rows of one projection
+angle are correlated, so angles are resampled as blocks); ``k > 1``: the std map is too narrow, ``k < 1``: too wide.
+The calibration methods fit themselves with it (:mod:`ctuq.calibration.likelihood`) and add their own entries to the
+check's report (``scale``: the global ``k`` of ``uq.calibration = heldout``; ``bias``: the bias model's ``τ``).
 
 Everything here is CT-free (torch/numpy only); units are whatever the inputs are in (the CT front end passes mm).
 """
@@ -37,8 +36,9 @@ __all__ = [
     "heldout_check",
     "fit_variance_scale",
     "fit_variance_and_noise_scale",
-    "fit_bias_variance",
     "projected_variance",
+    "check_rows",
+    "headline_coverage",
 ]
 
 HELDOUT_LEVELS = (*(round(0.05 * i, 2) for i in range(1, 20)), 0.99)
@@ -158,7 +158,7 @@ def fit_variance_scale(
         identifiable from these rows); ``log_likelihood`` (per row, at ``k``).
     """
     where = "fit_variance_scale"
-    r, v, s2, g = _check_rows(residual, variance, noise_variance, groups, where)
+    r, v, s2, g = check_rows(residual, variance, noise_variance, groups, where)
     if not int(n_bootstrap) == n_bootstrap or n_bootstrap < 0:
         raise ValueError(f"{where}: n_bootstrap must be an int ≥ 0, got {n_bootstrap!r}")
     r2 = r * r
@@ -267,7 +267,7 @@ def fit_variance_and_noise_scale(
         ``at_bound``; ``log_likelihood`` (per row, at the fit).
     """
     where = "fit_variance_and_noise_scale"
-    r, v, s2, g = _check_rows(residual, variance, noise_variance, groups, where)
+    r, v, s2, g = check_rows(residual, variance, noise_variance, groups, where)
     if not int(n_bootstrap) == n_bootstrap or n_bootstrap < 0:
         raise ValueError(f"{where}: n_bootstrap must be an int ≥ 0, got {n_bootstrap!r}")
     r2 = r * r
@@ -294,75 +294,10 @@ def fit_variance_and_noise_scale(
     }
 
 
-def fit_bias_variance(
-    residual,
-    variance,
-    noise_variance,
-    bias_weight,
-    *,
-    groups=None,
-    n_bootstrap: int = 200,
-    seed: int = 0,
-) -> dict:
-    """Maximum-likelihood variance ``τ²`` of an error the posterior does not contain, added to its predictive
-    variance with known per-row weights: ``var_i(τ) = v_i + τ² w_i + σ²_i`` (docs/calibration.md, "τ alone").
-
-    For a bias independent from pixel to pixel inside an object mask ``M``, ``w_i = Σ_j T_ij² M_j`` (the squared
-    held-out operator applied to the mask) and ``τ`` is the bias std per pixel. The posterior part is kept as it
-    is (``k = 1``), so the fit can only add variance where the rows have room for it; ``τ = 0`` (``zero``) when
-    they have none.
-
-    Parameters
-    ----------
-    residual, variance, noise_variance, groups, n_bootstrap, seed
-        As for :func:`fit_variance_scale`.
-    bias_weight : ``(m,)``
-        ``w_i ≥ 0`` (measurement units² per unit of ``τ²``); all zero (an empty object mask) gives ``τ = 0`` with
-        ``empty_mask``.
-
-    Returns
-    -------
-    dict
-        ``tau`` (units: sqrt(measurement units² / units of ``w``)); ``zero`` (the fit is at the lower end of the
-        searched range: no room for a bias, ``tau`` is reported as 0); ``at_upper_bound``; ``se_curvature``,
-        ``se_bootstrap``, ``interval_95`` of ``tau`` as for :func:`fit_variance_scale` (``None`` when ``zero``);
-        ``log_likelihood`` per row at ``tau``; ``coverage_headline`` with ``tau`` applied; ``bias_variance_fraction``
-        ``mean τ² w_i / var_i``.
-    """
-    where = "fit_bias_variance"
-    r, v, s2, g = _check_rows(residual, variance, noise_variance, groups, where)
-    w = _as_float64(bias_weight, "bias_weight", where)
-    if w.shape != r.shape or not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError(f"{where}: bias_weight must be ({r.size},) finite values ≥ 0, got shape {w.shape}")
-    empty = not np.any(w > 0)  # an empty object mask (e.g. an all-zero reconstruction): no bias to fit, τ = 0
-    fit, c = None, 1.0
-    if not empty:
-        # w normalised to the rows' predictive variance, so the searched bracket of τ² is unit-free (as k's is)
-        unit = float(np.mean(v + s2)) / float(np.mean(w))
-        fit = fit_variance_scale(r, w * unit, v + s2, groups=g, n_bootstrap=n_bootstrap, seed=seed)
-        c = math.sqrt(unit)
-    zero = empty or (fit["at_bound"] and fit["k"] < 1.0)
-    tau = 0.0 if zero else fit["k"] * c
-    u = tau * tau * w + v + s2
-    z = np.abs(r) / np.sqrt(u)
-    out = {
-        "tau": tau,
-        "zero": bool(zero),
-        "at_upper_bound": bool(not zero and fit["at_bound"]),
-        "se_curvature": None if zero else fit["se_curvature"] * c,
-        "se_bootstrap": None if zero or fit["se_bootstrap"] is None else fit["se_bootstrap"] * c,
-        "interval_95": None if zero or fit["interval_95"] is None else [x * c for x in fit["interval_95"]],
-        "n_bootstrap": 0 if empty else fit["n_bootstrap"],
-        "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
-        "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z, HEADLINE_LEVELS))),
-        "bias_variance_fraction": float(np.mean(tau * tau * w / u)),
-    }
-    if empty:
-        out["empty_mask"] = True
-    return out
-
-
-def _check_rows(residual, variance, noise_variance, groups, where: str):
+def check_rows(residual, variance, noise_variance, groups, where: str):
+    """Held-out rows checked and as float64 arrays: ``(r, v, σ², groups)``, each ``(m,)`` (``σ²`` broadcast from a
+    scalar; ``groups`` ``arange(m)`` when ``None``: every row its own block). ``ValueError`` starting with ``where``
+    for fewer than 2 rows, shapes that disagree, NaN/Inf, ``σ² ≤ 0``, ``v < 0`` or ``v`` 0 on every row."""
     r = _as_float64(residual, "residual", where)
     if r.ndim != 1 or r.size < 2:
         raise ValueError(f"{where}: the residual (y − mean) must have shape (m,) with m ≥ 2, got {tuple(r.shape)}")
@@ -393,6 +328,12 @@ def _check_rows(residual, variance, noise_variance, groups, where: str):
     return r, v, s2, g
 
 
+def headline_coverage(z_abs: np.ndarray) -> dict[str, float]:
+    """``{"0.5", "0.9", "0.95"}`` → the fraction of rows whose ``|z|`` lies inside the central interval of that
+    mass (``z_abs``: ``(m,)`` ``|r_i| / sqrt(var_i)``)."""
+    return dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z_abs, HEADLINE_LEVELS)))
+
+
 def _coverage(z_abs: np.ndarray, levels: Sequence[float]) -> list[float]:
     """Fraction of rows inside the central interval of mass ``q``, ``|z| ≤ Φ⁻¹((1 + q)/2)``, per level."""
     nd = NormalDist()
@@ -407,14 +348,15 @@ def heldout_check(
     variance=None,
     noise_variance,
     photon_variance=None,
-    bias_weight=None,
     groups=None,
     levels: Sequence[float] = HELDOUT_LEVELS,
     n_bootstrap: int = 200,
     seed: int = 0,
     image_rows_fraction: float = 0.25,
 ) -> dict:
-    """The held-out check of a Gaussian posterior predictive (module docstring); JSON-ready.
+    """The held-out check of a Gaussian posterior predictive (module docstring): the posterior's own statistics and
+    the diagnostics of its scale; JSON-ready. The calibration methods' entries (``scale``, ``bias``) are added by
+    :meth:`ctuq.calibration.HeldoutRows.score`.
 
     Parameters
     ----------
@@ -432,14 +374,12 @@ def heldout_check(
         Each row's noise variance from the scan's photon statistics (measurement units², > 0): the noise the rows
         carry for certain, as opposed to the fitted ``σ²``, which also absorbs the model misfit of the rows the
         reconstruction fitted. Adds ``scale_photon``.
-    bias_weight : ``(m,)``, optional
-        Per-row weights ``w_i`` of an added bias variance (:func:`fit_bias_variance`). Adds ``bias``.
     groups : ``(m,)`` ints, optional
-        Block label per row (projection angle) for the bootstrap of ``k``; ``None``: rows are independent.
+        Block label per row (projection angle) for the bootstraps; ``None``: rows are independent.
     levels : sequence of float in (0, 1)
         Central-interval masses of the calibration curve (default :data:`HELDOUT_LEVELS`).
     n_bootstrap, seed : int
-        Bootstrap replicates of ``k`` and their seed.
+        Bootstrap replicates of each fitted scale and their seed.
     image_rows_fraction : float in (0, 1]
         The share of rows, those with the largest image-variance fraction ``v_i/(v_i + σ²_i)``, that
         ``scale_image_rows`` is fitted on (a ranking that does not change when the std map is rescaled).
@@ -453,13 +393,11 @@ def heldout_check(
         predictive std that makes the 90 % intervals cover 90 % of the rows), ``histogram`` (``edges``,
         ``density``, ``below``/``above`` fractions outside them);
         ``log_likelihood`` (mean per row, nats) and ``log_likelihood_noise_only`` (σ² alone, the image part
-        dropped); ``image_variance_fraction``; ``mean_image_variance``, ``mean_noise_variance``; ``scale``: the
-        :func:`fit_variance_scale` dict plus ``coverage_headline`` and ``log_likelihood`` with ``k`` applied;
+        dropped); ``image_variance_fraction``; ``mean_image_variance``, ``mean_noise_variance``;
         ``scale_with_noise``: :func:`fit_variance_and_noise_scale`; with ``photon_variance``, ``scale_photon``: the
         :func:`fit_variance_scale` dict with the photon variances as the noise part, plus its
         ``image_variance_fraction`` and ``coverage_headline``; ``scale_image_rows``: the :func:`fit_variance_scale`
-        dict on the image-dominated rows only, plus ``n_rows``, ``fraction`` and their ``image_variance_fraction``;
-        with ``bias_weight``, ``bias``: the :func:`fit_bias_variance` dict.
+        dict on the image-dominated rows only, plus ``n_rows``, ``fraction`` and their ``image_variance_fraction``.
 
     Raises
     ------
@@ -468,6 +406,40 @@ def heldout_check(
         values, ``σ² ≤ 0``, an image variance that is 0 on every row, levels outside (0, 1).
     """
     where = "heldout_check"
+    residual, variance, n_samples, lv = _heldout_inputs(y, mean, samples, variance, levels, where)
+    if not 0.0 < float(image_rows_fraction) <= 1.0:
+        raise ValueError(f"{where}: image_rows_fraction must lie in (0, 1], got {image_rows_fraction!r}")
+    r, v, s2, g = check_rows(residual, variance, noise_variance, groups, where)
+    m = r.size
+    u = v + s2
+    z = r / np.sqrt(u)
+    z_abs = np.abs(z)
+    joint = fit_variance_and_noise_scale(r, v, s2, groups=g, n_bootstrap=min(int(n_bootstrap), 100), seed=seed)
+    image_rows = _image_rows_scale(r, v, s2, g, image_rows_fraction, n_bootstrap, seed)
+    out = {
+        "n_rows": int(m),
+        "n_groups": int(len(np.unique(g))),
+        "n_samples": n_samples,
+        "levels": lv,
+        "coverage": _coverage(z_abs, lv),
+        "coverage_headline": headline_coverage(z_abs),
+        "z": _z_summary(z, z_abs),
+        "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
+        "log_likelihood_noise_only": float(np.mean(-0.5 * (_LOG_2PI + np.log(s2) + r * r / s2))),
+        "image_variance_fraction": float(np.mean(v / u)),
+        "mean_image_variance": float(v.mean()),
+        "mean_noise_variance": float(s2.mean()),
+        "scale_with_noise": joint,
+        "scale_image_rows": image_rows,
+    }
+    if photon_variance is not None:
+        out["scale_photon"] = _photon_scale(r, v, photon_variance, g, n_bootstrap, seed, where)
+    return out
+
+
+def _heldout_inputs(y, mean, samples, variance, levels, where: str):
+    """``(y − mean, v, n_samples, levels)`` of :func:`heldout_check`'s arguments, checked: ``v`` from ``samples``
+    (:func:`projected_variance`) when they are given (``n_samples`` then their count, else ``None``)."""
     yv = _as_float64(y, "y", where)
     mu = _as_float64(mean, "mean", where)
     if yv.ndim != 1:
@@ -487,22 +459,35 @@ def heldout_check(
     lv = [float(q) for q in levels]
     if not lv or any(not 0.0 < q < 1.0 for q in lv):
         raise ValueError(f"{where}: levels must lie in (0, 1), got {lv}")
-    r, v, s2, g = _check_rows(yv - mu, variance, noise_variance, groups, where)
-    u = v + s2
-    z = r / np.sqrt(u)
-    z_abs = np.abs(z)
+    return yv - mu, variance, n_samples, lv
+
+
+def _z_summary(z: np.ndarray, z_abs: np.ndarray) -> dict:
+    """The report's ``z`` entry (:func:`heldout_check`): mean, std, tail fraction, 0.9 quantile of ``|z|`` and the
+    histogram over :data:`Z_HISTOGRAM_EDGES`."""
+    m = z.size
     density, _ = np.histogram(z, bins=np.asarray(Z_HISTOGRAM_EDGES), density=False)
     width = Z_HISTOGRAM_EDGES[1] - Z_HISTOGRAM_EDGES[0]
-    scale = fit_variance_scale(r, v, s2, groups=g, n_bootstrap=n_bootstrap, seed=seed)
-    k2 = scale["k"] ** 2
-    z_k = np.abs(r) / np.sqrt(k2 * v + s2)
-    scale["coverage_headline"] = dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z_k, HEADLINE_LEVELS)))
-    joint = fit_variance_and_noise_scale(r, v, s2, groups=g, n_bootstrap=min(int(n_bootstrap), 100), seed=seed)
-    if not 0.0 < float(image_rows_fraction) <= 1.0:
-        raise ValueError(f"{where}: image_rows_fraction must lie in (0, 1], got {image_rows_fraction!r}")
+    return {
+        "mean": float(z.mean()),
+        "std": float(z.std()),
+        "frac_abs_gt_3": float(np.mean(z_abs > 3.0)),
+        "abs_quantile_0.9": float(np.quantile(z_abs, 0.9)),
+        "histogram": {
+            "edges": list(Z_HISTOGRAM_EDGES),
+            "density": [float(c) / (m * width) for c in density],
+            "below": float(np.mean(z < Z_HISTOGRAM_EDGES[0])),
+            "above": float(np.mean(z > Z_HISTOGRAM_EDGES[-1])),
+        },
+    }
+
+
+def _image_rows_scale(r, v, s2, g, image_rows_fraction: float, n_bootstrap: int, seed: int) -> dict:
+    """``scale_image_rows`` (:func:`heldout_check`): :func:`fit_variance_scale` on the ``image_rows_fraction`` of
+    the rows with the largest image-variance fraction, with their count, fraction and mean image-variance fraction."""
     share = v / (v + s2)
     # the rows where the image part is largest against the noise: k there depends least on the noise model
-    top = np.argsort(-share, kind="stable")[: max(2, int(math.ceil(float(image_rows_fraction) * m)))]
+    top = np.argsort(-share, kind="stable")[: max(2, int(math.ceil(float(image_rows_fraction) * r.size)))]
     image_rows = fit_variance_scale(r[top], v[top], s2[top], groups=g[top], n_bootstrap=n_bootstrap, seed=seed)
     image_rows.update(
         {
@@ -511,47 +496,18 @@ def heldout_check(
             "image_variance_fraction": float(share[top].mean()),
         }
     )
-    photon = None
-    if photon_variance is not None:
-        pv = _as_float64(photon_variance, "photon_variance", where)
-        if pv.shape != (m,) or not np.all(np.isfinite(pv)) or np.any(pv <= 0):
-            raise ValueError(f"{where}: photon_variance must be ({m},) finite values > 0, got shape {tuple(pv.shape)}")
-        photon = fit_variance_scale(r, v, pv, groups=g, n_bootstrap=n_bootstrap, seed=seed)
-        kp2 = photon["k"] ** 2
-        photon["image_variance_fraction"] = float(np.mean(kp2 * v / (kp2 * v + pv)))
-        photon["coverage_headline"] = dict(
-            zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(np.abs(r) / np.sqrt(kp2 * v + pv), HEADLINE_LEVELS))
-        )
-    out = {
-        "n_rows": int(m),
-        "n_groups": int(len(np.unique(g))),
-        "n_samples": n_samples,
-        "levels": lv,
-        "coverage": _coverage(z_abs, lv),
-        "coverage_headline": dict(zip((f"{q:g}" for q in HEADLINE_LEVELS), _coverage(z_abs, HEADLINE_LEVELS))),
-        "z": {
-            "mean": float(z.mean()),
-            "std": float(z.std()),
-            "frac_abs_gt_3": float(np.mean(z_abs > 3.0)),
-            "abs_quantile_0.9": float(np.quantile(z_abs, 0.9)),
-            "histogram": {
-                "edges": list(Z_HISTOGRAM_EDGES),
-                "density": [float(c) / (m * width) for c in density],
-                "below": float(np.mean(z < Z_HISTOGRAM_EDGES[0])),
-                "above": float(np.mean(z > Z_HISTOGRAM_EDGES[-1])),
-            },
-        },
-        "log_likelihood": float(np.mean(-0.5 * (_LOG_2PI + np.log(u) + r * r / u))),
-        "log_likelihood_noise_only": float(np.mean(-0.5 * (_LOG_2PI + np.log(s2) + r * r / s2))),
-        "image_variance_fraction": float(np.mean(v / u)),
-        "mean_image_variance": float(v.mean()),
-        "mean_noise_variance": float(s2.mean()),
-        "scale": scale,
-        "scale_with_noise": joint,
-        "scale_image_rows": image_rows,
-    }
-    if photon is not None:
-        out["scale_photon"] = photon
-    if bias_weight is not None:
-        out["bias"] = fit_bias_variance(r, v, s2, bias_weight, groups=g, n_bootstrap=n_bootstrap, seed=seed)
-    return out
+    return image_rows
+
+
+def _photon_scale(r, v, photon_variance, g, n_bootstrap: int, seed: int, where: str) -> dict:
+    """``scale_photon`` (:func:`heldout_check`): :func:`fit_variance_scale` with the photon variances as the noise
+    part, plus the image-variance fraction and the headline coverage at its ``k``."""
+    m = r.size
+    pv = _as_float64(photon_variance, "photon_variance", where)
+    if pv.shape != (m,) or not np.all(np.isfinite(pv)) or np.any(pv <= 0):
+        raise ValueError(f"{where}: photon_variance must be ({m},) finite values > 0, got shape {tuple(pv.shape)}")
+    photon = fit_variance_scale(r, v, pv, groups=g, n_bootstrap=n_bootstrap, seed=seed)
+    kp2 = photon["k"] ** 2
+    photon["image_variance_fraction"] = float(np.mean(kp2 * v / (kp2 * v + pv)))
+    photon["coverage_headline"] = headline_coverage(np.abs(r) / np.sqrt(kp2 * v + pv))
+    return photon

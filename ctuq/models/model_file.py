@@ -19,9 +19,7 @@ key                   meaning
 ``meta``              free-form JSON-like dict (summary numbers, training settings)
 ====================  =================================================================================
 
-Files written before the format was versioned load as version 0: ``dip_model.pt`` of ctuq 0.1 (keys
-``model_config``, ``state_dict``, ``net_input``, ``scale``) and ``ctuq pretrain`` files of ctuq 0.1 (their
-own ``version: 1`` without ``format``). A file of a newer version is refused with a message naming both
+A file without the ``format`` tag, or of another version, is refused with a message naming the file and both
 versions.
 """
 
@@ -30,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -130,7 +127,7 @@ def write_model_file(
 
 
 def read_model_file(path: str | os.PathLike, *, need_input: bool = False) -> ModelFile:
-    """Read a model file written by :func:`write_model_file` (or a version-0 file of ctuq 0.1).
+    """Read a model file written by :func:`write_model_file`.
 
     Parameters
     ----------
@@ -145,7 +142,7 @@ def read_model_file(path: str | os.PathLike, *, need_input: bool = False) -> Mod
     FileNotFoundError
         ``path`` does not exist.
     ModelFileError
-        Unreadable, not a ctuq model file, a newer version, or missing fields (the message names the file).
+        Unreadable, not a ctuq model file, another version, or missing fields (the message names the file).
     """
     path = Path(path)
     if not path.is_file():
@@ -156,33 +153,34 @@ def read_model_file(path: str | os.PathLike, *, need_input: bool = False) -> Mod
         raise ModelFileError(f"{path}: not a readable torch file ({type(exc).__name__}: {exc})") from exc
     if not isinstance(blob, dict):
         raise ModelFileError(f"{path}: not a ctuq model file (holds a {type(blob).__name__}, not a dict)")
-    if blob.get("format") == MODEL_FILE_FORMAT:
-        version = blob.get("version")
-        if not isinstance(version, int) or version > MODEL_FILE_VERSION:
-            raise ModelFileError(
-                f"{path}: model file version {version!r} is newer than this ctuq reads "
-                f"(version {MODEL_FILE_VERSION}); upgrade ctuq"
-            )
-    else:
-        version = 0  # ctuq 0.1: dip_model.pt without a version, or a pretrain file with its own "version": 1
-    missing = {"model_config", "state_dict", "scale"} - set(blob)
+    if blob.get("format") != MODEL_FILE_FORMAT:
+        raise ModelFileError(
+            f"{path}: not a ctuq model file (no format tag {MODEL_FILE_FORMAT!r}; keys {sorted(blob)[:8]})"
+        )
+    version = blob.get("version")
+    if isinstance(version, int) and version > MODEL_FILE_VERSION:
+        raise ModelFileError(
+            f"{path}: model file version {version!r} is newer than this ctuq reads (version {MODEL_FILE_VERSION}); "
+            f"upgrade ctuq"
+        )
+    if version != MODEL_FILE_VERSION:
+        raise ModelFileError(
+            f"{path}: model file version {version!r}, this ctuq reads version {MODEL_FILE_VERSION}; write it again "
+            f"(refit the DIP, or rerun ctuq pretrain)"
+        )
+    missing = {"model_config", "state_dict", "scale", "input"} - set(blob)
     if missing:
         raise ModelFileError(f"{path}: not a ctuq model file (lacks {sorted(missing)}; keys {sorted(blob)[:8]})")
     net_input = blob.get("net_input")
     if need_input and net_input is None:
         raise ModelFileError(f"{path}: holds no fixed network input (net_input); it is not a fitted DIP")
-    meta: dict[str, Any] = dict(blob.get("meta") or {})
-    if version == 0:
-        for key in ("summary", "reconstruction"):  # the walnut study's version-0 extras
-            if key in blob:
-                meta[key] = blob[key]
     return ModelFile(
         model_config=dict(blob["model_config"]),
         state_dict=dict(blob["state_dict"]),
         scale=float(blob["scale"]),
         net_input=net_input,
-        input=str(blob.get("input", "fbp" if net_input is None else "noise")),
+        input=str(blob["input"]),
         best_iteration=blob.get("best_iteration"),
-        meta=meta,
-        version=int(version),
+        meta=dict(blob.get("meta") or {}),
+        version=version,
     )

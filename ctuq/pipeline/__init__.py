@@ -5,8 +5,10 @@
 * :mod:`.scan` — loading the scan a config names, after checking the setting against it (device, slice and
   subsampling in range, at least ``data.min_angles`` angles; warnings when a published setting cannot be met).
 * :mod:`.phases` — :class:`RunState`, :class:`Phase` and the phases load, fbp, tv, dip, restore_dip, write.
-* :mod:`.uq` — the CT front end of the inference core (:func:`~ctuq.pipeline.uq.run_linearized_uq`: set up or
-  resume → fit → stream moments → report); :mod:`.checkpoints` — the format of its checkpoints;
+* The CT front end of the inference core: :mod:`.ct_model` (the linearised DIP as a CT posterior: ``Ψ₀ = T Φ``,
+  scale, offset, ``σ²₀``), :mod:`.noise` (``uq.noise`` resolved once per run), :mod:`.moments` (the streaming
+  statistics' region and memory check), :mod:`.uq` (one run of the inference, :class:`~ctuq.pipeline.uq.UQRun`:
+  set up or resume → fit → stream moments → report); :mod:`.checkpoints` — the format of its checkpoints;
   :mod:`.uq_phase` — the linearised-inference phase of a run (:func:`phase_uq`).
 * :mod:`.runner` — :func:`build_phases`, :func:`run_phases`, :func:`reconstruct` (``ctuq reconstruct``),
   :func:`rerun_uq` (``ctuq uq``, also sharded over ``torchrun`` ranks) and :func:`reconstruct_problem` (the same
@@ -41,7 +43,9 @@ _HOMES = {
         ("build_phases", "reconstruct", "reconstruct_problem", "rerun_uq", "run_phases", "uq_phases", "write_config"),
         "ctuq.pipeline.runner",
     ),
-    **dict.fromkeys(("UQResult", "UQSettings", "ct_features", "ct_posterior", "run_linearized_uq"), "ctuq.pipeline.uq"),
+    **dict.fromkeys(("UQResult", "UQRun", "UQSettings"), "ctuq.pipeline.uq"),
+    **dict.fromkeys(("ct_features", "ct_posterior"), "ctuq.pipeline.ct_model"),
+    **dict.fromkeys(("ResolvedNoise", "resolve_noise"), "ctuq.pipeline.noise"),
     "phase_uq": "ctuq.pipeline.uq_phase",
 }
 
@@ -74,9 +78,11 @@ __all__ = [
     "reconstruct",
     "rerun_uq",
     "reconstruct_problem",
-    "run_linearized_uq",
+    "UQRun",
     "UQSettings",
     "UQResult",
     "ct_features",
     "ct_posterior",
+    "ResolvedNoise",
+    "resolve_noise",
 ]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ctuq.config import UQConfig
-from ctuq.config.engine import get_value, to_dict
+from ctuq.config.engine import to_dict
 from ctuq.errors import CheckpointMismatch
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_MOMENTS_SHARD_PATTERN
 from ctuq.utils import atomic_torch_save, check_fingerprint
@@ -39,60 +39,17 @@ __all__ = [
 
 UQ_STATE_VERSION = 2  # 1: ctuq 0.1 (samples kept per chunk, routes dense/exact/cg)
 
-# Settings that change the numbers of a run, always in the fingerprint. The solver options among them keep the flat
-# names they had before the solvers' config sections (uq.rank is uq.cg.rank: UQConfig.legacy_keys), so that the
-# fingerprint of the same settings stays the same dict and checkpoints written before still resume.
-_FINGERPRINT_KEYS = (
-    "prior",
-    "gprior_method",
-    "gprior_probes",
-    "solver",
-    "preconditioner",
-    "rank",
-    "oversampling",
-    "cg_tol",
-    "cg_max_iter",
-    "em_steps",
-    "em_samples",
-    "em_tol",
-    "prior_precision",
-    "noise_variance",
-    "learn_noise",
-    "samples",
-    "sample_chunk",
-    "roi",
-    "patch_sizes",
-)
-# Settings added with the first-order solvers: in the fingerprint only when they differ from their defaults, so
-# that the checkpoints of runs that never used them still resume.
-_LATER_KEYS = (
-    "adaptive_rank",
-    "rank_threshold",
-    "sdd_step",
-    "sdd_momentum",
-    "sdd_batch",
-    "sdd_iterations",
-    "sgd_lr",
-    "sgd_momentum",
-    "sgd_lr_decay",
-    "sgd_clip",
-    "sgd_iterations",
-    "first_order_tol",
-    "em_stop_on",
-    "em_fixed_probes",
-    "em_update",
-    "noise",
-)
-# The value a later key had when it joined the fingerprint, where its default has moved since: a checkpoint written
-# then, with that value, still resumes. uq.noise defaulted to homoscedastic; its default is now auto, which the run
-# resolves (ctuq.pipeline.uq.resolve_noise) before it fingerprints, so the fingerprint holds the model actually used.
-_LATER_BASELINES = {"noise": "homoscedastic"}
+# Settings that do not change the numbers of the inference (what is done with them afterwards, or how the work is
+# chunked in memory): left out of the fingerprint, so that a run may resume with other values of them.
+_NOT_FINGERPRINTED = frozenset({"calibration", "memory_budget_gb", "chunk_size", "save_samples"})
 
 
 def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: UQConfig) -> dict:
     """What identifies a run of the inference: sizes, sums of the data (``y`` in data units, ``op.measurement_shape``)
     and of the linearisation point ``ṽ`` (``net.params()``), the DIP ``scale``, the ``seed`` and every setting that
-    changes the numbers. Enough to catch resuming with other data, another network or other settings."""
+    changes the numbers: the ``uq`` section as config.yaml holds it (the chosen prior's and solver's sections and any
+    other set to non-default values), less :data:`_NOT_FINGERPRINTED`, under dotted keys (``"cg.rank"``). Enough to
+    catch resuming with other data, another network or other settings."""
     v = net.params().double()
     fp = {
         "image_shape": list(op.image_shape),
@@ -104,37 +61,20 @@ def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: 
         "scale": float(scale),
         "seed": int(seed),
     }
-    for key in _FINGERPRINT_KEYS:
-        fp[key] = get_value(settings, key)
-    defaults = UQConfig()
-    for key in _LATER_KEYS:
-        baseline = _LATER_BASELINES.get(key, get_value(defaults, key))
-        if get_value(settings, key) != baseline:
-            fp[key] = get_value(settings, key)
-    fp.update(_other_solver_options(settings))
+    for key, value in _dotted(to_dict(settings)).items():
+        if key.split(".")[0] not in _NOT_FINGERPRINTED:
+            fp[key] = value
     return fp
 
 
-def _other_solver_options(settings: UQConfig) -> dict:
-    """The options of the solvers' config sections that no flat key stands for (``uq.cg.initial_rank``, a later
-    solver's), as ``"cg.initial_rank": value`` where they differ from their defaults; and a key that an old name
-    stands for besides its first (``first_order_tol`` → ``sdd.rtol``, ``sgd.rtol``) where it differs from that name's
-    value. Settings that never touch them leave the fingerprint as it was."""
-    first: dict[str, str | None] = {}
-    for old, targets in UQConfig.legacy_keys.items():
-        first[targets[0]] = None
-        for target in targets[1:]:
-            first[target] = old
+def _dotted(d: dict, prefix: str = "") -> dict:
+    """``{"cg": {"rank": 4}}`` → ``{"cg.rank": 4}`` (the first differing setting is named in a mismatch message)."""
     out = {}
-    for name, section in settings.solver_sections.items():
-        defaults = to_dict(type(section)())
-        for key, value in to_dict(section).items():
-            path = f"{name}.{key}"
-            if path in first and first[path] is None:
-                continue  # in the fingerprint under its flat name
-            baseline = get_value(settings, first[path]) if path in first else defaults[key]
-            if value != baseline:
-                out[path] = value
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 

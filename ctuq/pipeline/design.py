@@ -1,7 +1,10 @@
 """``ctuq design`` as a library: pilot scan → prior → greedy design → outputs (:func:`run_design`).
 
 The runner of the command: it takes the scan and the pilot reconstruction from the pipeline
-(:mod:`ctuq.pipeline.scan`, :mod:`ctuq.pipeline.phases`) and the design itself from :mod:`ctuq.design`.
+(:mod:`ctuq.pipeline.scan`, :mod:`ctuq.pipeline.phases`) and the design itself from :mod:`ctuq.design`. A run is a
+sequence of named steps (``_run_design``) that pass typed objects along: :class:`DesignScan` (the scan, its
+candidate angles and the pilot), :class:`PilotPrior` (the pilot reconstruction, the prior and the design engine on
+it) and, for a greedy criterion, :class:`DesignForecast` (the error forecast, its plan and the acquisition hooks).
 
 The output folder (``--out``) holds::
 
@@ -20,13 +23,16 @@ The output folder (``--out``) holds::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,7 +53,12 @@ from ctuq.pipeline.lock import run_lock
 from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
 from ctuq.pipeline.runner import run_phases, write_config
 from ctuq.pipeline.scan import check_device, load_scan
+from ctuq.registry import CALIBRATIONS
 from ctuq.utils import atomic_path, resolve_device
+
+if TYPE_CHECKING:
+    from ctuq.data.problem import CTData
+    from ctuq.operators.base import RayTransform
 
 __all__ = [
     "rmse_inside",
@@ -128,11 +139,120 @@ def reconstruct_angles(cfg, folder: Path, op, y, gt, device, progress: bool, *, 
     return state, _read_metrics(folder / rf.METRICS_NAME)
 
 
-def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, work, progress):
-    """``(DesignModel, updater)`` of the image prior ``image_prior`` (``design.prior``)."""
+@dataclasses.dataclass
+class DesignScan:
+    """The scan of one design, its candidate angles and the pilot (:func:`_load_candidates`).
+
+    Attributes
+    ----------
+    data : CTData
+        The loaded scan (``op``, ``y`` in data units, ``ground_truth`` in mm⁻¹ or ``None``).
+    path : Path
+        Where it was loaded from.
+    device : torch.device
+        Where it lives and the reconstructions and the design compute.
+    period : float
+        The angular period (rad): π for parallel beam, else 2π.
+    cand_idx : np.ndarray
+        ``(n,)`` scan indices of the candidate angles (``design.candidates`` equidistant ones, or all).
+    cand_deg : np.ndarray
+        ``(n,)`` the candidates' angles in degrees, in ``[0, period)``.
+    pilot : list of int
+        The pilot's candidate indices.
+    cand_op : RayTransform
+        The ray transform of the candidates.
+    y_cand : torch.Tensor
+        ``(n, …)`` the candidates' measurements (data units).
+    """
+
+    data: CTData
+    path: Path
+    device: torch.device
+    period: float
+    cand_idx: np.ndarray
+    cand_deg: np.ndarray
+    pilot: list[int]
+    cand_op: RayTransform
+    y_cand: torch.Tensor
+
+    @property
+    def gt(self) -> torch.Tensor | None:
+        """The scan's ground truth (image shape, mm⁻¹), or ``None``."""
+        return self.data.ground_truth
+
+    def degrees(self, candidates) -> list[float]:
+        """The angles (degrees) of the candidate indices ``candidates``, in their order."""
+        return self.cand_deg[candidates].tolist()
+
+
+@dataclasses.dataclass
+class PilotPrior:
+    """The pilot reconstruction and the design's prior and engine built on it (:func:`_pilot_prior`).
+
+    Attributes
+    ----------
+    state : RunState
+        The pilot run folder's state (its images; with ``design.prior = dip`` the fitted network).
+    metrics : dict
+        The pilot run's ``metrics.json``.
+    prior : DIPPrior or None
+        The linearised-DIP prior (``design.prior = dip``), else ``None``.
+    updater : callable or None
+        The prior's update after an acquisition (refresh / retrain), else ``None``.
+    route : str
+        The design engine's route (``design.route``, ``auto`` resolved).
+    engine : DesignEngine
+        The engine over the prior's design model.
+    fingerprint : dict
+        The design checkpoint's fingerprint: the scan, candidates, settings and the prior's ``a``, ``σ²`` at the pilot.
+    seconds : float
+        Time to build the prior and the engine (``design.json["timings"]["prior_s"]``).
+    """
+
+    state: RunState
+    metrics: dict
+    prior: DIPPrior | None
+    updater: Callable | None
+    route: str
+    engine: DesignEngine
+    fingerprint: dict
+    seconds: float
+
+
+@dataclasses.dataclass
+class DesignForecast:
+    """The error forecast of a greedy design (:func:`_forecast_setup`).
+
+    Attributes
+    ----------
+    forecaster : ErrorForecaster
+        The forecast's calibration (``design.calibration``), fitted on the pilot's rows.
+    at_pilot : dict
+        Its report at the pilot (:meth:`ErrorForecaster.report`).
+    plan : dict or None
+        The planned curves (``--plan`` or a stop target; :func:`ctuq.design.plan.plan_curves`), else ``None``.
+    hooks : AcquisitionHooks
+        The acquisition's forecast after each angle, online recalibration and stop rule.
+    rule : StopRule
+        The stop rule (false without a target).
+    predicted_from : str
+        What each new angle is predicted from, in words (:func:`_center`).
+    """
+
+    forecaster: ErrorForecaster
+    at_pilot: dict
+    plan: dict | None
+    hooks: AcquisitionHooks
+    rule: StopRule
+    predicted_from: str
+
+
+def _prior_model(cfg, scan: DesignScan, pilot_state: RunState, work: Path, progress: bool):
+    """``(DesignModel, updater, DIPPrior or None)`` of the image prior ``design.prior`` at the pilot."""
     ds, scale = cfg.design, float(cfg.dip.scale)
+    cand_op, y_cand, pilot = scan.cand_op, scan.y_cand, scan.pilot
     nv = ds.noise_variance
-    if image_prior == DesignPriorKind.DIP:
+    if ds.prior == DesignPriorKind.DIP:
         prior = DIPPrior(
             pilot_state.model,
             pilot_state.net_input,
@@ -153,7 +273,7 @@ def _prior_model(cfg, image_prior, cand_op, y_cand, pilot, pilot_state, device, 
         r = op_p.forward_flat(pilot_state.images["dip"].reshape(1, -1).to(op_p.dtype)) - y_cand[pilot].reshape(1, -1)
         nv = float(r.double().pow(2).mean())
     y_p = y_cand[pilot].reshape(-1).double()
-    if image_prior == DesignPriorKind.ISOTROPIC:
+    if ds.prior == DesignPriorKind.ISOTROPIC:
         return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None, None
     model = matern_model(
         cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale, log=_log
@@ -195,29 +315,63 @@ def run_design(
 
 
 def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, plan: bool) -> dict:
-    """:func:`run_design` in its locked output folder ``out_dir``."""
+    """:func:`run_design` in its locked output folder ``out_dir``: checks → output folder → scan, candidates and
+    pilot → pilot DIP and prior → forecast (greedy criteria; ``--plan`` ends here) → acquisition → std maps and
+    angles → reconstructions from the chosen angles → ``design.json``."""
     t_start = time.perf_counter()
-    ds = cfg.design
-    rule = StopRule.from_settings(ds.target_rmse, ds.target_psnr, ds.min_gain)  # bad targets: before any work
-    greedy = ds.criterion in values(Criterion)
-    if (plan or rule) and not greedy:
-        option = "--plan" if plan else "--target-rmse/--target-psnr/--min-gain"
-        raise DesignError(f"{option}: needs a greedy criterion ({', '.join(values(Criterion))}), not {ds.criterion}")
+    rule = _check_request(cfg.design, plan)
     device = resolve_device(cfg.device)
     check_device(cfg, device)
+    out = _prepare_out(cfg, out_dir, resume)
+    scan = _load_candidates(cfg, device, pilot_angles, progress)
+    pilot = _pilot_prior(cfg, out, scan, progress)
+    forecast = None
+    if cfg.design.criterion in values(Criterion):  # greedy: the forecast, its plan and stop rule
+        forecast = _forecast_setup(cfg, scan, pilot, plan=plan, rule=rule, progress=progress)
+        if plan:
+            return _write_plan(cfg, out, scan, pilot, forecast, t_start)
+    result, std = _acquire(cfg, out, scan, pilot, forecast, progress)
+    _write_choice(cfg, out, scan, result, std)
+    comparison = _compare_reconstructions(cfg, out, scan, result, forecast, progress) if cfg.design.reconstruct else {}
+    record = _design_record(cfg, scan, pilot, forecast, result, std, comparison, t_start)
+    if forecast is not None:
+        _forecast_figures(out, record["forecast"], comparison)
+    write_metrics(out / DESIGN_NAME, record)
+    n_acquired = len(result.acquired)
+    _log(f"chose {n_acquired} angle{'' if n_acquired == 1 else 's'} in {result.timings['total_s']:.1f} s; wrote {out}")
+    return record
+
+
+def _check_request(ds, plan: bool) -> StopRule:
+    """The stop rule of ``design.target_*`` / ``design.min_gain``, checked before any work: it and ``--plan`` need a
+    greedy criterion (:class:`DesignError` naming the option)."""
+    rule = StopRule.from_settings(ds.target_rmse, ds.target_psnr, ds.min_gain)  # bad targets: before any work
+    if (plan or rule) and ds.criterion not in values(Criterion):
+        option = "--plan" if plan else "--target-rmse/--target-psnr/--min-gain"
+        raise DesignError(f"{option}: needs a greedy criterion ({', '.join(values(Criterion))}), not {ds.criterion}")
+    return rule
+
+
+def _prepare_out(cfg, out_dir, resume: bool) -> Path:
+    """The output folder, checked (a finished design is refused without ``resume``), its design checkpoint removed
+    unless ``resume``, ``work/`` created and ``config.yaml`` written."""
     out = rf.check_writable_folder(out_dir)
     state_path = out / STATE_NAME
     if (out / DESIGN_NAME).is_file() and not resume:
         raise DesignError(
             f"--out {out}: already holds a finished design ({DESIGN_NAME}); choose another --out or pass --resume"
         )
-    work = out / WORK_DIR
     if not resume and state_path.exists():
         state_path.unlink()
-    work.mkdir(exist_ok=True)
+    (out / WORK_DIR).mkdir(exist_ok=True)
     write_config(cfg, out)
+    return out
 
-    # ---------------------------------------------------------------- scan, candidates, pilot
+
+def _load_candidates(cfg, device, pilot_angles, progress: bool) -> DesignScan:
+    """The scan (no held-out rows), its candidate angles (``design.candidates``) and the pilot (``--pilot-angles``
+    matched to the candidates, or ``design.pilot`` equidistant ones), after checking their sizes."""
+    ds = cfg.design
     data, scan_path, warnings = load_scan(cfg, device, progress=progress, heldout=False)
     for w in warnings:
         _logger.warning(w)
@@ -237,35 +391,37 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     check_design_sizes(len(cand_idx), len(pilot), ds.acquire)
     cand_op = op if ds.candidates is None else op.subset(cand_idx)
     y_cand = data.y[torch.as_tensor(cand_idx)]
-    gt = data.ground_truth
     _log(
         f"{scan_path}: {n_scan} angles × {op.measurement_shape[1]} detector pixels; {len(cand_idx)} candidates, "
         f"pilot {len(pilot)}, acquiring {ds.acquire} ({ds.criterion}, prior {ds.prior})"
     )
+    return DesignScan(data, scan_path, device, period, cand_idx, cand_deg, pilot, cand_op, y_cand)
 
-    # ---------------------------------------------------------------- pilot DIP, prior, design
+
+def _pilot_prior(cfg, out: Path, scan: DesignScan, progress: bool) -> PilotPrior:
+    """The pilot's reconstructions (``pilot/``, reused when finished), the prior ``design.prior`` on them and the
+    design engine over it (``design.route``; ``auto``: :func:`ctuq.design.engine.auto_route`)."""
+    ds, pilot = cfg.design, scan.pilot
     pilot_state, pilot_metrics = reconstruct_angles(
-        cfg, out / "pilot", cand_op.subset(pilot), y_cand[pilot], gt, device, progress, need_model=True
+        cfg,
+        out / "pilot",
+        scan.cand_op.subset(pilot),
+        scan.y_cand[pilot],
+        scan.gt,
+        scan.device,
+        progress,
+        need_model=True,
     )
     t0 = time.perf_counter()
-    model, updater, prior = _prior_model(cfg, ds.prior, cand_op, y_cand, pilot, pilot_state, device, work, progress)
+    model, updater, prior = _prior_model(cfg, scan, pilot_state, out / WORK_DIR, progress)
     refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
     route = auto_route(model, refreshed) if ds.route == DesignRoute.AUTO else ds.route
     engine = DesignEngine(model, route=route, n_samples=ds.samples, seed=cfg.seed, sample_chunk=ds.sample_chunk)
-    prior_s = time.perf_counter() - t0
-    std: dict[str, torch.Tensor] = {}
-    shape = tuple(op.image_shape)
-
-    def std_map(chosen) -> torch.Tensor:
-        if list(engine.chosen) != list(chosen):
-            engine.reset(chosen)
-        s = engine.posterior_std(ds.std_samples, seed=cfg.seed + 11) / engine.model.image_scale
-        return s.reshape(shape)
-
+    seconds = time.perf_counter() - t0
     fingerprint = {
-        "scan": str(scan_path),
-        "y_sum": float(data.y.double().sum()),
-        "candidates": cand_idx.tolist(),
+        "scan": str(scan.path),
+        "y_sum": float(scan.data.y.double().sum()),
+        "candidates": scan.cand_idx.tolist(),
         "prior": ds.prior,
         "route": route,
         "samples": ds.samples,
@@ -276,82 +432,117 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
         "sigma2": float(model.sigma2),
         "a": float(model.a),
     }
-    forecast = None
-    if greedy:
-        forecast = _forecast_setup(
-            cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan, rule, progress
-        )
-        if plan:
-            return _write_plan(cfg, out, forecast, scan_path, cand_idx, cand_deg, pilot, period, route, t_start)
-        hooks = forecast["hooks"]
+    return PilotPrior(pilot_state, pilot_metrics, prior, updater, route, engine, fingerprint, seconds)
+
+
+def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: DesignForecast | None, progress: bool):
+    """``(result, std)``: the greedy design (with ``forecast``; checkpointed in ``work/design_state.pt``) or the
+    baseline strategy's choice (:class:`~ctuq.design.greedy.DesignResult`), and the posterior std maps (image
+    shape, mm⁻¹) after the pilot and after the design."""
+    ds, engine, chosen_at_pilot = cfg.design, pilot.engine, scan.pilot
+    std: dict[str, torch.Tensor] = {}
+    shape = tuple(scan.data.op.image_shape)
+
+    def std_map(chosen) -> torch.Tensor:
+        if list(engine.chosen) != list(chosen):
+            engine.reset(chosen)
+        s = engine.posterior_std(ds.std_samples, seed=cfg.seed + 11) / engine.model.image_scale
+        return s.reshape(shape)
+
+    if forecast is not None:
+        hooks = forecast.hooks
         result = greedy_design(
             engine,
-            pilot,
+            chosen_at_pilot,
             ds.acquire,
             criterion=ds.criterion,
-            angles_deg=cand_deg,
+            angles_deg=scan.cand_deg,
             jitter=ds.jitter,
-            updater=updater,
-            checkpoint=state_path,
-            fingerprint=fingerprint,
+            updater=pilot.updater,
+            checkpoint=out / STATE_NAME,
+            fingerprint=pilot.fingerprint,
             progress=progress,
             log=_log,
             update_last=True,
-            on_setup=lambda eng: (std.__setitem__("after the pilot", std_map(pilot)), hooks.at_pilot(eng)),
+            on_setup=lambda eng: (std.__setitem__("after the pilot", std_map(chosen_at_pilot)), hooks.at_pilot(eng)),
             before_acquire=hooks.before_acquire,
             after_step=hooks.after_step,
         )
     else:
-        result = baseline_design(ds.criterion, len(cand_idx), pilot, ds.acquire, angles_deg=cand_deg, seed=cfg.seed)
-        std["after the pilot"] = std_map(pilot)
+        result = baseline_design(
+            ds.criterion, len(scan.cand_idx), chosen_at_pilot, ds.acquire, angles_deg=scan.cand_deg, seed=cfg.seed
+        )
+        std["after the pilot"] = std_map(chosen_at_pilot)
     std["after the design"] = std_map(result.chosen)
-    write_tiff(out / "std_pilot.tif", std["after the pilot"], voxel_size=voxel_size_of(cand_op))
-    write_tiff(out / "std_design.tif", std["after the design"], voxel_size=voxel_size_of(cand_op))
+    return result, std
+
+
+def _write_choice(cfg, out: Path, scan: DesignScan, result, std: dict) -> None:
+    """The std maps (``std_pilot.tif``, ``std_design.tif``, ``std.png``), the polar plot of the angles and
+    ``angles.txt`` (pilot then acquired, in acquisition order)."""
+    ds = cfg.design
+    write_tiff(out / "std_pilot.tif", std["after the pilot"], voxel_size=voxel_size_of(scan.cand_op))
+    write_tiff(out / "std_design.tif", std["after the design"], voxel_size=voxel_size_of(scan.cand_op))
     plot_std_maps(out / "std.png", std)
-    pilot_deg, acq_deg = cand_deg[pilot].tolist(), cand_deg[result.acquired].tolist()
-    plot_design_polar(out / "design_polar.png", pilot_deg, acq_deg, period_deg=math.degrees(period))
+    pilot_deg, acq_deg = scan.degrees(scan.pilot), scan.degrees(result.acquired)
+    plot_design_polar(out / "design_polar.png", pilot_deg, acq_deg, period_deg=math.degrees(scan.period))
     lines = [f"# ctuq design: {ds.criterion}, prior {ds.prior}; angle_deg role order"]
     lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(pilot_deg)]
     lines += [f"{a:.6f} acquired {i + 1}" for i, a in enumerate(acq_deg)]
     with atomic_path(out / ANGLES_NAME) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
-    # ---------------------------------------------------------------- reconstructions
-    comparison = {}
-    if ds.reconstruct:
-        n_total = len(result.chosen)
-        for name, idx in (
-            ("designed", sorted(result.chosen)),
-            ("equidistant", sorted(equidistant_indices(len(cand_idx), n_total).tolist())),
-        ):
-            _, m = reconstruct_angles(
-                cfg, out / name, cand_op.subset(idx), y_cand[idx], gt, device, progress, need_model=False
+
+def _compare_reconstructions(
+    cfg, out: Path, scan: DesignScan, result, forecast: DesignForecast | None, progress: bool
+) -> dict:
+    """``design.json["comparison"]``: FBP/TV/DIP from the designed angles and from as many equidistant ones (run
+    folders ``designed/``, ``equidistant/``, reused when finished), with PSNR/SSIM and, with a forecast and a ground
+    truth, the RMS error inside the forecast's mask."""
+    gt, comparison = scan.gt, {}
+    n_total = len(result.chosen)
+    for name, idx in (
+        ("designed", sorted(result.chosen)),
+        ("equidistant", sorted(equidistant_indices(len(scan.cand_idx), n_total).tolist())),
+    ):
+        _, m = reconstruct_angles(
+            cfg, out / name, scan.cand_op.subset(idx), scan.y_cand[idx], gt, scan.device, progress, need_model=False
+        )
+        comparison[name] = {
+            "n_angles": len(idx),
+            "angles_deg": scan.degrees(idx),
+            "psnr": m.get("psnr"),
+            "ssim": m.get("ssim"),
+            "rmse_object": None
+            if gt is None or forecast is None
+            else rmse_inside(out / name, gt, forecast.forecaster.mask),
+        }
+        if m.get("psnr"):
+            _log(
+                f"{name} ({len(idx)} angles): PSNR "
+                + ", ".join(f"{k} {v:.2f} dB" for k, v in m["psnr"].items() if v is not None)
             )
-            comparison[name] = {
-                "n_angles": len(idx),
-                "angles_deg": cand_deg[idx].tolist(),
-                "psnr": m.get("psnr"),
-                "ssim": m.get("ssim"),
-                "rmse_object": None
-                if gt is None or forecast is None
-                else rmse_inside(out / name, gt, forecast["forecaster"].mask),
-            }
-            if m.get("psnr"):
-                _log(
-                    f"{name} ({len(idx)} angles): PSNR "
-                    + ", ".join(f"{k} {v:.2f} dB" for k, v in m["psnr"].items() if v is not None)
-                )
-    record = {
+    return comparison
+
+
+def _design_record(
+    cfg, scan: DesignScan, pilot: PilotPrior, forecast: DesignForecast | None, result, std, comparison, t_start
+) -> dict:
+    """``design.json``: the scan and candidates, the pilot and the acquired angles with their criterion values and
+    times, the prior, the std maps' means, the reconstructions' comparison, the forecast and the timings."""
+    ds, cand_idx = cfg.design, scan.cand_idx
+    pilot_deg, acq_deg = scan.degrees(scan.pilot), scan.degrees(result.acquired)
+    return {
         "ctuq_version": __version__,
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
-        "device": str(device),
-        "scan": str(scan_path),
+        "device": str(scan.device),
+        "scan": str(scan.path),
         "strategy": ds.criterion,
-        "route": route if greedy else None,
-        "period_deg": math.degrees(period),
-        "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
-        "pilot": {"candidates": pilot, "angles_deg": pilot_deg},
+        "route": pilot.route if forecast is not None else None,
+        "period_deg": math.degrees(scan.period),
+        "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": scan.cand_deg.tolist()},
+        "pilot": {"candidates": scan.pilot, "angles_deg": pilot_deg},
         "acquired": [
             {
                 "step": s["step"],
@@ -367,101 +558,106 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
         ],
         "angles_deg": pilot_deg + acq_deg,
         "criterion_traces": [s["values"] for s in result.steps],
-        "prior": {**engine.model.summary(), "evidence_grid": engine.model.info.get("evidence_grid")},
+        "prior": {**pilot.engine.model.summary(), "evidence_grid": pilot.engine.model.info.get("evidence_grid")},
         "std_mean": {k: float(v.mean()) for k, v in std.items()},
-        "pilot_reconstruction": {"psnr": pilot_metrics.get("psnr"), "ssim": pilot_metrics.get("ssim")},
+        "pilot_reconstruction": {"psnr": pilot.metrics.get("psnr"), "ssim": pilot.metrics.get("ssim")},
         "comparison": comparison,
-        "forecast": _forecast_record(forecast, result, comparison, rule),
+        "forecast": _forecast_record(forecast, result, comparison),
         "timings": {
-            "prior_s": prior_s,
+            "prior_s": pilot.seconds,
             **result.timings,
             "resumed_steps": result.resumed_steps,
             "total_s": time.perf_counter() - t_start,
         },
         "config": cfg.to_dict(),
     }
-    if forecast is not None:
-        _forecast_figures(out, record["forecast"], comparison)
-    write_metrics(out / DESIGN_NAME, record)
-    plural = "" if len(acq_deg) == 1 else "s"
-    _log(f"chose {len(acq_deg)} angle{plural} in {result.timings['total_s']:.1f} s; wrote {out}")
-    return record
 
 
 # ---------------------------------------------------------------------------------------------- forecast
-def _forecast_setup(
-    cfg, engine, prior, pilot, pilot_state, y_cand, gt, cand_deg, route, plan: bool, rule, progress: bool
-) -> dict:
-    """The forecaster fitted at the pilot, the plan (``--plan`` or a stop target), and the acquisition hooks."""
-    ds = cfg.design
-    x_pilot = pilot_state.images["dip"].detach().cpu().double().reshape(engine.model.op.image_shape)
-    data_range = ds.intensity_range
-    if data_range is None and gt is not None:
-        data_range = float(gt.max() - gt.min())
-    forecaster = ErrorForecaster(ds.calibration, x_pilot, data_range=data_range, seed=cfg.seed)
-    predictor = RowPredictor(x_pilot.reshape(-1), y_cand, engine.model, forecaster.mask, seed=cfg.seed)
-    engine.reset(pilot)
-    rows = pilot_rows(engine, predictor, pilot, ds.calibration_angles)
-    forecaster.fit(rows)
+def _forecast_setup(cfg, scan: DesignScan, pilot: PilotPrior, *, plan: bool, rule: StopRule, progress: bool):
+    """The forecaster fitted at the pilot, the plan (``--plan`` or a stop target, which it must be able to meet),
+    and the acquisition hooks: a :class:`DesignForecast`."""
+    ds, engine = cfg.design, pilot.engine
+    x_pilot = pilot.state.images["dip"].detach().cpu().double().reshape(engine.model.op.image_shape)
+    forecaster, predictor, rows = _fit_forecaster(cfg, scan, pilot, x_pilot)
     at_pilot = forecaster.report()
     _log(f"forecast calibration at the pilot ({ds.calibration}): " + _describe_fit(at_pilot))
     planned = None
     if plan or rule:
-        n_max = len(pilot) + ds.acquire
-        if prior is not None:  # the angles not measured yet: the pilot reconstruction's projections
-            with torch.no_grad():
-                guess = engine.model.op.forward_flat(
-                    x_pilot.reshape(1, -1).to(engine.model.op.device, engine.model.op.dtype)
-                )
-            y_plan = guess.reshape(y_cand.shape).to(y_cand.dtype).cpu()
-            y_plan[pilot] = y_cand[pilot].cpu()
-            measured, prior.y = prior.y, y_plan
-        try:
-            planned = plan_curves(
-                engine.model,
-                prior,
-                pilot,
-                forecast_counts(len(pilot), n_max, ds.forecast_points),
-                forecaster,
-                criterion=ds.criterion,
-                jitter=ds.jitter,
-                angles_deg=cand_deg,
-                route=route,
-                n_samples=min(ds.samples, ds.plan_samples),
-                refresh_every=ds.refresh_every,
-                std_samples=ds.forecast_samples,
-                seed=cfg.seed,
-                progress=progress,
-                log=_log,
-            )
-        finally:
-            if prior is not None:
-                prior.y = measured
+        planned = _plan(cfg, scan, pilot, forecaster, x_pilot, progress)
         best = min((planned["designed"][-1], planned["equidistant"][-1]), key=lambda r: r["rmse"])
         why = None if plan else rule.reachable(best)
         if why is not None:
             raise DesignError(why)
     online = OnlineCalibration(forecaster, rows, ds.calibration_update)
-    center, source = _center(ds, prior, rule)
+    center, source = _center(ds, pilot.prior, rule)
     hooks = AcquisitionHooks(
         predictor,
         online,
         rule,
-        n_pilot=len(pilot),
-        angles_deg=cand_deg,
+        n_pilot=len(scan.pilot),
+        angles_deg=scan.cand_deg,
         std_samples=ds.forecast_samples,
         seed=cfg.seed,
         center=center,
         log=_log,
     )
-    return {
-        "forecaster": forecaster,
-        "at_pilot": at_pilot,
-        "plan": planned,
-        "hooks": hooks,
-        "rule": rule,
-        "predicted_from": source,
-    }
+    return DesignForecast(forecaster, at_pilot, planned, hooks, rule, source)
+
+
+def _fit_forecaster(cfg, scan: DesignScan, pilot: PilotPrior, x_pilot: torch.Tensor):
+    """``(forecaster, predictor, rows)``: the forecast's calibration ``design.calibration`` fitted on the rows the
+    pilot predicts for its own angles (``design.calibration_angles``), and the row predictor around the pilot DIP
+    ``x_pilot`` (image shape, float64)."""
+    ds, engine = cfg.design, pilot.engine
+    data_range = ds.intensity_range
+    if data_range is None and scan.gt is not None:
+        data_range = float(scan.gt.max() - scan.gt.min())
+    # the pilot's FBP/TV, for a calibration method whose image features use them
+    companions = {k: pilot.state.images[k].detach().cpu() for k in ("fbp", "tv") if k in pilot.state.images}
+    forecaster = ErrorForecaster(ds.calibration, x_pilot, companions=companions, data_range=data_range, seed=cfg.seed)
+    predictor = RowPredictor(
+        x_pilot.reshape(-1), scan.y_cand, engine.model, forecaster.mask, seed=cfg.seed, features=forecaster.features
+    )
+    engine.reset(scan.pilot)
+    rows = pilot_rows(engine, predictor, scan.pilot, ds.calibration_angles)
+    forecaster.fit(rows)
+    return forecaster, predictor, rows
+
+
+def _plan(cfg, scan: DesignScan, pilot: PilotPrior, forecaster, x_pilot: torch.Tensor, progress: bool) -> dict:
+    """The planned error curves after ``pilot … pilot + acquire`` angles, designed and equidistant
+    (:func:`ctuq.design.plan.plan_curves`); a DIP prior plans on the pilot reconstruction's projections in place of
+    the angles not measured yet (its measurements are restored afterwards)."""
+    ds, model, prior, y_cand = cfg.design, pilot.engine.model, pilot.prior, scan.y_cand
+    n_max = len(scan.pilot) + ds.acquire
+    if prior is not None:  # the angles not measured yet: the pilot reconstruction's projections
+        with torch.no_grad():
+            guess = model.op.forward_flat(x_pilot.reshape(1, -1).to(model.op.device, model.op.dtype))
+        y_plan = guess.reshape(y_cand.shape).to(y_cand.dtype).cpu()
+        y_plan[scan.pilot] = y_cand[scan.pilot].cpu()
+        measured, prior.y = prior.y, y_plan
+    try:
+        return plan_curves(
+            model,
+            prior,
+            scan.pilot,
+            forecast_counts(len(scan.pilot), n_max, ds.forecast_points),
+            forecaster,
+            criterion=ds.criterion,
+            jitter=ds.jitter,
+            angles_deg=scan.cand_deg,
+            route=pilot.route,
+            n_samples=min(ds.samples, ds.plan_samples),
+            refresh_every=ds.refresh_every,
+            std_samples=ds.forecast_samples,
+            seed=cfg.seed,
+            progress=progress,
+            log=_log,
+        )
+    finally:
+        if prior is not None:
+            prior.y = measured
 
 
 def _center(ds, prior, rule) -> tuple:
@@ -481,7 +677,8 @@ def _center(ds, prior, rule) -> tuple:
 
 
 def _describe_fit(rep: dict) -> str:
-    keys = [k for k in ("k", "tau") if rep.get(k) is not None]
+    """The forecaster's fit (:meth:`ErrorForecaster.report`) in a log line: its method's fitted parameters."""
+    keys = [k for k in CALIBRATIONS[rep["method"]].parameters if rep.get(k) is not None]
     return ", ".join(f"{k} = {rep[k]:.3g}" for k in keys) + f" on {rep['n_rows']} rows"
 
 
@@ -499,11 +696,11 @@ def rmse_inside(folder: Path, truth, mask) -> dict:
     return out
 
 
-def _forecast_record(forecast, result, comparison, rule) -> dict | None:
+def _forecast_record(forecast: DesignForecast | None, result, comparison: dict) -> dict | None:
     """``design.json["forecast"]``: the calibration at the pilot, the plan, the online records and the stop."""
     if forecast is None:
         return None
-    hooks = forecast["hooks"]
+    hooks, rule = forecast.hooks, forecast.rule
     last = hooks.forecasts[-1] if hooks.forecasts else None
     actual = (comparison.get("designed") or {}).get("rmse_object") or {}
     stop = None
@@ -529,15 +726,15 @@ def _forecast_record(forecast, result, comparison, rule) -> dict | None:
         else:
             _log(f"the stop rule was not met within --acquire {len(result.acquired)} angles ({rule.target.describe()})")
     return {
-        "calibration": forecast["forecaster"].name,
+        "calibration": forecast.forecaster.name,
         "update": hooks.online.update,
-        "predicted_from": forecast["predicted_from"],
-        "calibration_at_pilot": forecast["at_pilot"],
-        "plan": forecast["plan"],
+        "predicted_from": forecast.predicted_from,
+        "calibration_at_pilot": forecast.at_pilot,
+        "plan": forecast.plan,
         "online": hooks.online.records,
         "after_step": hooks.forecasts,
         "stop": stop,
-        "time_s": hooks.time_s + (forecast["plan"] or {}).get("time_s", 0.0),
+        "time_s": hooks.time_s + (forecast.plan or {}).get("time_s", 0.0),
     }
 
 
@@ -553,25 +750,26 @@ def _forecast_figures(out: Path, fc: dict, comparison: dict) -> None:
         plot_online_calibration(out / ONLINE_PNG, fc["online"])
 
 
-def _write_plan(cfg, out: Path, forecast: dict, scan_path, cand_idx, cand_deg, pilot, period, route, t_start) -> dict:
+def _write_plan(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: DesignForecast, t_start: float) -> dict:
     """``--plan``: design.json with the forecast, forecast.png and the planned angles; nothing acquired."""
-    planned = forecast["plan"]
+    planned = forecast.plan
     order = planned["designed_order"]
+    cand_idx, cand_deg, pilot_idx = scan.cand_idx, scan.cand_deg, scan.pilot
     record = {
         "ctuq_version": __version__,
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "plan_only": True,
-        "scan": str(scan_path),
+        "scan": str(scan.path),
         "strategy": cfg.design.criterion,
-        "route": route,
-        "period_deg": math.degrees(period),
+        "route": pilot.route,
+        "period_deg": math.degrees(scan.period),
         "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": cand_deg.tolist()},
-        "pilot": {"candidates": pilot, "angles_deg": cand_deg[pilot].tolist()},
+        "pilot": {"candidates": pilot_idx, "angles_deg": cand_deg[pilot_idx].tolist()},
         "planned": {"candidates": order, "angles_deg": cand_deg[order].tolist()},
         "forecast": {
-            "calibration": forecast["forecaster"].name,
-            "calibration_at_pilot": forecast["at_pilot"],
+            "calibration": forecast.forecaster.name,
+            "calibration_at_pilot": forecast.at_pilot,
             "plan": planned,
         },
         "timings": {"plan_s": planned["time_s"], "total_s": time.perf_counter() - t_start},
@@ -579,7 +777,7 @@ def _write_plan(cfg, out: Path, forecast: dict, scan_path, cand_idx, cand_deg, p
     }
     plot_forecast(out / FORECAST_PNG, planned)
     lines = [f"# ctuq design --plan: {cfg.design.criterion}; angle_deg role order (planned, not acquired)"]
-    lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(cand_deg[pilot])]
+    lines += [f"{a:.6f} pilot {i + 1}" for i, a in enumerate(cand_deg[pilot_idx])]
     lines += [f"{a:.6f} planned {i + 1}" for i, a in enumerate(cand_deg[order])]
     with atomic_path(out / ANGLES_NAME) as tmp:
         tmp.write_text("\n".join(lines) + "\n")

@@ -273,15 +273,15 @@ def phase_dip(state: RunState) -> None:
 
 
 def phase_restore_dip(state: RunState) -> None:
-    """Restore the fitted DIP of a finished run (``ctuq uq``): ``dip_model.pt`` (any model-file version this
-    ctuq reads), else the checkpoint's best weights; plus the earlier TV image and DIP/TV metrics.
+    """Restore the fitted DIP of a finished run (``ctuq uq``): ``dip_model.pt``, else the checkpoint's best weights;
+    plus the earlier TV image and DIP/TV metrics.
 
     Raises
     ------
     FileNotFoundError
         The run folder has neither file.
     ModelFileError
-        ``dip_model.pt`` is unreadable, of a newer version, or holds no fixed input.
+        ``dip_model.pt`` is unreadable, of another version, or holds no fixed input.
     CTUQError
         The DIP was fitted with another ``dip.scale``, or the checkpoint cannot rebuild the network.
     """
@@ -342,6 +342,14 @@ def _write_results_h5(state: RunState) -> None:
     write_results_h5(state.out_dir / rf.RESULTS_H5_NAME, images, volume=volume, geometry=geometry, attrs=attrs)
 
 
+def _resolved(state: RunState) -> dict[str, str]:
+    """What the run resolved ``uq.solver`` to (``auto``, ``exact``: the registry solver it set up), so that
+    ``metrics.json``'s config holds that solver's section; nothing when no inference ran."""
+    if state.uq_result is None:
+        return {}
+    return {"uq.solver": state.uq_result.stats["route"]}
+
+
 def phase_write(state: RunState) -> None:
     """Metrics against the ground truth, the PNG figure, ground_truth.tif and metrics.json (with the run's
     ``"warnings"``, an empty list when there were none). Rank 0 only in a sharded run."""
@@ -382,7 +390,7 @@ def phase_write(state: RunState) -> None:
         "ssim": ssim,
         **state.metrics,
         "timings": {**state.timings, "total_before_write": total},
-        "config": state.cfg.to_dict(),
+        "config": state.cfg.to_dict(resolved=_resolved(state)),
         "versions": package_versions(),
     }
     write_metrics(state.out_dir / rf.METRICS_NAME, metrics)

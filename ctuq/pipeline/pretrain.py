@@ -114,31 +114,21 @@ def pretrain(
     """
     if log is None:
         log = _log.info
-    if seed < 1:
-        raise CTUQError(f"--seed {seed}: must be >= 1 (seed 0 is the bundled scan's walnut)")
-    if cfg.data.ndim != 2:
-        raise ConfigError(f"data.ndim = {cfg.data.ndim}: ctuq pretrain supports only 2D slices (data.ndim = 2)")
-    out = Path(out)
-    _check_out_file(out)
+    out = _check_arguments(cfg, out, seed)
     device = resolve_device(cfg.device)
     d, path, warnings = load_scan(cfg, device, progress=progress, heldout=False)
     for msg in warnings:
         _log.warning(msg)
-    t0 = time.perf_counter()
-    seed_everything(seed)
-    images = simulated_slices(d.op.volume, phantoms, slices_per_phantom, seed=seed, progress=progress)
-    stack = iter(images)
-    inputs, targets = make_training_pairs(
+    n_pairs, inputs, targets = _training_pairs(
+        cfg,
         d.op,
-        lambda y: fbp(d.op, y, filter_type=cfg.fbp.filter, frequency_scaling=cfg.fbp.frequency_scaling),
-        lambda _gen: next(stack),
-        len(images),
+        phantoms=phantoms,
+        slices_per_phantom=slices_per_phantom,
         noise=noise,
-        scale=cfg.dip.scale,
         seed=seed,
         progress=progress,
+        log=log,
     )
-    log(f"{len(images)} training pairs from {phantoms} synthetic walnuts in {time.perf_counter() - t0:.1f} s")
     model = build_model(cfg, d.op.ndim).to(device)
     result = pretrain_unet(
         model, inputs, targets, iterations=iterations, batch_size=batch_size, lr=lr, seed=seed, progress=progress
@@ -163,6 +153,41 @@ def pretrain(
             "final_loss": final,
         },
     )
-    return PretrainRun(
-        path=out, model=model, loss_history=result.loss_history, time_s=result.time_s, n_pairs=len(images)
+    return PretrainRun(path=out, model=model, loss_history=result.loss_history, time_s=result.time_s, n_pairs=n_pairs)
+
+
+def _check_arguments(cfg: Config, out: str | Path, seed: int) -> Path:
+    """The weights file ``out`` as a path, after the checks made before any work: ``seed`` ≥ 1, a 2D ``data``
+    section and a writable ``out`` (one-line user errors naming the option)."""
+    if seed < 1:
+        raise CTUQError(f"--seed {seed}: must be >= 1 (seed 0 is the bundled scan's walnut)")
+    if cfg.data.ndim != 2:
+        raise ConfigError(f"data.ndim = {cfg.data.ndim}: ctuq pretrain supports only 2D slices (data.ndim = 2)")
+    out = Path(out)
+    _check_out_file(out)
+    return out
+
+
+def _training_pairs(
+    cfg: Config, op, *, phantoms: int, slices_per_phantom: int, noise: float, seed: int, progress: bool, log: Callable
+):
+    """``(n_pairs, inputs, targets)``: the FBPs (``cfg.fbp``) of noisy projections by ``op`` of
+    ``phantoms × slices_per_phantom`` simulated walnut slices and the slices themselves, both scaled by
+    ``dip.scale`` (:func:`ctuq.reconstruct.pretrain.make_training_pairs`); the global seeds are set from ``seed``
+    first."""
+    t0 = time.perf_counter()
+    seed_everything(seed)
+    images = simulated_slices(op.volume, phantoms, slices_per_phantom, seed=seed, progress=progress)
+    stack = iter(images)
+    inputs, targets = make_training_pairs(
+        op,
+        lambda y: fbp(op, y, filter_type=cfg.fbp.filter, frequency_scaling=cfg.fbp.frequency_scaling),
+        lambda _gen: next(stack),
+        len(images),
+        noise=noise,
+        scale=cfg.dip.scale,
+        seed=seed,
+        progress=progress,
     )
+    log(f"{len(images)} training pairs from {phantoms} synthetic walnuts in {time.perf_counter() - t0:.1f} s")
+    return len(images), inputs, targets

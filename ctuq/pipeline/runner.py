@@ -31,7 +31,7 @@ from ctuq.pipeline.phases import (
 )
 from ctuq.pipeline.scan import check_device
 from ctuq.pipeline.uq import UQRun
-from ctuq.pipeline.uq_phase import phase_uq, saved_heldout_rows, write_heldout
+from ctuq.pipeline.uq_phase import phase_uq, write_heldout
 from ctuq.utils import atomic_path, resolve_device
 
 __all__ = [
@@ -222,14 +222,14 @@ def check_run(
     """Programmatic ``ctuq uq RUN --check``: the held-out check (:mod:`ctuq.calibration`) of the finished run in
     ``out_dir``, writing only ``heldout.json`` and ``heldout_calibration.png``.
 
-    When the run saved its held-out rows (``heldout_rows.npz``, every run since they exist), they are rescored
-    with the current statistic in seconds, without opening the scan (rows saved before the bias model get its
-    weights from the loaded scan's held-out rows first, :func:`ctuq.pipeline.uq_phase.saved_heldout_rows`).
-    Otherwise it loads the scan (its held-out rows come with it), restores the fitted DIP and the fitted posterior
-    (resumed from a temporary copy of ``uq_state.pt``, else set up and fitted afresh with ``cfg.uq``), projects
-    ``ctuq.calibration.HELDOUT_SAMPLES`` posterior samples onto the scan's unused angles and scores them, saving
-    the rows for the next check. Every other file of the folder is left untouched. Returns the state (timings in
-    ``state.timings``) and the scored :class:`~ctuq.calibration.HeldoutRows`.
+    When the run saved its held-out rows (``heldout_rows.npz``, every run with the uncertainty phase and a check),
+    they are rescored with the current statistic in seconds, without opening the scan (a calibration method whose
+    row weights the file lacks is left out of the report). Otherwise it loads the scan (its held-out rows come with
+    it), restores the fitted DIP and the fitted posterior (resumed from a temporary copy of ``uq_state.pt``, else
+    set up and fitted afresh with ``cfg.uq``), projects ``ctuq.calibration.HELDOUT_SAMPLES`` posterior samples onto
+    the scan's unused angles and scores them, saving the rows for the next check. Every other file of the folder is
+    left untouched. Returns the state (timings in ``state.timings``) and the scored
+    :class:`~ctuq.calibration.HeldoutRows`.
 
     Raises
     ------
@@ -249,12 +249,7 @@ def check_run(
     command = f"ctuq uq {out_dir} --check"
     t0 = time.perf_counter()
 
-    def loaded():  # the scan, loaded once, only when the saved rows need it
-        if state.data is None:
-            run_phases(state, [Phase("load", phase_load)])
-        return state.data
-
-    saved = saved_heldout_rows(out_dir, loaded, seed=cfg.seed + 1)
+    saved = cal.read_rows(out_dir / rf.HELDOUT_ROWS_NAME)
     if saved is not None:  # the run kept its held-out rows: rescore them, no posterior to rebuild
         saved.meta["command"] = command
         saved.score(seed=cfg.seed + 1)
@@ -264,7 +259,8 @@ def check_run(
         state.log(f"rescored the held-out rows the run saved ({rf.HELDOUT_ROWS_NAME}); no posterior rebuilt")
         write_heldout(out_dir, saved, figure=cfg.output.figure, rows_file=False)
         return state, saved
-    held = loaded().heldout
+    run_phases(state, [Phase("load", phase_load)])
+    held = state.data.heldout
     if held is None:
         raise CTUQError(f"RUN_DIR {out_dir}: no held-out check: {state.data.heldout_reason}")
     run_phases(state, [Phase("restore_dip", phase_restore_dip)])

@@ -213,5 +213,5 @@ def load_scan(
         d = load_slice(scan, slice_index=dc.slice_index, heldout=heldout, **kwargs)
     else:
         d = load_volume(scan, heldout=heldout, **kwargs)
-    warnings = [w for w in (implausible, truncation_warning(d.y, str(path))) if w]
+    warnings = [w for w in (implausible, truncation_warning(d.y, str(scan.origin("projections")))) if w]
     return d, path, warnings + expected_setting_warnings(scan, cfg, tuple(d.op.measurement_shape))

@@ -1,32 +1,15 @@
-"""Linearised-DIP uncertainty for CT: the CT front end of :class:`ctuq.inference.LinearizedPosterior`.
+"""The run of the linearised inference on one CT reconstruction: :class:`UQRun`, set up or resume → fit (sampled EM) →
+stream moments (prediction samples into running sums) → report (:class:`UQResult`); :meth:`UQRun.run` does all four.
 
-What is CT here, and only that (DESIGN.md §1):
-
-* ``T`` as the output map of the linearised U-Net: ``Ψ₀ = T Φ`` (:func:`ct_features`), ``Φ`` over the
-  convolution weights at the DIP weights ``ṽ`` (:class:`~ctuq.linearize.LinearizedNetwork`);
-* the DIP's *scale* (data and image × ``scale``, 14 for the walnut): the network and the inference live in scaled
-  units; images handed back (std map, samples, mean) are divided by ``scale`` again, i.e. in mm⁻¹;
-* the offset ``ỹ = y + T(Φṽ − g(ṽ))`` (the U-Net has no dense last layer, so it does not cancel; one JVP);
-* ``σ²`` initialised from the DIP residual ``‖T g(ṽ) − y‖²/c`` unless given, and by default learned;
-* the noise model (``uq.noise``): ``homoscedastic`` (``ε ~ N(0, σ² I)``) or ``per_ray`` (``ε ~ N(0, σ² D)``,
-  :class:`~ctuq.inference.likelihoods.DiagonalGaussianLikelihood`), ``D`` the scan's per-measurement variances
-  from the photon statistics (:attr:`ctuq.data.CTData.variances`, data units²) normalised to mean 1 — so ``σ²``
-  stays the mean noise variance in scaled units, and ``σ² / (scale² · mean(Var y))`` is the detector gain the fit
-  implies (counts per photon; 1 for a simulated scan whose residual is noise only); ``σ²₀`` is then the whitened
-  DIP residual ``mean((T g(ṽ) − y)²/d)``. ``uq.noise`` is resolved once per run (:func:`resolve_noise` →
-  :class:`ResolvedNoise`, recorded in ``stats["noise"]``); the likelihood it builds carries ``D`` and its normaliser
-  and answers the noise variance of the scan's held-out rows itself (``noise_variance_of``);
-* the run-folder checkpoints of ``work_dir`` and the streaming image statistics
-  (:class:`ctuq.metrics.SampleMoments`): pixelwise and p×p patch second moments are running sums over sample
-  chunks, so no image sample is kept in memory unless asked (``keep_samples``) or written
-  (``settings.save_samples``).
-
-Everything else — prior scales, solver choice and set-up, sampled EM, Matheron samples — is the posterior's; the
-``uq`` config section becomes its keyword arguments through
-:func:`ctuq.pipeline.uq_settings.posterior_arguments`.
-
-A run (:func:`run_linearized_uq`) is four steps of one :class:`UQRun`: set up or resume → fit (sampled EM) →
-stream moments (prediction samples into running sums) → report (:class:`UQResult`).
+What it runs on lives beside it: the CT model of the linearised DIP (features ``Ψ₀ = T Φ``, scale, offset, ``σ²₀``:
+:mod:`ctuq.pipeline.ct_model`), the noise model ``uq.noise``, resolved once per run (:mod:`ctuq.pipeline.noise`,
+recorded in ``stats["noise"]``), and the streaming image statistics' region and memory check
+(:mod:`ctuq.pipeline.moments`). Everything else — prior scales, solver choice and set-up, sampled EM, Matheron
+samples — is the posterior's (:class:`ctuq.inference.LinearizedPosterior`); the ``uq`` config section becomes its
+keyword arguments through :func:`ctuq.pipeline.uq_settings.posterior_arguments`. Images handed back (std map,
+samples, mean) are divided by the DIP's ``scale`` again, i.e. in mm⁻¹. The pixelwise and p×p patch second moments
+(:class:`ctuq.metrics.SampleMoments`) are running sums over sample chunks, so no image sample is kept in memory
+unless asked (``keep_samples``) or written (``settings.save_samples``).
 
 Checkpoints in ``work_dir`` (format and resume checks: :mod:`ctuq.pipeline.checkpoints`; names:
 :mod:`ctuq.pipeline.run_folder`): ``uq_state.pt`` after the g-prior, the solver set-up and every EM step;
@@ -44,7 +27,8 @@ writes ``uq_state.pt`` and every rank its own running sums ``uq_moments.rank{r}o
 
 Volumes ``(D, H, W)`` go through the same code: Jacobian products are chunked under ``uq.memory_budget_gb``
 (:class:`ctuq.linearize.MemoryBudgetError` when not even one product fits), and the statistics' memory
-(:func:`moments_bytes`) is checked against the host's before sampling (:data:`ctuq.memory.Budget.STATISTICS`).
+(:func:`ctuq.pipeline.moments.moments_bytes`) is checked against the host's before sampling
+(:data:`ctuq.memory.Budget.STATISTICS`).
 """
 
 from __future__ import annotations
@@ -59,35 +43,21 @@ import torch
 
 from ctuq import interrupt
 from ctuq.config import UQConfig, check_section
-from ctuq.errors import CTUQError
-from ctuq.inference import GaussianLikelihood, LinearizedFeatures, LinearizedPosterior, LocalShard
-from ctuq.inference.likelihoods import DiagonalGaussianLikelihood
-from ctuq.linearize import LinearizedNetwork, MemoryBudgetError
+from ctuq.inference import LinearizedPosterior, LocalShard
+from ctuq.linearize import MemoryBudgetError
 from ctuq.log import duration
-from ctuq.memory import GIB, Budget, free_memory_bytes, memory_budget
-from ctuq.metrics import SampleMoments, inner_square_roi
-from ctuq.options import NoiseModel
+from ctuq.metrics import SampleMoments
 from ctuq.pipeline import checkpoints
+from ctuq.pipeline.ct_model import ct_posterior
+from ctuq.pipeline.moments import check_moments_memory, statistics_roi
+from ctuq.pipeline.noise import resolve_noise
 from ctuq.pipeline.run_folder import UQ_SAMPLE_FILE_PATTERN, UQ_SAMPLES_DIR, UQ_STATE_NAME
-from ctuq.pipeline.uq_settings import posterior_arguments
 from ctuq.registry import SOLVERS
 from ctuq.utils import atomic_torch_save
 from ctuq.utils import progress as _progress_bar
 
-__all__ = [
-    "UQSettings",
-    "UQResult",
-    "UQRun",
-    "run_linearized_uq",
-    "ct_features",
-    "ct_posterior",
-    "MOMENTS_CHECKPOINT_SECONDS",
-    "moments_bytes",
-    "check_moments_memory",
-    "statistics_roi",
-    "ResolvedNoise",
-    "resolve_noise",
-]
+__all__ = ["UQSettings", "UQResult", "UQRun", "MOMENTS_CHECKPOINT_SECONDS"]
+
 
 MOMENTS_CHECKPOINT_SECONDS = 60.0
 
@@ -97,7 +67,7 @@ UQSettings = UQConfig
 
 @dataclasses.dataclass
 class UQResult:
-    """Output of :func:`run_linearized_uq`.
+    """Output of :meth:`UQRun.run` (:meth:`UQRun.report`).
 
     Attributes
     ----------
@@ -145,236 +115,57 @@ class UQResult:
     samples: torch.Tensor | None = None
 
 
-def ct_features(
-    model: torch.nn.Module,
-    net_input: torch.Tensor,
-    op,
-    *,
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-):
-    """``(network, Ψ₀)`` for CT: the linearised U-Net ``Φ`` and the unscaled features ``Ψ₀ = T Φ``.
-
-    ``model`` maps ``net_input`` ``(1, C, *image_shape)`` to ``(1, 1, *image_shape)`` (scaled image units);
-    ``op`` is the ray transform (its ``forward_flat``/``adjoint_flat`` are ``T``/``Tᵀ`` on flat images).
-    ``memory_budget`` (bytes) bounds one chunk of Jacobian products; when not even one product fits, the first
-    product raises :class:`ctuq.linearize.MemoryBudgetError` naming the sizes (default: automatic).
-    """
-    net = LinearizedNetwork(model, net_input, chunk_size=chunk_size, memory_budget=memory_budget)
-    if net.d_out != op.d_x:
-        raise ValueError(
-            f"ct_features: the network outputs {tuple(net.output_shape)} ({net.d_out} values) but the "
-            f"operator expects images of shape {op.image_shape} ({op.d_x} pixels)"
-        )
-    return net, LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedNoise:
-    """The noise model of one run: ``uq.noise`` resolved against the scan, once (:func:`resolve_noise`), and what
-    follows from it.
-
-    Attributes
-    ----------
-    setting : str
-        ``uq.noise`` as configured (``homoscedastic``, ``per_ray`` or ``auto``).
-    model : NoiseModel
-        What it resolved to: ``homoscedastic`` or ``per_ray``.
-    reason : str
-        Why, in one line (recorded in ``metrics.json["uq"]["stats"]["noise"]``).
-    measurement_variances : torch.Tensor or None
-        ``per_ray``: the scan's per-measurement variances as given (``measurement_shape``, data units²,
-        :attr:`ctuq.data.CTData.variances`); ``None`` otherwise.
-    relative : torch.Tensor or None
-        ``per_ray``: ``d = v / mean(v)`` ``(c,)`` float64 on the CPU, mean 1, so ``σ²`` stays the mean noise variance.
-    normaliser : float or None
-        ``per_ray``: ``mean(v)`` (data units²), what other rows' variances are divided by too
-        (:meth:`ctuq.inference.DiagonalGaussianLikelihood.noise_variance_of`).
-    """
-
-    setting: str
-    model: NoiseModel
-    reason: str
-    measurement_variances: torch.Tensor | None = None
-    relative: torch.Tensor | None = None
-    normaliser: float | None = None
-
-    @property
-    def automatic(self) -> bool:
-        """The model was chosen by ``uq.noise = auto`` (worth a log line saying which)."""
-        return self.setting == NoiseModel.AUTO
-
-    def likelihood(self, sigma2: float, learn_noise: bool) -> GaussianLikelihood:
-        """The likelihood of the linear model (``σ²`` in scaled data units²): ``N(0, σ² I)``, or ``N(0, σ² D)`` with
-        ``D = diag(d)`` carrying :attr:`normaliser` (so it answers the held-out rows' noise variance itself)."""
-        if self.relative is None:
-            return GaussianLikelihood(sigma2, learn_noise)
-        return DiagonalGaussianLikelihood(sigma2, learn_noise, variances=self.relative, normaliser=self.normaliser)
-
-    def record(self) -> dict:
-        """``{"setting", "model", "reason"}`` (plain strings), for ``metrics.json["uq"]["stats"]["noise"]``."""
-        return {"setting": str(self.setting), "model": str(self.model), "reason": self.reason}
-
-
-def resolve_noise(settings: UQConfig, variances, measurement_shape) -> ResolvedNoise:
-    """``settings.noise`` (``uq.noise``) resolved against the scan's per-measurement variances ``variances``
-    (``measurement_shape``, data units², :attr:`ctuq.data.CTData.variances`, or ``None``): the only place that reads
-    it; everything downstream asks the returned :class:`ResolvedNoise` or the likelihood it builds.
-
-    ``auto`` (the default) resolves to ``per_ray`` when the variances are given and every one is finite and positive,
-    else to ``homoscedastic`` (the reason says which, in one line). An explicit ``per_ray`` with missing or unusable
-    variances is refused: :class:`~ctuq.errors.CTUQError` naming ``uq.noise`` and the shape or value.
-    """
-    setting = NoiseModel(settings.noise)
-    if setting == NoiseModel.HOMOSCEDASTIC:
-        return ResolvedNoise(str(setting), setting, f"uq.noise = {setting}")
-    if setting == NoiseModel.PER_RAY:
-        reason = f"uq.noise = {setting}"
-    elif variances is None:
-        reason = "uq.noise = auto: the scan has no per-measurement variances (no raw counts)"
-        return ResolvedNoise(str(setting), NoiseModel.HOMOSCEDASTIC, reason)
-    else:
-        reason = "uq.noise = auto: per-ray variances from the scan's photon statistics"
-    try:
-        v = _checked_variances(variances, measurement_shape, setting)
-    except CTUQError as err:
-        if setting == NoiseModel.PER_RAY:
-            raise
-        return ResolvedNoise(str(setting), NoiseModel.HOMOSCEDASTIC, f"{err}; using homoscedastic noise")
-    mean = v.mean()
-    return ResolvedNoise(str(setting), NoiseModel.PER_RAY, reason, variances, v / mean, float(mean))
-
-
-def _checked_variances(variances, measurement_shape, noise) -> torch.Tensor:
-    """``variances`` flat float64 on the CPU; :class:`CTUQError` naming ``uq.noise = noise`` when they are missing,
-    of another shape than ``measurement_shape``, or not all finite and positive."""
-    shape = tuple(int(n) for n in measurement_shape)
-    if variances is None:
-        raise CTUQError(
-            f"uq.noise = '{noise}' needs the scan's per-measurement variances (photon statistics: raw counts, flats "
-            "and darks, CTData.variances), but none were given; use uq.noise=homoscedastic for data without counts"
-        )
-    if not isinstance(variances, torch.Tensor) or tuple(variances.shape) != shape:
-        got = tuple(variances.shape) if isinstance(variances, torch.Tensor) else type(variances).__name__
-        raise CTUQError(f"uq.noise = '{noise}': the variances have shape {got}, the sinogram {shape}")
-    v = variances.detach().to("cpu", torch.float64).reshape(-1)
-    bad = ~(torch.isfinite(v) & (v > 0))
-    if bad.any():
-        i = int(bad.nonzero()[0])
-        raise CTUQError(
-            f"uq.noise = '{noise}': {int(bad.sum())} measurement variances are not finite and positive (first at "
-            f"flat index {i} of the {shape} sinogram: {float(v[i])})"
-        )
-    return v
-
-
-def ct_posterior(
-    model: torch.nn.Module,
-    net_input: torch.Tensor,
-    op,
-    y: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    settings: UQConfig | None = None,
-    seed: int = 0,
-    progress: bool = False,
-    log: Callable[[str], None] | None = None,
-    shard=None,
-    noise: ResolvedNoise,
-):
-    """The (not yet set-up) posterior of a fitted DIP: ``(posterior, network, info)``.
-
-    ``noise`` is the run's resolved noise model (:func:`resolve_noise`): it builds the likelihood, and with
-    ``per_ray`` its relative variances ``d`` whiten the DIP residual that gives ``σ²₀``. ``info`` holds ``g0`` (the
-    DIP output ``g(ṽ)``, flat ``(d_x,)``, scaled units), ``dip_residual_sigma2`` (``‖T g(ṽ) − y‖²/c``, scaled
-    units), ``initial_sigma2`` and ``noise`` (the model; for ``per_ray`` also ``variance_mean``, the mean of the
-    measurement variances in data units², and the range of ``d``). ``y`` (``op.measurement_shape``) is in data units
-    (mm, not scaled).
-    """
-    settings = settings or UQConfig()
-    rel = noise.relative
-    budget = None if settings.memory_budget_gb is None else int(settings.memory_budget_gb * GIB)
-    net, base = ct_features(model, net_input, op, chunk_size=settings.chunk_size, memory_budget=budget)
-    y_s = (y.to(device=op.device, dtype=net.dtype) * scale).reshape(-1)
-    with torch.no_grad():
-        g0 = net.output()
-        phi_v = net.jvp(net.params()[None])[0]
-        delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
-        residual = op.forward_flat(g0[None].to(op.dtype))[0].to(net.dtype) - y_s
-    dip_noise = float(residual.double().pow(2).mean())
-    info: dict = {"noise": str(noise.model)}
-    if rel is None:
-        white_noise = dip_noise
-    else:
-        white_noise = float((residual.double().cpu().pow(2) / rel).mean())
-        info.update(
-            {
-                "variance_mean": float(noise.measurement_variances.double().mean()),
-                "relative_variance_min": float(rel.min()),
-                "relative_variance_max": float(rel.max()),
-                "whitened_residual_sigma2": white_noise,
-            }
-        )
-    sigma2_0 = settings.noise_variance if settings.noise_variance is not None else white_noise
-    if not sigma2_0 > 0:
-        raise FloatingPointError(
-            "the DIP fits the data exactly (zero residual); set uq.noise_variance to a positive value"
-        )
-    likelihood = noise.likelihood(sigma2_0, settings.learn_noise)
-    args = posterior_arguments(settings)
-    posterior = LinearizedPosterior(
-        base,
-        y_s + delta,
-        likelihood=likelihood,
-        seed=seed,
-        progress=progress,
-        log=log,
-        shard=shard,
-        **args,
-    )
-    # the prior completes its options from the reconstruction, in images of op.image_shape (TV-PredCP: its rate is
-    # uq.tv_predcp.scale per TV of the reconstruction)
-    posterior.weight_prior.prepare(output=g0, output_shape=tuple(op.image_shape))
-    info.update({"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)})
-    return posterior, net, info
-
-
-def statistics_roi(settings: UQConfig, image_shape):
-    """The region the statistics are kept in: the inner square of ``image_shape`` (``uq.roi = inner_square``) or
-    ``None`` (the whole image)."""
-    return inner_square_roi(image_shape) if settings.roi == "inner_square" else None
-
-
-def moments_bytes(image_shape, settings: UQConfig) -> int:
-    """Bytes of the streaming statistics (:class:`ctuq.metrics.SampleMoments`, float64) of ``image_shape`` with
-    ``settings``' ROI and patch sizes: the pixel sums of squares plus, per patch size ``p``, ``n_p · p⁴`` patch sums
-    (:meth:`ctuq.metrics.SampleMoments.memory_bytes`)."""
-    shape = tuple(int(n) for n in image_shape)
-    return SampleMoments.memory_bytes(shape, roi=statistics_roi(settings, shape), patch_sizes=settings.patch_sizes)
-
-
-def check_moments_memory(settings: UQConfig, image_shape) -> None:
-    """Refuse statistics that exceed the host's statistics budget (:data:`ctuq.memory.Budget.STATISTICS`), naming
-    the sizes and the settings that set them (:class:`~ctuq.errors.CTUQError`)."""
-    need = moments_bytes(image_shape, settings)
-    budget = memory_budget(Budget.STATISTICS, "cpu")
-    if budget is not None and need > budget:
-        avail = free_memory_bytes("cpu") or 0
-        raise CTUQError(
-            f"uq.patch_sizes {list(settings.patch_sizes)}: the streaming statistics of a "
-            f"{'×'.join(map(str, image_shape))} image (uq.roi {settings.roi!r}) need {need / GIB:.1f} GiB (pixel sums "
-            f"plus p×p patch covariances, {sum(p * p for p in settings.patch_sizes)} per ROI pixel per slice) but "
-            f"{avail / GIB:.1f} GiB of host memory are available; use fewer or smaller patch sizes (e.g. "
-            f"uq.patch_sizes=[1,2,4]) or a smaller image"
-        )
-
-
 class UQRun:
-    """The state of one run of the inference (arguments as :func:`run_linearized_uq`), advanced by its steps
-    :meth:`set_up` → :meth:`fit` → :meth:`stream_moments` → :meth:`report`, in that order.
+    """Sampled linearised inference for one DIP reconstruction (module docstring): the state of one run, advanced by
+    its steps :meth:`set_up` → :meth:`fit` → :meth:`stream_moments` → :meth:`report`, in that order (:meth:`run`: all
+    four).
 
     The constructor only checks the arguments and prepares ``work_dir``; every step records its seconds in
     ``timings`` and its Jacobian products in ``products``, and checkpoints into ``work_dir`` (when given).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The fitted U-Net (its current weights are ``ṽ``); evaluated in eval mode, not modified.
+    net_input : torch.Tensor
+        Its fixed input ``(1, C, *image_shape)``.
+    op : RayTransform
+        ``T`` on the device to compute on; ``image_shape`` must be the network's output shape.
+    y : torch.Tensor
+        ``op.measurement_shape`` measurements in data units (line integrals, mm; NOT scaled).
+    scale : float
+        The DIP's data/image scale (the network's output is ``scale ×`` the image in mm⁻¹).
+    settings : UQConfig
+        Inference settings (the ``uq`` config section; defaults: the published ones).
+    seed : int
+        Seeds the g-prior probes, the preconditioner, the EM and (``seed + 1``) the prediction samples.
+    work_dir : path, optional
+        Folder for checkpoints; ``None``: no checkpoints.
+    resume : bool
+        Continue from the checkpoints in ``work_dir`` (after checking they belong to this run).
+    progress : bool
+        Progress bars.
+    log : callable, optional
+        Receives one-line status messages.
+    keep_samples : bool
+        Also return all image samples in memory (``UQResult.samples``; ``k × image`` floats).
+    moments_checkpoint_seconds : float
+        Minimum time between checkpoints of the prediction's running sums (0: after every chunk).
+    shard : ctuq.inference.Shard, optional
+        This process's share in a sharded run (``torchrun``; :mod:`ctuq.inference.distributed`): rank 0 sets up
+        the posterior and broadcasts it, the EM's probes and the prediction chunks are split round robin, and the
+        running sums are summed onto rank 0. Only rank 0 writes ``uq_state.pt`` and gets the statistics
+        (``std``, ``moments``; ``None`` on the other ranks); every rank checkpoints its own running sums
+        (``uq_moments.rank{r}of{N}.pt``), so a resumed run with the same number of ranks continues each share.
+    variances : torch.Tensor, optional
+        ``op.measurement_shape`` per-measurement variances of ``y`` (data units², :attr:`ctuq.data.CTData.variances`);
+        needed by ``uq.noise = per_ray`` (normalised to mean 1 there), ignored by ``homoscedastic``.
+
+    Raises
+    ------
+    CheckpointMismatch
+        ``resume`` with checkpoints of another run, version or rank count (from :meth:`set_up` and
+        :meth:`stream_moments`).
     """
 
     def __init__(
@@ -400,21 +191,19 @@ class UQRun:
         check_section(settings, "uq")
         # uq.noise resolved once, before the DIP is linearised (an unusable per_ray fails here): the posterior's
         # likelihood, the stats and the held-out check all take this one model; the settings carry the model it
-        # resolved to, so the checkpoint's fingerprint holds the model actually used (as before auto existed)
+        # resolved to, so the checkpoint's fingerprint holds the model actually used
         self.noise = resolve_noise(settings, variances, op.measurement_shape)
         settings = dataclasses.replace(settings, noise=self.noise.model.value)
         shard = shard if shard is not None else LocalShard()
         if not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"run_linearized_uq: scale must be positive, got {scale}")
+            raise ValueError(f"UQRun: scale must be positive, got {scale}")
         if tuple(y.shape) != tuple(op.measurement_shape):
-            raise ValueError(
-                f"run_linearized_uq: y has shape {tuple(y.shape)}; the operator expects {tuple(op.measurement_shape)}"
-            )
+            raise ValueError(f"UQRun: y has shape {tuple(y.shape)}; the operator expects {tuple(op.measurement_shape)}")
         if resume and work_dir is None:
-            raise ValueError("run_linearized_uq: resume=True needs a work_dir")
+            raise ValueError("UQRun: resume=True needs a work_dir")
         if keep_samples and shard.distributed:
             raise ValueError(
-                "run_linearized_uq: keep_samples is not available in a sharded run (the samples live on "
+                "UQRun: keep_samples is not available in a sharded run (the samples live on "
                 "different ranks); use uq.save_samples"
             )
         self.model, self.net_input, self.op, self.y = model, net_input, op, y
@@ -465,6 +254,17 @@ class UQRun:
         return self.posterior.solver_name
 
     # ------------------------------------------------------------------------------------------ steps
+    def run(self) -> UQResult:
+        """All four steps: :meth:`set_up` → :meth:`fit` → :meth:`stream_moments` → :meth:`report`.
+
+        A :class:`~ctuq.linearize.MemoryBudgetError` of the core is raised again naming the run's config keys that
+        set the memory it needs."""
+        try:
+            return self.set_up().fit().stream_moments().report()
+        except MemoryBudgetError as exc:
+            # The core names its own arguments; the run's config keys that set them are named here.
+            raise MemoryBudgetError(f"{exc} (in a ctuq run: uq.memory_budget_gb, data.image_shape)") from exc
+
     def set_up(self) -> UQRun:
         """Linearise the DIP, compute the offset and ``σ²₀`` (:func:`ct_posterior`), resume the posterior from
         ``uq_state.pt`` when asked, then set it up (g-prior scales, solver), checkpointing after each stage."""
@@ -497,7 +297,7 @@ class UQRun:
                 self._spent("route")
                 self.say(self._route_line())
                 return
-            self._spent("gprior" if stage == "scales" else "solver_setup")
+            self._spent(self.posterior.weight_prior.timing_key if stage == "scales" else "solver_setup")
             self._save(stage)
 
         t_setup = time.perf_counter()
@@ -510,20 +310,23 @@ class UQRun:
         """The whole inference's estimated seconds on this machine (``solver="auto"`` only: from the cost model's
         measured product times), per candidate solver: its own estimate (set-up, EM, prediction solves) plus the
         products the front end spends beside it: the image-space prediction samples (one JVP each), the held-out
-        check's samples (a solve and a JVP each) and, for a solver that does not assemble ``Ψ₀``, the exact
-        g-prior's ``c`` VJPs. ``None`` without estimates (a solver named explicitly, a resumed set-up)."""
+        check's samples (a solve and a JVP each) and the weight prior's set-up
+        (:meth:`~ctuq.inference.priors.WeightPrior.setup_cost`: the g-prior's ``c`` VJPs, or its probes, for a solver
+        that does not assemble ``Ψ₀``). ``None`` without estimates (a solver named explicitly, a resumed set-up)."""
         est = self.posterior.cost_estimates
         if not est:
             return None
         st = self.settings
+        prior = self.posterior.weight_prior
         heldout = min(256, st.samples)  # ctuq.calibration.HELDOUT_SAMPLES
         out = {}
         for name, e in est.items():
             extra = (st.samples + heldout) * e.t_jvp + heldout * (e.t_jvp + e.t_vjp)
-            # the exact family (key "exact") has Ψ₀ or K̄ at hand; an iterative solver pays for the g-prior's norms
+            # the exact family (key "exact") has Ψ₀ or K̄ at hand; an iterative solver pays for the prior's products
             assembles = SOLVERS[name].assembles_features if name in SOLVERS else True
-            if not assembles:
-                extra += (self.op.c if st.gprior_method == "exact" else st.gprior_probes) * e.t_vjp
+            cost = prior.setup_cost(self.posterior.n_outputs, self.posterior.n_features, assembled=assembles)
+            if cost.jvp or cost.vjp:
+                extra += cost.seconds(e.t_jvp, e.t_vjp)
             out[name] = e.seconds + extra
         return out
 
@@ -594,20 +397,7 @@ class UQRun:
         moments = SampleMoments(op.image_shape, roi=statistics_roi(st, op.image_shape), patch_sizes=st.patch_sizes)
         n_chunks = -(-st.samples // st.sample_chunk)
         mine = [i for i in range(n_chunks) if shard.owns(i)]
-        cg_iters: list[int] = []
-        cg_res: list[float] = []
-        start = 0
-        if self.resume and work is not None and shard.distributed:
-            checkpoints.check_shard_checkpoints(work, shard)
-        if self.resume and self.moments_path is not None and self.moments_path.is_file():
-            saved = checkpoints.load_uq_checkpoint(self.moments_path, self.fingerprint)
-            moments.load_state_dict(saved["moments"])
-            start = int(saved["next_chunk"])
-            cg_iters, cg_res = list(saved["cg_iterations"]), list(saved["cg_residuals"])
-            self.say(
-                f"reusing {start} of {n_chunks} sample chunks"
-                + (f" on each of {shard.world_size} ranks' shares" if shard.distributed else "")
-            )
+        start, cg_iters, cg_res = self._resume_moments(moments, n_chunks)
         todo = [i for i in mine if i >= start]
         last_mine = mine[-1] if mine else -1
         if st.save_samples and work is not None:
@@ -654,16 +444,39 @@ class UQRun:
         finally:
             bar.close()
         if shard.distributed:
-            moments.reduce_(shard)  # every rank's running sums summed onto rank 0
-            worst = shard.all_reduce_max(
-                torch.tensor([max(cg_iters, default=0), max(cg_res, default=0.0)], dtype=torch.float64)
-            )
-            cg_iters, cg_res = [int(worst[0])], [float(worst[1])]
+            cg_iters, cg_res = self._reduce_ranks(moments, cg_iters, cg_res)
         self.moments, self.cg_iterations, self.cg_residuals = moments, cg_iters, cg_res
         self.timings["prediction"] = time.perf_counter() - t0
         self._spent("prediction")
         self._save("done")
         return self
+
+    def _resume_moments(self, moments: SampleMoments, n_chunks: int) -> tuple[int, list[int], list[float]]:
+        """``(next chunk, CG iterations, CG residuals)`` so far: from the running sums' checkpoint (loaded into
+        ``moments``) when resuming, after checking that a sharded run's checkpoints match its ranks; else from
+        the start."""
+        shard = self.shard
+        if self.resume and self.work is not None and shard.distributed:
+            checkpoints.check_shard_checkpoints(self.work, shard)
+        if not (self.resume and self.moments_path is not None and self.moments_path.is_file()):
+            return 0, [], []
+        saved = checkpoints.load_uq_checkpoint(self.moments_path, self.fingerprint)
+        moments.load_state_dict(saved["moments"])
+        start = int(saved["next_chunk"])
+        self.say(
+            f"reusing {start} of {n_chunks} sample chunks"
+            + (f" on each of {shard.world_size} ranks' shares" if shard.distributed else "")
+        )
+        return start, list(saved["cg_iterations"]), list(saved["cg_residuals"])
+
+    def _reduce_ranks(self, moments: SampleMoments, cg_iters: list[int], cg_res: list[float]):
+        """Every rank's running sums summed onto rank 0 (in place); returns the worst CG iterations and residual
+        over the ranks, as one-element lists."""
+        moments.reduce_(self.shard)
+        worst = self.shard.all_reduce_max(
+            torch.tensor([max(cg_iters, default=0), max(cg_res, default=0.0)], dtype=torch.float64)
+        )
+        return [int(worst[0])], [float(worst[1])]
 
     def report(self) -> UQResult:
         """The :class:`UQResult` of the finished steps: std and mean in mm⁻¹, sizes, solver and g-prior statistics,
@@ -725,94 +538,3 @@ class UQRun:
             posterior=posterior,
             samples=torch.cat(self.kept, dim=0) if self.keep_samples else None,
         )
-
-
-def run_linearized_uq(
-    model: torch.nn.Module,
-    net_input: torch.Tensor,
-    op,
-    y: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    settings: UQConfig | None = None,
-    seed: int = 0,
-    work_dir: str | Path | None = None,
-    resume: bool = False,
-    progress: bool = True,
-    log: Callable[[str], None] | None = None,
-    keep_samples: bool = False,
-    moments_checkpoint_seconds: float = MOMENTS_CHECKPOINT_SECONDS,
-    shard=None,
-    variances: torch.Tensor | None = None,
-) -> UQResult:
-    """Sampled linearised inference for one DIP reconstruction (module docstring): :class:`UQRun`'s steps.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The fitted U-Net (its current weights are ``ṽ``); evaluated in eval mode, not modified.
-    net_input : torch.Tensor
-        Its fixed input ``(1, C, *image_shape)``.
-    op : RayTransform
-        ``T`` on the device to compute on; ``image_shape`` must be the network's output shape.
-    y : torch.Tensor
-        ``op.measurement_shape`` measurements in data units (line integrals, mm; NOT scaled).
-    scale : float
-        The DIP's data/image scale (the network's output is ``scale ×`` the image in mm⁻¹).
-    settings : UQConfig
-        Inference settings (the ``uq`` config section; defaults: the published ones).
-    seed : int
-        Seeds the g-prior probes, the preconditioner, the EM and (``seed + 1``) the prediction samples.
-    work_dir : path, optional
-        Folder for checkpoints; ``None``: no checkpoints.
-    resume : bool
-        Continue from the checkpoints in ``work_dir`` (after checking they belong to this run).
-    progress : bool
-        Progress bars.
-    log : callable, optional
-        Receives one-line status messages.
-    keep_samples : bool
-        Also return all image samples in memory (``UQResult.samples``; ``k × image`` floats).
-    moments_checkpoint_seconds : float
-        Minimum time between checkpoints of the prediction's running sums (0: after every chunk).
-    shard : ctuq.inference.Shard, optional
-        This process's share in a sharded run (``torchrun``; :mod:`ctuq.inference.distributed`): rank 0 sets up
-        the posterior and broadcasts it, the EM's probes and the prediction chunks are split round robin, and the
-        running sums are summed onto rank 0. Only rank 0 writes ``uq_state.pt`` and gets the statistics
-        (``std``, ``moments``; ``None`` on the other ranks); every rank checkpoints its own running sums
-        (``uq_moments.rank{r}of{N}.pt``), so a resumed run with the same number of ranks continues each share.
-    variances : torch.Tensor, optional
-        ``op.measurement_shape`` per-measurement variances of ``y`` (data units², :attr:`ctuq.data.CTData.variances`);
-        needed by ``uq.noise = per_ray`` (normalised to mean 1 there), ignored by ``homoscedastic``.
-
-    Returns
-    -------
-    UQResult
-
-    Raises
-    ------
-    CheckpointMismatch
-        ``resume`` with checkpoints of another run, version or rank count.
-    """
-    run = UQRun(
-        model,
-        net_input,
-        op,
-        y,
-        scale=scale,
-        settings=settings,
-        seed=seed,
-        work_dir=work_dir,
-        resume=resume,
-        progress=progress,
-        log=log,
-        keep_samples=keep_samples,
-        moments_checkpoint_seconds=moments_checkpoint_seconds,
-        shard=shard,
-        variances=variances,
-    )
-    try:
-        return run.set_up().fit().stream_moments().report()
-    except MemoryBudgetError as exc:
-        # The core names its own arguments; the run's config keys that set them are named here.
-        raise MemoryBudgetError(f"{exc} (in a ctuq run: uq.memory_budget_gb, data.image_shape)") from exc

@@ -1,54 +1,95 @@
 """The uncertainty phase of a run: linearised inference around the fitted DIP
-(:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, the uncertainty figures and the UQ sections of
+(:class:`ctuq.pipeline.uq.UQRun`) → ``std.tif``, the uncertainty figures and the UQ sections of
 metrics.json; then the held-out check on the scan's unused angles (:mod:`ctuq.calibration`, on the rows the loaded
 problem carries: ``metrics.json["uq"]["heldout"]``, ``heldout_rows.npz``, ``heldout_calibration.png``) and the
 calibration method ``uq.calibration`` names applied to ``std.tif`` (``std_uncalibrated.tif`` keeps the posterior's),
 every other registered method scored beside it (:data:`ctuq.registry.CALIBRATIONS`).
 
-The run-folder side of the check lives here too: :func:`write_heldout` (the check's files in a run folder) and
-:func:`saved_heldout_rows` (a finished run's saved rows, with the bias weights of rows saved before the bias model).
+The run-folder side of the check lives here too: :func:`write_heldout` (the check's files in a run folder).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import tifffile
 
 from ctuq import calibration as cal
 from ctuq import figures
 from ctuq.data.problem import HELDOUT_GIVEN_IN_CODE
-from ctuq.errors import CTUQError, OutDirError
 from ctuq.log import duration
 from ctuq.metrics import uq_summary_from_moments
 from ctuq.metrics.calibration import error_localisation
 from ctuq.outputs import write_tiff
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.checkpoints import shard_moments_files
+from ctuq.pipeline.moments import statistics_roi
 from ctuq.pipeline.phases import RunState
-from ctuq.pipeline.uq import run_linearized_uq, statistics_roi
+from ctuq.pipeline.uq import UQRun
 from ctuq.registry import CALIBRATIONS, PRIORS
 
-__all__ = ["phase_uq", "auto_calibration", "write_heldout", "saved_heldout_rows"]
+__all__ = ["phase_uq", "auto_calibration", "write_heldout"]
 
 
 def phase_uq(state: RunState) -> None:
-    """Linearised inference (:func:`ctuq.pipeline.uq.run_linearized_uq`) → ``std.tif``, UQ figures and metrics.
+    """Linearised inference (:class:`ctuq.pipeline.uq.UQRun`) → ``std.tif``, UQ figures and metrics.
 
     Reads ``state.model``/``state.net_input`` (the fitted DIP), ``state.op``/``state.y`` and the loaded problem's
     variances and held-out rows (``state.data``); checkpoints into the run folder (``uq_state.pt``,
     ``uq_moments.pt``) and resumes from there with ``--resume``. The statistics stream: no image sample is kept in
     memory; ``uq.save_samples`` writes them to ``samples/``.
+
+    Its steps: the inference → the held-out check → the calibration of ``std.tif`` → ``metrics.json["uq"]`` → the
+    scores against the ground truth (when the scan has one) → the check's rows, the figures and the clean-up.
     """
-    cfg = state.cfg
     if state.model is None:
         raise RuntimeError("the uncertainty phase needs the fitted DIP (state.model)")
     started = time.perf_counter()
-    res = run_linearized_uq(
+    res = _infer(state)
+    state.uq_result = res
+    if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
+        return
+    heldout, skipped = _heldout_check(state, res)
+    _log_estimate(state, res, started)
+    calibration = _calibrate(state, res, heldout, skipped)
+    uq_metrics = _uq_metrics(state, res, heldout, skipped, calibration)
+    state.metrics["em_trace"] = res.em_trace
+    if state.ground_truth is not None:
+        _score_against_truth(state, res, calibration, uq_metrics)
+    state.metrics["uq"] = uq_metrics
+    state.uq_result = res
+    _write_files(state, res, heldout, calibration)
+
+
+@dataclasses.dataclass
+class _Calibration:
+    """What a run did about its std map's calibration (:func:`_calibrate`).
+
+    Attributes
+    ----------
+    setting, mode : str
+        ``uq.calibration`` as configured, and the registered method it resolved to.
+    chosen : CalibrationMethod or None
+        That method fitted on the held-out rows (``None`` without a held-out check).
+    applied : CalibrationMethod or None
+        ``chosen`` when it changes the std map (``std.tif`` is then its recalibration), else ``None``.
+    scored : list of CalibrationMethod
+        The other fitted methods that change the map: scored beside it from the same posterior.
+    """
+
+    setting: str
+    mode: str
+    chosen: cal.CalibrationMethod | None
+    applied: cal.CalibrationMethod | None
+    scored: list
+
+
+def _infer(state: RunState):
+    """The run's :class:`~ctuq.pipeline.uq.UQResult`: the inference around the fitted DIP, checkpointed into (and
+    resumed from, with ``--resume``) the run folder."""
+    cfg = state.cfg
+    return UQRun(
         state.model,
         state.net_input,
         state.op,
@@ -62,18 +103,26 @@ def phase_uq(state: RunState) -> None:
         log=state.log,
         shard=state.shard,
         variances=state.data.variances if state.data is not None else None,
-    )
-    state.uq_result = res
-    if not state.is_root:  # a rank > 0 of a sharded run: its running sums went to rank 0, which writes
-        return
-    heldout, skipped = _heldout_check(state, res)
+    ).run()
+
+
+def _log_estimate(state: RunState, res, started: float) -> None:
+    """How the cost model did (``solver = auto`` only): the whole inference since ``started``
+    (:func:`time.perf_counter`), held-out check included, beside its estimate (into ``stats["estimate"]``)."""
     estimate = res.stats.get("estimate")
-    if estimate is not None:  # how the cost model did: the whole inference, held-out check included
+    if estimate is not None:
         estimate["actual_seconds"] = time.perf_counter() - started
         state.log(
             f"the inference took {duration(estimate['actual_seconds'])} (estimated {duration(estimate['seconds'])} "
             f"with {estimate['solver']})"
         )
+
+
+def _calibrate(state: RunState, res, heldout: cal.HeldoutRows | None, skipped: str) -> _Calibration:
+    """``uq.calibration`` resolved, every registered method fitted on the check's rows (none without a check), and
+    the chosen one applied: ``std.tif`` written (``std_uncalibrated.tif`` beside it when the method changes the map)
+    and ``res.std`` replaced by the recalibrated map."""
+    cfg = state.cfg
     setting = str(cfg.uq.calibration)
     mode = cal.resolve_calibration(setting, heldout is not None, auto_calibration(cfg.uq.prior))
     if setting == cal.AUTO:
@@ -98,8 +147,15 @@ def phase_uq(state: RunState) -> None:
     else:
         (state.out_dir / rf.STD_UNCALIBRATED_NAME).unlink(missing_ok=True)  # a rerun without recalibration
     write_tiff(state.out_dir / rf.STD_NAME, res.std, voxel_size=state.voxel_size)
+    scored = [m for m in fitted.values() if m is not None and m.changes_std and m is not applied]
+    return _Calibration(setting, mode, chosen, applied, scored)
+
+
+def _uq_metrics(state: RunState, res, heldout, skipped: str, calibration: _Calibration) -> dict[str, Any]:
+    """``metrics.json["uq"]`` before the scores against the ground truth: what ran, its statistics, the held-out
+    check's report (or why it was skipped) and the calibration's; the method and the verdict are logged."""
     uq_metrics: dict[str, Any] = {
-        "method": _method(res, cfg.uq.prior),
+        "method": _method(res, state.cfg.uq.prior),
         "a": res.a,
         "sigma2": res.sigma2,
         "solver": res.solver,
@@ -113,53 +169,63 @@ def phase_uq(state: RunState) -> None:
         uq_metrics["heldout"] = heldout.report
     else:
         uq_metrics["heldout_skipped"] = skipped
+    mode, chosen = calibration.mode, calibration.chosen
     report = chosen.report() if chosen is not None else CALIBRATIONS[mode].unfitted_report()
-    uq_metrics["calibration"] = {"mode": mode, "setting": setting, **report}
+    uq_metrics["calibration"] = {"mode": mode, "setting": calibration.setting, **report}
     state.log(f"ran: {uq_metrics['method']}; calibration {mode}")
     if heldout is not None:  # in plain words, with what the run did about it
         state.log(cal.verdict(heldout.report, uq_metrics["calibration"]))
-    scored = [m for m in fitted.values() if m is not None and m.changes_std and m is not applied]
-    state.metrics["em_trace"] = res.em_trace
-    if state.ground_truth is not None:
-        gt = state.ground_truth.detach().cpu()
-        posterior_moments = res.moments
-        if applied is not None:
-            # the posterior's own numbers, for the evidence that the recalibration helps (or not)
-            uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
-            res.moments = applied.apply_moments(res.moments)
-        for method in scored:
-            # what that uq.calibration would score, from the same posterior: the evidence for (or against) it
-            # without a second inference (the calibration study reads it)
-            moments = method.apply_moments(posterior_moments)
-            uq_metrics[method.summary_name()] = {
-                **uq_summary_from_moments(gt, res.mean, moments),
-                **method.summary_record(),
-            }
-        summary = uq_summary_from_moments(gt, res.mean, res.moments)
-        # where the errors are: ranks inside the object, AUC of the largest errors, coverage per std decile
-        roi = statistics_roi(cfg.uq, res.std.shape)
-        summary["localisation"] = error_localisation(res.std, (res.mean - gt).abs(), gt, roi)
-        if applied is not None:
-            uq_metrics["summary_uncalibrated"]["localisation"] = error_localisation(
-                posterior_moments.std().float(), (res.mean - gt).abs(), gt, roi
-            )
-        state.metrics["marginal_ll"] = summary["marginal_ll"]
-        state.metrics["joint_ll"] = summary["joint_ll"]
-        state.metrics["coverage"] = summary["coverage"]
-        uq_metrics["summary"] = summary
-        state.uq_summary = summary
-        state.log(
-            f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
-            f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
-            f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f} "
-            f"(inside the object {summary['localisation']['spearman_inside'] or float('nan'):.3f})"
+    return uq_metrics
+
+
+def _score_against_truth(state: RunState, res, calibration: _Calibration, uq_metrics: dict) -> None:
+    """The posterior's scores against the ground truth into ``uq_metrics`` (``summary``; with a recalibration also
+    ``summary_uncalibrated``; one record per scored method) and the run's headline metrics; ``res.moments``
+    recalibrated when ``std.tif`` is."""
+    applied = calibration.applied
+    gt = state.ground_truth.detach().cpu()
+    posterior_moments = res.moments
+    if applied is not None:
+        # the posterior's own numbers, for the evidence that the recalibration helps (or not)
+        uq_metrics["summary_uncalibrated"] = uq_summary_from_moments(gt, res.mean, res.moments)
+        res.moments = applied.apply_moments(res.moments)
+    for method in calibration.scored:
+        # what that uq.calibration would score, from the same posterior: the evidence for (or against) it
+        # without a second inference (the calibration study reads it)
+        moments = method.apply_moments(posterior_moments)
+        uq_metrics[method.summary_name()] = {
+            **uq_summary_from_moments(gt, res.mean, moments),
+            **method.summary_record(),
+        }
+    summary = uq_summary_from_moments(gt, res.mean, res.moments)
+    # where the errors are: ranks inside the object, AUC of the largest errors, coverage per std decile
+    roi = statistics_roi(state.cfg.uq, res.std.shape)
+    summary["localisation"] = error_localisation(res.std, (res.mean - gt).abs(), gt, roi)
+    if applied is not None:
+        uq_metrics["summary_uncalibrated"]["localisation"] = error_localisation(
+            posterior_moments.std().float(), (res.mean - gt).abs(), gt, roi
         )
-    state.metrics["uq"] = uq_metrics
-    state.uq_result = res
-    if heldout is not None:  # the rows always (`ctuq uq RUN --check` rescores them), the figure when asked
+    state.metrics["marginal_ll"] = summary["marginal_ll"]
+    state.metrics["joint_ll"] = summary["joint_ll"]
+    state.metrics["coverage"] = summary["coverage"]
+    uq_metrics["summary"] = summary
+    state.uq_summary = summary
+    state.log(
+        f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
+        f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
+        f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f} "
+        f"(inside the object {summary['localisation']['spearman_inside'] or float('nan'):.3f})"
+    )
+
+
+def _write_files(state: RunState, res, heldout: cal.HeldoutRows | None, calibration: _Calibration) -> None:
+    """The check's rows (always: ``ctuq uq RUN --check`` rescores them), the figures when asked, and the clean-up:
+    the running sums (every rank's) and, unless ``output.keep_checkpoint``, ``uq_state.pt``."""
+    cfg = state.cfg
+    if heldout is not None:  # the figure only when asked
         write_heldout(state.out_dir, heldout, json_file=False, figure=cfg.output.figure)
     if cfg.output.figure:
-        _uq_figures(state, res, applied, scored)
+        _uq_figures(state, res, calibration.applied, calibration.scored)
     # The running sums are only needed to resume an unfinished prediction; they are large, so drop them now
     # (a sharded run's per-rank files too: each rank wrote its own).
     (state.out_dir / rf.UQ_MOMENTS_NAME).unlink(missing_ok=True)
@@ -180,11 +246,8 @@ def _method(res, prior: str) -> str:
     steps = stats["em_steps"]
     em_text = f"{em} EM ({steps} step{'s' if steps != 1 else ''}{', converged' if stats['em_converged'] else ''})"
     solver = f"{route} ({'exact' if exact else 'iterative'})"
-    prior_name = {"gprior": "g-prior", "tv_predcp": "TV-PredCP prior", "isotropic": "isotropic prior"}.get(
-        prior, f"prior {prior}"
-    )
     return (
-        f"linearised DIP, {prior_name}: solver {solver}, {em_text}, {stats['noise']['model']} noise, "
+        f"linearised DIP, {PRIORS[prior].label}: solver {solver}, {em_text}, {stats['noise']['model']} noise, "
         f"{res.n_samples} posterior samples (Matheron's rule)"
     )
 
@@ -243,44 +306,6 @@ def write_heldout(
     )
     if rows_file:
         cal.write_rows(out_dir / rf.HELDOUT_ROWS_NAME, rows)
-
-
-def saved_heldout_rows(run_dir: Path, load_data: Callable[[], Any], *, seed: int) -> cal.HeldoutRows | None:
-    """The held-out rows the finished run in ``run_dir`` saved (``heldout_rows.npz``, unscored), or ``None`` when
-    it has none. Rows saved before the bias model, or before a registered calibration method's image features
-    (:func:`ctuq.calibration.method_features`), get those from the run's held-out operator, its
-    ``reconstruction.tif`` and its ``fbp.tif``/``tv.tif`` (``seed``: the check's, ``run seed + 1``), saved back into
-    the file atomically (rows and sizes unchanged); ``load_data()`` gives the loaded problem
-    (:class:`ctuq.data.CTData`, called only then). :class:`~ctuq.errors.CTUQError` when the scan has no held-out
-    rows any more, :class:`~ctuq.errors.OutDirError` when they do not match the saved ones."""
-    run_dir = Path(run_dir)
-    path = run_dir / rf.HELDOUT_ROWS_NAME
-    rows = cal.read_rows(path)
-    if rows is None:
-        return rows
-    reconstruction = tifffile.imread(run_dir / rf.RECONSTRUCTION_NAME).astype(np.float64)
-    companions = {
-        key: tifffile.imread(run_dir / name).astype(np.float64)
-        for key, name in (("fbp", rf.FBP_NAME), ("tv", rf.TV_NAME))
-        if (run_dir / name).is_file()
-    }
-    missing = set(cal.method_features(reconstruction, companions)) - set(rows.feature_weights)
-    if rows.bias_weight is not None and not missing:
-        return rows
-    data = load_data()
-    if data.heldout is None:
-        raise CTUQError(f"{path}: no bias weights for the saved rows: {data.heldout_reason}")
-    if data.heldout.op.c != rows.residual.size:
-        raise OutDirError(
-            f"{path}: {rows.residual.size} saved rows, but the scan of config.yaml holds {data.heldout.op.c} held-out "
-            f"rows; rerun `ctuq uq {run_dir}`"
-        )
-    if rows.bias_weight is None:
-        rows = cal.add_bias_weights(rows, data.heldout.op, reconstruction, seed=seed)
-    if missing:
-        rows = cal.add_features(rows, data.heldout.op, reconstruction, companions, seed=seed)
-    cal.write_rows(path, rows)
-    return rows
 
 
 def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, scored: list) -> None:

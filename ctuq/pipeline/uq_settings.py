@@ -40,17 +40,14 @@ def workload(uq: UQConfig) -> Workload:
 
 def posterior_arguments(uq: UQConfig) -> dict:
     """The keyword arguments of :class:`ctuq.inference.LinearizedPosterior` that the ``uq`` section sets:
-    ``prior``, ``gprior_method``, ``gprior_probes``, ``a`` (``prior_precision``), ``solver``, ``solver_options``
-    (:func:`solver_options`) and ``workload`` (:func:`workload`, for ``solver="auto"``'s cost model); with a prior
-    that has options (a config section ``uq.<prior>``, e.g. ``uq.tv_predcp``) also ``prior_options``, that
-    section's values (the prior completes itself from the reconstruction: TV-PredCP's rate ``scale / TV``). The
-    front end adds what is not configuration (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``,
-    ``shard``).
+    ``prior``, ``a`` (``prior_precision``), ``solver``, ``solver_options`` (:func:`solver_options`) and ``workload``
+    (:func:`workload`, for ``solver="auto"``'s cost model); with a prior that has options (a config section
+    ``uq.<prior>``: ``uq.gprior``, ``uq.tv_predcp``) also ``prior_options``, that section's values (the prior
+    completes itself from the reconstruction: TV-PredCP's rate ``scale / TV``). The front end adds what is not
+    configuration (``likelihood``, ``seed``, ``output_map``, ``progress``, ``log``, ``shard``).
     """
     out = {
         "prior": uq.prior,
-        "gprior_method": uq.gprior_method,
-        "gprior_probes": uq.gprior_probes,
         "a": uq.prior_precision,
         "solver": uq.solver,
         "solver_options": solver_options(uq),

@@ -291,6 +291,65 @@ def fit_dip(
     -------
     DIPResult
     """
+    device = _checked_device(
+        op, y, net_input, ground_truth, device, iterations, lr, tv_weight, scale, clip_grad_norm, checkpoint_every
+    )
+    clip = clip_grad_norm if clip_grad_norm else None
+    ckpt_path = Path(checkpoint_path) if checkpoint_path is not None else None
+    if resume and ckpt_path is None:
+        raise ValueError("fit_dip: resume=True needs a checkpoint_path")
+
+    model = model.to(device)
+    net_input_dev = net_input.to(device=device, dtype=torch.float32)
+    y_s = (y.to(device=device, dtype=torch.float32) * scale).contiguous()
+    gt = ground_truth.to(device=device, dtype=torch.float32) if ground_truth is not None else None
+    gt_range = float(gt.max() - gt.min()) if gt is not None else None
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    fingerprint = _fingerprint(op, y, net_input, lr, tv_weight, scale, clip)
+    state = _start_state(model, optimizer, ckpt_path if resume else None, fingerprint, iterations, seed, device)
+
+    def save(done: int) -> None:
+        _save_checkpoint(ckpt_path, done, model, optimizer, state, device, net_input, fingerprint)
+
+    model.train()
+    t0 = time.perf_counter()
+    bar = _progress_bar(total=iterations, initial=state.start, desc="DIP", disable=None if progress else True)
+    try:
+        # Ctrl-C/SIGTERM under ctuq.interrupt.handling: noted, acted upon after the running iteration
+        with interrupt.safe_points(enabled=ckpt_path is not None):
+            for it in range(state.start, iterations):
+                x_s, data_loss, tv, loss_value = _loss_and_gradient(
+                    model, optimizer, op, net_input_dev, y_s, tv_weight, clip, it, lr
+                )
+                if loss_value < state.best_loss:
+                    # These are the weights that produced this loss: the step below has not happened yet.
+                    state.best_loss, state.best_iteration = loss_value, it
+                    state.best_state = _device_state(model)
+                optimizer.step()
+                psnr_value = _record_iteration(state.hist, x_s, data_loss, tv, loss_value, scale, gt, gt_range)
+                done = it + 1
+                if checkpoint_every and done % checkpoint_every == 0 and done < iterations:
+                    save(done)
+                bar.update(1)
+                _show_progress(bar, done, iterations, loss_value, state.best_loss, psnr_value)
+                if callback is not None:
+                    callback(it, _callback_info(state, loss_value, psnr_value))
+                if interrupt.requested() is not None:  # a signal arrived: checkpoint this iteration, then stop
+                    save(done)
+                    interrupt.stop(f"the DIP fit after iteration {done} of {iterations}", ckpt_path)
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    final_state = _cpu_state(model)
+    save(iterations)
+    return _best_result(model, net_input, net_input_dev, state, final_state, iterations, elapsed, scale, gt)
+
+
+def _checked_device(
+    op, y, net_input, ground_truth, device, iterations, lr, tv_weight, scale, clip_grad_norm, checkpoint_every
+) -> torch.device:
+    """The fitting device of :func:`fit_dip` (default ``op.device``) after checking its arguments (``ValueError``
+    naming the first bad one)."""
     device = torch.device(device) if device is not None else op.device
     if device.type != op.device.type:
         raise ValueError(f"fit_dip: operator lives on {op.device} but device={device} was requested")
@@ -315,149 +374,152 @@ def fit_dip(
         raise ValueError(f"fit_dip: ground_truth has shape {tuple(ground_truth.shape)}; expected {op.image_shape}")
     if checkpoint_every < 0:
         raise ValueError(f"fit_dip: checkpoint_every must be >= 0, got {checkpoint_every}")
-    clip = clip_grad_norm if clip_grad_norm else None
-    ckpt_path = Path(checkpoint_path) if checkpoint_path is not None else None
-    if resume and ckpt_path is None:
-        raise ValueError("fit_dip: resume=True needs a checkpoint_path")
+    return device
 
-    model = model.to(device)
-    net_input_dev = net_input.to(device=device, dtype=torch.float32)
-    y_s = (y.to(device=device, dtype=torch.float32) * scale).contiguous()
-    gt = ground_truth.to(device=device, dtype=torch.float32) if ground_truth is not None else None
-    gt_range = float(gt.max() - gt.min()) if gt is not None else None
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    fingerprint = _fingerprint(op, y, net_input, lr, tv_weight, scale, clip)
 
-    start = 0
-    best_loss = math.inf
-    best_iteration = -1
-    best_state = _device_state(model)
-    hist: dict[str, list] = {"loss": [], "data_loss": [], "tv": [], "psnr": []}
+@dataclasses.dataclass
+class _FitState:
+    """What :func:`fit_dip` carries from iteration to iteration and into its checkpoint: the first iteration of this
+    call, the lowest loss so far with its iteration and weights (on the device, or CPU after a resume), and the
+    per-iteration history (``loss``, ``data_loss``, ``tv``, ``psnr``)."""
+
+    start: int
+    best_loss: float
+    best_iteration: int
+    best_state: dict
+    hist: dict[str, list]
+
+
+def _start_state(model, optimizer, resume_from: Path | None, fingerprint: dict, iterations: int, seed: int, device):
+    """A fresh :class:`_FitState` after seeding torch with ``seed``, or the one of the checkpoint ``resume_from``
+    when that file exists (its model, optimiser and RNG states restored; :class:`CheckpointMismatch` when it belongs
+    to another run or has done more than ``iterations``)."""
+    state = _FitState(0, math.inf, -1, _device_state(model), {"loss": [], "data_loss": [], "tv": [], "psnr": []})
     torch.manual_seed(seed)
-    if resume and ckpt_path.is_file():
-        ckpt = load_checkpoint(ckpt_path)
-        _check_fingerprint(ckpt["meta"], fingerprint, ckpt_path)
+    if resume_from is not None and resume_from.is_file():
+        ckpt = load_checkpoint(resume_from)
+        _check_fingerprint(ckpt["meta"], fingerprint, resume_from)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        start = int(ckpt["iteration"])
-        best_loss = float(ckpt["best_loss"])
-        best_iteration = int(ckpt["best_iteration"])
-        best_state = ckpt["best_state"]
-        hist = {k: list(v) for k, v in ckpt["history"].items()}
+        state = _FitState(
+            start=int(ckpt["iteration"]),
+            best_loss=float(ckpt["best_loss"]),
+            best_iteration=int(ckpt["best_iteration"]),
+            best_state=ckpt["best_state"],
+            hist={k: list(v) for k, v in ckpt["history"].items()},
+        )
         _set_rng_state(ckpt["rng"], device)
-        if start > iterations:
+        if state.start > iterations:
             raise CheckpointMismatch(
-                f"cannot resume from {ckpt_path}: it has already done {start} iterations, more than the "
+                f"cannot resume from {resume_from}: it has already done {state.start} iterations, more than the "
                 f"requested {iterations}"
             )
+    return state
 
-    def save(done: int) -> None:
-        if ckpt_path is None:
-            return
-        atomic_torch_save(
-            ckpt_path,
-            {
-                "version": CHECKPOINT_VERSION,
-                "iteration": done,
-                "model": _cpu_state(model),
-                "optimizer": optimizer.state_dict(),
-                "best_state": _cpu_state(best_state),
-                "best_loss": best_loss,
-                "best_iteration": best_iteration,
-                "history": hist,
-                "rng": _rng_state(device),
-                "net_input": net_input.detach().cpu(),
-                "meta": fingerprint,
-                "model_config": model.config.to_dict()
-                if hasattr(model, "config") and hasattr(model.config, "to_dict")
-                else None,
-            },
+
+def _save_checkpoint(path: Path | None, done: int, model, optimizer, state: _FitState, device, net_input, meta):
+    """Write the checkpoint of the fit after ``done`` iterations atomically to ``path`` (nothing without one)."""
+    if path is None:
+        return
+    atomic_torch_save(
+        path,
+        {
+            "version": CHECKPOINT_VERSION,
+            "iteration": done,
+            "model": _cpu_state(model),
+            "optimizer": optimizer.state_dict(),
+            "best_state": _cpu_state(state.best_state),
+            "best_loss": state.best_loss,
+            "best_iteration": state.best_iteration,
+            "history": state.hist,
+            "rng": _rng_state(device),
+            "net_input": net_input.detach().cpu(),
+            "meta": meta,
+            "model_config": model.config.to_dict()
+            if hasattr(model, "config") and hasattr(model.config, "to_dict")
+            else None,
+        },
+    )
+
+
+def _loss_and_gradient(model, optimizer, op, net_input_dev, y_s, tv_weight, clip, it: int, lr):
+    """One iteration's forward and backward pass (the step itself is the caller's): ``(x_s, data_loss, tv,
+    loss_value)`` with the image ``g(v)`` in scaled units and the gradient, clipped to ``clip``, in the model;
+    ``FloatingPointError`` for a non-finite loss."""
+    optimizer.zero_grad(set_to_none=True)
+    x_s = model(net_input_dev)[0, 0]
+    data_loss = (op(x_s) - y_s).pow(2).mean()
+    tv = tv_anisotropic(x_s, op.ndim)
+    loss = data_loss + tv_weight * tv
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    loss_value = float(loss.detach())
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(
+            f"fit_dip: loss became {loss_value} at iteration {it}; lower lr (now {lr}) or check the data"
         )
+    return x_s, data_loss, tv, loss_value
 
-    model.train()
-    t0 = time.perf_counter()
-    bar = _progress_bar(total=iterations, initial=start, desc="DIP", disable=None if progress else True)
-    try:
-        # Ctrl-C/SIGTERM under ctuq.interrupt.handling: noted, acted upon after the running iteration
-        with interrupt.safe_points(enabled=ckpt_path is not None):
-            for it in range(start, iterations):
-                optimizer.zero_grad(set_to_none=True)
-                x_s = model(net_input_dev)[0, 0]
-                data_loss = (op(x_s) - y_s).pow(2).mean()
-                tv = tv_anisotropic(x_s, op.ndim)
-                loss = data_loss + tv_weight * tv
-                loss.backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                loss_value = float(loss.detach())
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(
-                        f"fit_dip: loss became {loss_value} at iteration {it}; lower lr (now {lr}) or check the data"
-                    )
-                if loss_value < best_loss:
-                    # These are the weights that produced this loss: the step below has not happened yet.
-                    best_loss, best_iteration = loss_value, it
-                    best_state = _device_state(model)
-                optimizer.step()
 
-                psnr_value = None
-                if gt is not None:
-                    with torch.no_grad():
-                        mse = float((x_s.detach() / scale - gt).pow(2).mean())
-                    psnr_value = psnr_from_mse(mse, gt_range)
-                hist["loss"].append(loss_value)
-                hist["data_loss"].append(float(data_loss.detach()))
-                hist["tv"].append(float(tv.detach()))
-                hist["psnr"].append(psnr_value)
-                done = it + 1
-                if checkpoint_every and done % checkpoint_every == 0 and done < iterations:
-                    save(done)
-                bar.update(1)
-                if done % 10 == 0 or done == iterations:
-                    post = {"loss": f"{loss_value:.3e}", "best": f"{best_loss:.3e}"}
-                    if psnr_value is not None:
-                        post["psnr"] = f"{psnr_value:.2f}"
-                    bar.set_postfix(post, refresh=False)
-                if callback is not None:
-                    callback(
-                        it,
-                        {
-                            "loss": loss_value,
-                            "data_loss": hist["data_loss"][-1],
-                            "tv": hist["tv"][-1],
-                            "psnr": psnr_value,
-                            "best_loss": best_loss,
-                        },
-                    )
-                if interrupt.requested() is not None:  # a signal arrived: checkpoint this iteration, then stop
-                    save(done)
-                    interrupt.stop(f"the DIP fit after iteration {done} of {iterations}", ckpt_path)
-    finally:
-        bar.close()
-    elapsed = time.perf_counter() - t0
-    final_state = _cpu_state(model)
-    save(iterations)
+def _record_iteration(hist: dict, x_s, data_loss, tv, loss_value: float, scale, gt, gt_range) -> float | None:
+    """Append the iteration's loss, data loss, TV and PSNR (``None`` without ground truth) to ``hist``; returns the
+    PSNR (dB) of ``x_s / scale`` against ``gt``."""
+    psnr_value = None
+    if gt is not None:
+        with torch.no_grad():
+            mse = float((x_s.detach() / scale - gt).pow(2).mean())
+        psnr_value = psnr_from_mse(mse, gt_range)
+    hist["loss"].append(loss_value)
+    hist["data_loss"].append(float(data_loss.detach()))
+    hist["tv"].append(float(tv.detach()))
+    hist["psnr"].append(psnr_value)
+    return psnr_value
 
-    model.load_state_dict(best_state)
+
+def _show_progress(bar, done: int, iterations: int, loss_value: float, best_loss: float, psnr_value) -> None:
+    """The progress bar's loss, best loss and PSNR, every 10 iterations and at the last."""
+    if done % 10 == 0 or done == iterations:
+        post = {"loss": f"{loss_value:.3e}", "best": f"{best_loss:.3e}"}
+        if psnr_value is not None:
+            post["psnr"] = f"{psnr_value:.2f}"
+        bar.set_postfix(post, refresh=False)
+
+
+def _callback_info(state: _FitState, loss_value: float, psnr_value) -> dict:
+    """The ``info`` of :func:`fit_dip`'s ``callback`` for the iteration just recorded."""
+    return {
+        "loss": loss_value,
+        "data_loss": state.hist["data_loss"][-1],
+        "tv": state.hist["tv"][-1],
+        "psnr": psnr_value,
+        "best_loss": state.best_loss,
+    }
+
+
+def _best_result(model, net_input, net_input_dev, state: _FitState, final_state, iterations, elapsed, scale, gt):
+    """Load the best weights into ``model`` and return the :class:`DIPResult` with their reconstruction
+    ``g(ṽ) / scale`` (dropout off)."""
+    model.load_state_dict(state.best_state)
     model.eval()
     with torch.no_grad():
         recon = model(net_input_dev)[0, 0] / scale
     model.train()
-    ran = iterations - start
+    ran = iterations - state.start
     return DIPResult(
         reconstruction=recon.detach(),
-        best_iteration=best_iteration,
-        best_loss=best_loss,
-        loss_history=hist["loss"],
-        data_loss_history=hist["data_loss"],
-        tv_history=hist["tv"],
-        psnr_history=hist["psnr"] if gt is not None else None,
+        best_iteration=state.best_iteration,
+        best_loss=state.best_loss,
+        loss_history=state.hist["loss"],
+        data_loss_history=state.hist["data_loss"],
+        tv_history=state.hist["tv"],
+        psnr_history=state.hist["psnr"] if gt is not None else None,
         iterations=iterations,
         time_s=elapsed,
         iterations_per_s=ran / elapsed if elapsed > 0 and ran > 0 else 0.0,
-        best_state_dict=_cpu_state(best_state),
+        best_state_dict=_cpu_state(state.best_state),
         final_state_dict=final_state,
         net_input=net_input.detach().cpu(),
         scale=float(scale),
-        resumed_from=start,
+        resumed_from=state.start,
     )

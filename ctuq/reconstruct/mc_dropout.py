@@ -154,17 +154,7 @@ def mc_dropout_predict(
     -------
     MCDropoutPrediction
     """
-    if isinstance(n_passes, bool) or not isinstance(n_passes, int) or n_passes < 2:
-        raise ValueError(f"mc_dropout_predict: n_passes must be an int >= 2 (a std needs two passes), got {n_passes!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"mc_dropout_predict: batch must be a positive int, got {batch!r}")
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"mc_dropout_predict: scale must be positive and finite, got {scale}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"mc_dropout_predict: seed must be an int >= 0, got {seed!r}")
-    if not isinstance(net_input, torch.Tensor) or net_input.ndim < 3 or net_input.shape[0] != 1:
-        shape = tuple(net_input.shape) if isinstance(net_input, torch.Tensor) else type(net_input).__name__
-        raise ValueError(f"mc_dropout_predict: net_input must be (1, C, *image_shape), got {shape}")
+    _check_predict_arguments(net_input, n_passes, scale, seed, batch)
     layers = dropout_layers(model)
     if not layers:
         raise ValueError(
@@ -181,50 +171,13 @@ def mc_dropout_predict(
     x_in = net_input.to(device=device, dtype=dtype)
 
     gens: list[torch.Generator] = []  # generators of the passes in the current batch, in batch order
-
-    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
-        if x.shape[0] != len(gens):
-            raise RuntimeError(
-                f"mc_dropout_predict: dropout layer input has batch size {x.shape[0]} but {len(gens)} passes were "
-                f"run; the model must keep the batch axis first through its dropout layers"
-            )
-        p = float(module.p)
-        keep = 1.0 - p
-        per_pass = (
-            ((x.shape[1],) + (1,) * (x.ndim - 2))
-            if isinstance(module, _CHANNELWISE) and x.ndim >= 2
-            else tuple(x.shape[1:])
-        )
-        mask = torch.stack(
-            [torch.empty(per_pass, device=x.device, dtype=x.dtype).bernoulli_(keep, generator=g) for g in gens]
-        )
-        return x * mask * (1.0 / keep if keep > 0 else 0.0)
-
     was_training = {m: m.training for m in model.modules()}
+    hook = _masking_hook(gens)
     handles = [mod.register_forward_hook(hook) for _, mod in layers]
-    chunks: list[torch.Tensor] = []
     model.eval()  # also makes the dropout modules the identity: the hook applies the masks
     bar = _progress_bar(total=n_passes, desc="MC dropout", disable=None if progress else True)
     try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for start in range(0, n_passes, batch):
-                b = min(batch, n_passes - start)
-                gens[:] = [torch.Generator(device=device).manual_seed(pass_seed(seed, start + i)) for i in range(b)]
-                out = model(x_in.expand(b, *x_in.shape[1:]))
-                if out.ndim != x_in.ndim or out.shape[0] != b or out.shape[1] != 1:
-                    raise ValueError(
-                        f"mc_dropout_predict: the model maps input {tuple(x_in.expand(b, *x_in.shape[1:]).shape)} to "
-                        f"{tuple(out.shape)}; expected ({b}, 1, *image_shape)"
-                    )
-                chunks.append((out[:, 0] / scale).to(out_device, torch.float32))
-                bar.update(b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t0
+        chunks, elapsed = _run_passes(model, x_in, n_passes, scale, seed, batch, device, out_device, gens, bar)
     finally:
         bar.close()
         for h in handles:
@@ -246,6 +199,72 @@ def mc_dropout_predict(
         rates=[float(m.p) for _, m in layers],
         seed=seed,
     )
+
+
+def _check_predict_arguments(net_input, n_passes, scale, seed, batch) -> None:
+    """``ValueError`` naming the first bad argument of :func:`mc_dropout_predict`."""
+    if isinstance(n_passes, bool) or not isinstance(n_passes, int) or n_passes < 2:
+        raise ValueError(f"mc_dropout_predict: n_passes must be an int >= 2 (a std needs two passes), got {n_passes!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"mc_dropout_predict: batch must be a positive int, got {batch!r}")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"mc_dropout_predict: scale must be positive and finite, got {scale}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"mc_dropout_predict: seed must be an int >= 0, got {seed!r}")
+    if not isinstance(net_input, torch.Tensor) or net_input.ndim < 3 or net_input.shape[0] != 1:
+        shape = tuple(net_input.shape) if isinstance(net_input, torch.Tensor) else type(net_input).__name__
+        raise ValueError(f"mc_dropout_predict: net_input must be (1, C, *image_shape), got {shape}")
+
+
+def _masking_hook(gens: list[torch.Generator]):
+    """The forward hook of a dropout layer (in eval mode, the identity) that applies pass ``i``'s mask, drawn from
+    ``gens[i]``, to batch entry ``i`` of its input: ``x · mask / (1 − p)`` (per element, or per channel for
+    ``nn.Dropout1d/2d/3d``)."""
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if x.shape[0] != len(gens):
+            raise RuntimeError(
+                f"mc_dropout_predict: dropout layer input has batch size {x.shape[0]} but {len(gens)} passes were "
+                f"run; the model must keep the batch axis first through its dropout layers"
+            )
+        p = float(module.p)
+        keep = 1.0 - p
+        per_pass = (
+            ((x.shape[1],) + (1,) * (x.ndim - 2))
+            if isinstance(module, _CHANNELWISE) and x.ndim >= 2
+            else tuple(x.shape[1:])
+        )
+        mask = torch.stack(
+            [torch.empty(per_pass, device=x.device, dtype=x.dtype).bernoulli_(keep, generator=g) for g in gens]
+        )
+        return x * mask * (1.0 / keep if keep > 0 else 0.0)
+
+    return hook
+
+
+def _run_passes(model, x_in, n_passes: int, scale: float, seed: int, batch: int, device, out_device, gens, bar):
+    """The ``n_passes`` forward passes, ``batch`` at a time, each batch's mask generators set in ``gens``: the
+    chunks ``(b, *image_shape)`` float32 on ``out_device`` (``model output / scale``) and the seconds taken."""
+    chunks: list[torch.Tensor] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, n_passes, batch):
+            b = min(batch, n_passes - start)
+            gens[:] = [torch.Generator(device=device).manual_seed(pass_seed(seed, start + i)) for i in range(b)]
+            out = model(x_in.expand(b, *x_in.shape[1:]))
+            if out.ndim != x_in.ndim or out.shape[0] != b or out.shape[1] != 1:
+                raise ValueError(
+                    f"mc_dropout_predict: the model maps input {tuple(x_in.expand(b, *x_in.shape[1:]).shape)} to "
+                    f"{tuple(out.shape)}; expected ({b}, 1, *image_shape)"
+                )
+            chunks.append((out[:, 0] / scale).to(out_device, torch.float32))
+            bar.update(b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return chunks, time.perf_counter() - t0
 
 
 def fit_mc_dropout_dip(

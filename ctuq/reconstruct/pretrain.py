@@ -146,8 +146,8 @@ def resolve_pretrained_path(path: str | os.PathLike) -> Path:
 def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
     """Load weights from ``path`` into ``model`` (in place) and return the file's contents.
 
-    Accepts model files of any version :func:`ctuq.models.read_model_file` reads (``ctuq pretrain`` output,
-    ``dip_model.pt``) and DIP checkpoints (``{"model": ...}``). The stored architecture must equal
+    Accepts model files (:func:`ctuq.models.read_model_file`: ``ctuq pretrain`` output, ``dip_model.pt``) and DIP
+    checkpoints (``dip_checkpoint.pt``: its latest weights, ``"model"``). The stored architecture must equal
     ``model.config`` (except the dropout rate). Relative paths are resolved by :func:`resolve_pretrained_path`.
 
     Returns
@@ -159,20 +159,25 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
     Raises
     ------
     ModelFileError
-        (a ``ValueError``) unreadable file, a model file of a newer version, no weights, another architecture;
-        the message begins with ``model.pretrained:``.
+        (a ``ValueError``) unreadable file, a model file of another version, neither a model file nor a DIP
+        checkpoint, another architecture; the message begins with ``model.pretrained:``.
     """
     path = resolve_pretrained_path(path)
     try:
         mf = read_model_file(path)
-        blob = {f.name: getattr(mf, f.name) for f in dataclasses.fields(mf)}  # asdict would copy the weights
     except ModelFileError as exc:
         blob = _read_weights_blob(path)
         if blob.get("format") == MODEL_FILE_FORMAT:
             raise ModelFileError(f"model.pretrained: {exc}") from None  # a real model file read_model_file refused
-    state = blob.get("state_dict", blob.get("model"))
-    if state is None:
-        raise ModelFileError(f"model.pretrained: {path} has no 'state_dict' or 'model' entry (keys: {sorted(blob)})")
+        if "model" not in blob:
+            raise ModelFileError(
+                f"model.pretrained: {path} is neither a ctuq model file nor a DIP checkpoint (no 'model' entry; "
+                f"keys: {sorted(blob)})"
+            ) from None
+        state = blob["model"]
+    else:
+        blob = {f.name: getattr(mf, f.name) for f in dataclasses.fields(mf)}  # asdict would copy the weights
+        state = mf.state_dict
     saved_cfg = blob.get("model_config")
     if saved_cfg is not None and hasattr(model, "config"):
         mine = model.config.to_dict()
@@ -192,7 +197,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> dict:
 
 
 def _read_weights_blob(path: Path) -> dict:
-    # Files that are not model files (DIP checkpoints) are read as before the model-file format existed.
+    # A file that is not a model file: a DIP checkpoint (reconstruct.dip), read as a plain dict of tensors.
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named

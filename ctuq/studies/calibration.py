@@ -11,12 +11,14 @@ every angle count of the study is a subset and the other angles stay unused (hel
    ``ctuq uq RUN --set uq.prior=… --set uq.noise=… --set uq.calibration=none`` would
    (:func:`ctuq.pipeline.runner.rerun_uq`), so every setting shares the DIP and differs only in the settings;
    ``uq.calibration`` is post-processing of that one posterior, so each of its values (a registered calibration
-   method, :data:`ctuq.registry.CALIBRATIONS`) is scored from the same run instead of a second inference: the
-   method is fitted on the run's saved held-out rows (``heldout_rows.npz``, rescored with the current statistic),
-   applied to the posterior's ``std.tif`` (:meth:`ctuq.calibration.CalibrationMethod.apply_std`: ``none`` as it is,
-   ``heldout`` × ``k``, ``bias`` ``sqrt(std² + τ² M)``), and its 10×10 joint LL taken from what the run recorded for
-   it (:meth:`~ctuq.calibration.CalibrationMethod.recorded_joint_ll`: the run's ``summary_recalibrated`` /
-   ``summary_bias``);
+   method, :data:`ctuq.registry.CALIBRATIONS`; by default those with ``study_default``) is scored from the same run
+   instead of a second inference: the method is fitted on the run's saved held-out rows (``heldout_rows.npz``,
+   rescored with the current statistic), applied to the posterior's ``std.tif``
+   (:meth:`ctuq.calibration.CalibrationMethod.apply_std`: ``none`` as it is, ``heldout`` × ``k``, ``bias``
+   ``sqrt(std² + τ² M)``), and its 10×10 joint LL taken from what the run recorded for it
+   (:meth:`~ctuq.calibration.CalibrationMethod.recorded_joint_ll`: the run's ``summary_recalibrated`` /
+   ``summary_bias``); a method with a ``side_score`` (the bias model) is also scored beside the posterior's own map
+   on the runs that applied none;
 3. scores the std map against its reconstruction and ground truth in the inner square
    (:func:`score_run`): coverage at 0.5/0.9/0.95 and over 0.05…0.99, the right-scale factor
    ``sqrt(mean((err/std)²))``, the marginal log-likelihood against the best constant std (the oracle: a constant
@@ -60,12 +62,10 @@ from ctuq.metrics.calibration import error_localisation
 from ctuq.options import PhantomKind
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.runner import reconstruct, rerun_uq
-from ctuq.pipeline.scan import load_scan
 from ctuq.pipeline.simulate import simulate
-from ctuq.pipeline.uq_phase import saved_heldout_rows
 from ctuq.registry import CALIBRATIONS, RegistryError
 from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
-from ctuq.utils import atomic_path, atomic_write_json, resolve_device
+from ctuq.utils import atomic_path, atomic_write_json
 
 __all__ = [
     "AXES",
@@ -91,7 +91,8 @@ __all__ = [
 ]
 
 # The inference grid: config key → values; the first value of each axis is what ctuq does without the key. The
-# calibrations scored from each inference are the registered methods (CALIBRATIONS).
+# calibrations scored from each inference are registered methods (CALIBRATIONS): by default those whose class says
+# study_default.
 AXES: dict[str, tuple[str, ...]] = {
     "uq.prior": ("gprior", "tv_predcp"),
     "uq.noise": ("homoscedastic", "per_ray"),
@@ -108,7 +109,7 @@ DEFAULTS: dict[str, Any] = {
     "settings": [60, 300],
     "priors": ["gprior", "tv_predcp"],
     "noises": ["homoscedastic", "per_ray"],
-    "calibrations": ["none", "heldout", "bias"],
+    "calibrations": [name for name, method in CALIBRATIONS.items() if method.study_default],
     # metric → [low, high] (None: unbounded) to report margins against (gate_report); none by default
     "targets": {},
     "config": "demo",
@@ -252,17 +253,10 @@ def _gaussian_ll(err: np.ndarray, std: np.ndarray) -> float:
 
 def heldout_rows(run: Path) -> cal.HeldoutRows | None:
     """The held-out check of a finished run folder with the current statistic: its saved rows
-    (``heldout_rows.npz``), scored (:meth:`ctuq.calibration.HeldoutRows.score`); ``None`` when the run made no check.
-    Rows saved before the bias model, or before a calibration method's image features, get them from the run's scan
-    (loaded as its ``config.yaml`` says, the held-out rows with it, only then;
-    :func:`ctuq.pipeline.uq_phase.saved_heldout_rows`, saved back into the run)."""
-    run = Path(run)
-    rows = cal.read_rows(run / rf.HELDOUT_ROWS_NAME)
-    if rows is not None and (run / rf.CONFIG_NAME).is_file():
-        cfg = load_config(run / rf.CONFIG_NAME)
-        rows = saved_heldout_rows(
-            run, lambda: load_scan(cfg, resolve_device(cfg.device), progress=False)[0], seed=cfg.seed + 1
-        )
+    (``heldout_rows.npz``), scored (:meth:`ctuq.calibration.HeldoutRows.score`, seed 0: the methods fitted on them
+    bootstrap the same way); ``None`` when the run made no check. A method whose row weights the rows lack is not
+    fitted on them (:func:`score_run` says so for that method)."""
+    rows = cal.read_rows(Path(run) / rf.HELDOUT_ROWS_NAME)
     if rows is not None:
         rows.score()
     return rows
@@ -280,8 +274,8 @@ def _fitted(run: Path, calibration: str, rows: cal.HeldoutRows | None, reconstru
         if rows is None:
             raise StudyError(f"{run}: uq.calibration = {calibration} needs the run's held-out check; it has none")
         raise StudyError(
-            f"{run}: uq.calibration = {calibration} cannot be fitted on the run's held-out rows (saved before the "
-            "method existed?)"
+            f"{run}: uq.calibration = {calibration} cannot be fitted on the run's held-out rows (they lack its row "
+            f"weights: rerun `ctuq uq {run}`)"
         )
     return method
 
@@ -303,11 +297,13 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     (:func:`ctuq.metrics.calibration.error_localisation`: ``spearman_inside`` the object, ``auc_top10``, and
     ``decile_coverage`` with its ``_min``/``_max``: coverage@0.9 per decile of std inside the object), ``rmse`` and
     ``mean_std`` (mm⁻¹), ``k`` and
-    ``tau`` (the method's global scale and bias std, mm⁻¹, ``None`` when it has none) and ``heldout`` (the held-out
-    check's headline numbers, if the run made one); for the identity (``none``), when the check fitted the bias
-    model (rows saved with ``bias_weight``), ``bias``: ``tau`` (mm⁻¹) and the ``right_scale``,
-    ``coverage_0.9``/``0.95`` and ``marginal_ll`` of the map ``sqrt(std² + τ² M)`` (docs/calibration.md, "τ
-    alone").
+    ``tau`` (the method's report entries of those names, the global scale and bias std, mm⁻¹, ``None`` when it has
+    none) and ``heldout`` (the held-out check's headline numbers, if the run made one); then, per registered method
+    with a :attr:`~ctuq.calibration.CalibrationMethod.side_score` (the bias model: ``bias``), for a method that
+    leaves the map alone (``none``), that method fitted on the rows and its map scored beside the posterior's: its
+    :meth:`~ctuq.calibration.CalibrationMethod.side_parameters` (``tau``, mm⁻¹) and the ``right_scale``,
+    ``coverage_0.9``/``0.95`` and ``marginal_ll`` of its map (``sqrt(std² + τ² M)``: docs/calibration.md, "τ
+    alone"); ``None`` otherwise or when it cannot be fitted on the rows.
     """
     base = rf.STD_UNCALIBRATED_NAME if (run / rf.STD_UNCALIBRATED_NAME).is_file() else rf.STD_NAME
     read = {name: tifffile.imread(run / name).astype(np.float64) for name in (rf.RECONSTRUCTION_NAME,
@@ -333,17 +329,20 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     z = np.abs(err) / std
     rmse = float(np.sqrt(np.mean(err**2)))
     oracle = _gaussian_ll(err, np.full_like(err, rmse))
-    bias = None
-    beside = cal.BiasModel.fit(heldout, read[rf.RECONSTRUCTION_NAME]) if not method.changes_std else None
-    if beside is not None:
-        sd = beside.apply_std(read[base])[roi].ravel()
-        zb = np.abs(err) / sd
-        bias = {
-            "tau": beside.tau,
-            "right_scale": float(np.sqrt(np.mean(zb**2))),
-            **{f"coverage_{l:g}": float(np.mean(zb <= ndtri(0.5 + l / 2))) for l in HEADLINE[1:]},
-            "marginal_ll": _gaussian_ll(err, sd),
-        }
+    sides = {}
+    for side_cls in _side_scored():
+        beside = side_cls.fit(heldout, read[rf.RECONSTRUCTION_NAME]) if not method.changes_std else None
+        side = None
+        if beside is not None:
+            sd = beside.apply_std(read[base])[roi].ravel()
+            zb = np.abs(err) / sd
+            side = {
+                **beside.side_parameters(),
+                "right_scale": float(np.sqrt(np.mean(zb**2))),
+                **{f"coverage_{l:g}": float(np.mean(zb <= ndtri(0.5 + l / 2))) for l in HEADLINE[1:]},
+                "marginal_ll": _gaussian_ll(err, sd),
+            }
+        sides[side_cls.side_score.key] = side
     return {
         **{f"coverage_{l:g}": float(np.mean(z <= ndtri(0.5 + l / 2))) for l in HEADLINE},
         "calibration": [float(np.mean(z <= ndtri(0.5 + l / 2))) for l in LEVELS],
@@ -365,8 +364,18 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
         "k": applied.get("k"),
         "tau": applied.get("tau"),
         "heldout": None if heldout is None else _heldout_headline(heldout.report),
-        "bias": bias,
+        **sides,
     }
+
+
+def _side_scored() -> list:
+    """The registered calibration methods with a side score, in registration order."""
+    return [method for method in CALIBRATIONS.values() if method.side_score is not None]
+
+
+def _uncalibrated(record: dict) -> bool:
+    """A study record of the posterior's own map: its ``uq.calibration`` leaves the map alone (``none``)."""
+    return not CALIBRATIONS[record["settings"]["uq.calibration"]].changes_std
 
 
 def _heldout_headline(rep: dict) -> dict:
@@ -420,7 +429,8 @@ def aggregate(records: list[dict], targets: dict | None = None) -> list[dict]:
         row["min_ll_margin"] = min(r["scores"]["marginal_ll"] - r["scores"]["oracle_ll"] for r in rs)
         row["calibration"] = [float(np.mean([r["scores"]["calibration"][i] for r in rs])) for i in range(len(LEVELS))]
         row["statistics"] = _statistics(rs)
-        row["bias"] = _bias_summary(rs, (targets or {}).get("right_scale"))
+        for side_cls in _side_scored():
+            row[side_cls.side_score.key] = _side_summary(rs, side_cls, (targets or {}).get("right_scale"))
         rows.append(row)
     return rows
 
@@ -437,15 +447,13 @@ STATISTICS = {
 def _statistics(rs: list[dict]) -> dict:
     """Per held-out statistic of :data:`STATISTICS`: the image-space right scale after rescaling the posterior std by
     its ``k`` (``right_scale / k``; 1 is right) as mean ± s.e. over the scans, and the number of scans where it lies
-    within 10 % of 1. Only the records of uncalibrated std maps (``k`` and ``tau`` None) enter."""
+    within 10 % of 1. Only the records of uncalibrated std maps (:func:`_uncalibrated`) enter."""
     out = {}
     for key in STATISTICS:
         vals = [
             r["scores"]["right_scale"] / r["scores"]["heldout"][key]
             for r in rs
-            if r["scores"].get("k") is None
-            and r["scores"].get("tau") is None  # uq.calibration = bias: not the posterior's map either
-            and (r["scores"].get("heldout") or {}).get(key)
+            if _uncalibrated(r) and (r["scores"].get("heldout") or {}).get(key)
         ]
         if vals:
             m, se = _mean_se(vals)
@@ -453,21 +461,25 @@ def _statistics(rs: list[dict]) -> dict:
     return out
 
 
-def _bias_summary(rs: list[dict], right_scale_target=None) -> dict | None:
-    """The held-out bias model with the posterior kept (the scores' ``bias``, uncalibrated runs that have it): mean
-    ± s.e. over scans of τ, its right scale, coverage and marginal LL, how many scans have τ > 0 and keep the
-    posterior's LL, and with a ``right_scale_target`` ``[low, high]`` how many land inside it; ``None`` when no run
-    has it."""
-    have = [r["scores"] for r in rs if r["scores"].get("k") is None and r["scores"].get("bias")]
+def _side_summary(rs: list[dict], method, right_scale_target=None) -> dict | None:
+    """The side score of ``method`` (a calibration method class with a ``side_score``: the bias model, τ alone with
+    the posterior kept) over the uncalibrated records that have it: mean ± s.e. over scans of its parameters (τ),
+    its right scale, coverage and marginal LL, how many scans have each parameter > 0 (``n_tau_positive``) and keep
+    the posterior's LL, and with a ``right_scale_target`` ``[low, high]`` how many land inside it; ``None`` when no
+    run has it."""
+    key, params = method.side_score.key, tuple(method.side_score.columns)
+    have = [r["scores"] for r in rs if r["scores"].get(key)]
     if not have:
         return None
-    out = {key: _mean_se([s["bias"][key] for s in have]) for key in ("tau", "right_scale", "coverage_0.9",
-           "coverage_0.95", "marginal_ll")}  # fmt: skip
+    out = {p: _mean_se([s[key][p] for s in have]) for p in params}
+    out.update({m: _mean_se([s[key][m] for s in have]) for m in ("right_scale", "coverage_0.9", "coverage_0.95",
+                "marginal_ll")})  # fmt: skip
     out["n"] = len(have)
-    out["n_tau_positive"] = int(sum(s["bias"]["tau"] > 0 for s in have))
+    for p in params:
+        out[f"n_{p}_positive"] = int(sum(s[key][p] > 0 for s in have))
     if right_scale_target is not None:
-        out["n_right_scale_in_target"] = int(sum(_inside(s["bias"]["right_scale"], right_scale_target) for s in have))
-    out["n_ll_at_least_posterior"] = int(sum(s["bias"]["marginal_ll"] >= s["marginal_ll"] - 1e-12 for s in have))
+        out["n_right_scale_in_target"] = int(sum(_inside(s[key]["right_scale"], right_scale_target) for s in have))
+    out["n_ll_at_least_posterior"] = int(sum(s[key]["marginal_ll"] >= s["marginal_ll"] - 1e-12 for s in have))
     return out
 
 
@@ -606,26 +618,8 @@ def markdown_table(
                 for k in STATISTICS
             ]
             lines.append(f"| {r['angles']} | {r['combination']} | " + " | ".join(cells) + " |")
-    bias_rows = [r for r in rows if r["content"] == "all" and r.get("bias")]
-    if bias_rows:
-        lines += ["", "## Held-out bias inside the object, posterior kept (τ alone; not applied by any run)", ""]
-        scale_target = targets.get("right_scale")
-        inside = f" right scale {_bounds_text(scale_target)} |" if scale_target is not None else ""
-        lines += [
-            "std map sqrt(std² + τ² M), τ fitted on the held-out rows (docs/calibration.md); mean ± s.e. over scans",
-            "",
-            f"| angles | combination | scans | τ > 0 | τ (mm⁻¹) | right scale |{inside} cov 0.9 | cov 0.95 "
-            "| marginal LL | LL ≥ posterior's |",
-            "|---|---|---|---|---|---|" + ("---|" if inside else "") + "---|---|---|---|",
-        ]
-        for r in bias_rows:
-            b = r["bias"]
-            count = f" {b['n_right_scale_in_target']} |" if "n_right_scale_in_target" in b else ""
-            lines.append(
-                f"| {r['angles']} | {r['combination']} | {b['n']} | {b['n_tau_positive']} | {_fmt(b['tau'], 5)} "
-                f"| {_fmt(b['right_scale'], 2)} |{count} {_fmt(b['coverage_0.9'])} "
-                f"| {_fmt(b['coverage_0.95'])} | {_fmt(b['marginal_ll'], 2)} | {b['n_ll_at_least_posterior']} |"
-            )
+    for side_cls in _side_scored():
+        lines += _side_table(rows, side_cls.side_score, targets.get("right_scale"))
     if unavailable:
         lines += ["", "## Combinations not run", ""]
         lines += [f"- `{name}`: {why}" for name, why in unavailable.items()]
@@ -633,6 +627,35 @@ def markdown_table(
         lines += ["", "## Runs that failed (their combination's rows average over the other scans)", ""]
         lines += [f"- `{name}` on {run}" for name, runs in failures.items() for run in runs]
     return "\n".join(lines) + "\n"
+
+
+def _side_table(rows: list[dict], side, scale_target) -> list[str]:
+    """The ``results.md`` lines of one side score (``side``: a method's
+    :class:`~ctuq.calibration.SideScore`) over the ``all`` rows that have it, with a column counting the scans whose
+    right scale lies inside ``scale_target`` when one is given; none without such rows."""
+    have = [r for r in rows if r["content"] == "all" and r.get(side.key)]
+    if not have:
+        return []
+    inside = f" right scale {_bounds_text(scale_target)} |" if scale_target is not None else ""
+    heads = "".join(f" {sym} > 0 | {sym} ({unit}) |" for sym, unit in side.columns.values())
+    lines = ["", f"## {side.title}", ""]
+    lines += [
+        side.note,
+        "",
+        f"| angles | combination | scans |{heads} right scale |{inside} cov 0.9 | cov 0.95 | marginal LL "
+        "| LL ≥ posterior's |",
+        "|---|---|---|" + "---|---|" * len(side.columns) + "---|" + ("---|" if inside else "") + "---|---|---|---|",
+    ]
+    for r in have:
+        b = r[side.key]
+        count = f" {b['n_right_scale_in_target']} |" if "n_right_scale_in_target" in b else ""
+        params = "".join(f" {b[f'n_{p}_positive']} | {_fmt(b[p], 5)} |" for p in side.columns)
+        lines.append(
+            f"| {r['angles']} | {r['combination']} | {b['n']} |{params} {_fmt(b['right_scale'], 2)} |{count} "
+            f"{_fmt(b['coverage_0.9'])} | {_fmt(b['coverage_0.95'])} | {_fmt(b['marginal_ll'], 2)} "
+            f"| {b['n_ll_at_least_posterior']} |"
+        )
+    return lines
 
 
 def calibration_figure(rows: list[dict], path: Path) -> None:

@@ -124,8 +124,7 @@ def _study_options(path: Path) -> dict:
     options = rec.get("options") if isinstance(rec, dict) else None
     if not isinstance(options, dict):
         raise StudyError(f"{path}: not a ctuq study record (no options); use another --out, or delete the folder")
-    digest = rec.get("sha256")  # absent in study folders written before it was recorded
-    if digest is not None and digest != json_digest(options):
+    if rec.get("sha256") != json_digest(options):
         raise StudyError(
             f"{path}: its options do not match their digest (the file was edited or damaged), so the results in "
             f"{path.parent} cannot be told apart from another study's; restore it, or use another --out"
@@ -324,9 +323,8 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
 
     The fit resumes from its checkpoint (``dip_checkpoint.pt``, removed once the fit is stored). The network is
     stored in ``dip_model.pt`` by :func:`ctuq.models.model_file.write_model_file` (best weights, fixed input,
-    scale, best iteration; ``meta`` holds the fit's ``summary`` and ``reconstruction``); version-0 files of
-    studies run before that format are read too. After a fit the stored file is read back, so a fresh run and a
-    resumed one continue from the same weights.
+    scale, best iteration; ``meta`` holds the fit's ``summary`` and ``reconstruction``). After a fit the stored file
+    is read back, so a fresh run and a resumed one continue from the same weights.
 
     Parameters
     ----------
@@ -430,9 +428,8 @@ def method_done(mdir: Path) -> dict | None:
 
     A method counts as finished when both ``metrics.json`` and ``result.pt`` are there (see
     :func:`finish_method`). Both are checked before they are reused: ``metrics.json`` must be a JSON object,
-    ``result.pt`` must match the SHA-256 recorded there (``result_sha256``; records written before it was recorded
-    have none) and hold the ``mean`` and ``std`` images of one shape; :class:`StudyError` naming the file and
-    saying to delete ``mdir`` otherwise.
+    ``result.pt`` must match the SHA-256 recorded there (``result_sha256``) and hold the ``mean`` and ``std`` images
+    of one shape; :class:`StudyError` naming the file and saying to delete ``mdir`` otherwise.
     """
     metrics, result = mdir / "metrics.json", mdir / "result.pt"
     if not (metrics.is_file() and result.is_file()):
@@ -441,8 +438,7 @@ def method_done(mdir: Path) -> dict | None:
     record = read_json(metrics)
     if not isinstance(record, dict):
         raise StudyError(f"{metrics}: not a method record (a JSON object); {hint}")
-    expected = record.get("result_sha256")
-    if expected is not None and expected != _sha256(result):
+    if record.get("result_sha256") != _sha256(result):
         raise StudyError(
             f"{result}: does not match the SHA-256 recorded in {metrics.name} (replaced, edited or damaged after the "
             f"method finished); {hint}"

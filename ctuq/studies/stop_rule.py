@@ -20,19 +20,19 @@ Everything is resumable: finished design folders and run folders are reused.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ctuq.calibration.bias import object_mask
+from ctuq.calibration.maps import object_mask
 from ctuq.config import load_config
 from ctuq.design.candidates import equidistant_indices
 from ctuq.outputs import read_tiff
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.design import DESIGN_NAME, TRACK_ITERATIONS, reconstruct_angles, rmse_inside, run_design
 from ctuq.pipeline.scan import load_scan
+from ctuq.registry import CALIBRATIONS
 from ctuq.studies.calibration import prepare_scans
 from ctuq.studies.common import Log, read_json
 from ctuq.utils import atomic_write_json
@@ -153,7 +153,9 @@ def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
 
 def _online_by_update(fc: dict) -> dict:
     """The forecast after every step under each ``design.calibration_update`` (mode → count → RMS error, mm⁻¹):
-    the run's own fit, and the other modes' fits recorded beside it, applied to the same posterior (``rms_std``)."""
+    the run's own fit, and the other modes' fits recorded beside it, applied to the same posterior (``rms_std``) by
+    the design's calibration method (:meth:`~ctuq.calibration.CalibrationMethod.predicted_rms`)."""
+    method = CALIBRATIONS[fc["calibration"]]
     at_pilot, first = fc["calibration_at_pilot"], fc["after_step"][0]["count"]
     out: dict = {}
     for after in fc["after_step"]:
@@ -165,15 +167,8 @@ def _online_by_update(fc: dict) -> dict:
             fits = {"pilot": at_pilot, **{k: v for k, v in rec["alternatives"].items() if v}}
             fits[fc["update"]] = rec["calibration"]
         for mode, fit in fits.items():
-            out.setdefault(mode, {})[str(n)] = _apply(fit, after["rms_std"])
+            out.setdefault(mode, {})[str(n)] = method.predicted_rms(fit, after["rms_std"])
     return out
-
-
-def _apply(fit: dict, rms_std: float) -> float:
-    """The predicted RMS error of a fitted method's report (``k``: scale; ``tau``: bias inside the mask)."""
-    if fit.get("tau") is not None:
-        return math.sqrt(rms_std**2 + fit["tau"] ** 2)
-    return rms_std * (fit.get("k") or 1.0)
 
 
 def _loglin(counts, values, at: float) -> float:

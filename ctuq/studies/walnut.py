@@ -1,11 +1,11 @@
 """The walnut uncertainty study: linearised DIP inference against MC dropout, for several angle counts of one scan.
 
 For one scan and every angle count in ``opts["settings"]`` the study (:func:`run_study`) loads the 2D slice
-problem (:func:`ctuq.data.load_walnut_slice`), fits the DIP once (:func:`ctuq.studies.fit_or_load_dip`) and runs
-the methods of :data:`METHODS`:
+problem (:func:`ctuq.data.load_slice` of its :class:`~ctuq.data.WalnutScan`), fits the DIP once
+(:func:`ctuq.studies.fit_or_load_dip`) and runs the methods of :data:`METHODS`:
 
 * **linearised (sampled)** and **linearised (exact)** (:func:`run_linearised`):
-  :func:`ctuq.pipeline.uq.run_linearized_uq` around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron
+  :class:`ctuq.pipeline.uq.UQRun` around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron
   samples) or ``solver="exact"`` (the exact reference, run when :func:`ctuq.studies.exact_decision` says it fits in
   memory); their mean is the DIP reconstruction;
 * **linearised, TV-PredCP (exact)**: the exact route with the TV-PredCP block prior (``docs/tv_predcp.md``) in place
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ctuq import figures
-from ctuq.data import WalnutScan, load_walnut_slice
+from ctuq.data import WalnutScan, load_slice
 from ctuq.log import run_log
 from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
 from ctuq.metrics.image import image_metrics
@@ -38,7 +38,7 @@ from ctuq.models import build_unet, count_parameters
 from ctuq.outputs import package_versions, voxel_size_of, write_metrics, write_tiff
 from ctuq.pipeline.run_folder import LOG_NAME as LOG_FILE
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
-from ctuq.pipeline.uq import UQSettings, run_linearized_uq
+from ctuq.pipeline.uq import UQRun, UQSettings
 from ctuq.reconstruct import mc_dropout_predict
 from ctuq.registry import PRIORS
 from ctuq.studies.common import (
@@ -141,7 +141,7 @@ LOG_NAME = "walnut_study"  # prefix of the log lines and error messages
 def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, log: Log) -> dict:
     """Sampled (``solver="cg"``) or exact (``solver="exact"``) linearised inference around the fitted DIP.
 
-    The one place that calls :func:`ctuq.pipeline.uq.run_linearized_uq` (and scores its streamed sample moments). It
+    The one place that runs :class:`ctuq.pipeline.uq.UQRun` (and scores its streamed sample moments). It
     resumes from the posterior state and the running sums in ``sdir/method`` and deletes them once the method is
     finished.
 
@@ -179,32 +179,32 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
     if method == "linearised_sampled":
         settings = UQSettings(
             solver="cg",
-            gprior_method=opts["gprior"],
+            gprior={"method": opts["gprior"]},
             em_steps=opts["em_steps"],
             em_samples=opts["em_samples"],
             samples=opts["samples"],
-            rank=opts["rank"],
+            cg={"rank": opts["rank"]},
             prior_precision=opts["prior_precision"],
             sample_chunk=min(64, opts["samples"]),
         )
     else:
         settings = UQSettings(
             solver="exact",
-            gprior_method="exact",
+            gprior={"method": "exact"},
             prior="tv_predcp" if method == "linearised_tv_predcp" else "gprior",
             tv_predcp=PRIORS["tv_predcp"].Options(steps=int(opts.get("tv_predcp_steps", DEFAULTS["tv_predcp_steps"]))),
             em_steps=opts["exact_em_steps"],
             em_tol=1e-3,
             em_samples=opts["em_samples"],
             samples=opts["exact_samples"],
-            rank=opts["rank"],
+            cg={"rank": opts["rank"]},
             prior_precision=opts["prior_precision"],
             sample_chunk=min(256, opts["exact_samples"]),
         )
     resumed = (mdir / UQ_STATE_NAME).is_file()
     if resumed:
         log(f"{METHODS[method]}: resuming from {mdir / UQ_STATE_NAME} (its timings then cover this run only)")
-    res = run_linearized_uq(
+    res = UQRun(
         model,
         net_input,
         data.op,
@@ -216,7 +216,7 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         resume=True,
         progress=opts["progress"],
         log=lambda m: log(f"  {METHODS[method]}: {m}"),
-    )
+    ).run()
     gt = data.ground_truth.detach().cpu()
     summary = uq_summary_from_moments(gt, res.mean, res.moments)  # settings.roi: the inner square
     t = res.timings
@@ -228,7 +228,9 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         "n_samples": res.n_samples,
         "image": image_metrics(res.mean, gt),
         "summary": summary,
-        "time_hyperparameters_s": t.get("gprior", 0.0) + t.get("solver_setup", 0.0) + t.get("em", 0.0),
+        "time_hyperparameters_s": t.get(PRIORS[settings.prior].timing_key, 0.0)
+        + t.get("solver_setup", 0.0)
+        + t.get("em", 0.0),
         "time_prediction_s": t.get("prediction", 0.0),
         # tracing the linearisation (paid at the first JVP, in the offset phase) and the offset δ itself
         "time_other_s": t.get("linearize", 0.0) + t.get("route", 0.0) + t.get("offset", 0.0),
@@ -239,18 +241,12 @@ def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, 
         "em_steps": len(res.em_trace),
         "stats": res.stats,
         "settings": {
-            k: getattr(settings, k)
-            for k in (
-                "solver",
-                "prior",
-                "gprior_method",
-                "em_steps",
-                "em_samples",
-                "samples",
-                "rank",
-                "prior_precision",
-                "learn_noise",
-            )
+            "solver": settings.solver,
+            "prior": settings.prior,
+            "gprior_method": settings.gprior.method,  # the record's name of uq.gprior.method
+            **{k: getattr(settings, k) for k in ("em_steps", "em_samples", "samples")},
+            "rank": settings.cg.rank,  # the record's name of uq.cg.rank
+            **{k: getattr(settings, k) for k in ("prior_precision", "learn_noise")},
         },
     }
     out = finish_method(mdir, res.mean, res.std, record)
@@ -563,10 +559,9 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
             f"setting {i + 1}/{len(plans)}: {n_angles} angles (angular subsampling {ass} of "
             f"{scan.n_files - 1}), loading"
         )
-        data = load_walnut_slice(
-            path,
+        data = load_slice(
+            scan,
             slice_index=opts["slice_index"],
-            orbit=opts["orbit"],
             angular_subsampling=ass,
             detector_subsampling=dsub,
             image_shape=None if opts["image_shape"] is None else tuple(opts["image_shape"]),

@@ -1,10 +1,23 @@
 """The calibration-method contract (:class:`ctuq.testing.CalibrationContract`) over every registered method, the
 registry (:data:`ctuq.registry.CALIBRATIONS`) and what ``uq.calibration = auto`` resolves to."""
 
+import math
+
 import numpy as np
 import pytest
 
-from ctuq.calibration import BiasModel, HeldoutRows, HeldoutScale, NoCalibration, SpatialBias, resolve_calibration
+from ctuq.calibration import (
+    BiasModel,
+    CalibrationMethod,
+    HeldoutRows,
+    HeldoutScale,
+    NoCalibration,
+    SpatialBias,
+    fit_linear_variance,
+    resolve_calibration,
+)
+from ctuq.config import ConfigError, load_config
+from ctuq.config.engine import describe
 from ctuq.registry import CALIBRATIONS
 from ctuq.testing import CalibrationCase, CalibrationContract, synthetic_heldout_rows
 
@@ -62,6 +75,44 @@ class TestSpatialBias(CalibrationContract):
         return CASES["spatial"]()
 
 
+def test_a_method_without_row_variances_is_abstract_and_refused_by_the_registry():
+    """``row_variance`` is part of the model a method owns: a class without it cannot be made, nor registered (it
+    would fail only when ``ctuq design`` scores a row with it)."""
+
+    class NoRows(HeldoutScale):
+        name = "no_rows"
+        row_variance = CalibrationMethod.row_variance  # the abstract one: not implemented
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoRows(1.0)
+    with pytest.raises(TypeError, match="NoRows is abstract: it does not implement row_variance"):
+        CALIBRATIONS.register(NoRows)
+    assert "no_rows" not in CALIBRATIONS
+
+
+def test_the_parametric_methods_share_one_maximum_likelihood_fit():
+    """k, τ and the spatial weights are :func:`fit_linear_variance` with their own base and columns: the methods'
+    numbers are the helper's, bit for bit."""
+    rows = synthetic_heldout_rows(k=1.5, tau=3e-3, m=8000, n_groups=80)
+    rows.n_bootstrap = 0
+    r, v, s2, w = rows.residual, rows.variance, rows.noise_variance, rows.bias_weight
+    theta, info = fit_linear_variance(r, s2, v[:, None])
+    assert HeldoutScale.fit(rows, disk()).k == info["k"] and theta[0] == info["k"] ** 2
+    unit = float(np.mean(v + s2)) / float(np.mean(w))
+    _, info = fit_linear_variance(r, v + s2, (w * unit)[:, None])
+    assert BiasModel.fit(rows, disk()).tau == info["k"] * math.sqrt(unit)
+    srows = spatial_rows()
+    cols = np.stack(
+        [srows.variance, srows.feature_weights["spatial_object"], srows.feature_weights["spatial_edges"]], 1
+    )
+    theta, info = fit_linear_variance(srows.residual, srows.variance + srows.noise_variance, cols)
+    fitted = SpatialBias.fit(srows, disk())
+    assert [fitted.w_posterior, fitted.weights["object"], fitted.weights["edges"]] == theta.tolist()
+    assert info["converged"] and np.isfinite(info["log_likelihood"])
+    with pytest.raises(ValueError, match="no bootstrap for 3 columns"):
+        fit_linear_variance(srows.residual, srows.noise_variance, cols, n_bootstrap=10)
+
+
 def test_the_spatial_model_gives_no_weight_to_a_term_the_rows_do_not_show():
     fitted = SpatialBias.fit(spatial_rows(w_object=1e-5, w_edges=0.0), disk())
     assert fitted.weights["edges"] < 0.1 * fitted.weights["object"]
@@ -74,6 +125,17 @@ def test_every_built_in_method_has_a_contract_case_in_registration_order():
     assert CALIBRATIONS.choices()[:5] == ("auto", "none", "heldout", "bias", "spatial")
     # the keys metrics.json has always had for the scores of the methods not applied
     assert HeldoutScale.summary_name() == "summary_recalibrated" and BiasModel.summary_name() == "summary_bias"
+
+
+def test_every_registered_method_is_a_value_of_both_options_and_in_the_help():
+    """``uq.calibration`` and ``design.calibration`` take their values from the registry (``auto`` only the first),
+    and the help of ``uq.calibration`` (``--config-keys``) lists every method with its summary."""
+    helps = {key: text for key, _value, text in describe(load_config("demo"))}
+    for name, method in CALIBRATIONS.items():
+        assert f"{name}: {method.summary}" in helps["uq.calibration"]
+        assert load_config("demo", [f"design.calibration={name}"]).design.calibration == name
+    with pytest.raises(ConfigError, match=r"design.calibration must be one of \['none', 'heldout', 'bias', 'spatial'"):
+        load_config("demo", ["design.calibration=auto"])
 
 
 def test_auto_resolves_by_the_check_and_the_preferred_method():

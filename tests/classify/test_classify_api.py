@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ctuq.classify import GPRIOR_FLOOR, ClassifierStateError, LinearizedLaplace
+from ctuq.classify.state import state_checksum
 from ctuq.errors import format_user_error, is_user_error
 
 # the fixtures' networks train for a few dozen steps on ~24 points: a single borderline label that the linearised
@@ -171,9 +172,15 @@ def test_bad_input_gets_clear_errors(mlp):
         LinearizedLaplace(model, prior_precision=0.0)
     with pytest.raises(ValueError, match="solver must be one of"):
         LinearizedLaplace(model, solver="magic")
-    for floor in (-0.5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"gprior_floor must be finite and >= 0, got"):
-            LinearizedLaplace(model, gprior_floor=floor)
+    for floor in (-0.5, float("nan"), float("inf")):  # the g-prior's own check, when the fit makes it
+        with pytest.raises(ValueError, match=r"floor must be finite and >= 0, got"):
+            LinearizedLaplace(model, prior_options={"floor": floor}).fit(_loader(X, y))
+    with pytest.raises(ValueError, match=r"prior_options \['steps'\] are not options of the 'gprior' prior"):
+        LinearizedLaplace(model, prior_options={"steps": 3})
+    with pytest.raises(ValueError, match=r"prior must be a diagonal prior \(gprior, isotropic"):
+        LinearizedLaplace(model, prior="tv_predcp")  # a block prior gives no scales
+    with pytest.raises(ValueError, match="do not apply to given scales"):
+        LinearizedLaplace(model, prior=torch.ones(3), prior_options={"floor": 0.0})
     la = LinearizedLaplace(model, solver="exact")
     with pytest.raises(RuntimeError, match=r"call fit\(train_loader\) first"):
         la.predict(X)
@@ -194,14 +201,14 @@ def test_bad_input_gets_clear_errors(mlp):
 # ------------------------------------------------------------------------------------------ save / load
 def test_state_round_trip_with_weights_only_loading(mlp, tmp_path):
     model, X, y = mlp
-    la = LinearizedLaplace(model, solver="cg", solver_options={"rank": 20}, seed=3, gprior_floor=0.25)
+    la = LinearizedLaplace(model, solver="cg", solver_options={"rank": 20}, seed=3, prior_options={"floor": 0.25})
     la.fit(_loader(X, y)).optimize_prior("sampled_em", max_steps=2)
     probs = la.predict(X, samples=32, seed=5)
     torch.save(la.state_dict(), tmp_path / "la.pt")
     state = torch.load(tmp_path / "la.pt", weights_only=True)
     loaded = LinearizedLaplace.from_state_dict(model, state)
     assert loaded.prior_precision == la.prior_precision and loaded.em_trace == la.em_trace
-    assert loaded.gprior_floor == 0.25  # the g-prior's ridge is a setting of the state
+    assert loaded.prior_options == {"floor": 0.25}  # the g-prior's ridge is a setting of the state
     # the stored posterior samples predict without the training data
     torch.testing.assert_close(loaded.predict(X, samples=32, seed=5), probs)
     # fit() resumes: no g-prior work, the same EM continues exactly as the uninterrupted object does
@@ -332,16 +339,19 @@ def test_linear_mode_state_round_trips_bitwise_and_tampered_files_are_refused(tm
     # the same random draws; the refitted mode agrees to L-BFGS's tolerance, which CG (rtol 1e-3) and the secant
     # step carry into the fifth digit of a at most
     assert [r["a_new"] for r in loaded.em_trace] == pytest.approx([r["a_new"] for r in la.em_trace], rel=1e-4)
-    # tampering: one edited number, a truncated file, a foreign file, another network
+    # tampering: one edited number, a truncated file, a foreign file, another version, another network
     edited = dict(state, scales=state["scales"] * 1.01)
     torch.save(edited, tmp_path / "edited.pt")
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(path.read_bytes()[:500])
     torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
+    older = dict(state, version=2)
+    torch.save(dict(older, checksum=state_checksum(older)), tmp_path / "older.pt")
     for name, match in (
         ("edited.pt", "modified after it was written"),
         ("truncated.pt", "not a readable torch file"),
         ("foreign.pt", "not a LinearizedLaplace state"),
+        ("older.pt", "state version 2; this ctuq reads version 3"),
     ):
         with pytest.raises(ClassifierStateError, match=match) as info:
             LinearizedLaplace.load(model, tmp_path / name)

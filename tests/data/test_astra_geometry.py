@@ -15,7 +15,8 @@ from ctuq.data.astra_geometry import (
     save_astra_vectors,
     to_astra,
 )
-from ctuq.data.walnut import read_walnut_slice, read_walnut_volume
+from ctuq.data.loader import read_slice, read_volume
+from ctuq.data.walnut import WalnutScan
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators import make_ray_transform
 
@@ -31,8 +32,8 @@ def _round_trip(volume, geometry):
 
 
 def test_loaded_slice_and_volume_round_trip_through_astra(tiny_scan):
-    d = read_walnut_slice(
-        tiny_scan, angular_subsampling=4, detector_subsampling=3, image_shape=(32, 32), progress=False
+    d = read_slice(
+        WalnutScan(tiny_scan), angular_subsampling=4, detector_subsampling=3, image_shape=(32, 32), progress=False
     )
     v2, g2 = _round_trip(d.volume, d.geometry)
     # the round-tripped geometry builds the same operator (same matrix)
@@ -50,7 +51,7 @@ def test_loaded_slice_and_volume_round_trip_through_astra(tiny_scan):
         astra.projector.delete(pid)
     ours = make_ray_transform(d.volume, d.geometry)(x).numpy()
     assert np.allclose(sino, ours, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
-    v = read_walnut_volume(tiny_scan, angular_subsampling=8, detector_subsampling=4, progress=False)
+    v = read_volume(WalnutScan(tiny_scan), angular_subsampling=8, detector_subsampling=4, progress=False)
     _round_trip(v.volume, v.geometry)
 
 

@@ -12,10 +12,10 @@ from tiny import tiny_args
 
 from ctuq.cli import main
 from ctuq.data.formats import DATA_FORMATS, UnknownFormatError, detect_format, load_data, read_data, write_layouts
-from ctuq.data.loader import read_slice
+from ctuq.data.loader import read_slice, read_volume
 from ctuq.data.scan_file import FORMAT_TAG, ScanFileError, open_scan_file
 from ctuq.data.simulate import SimulationParameters, simulate_scan
-from ctuq.data.walnut import read_walnut_volume
+from ctuq.data.walnut import WalnutScan
 from ctuq.geometry import ProjectionGeometry
 from ctuq.operators import make_ray_transform
 from ctuq.operators.fbp import fbp
@@ -92,7 +92,9 @@ def test_every_layout_loads_to_the_same_problem(every_layout):
 
 
 def test_every_layout_gives_the_same_volume_and_subsampling(every_layout):
-    walnut = read_walnut_volume(every_layout["walnut"], angular_subsampling=2, detector_subsampling=2, progress=False)
+    walnut = read_volume(
+        WalnutScan(every_layout["walnut"]), angular_subsampling=2, detector_subsampling=2, progress=False
+    )
     for layout in LAYOUTS[1:]:
         other = read_data(every_layout[layout], ndim=3, angular_subsampling=2, detector_subsampling=2, progress=False)
         _assert_same(walnut, other, matrices=False)

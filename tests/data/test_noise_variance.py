@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ctuq.data import CTData, source, walnut
+from ctuq.data.loader import read_slice, read_volume
 from ctuq.data.simulate import SimulationParameters, simulate_scan
 from ctuq.data.source import log_count_variance
-from ctuq.data.walnut import read_walnut_slice
+from ctuq.data.walnut import WalnutScan
 
 # repeated simulated scans (~5 s): left out of `make test-fast`
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def realisations(tmp_path_factory):
             simulate_scan(folder, _params(100 + k), overwrite=True, progress=False)
             for name, (kw, formula) in readings.items():
                 source.log_count_variance = formula
-                d = read_walnut_slice(folder, angular_subsampling=1, progress=False, **kw)
+                d = read_slice(WalnutScan(folder), angular_subsampling=1, progress=False, **kw)
                 out[name][0].append(d.y.double())
                 out[name][1].append(d.variances.double())
     finally:
@@ -137,9 +138,9 @@ def test_volume_variances_bin_rows_and_columns(tmp_path):
     2 × 2 pixels of one transmission averages their variances as Σ t_j² Var_j / (4 t̄)²."""
     folder = tmp_path / "Walnut1"
     simulate_scan(folder, _params(7), progress=False)
-    full = walnut.read_walnut_volume(folder, angular_subsampling=4, detector_subsampling=1, progress=False)
-    binned = walnut.read_walnut_volume(
-        folder, angular_subsampling=4, detector_subsampling=2, detector_binning=True, progress=False
+    full = read_volume(WalnutScan(folder), angular_subsampling=4, detector_subsampling=1, progress=False)
+    binned = read_volume(
+        WalnutScan(folder), angular_subsampling=4, detector_subsampling=2, detector_binning=True, progress=False
     )
     assert full.variances.shape == full.y.shape == (2, 8, 48)
     assert binned.variances.shape == binned.y.shape == (2, 4, 24)

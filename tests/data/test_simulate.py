@@ -7,7 +7,7 @@ import pytest
 import tifffile
 
 from ctuq.cli import main
-from ctuq.data import EllipsoidPhantom, SimulationParameters, orbit_vectors, read_walnut_slice, read_walnut_volume
+from ctuq.data import EllipsoidPhantom, SimulationParameters, WalnutScan, orbit_vectors, read_slice, read_volume
 from ctuq.data.simulate import ORBIT_CORRECTIONS, simulate_scan
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 
@@ -84,7 +84,7 @@ def test_orbit_geometry():
 def test_noise_free_values_are_the_analytic_line_integrals(exact_scan):
     out, params, phantom = exact_scan
     # 3D read (CPU) with every subsampling the loader supports: angles, rows and columns
-    d = read_walnut_volume(out, angular_subsampling=4, detector_subsampling=2, detector_row_subsampling=2)
+    d = read_volume(WalnutScan(out), angular_subsampling=4, detector_subsampling=2, detector_row_subsampling=2)
     rows = np.arange(0, params.n_projections - 1, 4)
     assert d.meta["geometry_rows"] == rows.tolist()
     assert d.meta["projection_files"] == [f"scan_{params.n_projections - 1 - r:06}.tif" for r in rows]
@@ -108,7 +108,7 @@ def test_noise_free_values_are_the_analytic_line_integrals(exact_scan):
 
 def test_noise_free_slice_is_the_row_interpolation_of_line_integrals(exact_scan):
     out, params, phantom = exact_scan
-    d = read_walnut_slice(out, angular_subsampling=2, detector_subsampling=1)
+    d = read_slice(WalnutScan(out), angular_subsampling=2, detector_subsampling=1)
     assert d.meta["z_mm"] == 0.0 and d.meta["exact_fan_geometry"]
     rows = np.arange(0, params.n_projections - 1, 2)
     full = ProjectionGeometry("cone_vec", (params.det_rows, params.det_cols), vectors=orbit_vectors(params, 2))
@@ -155,8 +155,8 @@ def test_ground_truth_slices_follow_the_index_convention(exact_scan):
 
 
 def test_noise_model_matches_poisson_statistics(exact_scan, noisy_scan):
-    exact = read_walnut_volume(exact_scan[0], angular_subsampling=1, detector_subsampling=1)
-    noisy = read_walnut_volume(noisy_scan[0], angular_subsampling=1, detector_subsampling=1)
+    exact = read_volume(WalnutScan(exact_scan[0]), angular_subsampling=1, detector_subsampling=1)
+    noisy = read_volume(WalnutScan(noisy_scan[0]), angular_subsampling=1, detector_subsampling=1)
     params = noisy_scan[1]
     y0 = exact.y.double().numpy()
     resid = noisy.y.double().numpy() - y0
@@ -254,7 +254,7 @@ def test_cli_help_and_tiny_run(tmp_path, capsys):
     side = json.loads((out / "ctuq_simulation.json").read_text())
     assert side["parameters"]["seed"] == 7 and side["parameters"]["det_cols"] == 48
     assert tifffile.imread(out / "Projections/tubeV2/scan_000004.tif").shape == (48, 8)
-    d = read_walnut_slice(out, angular_subsampling=1, detector_subsampling=1)
+    d = read_slice(WalnutScan(out), angular_subsampling=1, detector_subsampling=1)
     assert tuple(d.y.shape) == (4, 48) and tuple(d.ground_truth.shape) == (32, 32)
     assert d.meta["gt_voxel_size_mm"] == 1.6  # from the sidecar
 

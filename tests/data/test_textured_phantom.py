@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ctuq.cli import main
-from ctuq.data import read_walnut_slice
+from ctuq.data import WalnutScan, read_slice
 from ctuq.data.phantom import (
     Ellipsoid,
     EllipsoidPhantom,
@@ -101,7 +101,7 @@ def test_loader_reads_the_textured_scan(textured_scan):
     out, params, sidecar = textured_scan
     assert sidecar["phantom"]["kind"] == "textured" and sidecar["phantom"]["seed"] == 3
     assert json.loads((out / "ctuq_simulation.json").read_text())["complete"] is True
-    d = read_walnut_slice(out, angular_subsampling=1, detector_subsampling=1, progress=False)
+    d = read_slice(WalnutScan(out), angular_subsampling=1, detector_subsampling=1, progress=False)
     gt = d.ground_truth.numpy()
     want = make_phantom("textured", 3, voxel_size=params.gt_voxel_size).rasterize(
         VolumeGeometry((128, 128), params.gt_voxel_size), z=0.0

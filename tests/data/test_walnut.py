@@ -15,12 +15,13 @@ from ctuq.data import (
     CTData,
     SimulationParameters,
     WalnutFormatError,
+    WalnutScan,
     area_average,
     default_data_dir,
-    load_walnut_slice,
-    load_walnut_volume,
-    read_walnut_slice,
-    read_walnut_volume,
+    load_slice,
+    load_volume,
+    read_slice,
+    read_volume,
     simulate_scan,
     walnut_phantom,
 )
@@ -54,7 +55,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_chain_ground_truth_through_the_operator_reproduces_the_sinogram(scan):
     out, params = scan
-    d = load_walnut_slice(out, angular_subsampling=1, detector_subsampling=1)
+    d = load_slice(WalnutScan(out), angular_subsampling=1, detector_subsampling=1)
     assert isinstance(d, CTData) and isinstance(d.op, SparseRayTransform)
     assert tuple(d.y.shape) == d.op.measurement_shape == (params.n_projections - 1, params.det_cols)
     assert tuple(d.ground_truth.shape) == d.op.image_shape == params.gt_shape[1:]
@@ -76,8 +77,8 @@ def test_chain_ground_truth_through_the_operator_reproduces_the_sinogram(scan):
 def test_subsampling_picks_rows_files_and_columns(scan):
     out, params = scan
     n = params.n_projections
-    full = read_walnut_slice(out, angular_subsampling=1, detector_subsampling=1)
-    sub = read_walnut_slice(out, angular_subsampling=4, detector_subsampling=2)
+    full = read_slice(WalnutScan(out), angular_subsampling=1, detector_subsampling=1)
+    sub = read_slice(WalnutScan(out), angular_subsampling=4, detector_subsampling=2)
     rows = np.arange(0, n - 1, 4)
     assert sub.meta["geometry_rows"] == rows.tolist()
     assert sub.meta["projection_files"] == [f"scan_{n - 1 - r:06}.tif" for r in rows]
@@ -87,7 +88,7 @@ def test_subsampling_picks_rows_files_and_columns(scan):
         sub.geometry.detector_centers(), full.geometry.detector_centers()[rows][:, ::2], atol=1e-10
     )
     # binning: wider pixels centred on their column pairs, less noise, same signal
-    binned = read_walnut_slice(out, angular_subsampling=4, detector_subsampling=2, detector_binning=True)
+    binned = read_slice(WalnutScan(out), angular_subsampling=4, detector_subsampling=2, detector_binning=True)
     c_full = full.geometry.detector_centers()[rows]
     np.testing.assert_allclose(
         binned.geometry.detector_centers(), 0.5 * (c_full[:, 0::2] + c_full[:, 1::2]), atol=1e-10
@@ -99,8 +100,8 @@ def test_subsampling_picks_rows_files_and_columns(scan):
 
 def test_coarser_image_shape_area_averages_the_ground_truth(scan):
     out, params = scan
-    d = read_walnut_slice(out, image_shape=(60, 60), angular_subsampling=8, detector_subsampling=2)
-    fine = read_walnut_slice(out, angular_subsampling=8, detector_subsampling=2)
+    d = read_slice(WalnutScan(out), image_shape=(60, 60), angular_subsampling=8, detector_subsampling=2)
+    fine = read_slice(WalnutScan(out), angular_subsampling=8, detector_subsampling=2)
     assert tuple(d.ground_truth.shape) == (60, 60)
     assert d.volume.voxel_size == pytest.approx(params.gt_voxel_size * 128 / 60)
     assert float(d.ground_truth.double().mean()) == pytest.approx(float(fine.ground_truth.double().mean()), rel=1e-6)
@@ -124,37 +125,37 @@ def test_area_average_is_exact_for_any_ratio():
 def test_off_plane_slice_warns_with_the_cone_angle(scan):
     out, params = scan
     with pytest.warns(UserWarning, match=r"cone angle up to 0\.69"):  # atan(0.8 mm / 66 mm)
-        d = read_walnut_slice(out, slice_index=0, angular_subsampling=8, detector_subsampling=2)
+        d = read_slice(WalnutScan(out), slice_index=0, angular_subsampling=8, detector_subsampling=2)
     assert d.meta["z_mm"] == pytest.approx(-0.8) and not d.meta["exact_fan_geometry"]
     with pytest.warns(UserWarning, match="cone angle"):
-        read_walnut_slice(out, orbit=1, angular_subsampling=8, detector_subsampling=2)
+        read_slice(WalnutScan(out, orbit=1), angular_subsampling=8, detector_subsampling=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the central slice of orbit 2 is exact: no warning
-        read_walnut_slice(out, angular_subsampling=8, detector_subsampling=2)
+        read_slice(WalnutScan(out), angular_subsampling=8, detector_subsampling=2)
     with pytest.raises(WalnutFormatError, match="outside the 8 detector rows"):
-        read_walnut_slice(out, voxel_size=3.0, slice_index=0, angular_subsampling=8)
+        read_slice(WalnutScan(out, voxel_size=3.0), slice_index=0, angular_subsampling=8)
 
 
 def test_volume_reads_on_cpu_and_the_operator_needs_cuda(scan):
     out, params = scan
-    d = read_walnut_volume(out, angular_subsampling=8, detector_subsampling=2, detector_row_subsampling=1)
+    d = read_volume(WalnutScan(out), angular_subsampling=8, detector_subsampling=2, detector_row_subsampling=1)
     assert d.op is None and d.geometry.kind == "cone_vec"
     assert tuple(d.y.shape) == (4, params.det_rows, params.det_cols // 2) == d.geometry.measurement_shape
     assert tuple(d.ground_truth.shape) == params.gt_shape
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            load_walnut_volume(out, device="cpu")
+            load_volume(WalnutScan(out), device="cpu")
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            load_walnut_slice(out, backend="astra_cuda", device="cpu")
+            load_slice(WalnutScan(out), backend="astra_cuda", device="cpu")
 
 
 def test_only_the_needed_projection_files_are_read(broken):
     # with 32 angles and angular_subsampling 4 the files used are 32, 28, …, 4: file 1 is never opened
     (broken / "Projections/tubeV2/scan_000001.tif").write_bytes(b"not a tiff")
-    d = read_walnut_slice(broken, angular_subsampling=4, detector_subsampling=2)
+    d = read_slice(WalnutScan(broken), angular_subsampling=4, detector_subsampling=2)
     assert "scan_000001.tif" not in d.meta["projection_files"]
     with pytest.raises(WalnutFormatError, match="scan_000001.tif: not a readable TIFF"):
-        read_walnut_slice(broken, angular_subsampling=1, detector_subsampling=2)
+        read_slice(WalnutScan(broken), angular_subsampling=1, detector_subsampling=2)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -168,32 +169,32 @@ def _rewrite(path: Path, fn) -> None:
 
 def test_missing_walnut_folder(tmp_path):
     with pytest.raises(WalnutFormatError, match=r"Nope does not exist") as info:
-        read_walnut_slice(tmp_path / "Nope")
+        read_slice(WalnutScan(tmp_path / "Nope"))
     # A user error (one line from the CLI, exit 2), and still a ValueError as it always was.
     assert isinstance(info.value, CTUQError) and isinstance(info.value, ValueError) and is_user_error(info.value)
 
 
 def test_missing_orbit_folder(broken):
     with pytest.raises(WalnutFormatError, match=r"tubeV3: projection folder missing.*has tubeV1, tubeV2"):
-        read_walnut_slice(broken, orbit=3)
+        read_slice(WalnutScan(broken, orbit=3))
 
 
 def test_missing_projection_file(broken):
     (_proj(broken) / "scan_000005.tif").unlink()
     with pytest.raises(WalnutFormatError, match=r"tubeV2: 1 of the files .* missing, first scan_000005.tif"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_projection_count_differs_from_geometry_rows(broken):
     shutil.copy(_proj(broken) / "scan_000000.tif", _proj(broken) / "scan_000033.tif")
     with pytest.raises(WalnutFormatError, match=r"scan_geom_corrected.geom: 33 geometry rows, but the folder has 34"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_missing_dark_frame(broken):
     (_proj(broken) / "di000000.tif").unlink()
     with pytest.raises(WalnutFormatError, match=r"di000000.tif: file missing"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_geometry_with_wrong_number_of_columns(broken):
@@ -202,7 +203,7 @@ def test_geometry_with_wrong_number_of_columns(broken):
     lines[3] = " ".join(lines[3].split()[:11])
     geom.write_text("\n".join(lines) + "\n")
     with pytest.raises(WalnutFormatError, match=r"scan_geom_corrected.geom: line 4 has 11 columns; .* needs 12"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_geometry_with_nan(broken):
@@ -211,19 +212,19 @@ def test_geometry_with_nan(broken):
     lines[2] = "nan " + " ".join(lines[2].split()[1:])
     geom.write_text("\n".join(lines) + "\n")
     with pytest.raises(WalnutFormatError, match=r"scan_geom_corrected.geom: 1 geometry rows contain NaN or Inf"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_projection_with_wrong_shape(broken):
     _rewrite(_proj(broken) / "scan_000032.tif", lambda a: a[:-1])  # file 32 ↔ geometry row 0: always used
     with pytest.raises(WalnutFormatError, match=r"scan_000032.tif: image shape \(95, 8\) differs from the dark"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_flat_with_wrong_shape(broken):
     _rewrite(_proj(broken) / "io000001.tif", lambda a: a[:, :-2])
     with pytest.raises(WalnutFormatError, match=r"io000001.tif: image shape \(96, 6\) differs from the dark"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_flat_not_above_dark(broken):
@@ -231,13 +232,13 @@ def test_flat_not_above_dark(broken):
     for name in ("io000000.tif", "io000001.tif"):
         _rewrite(_proj(broken) / name, lambda a: np.where(np.arange(a.shape[0])[:, None] == 40, dark, a))
     with pytest.raises(WalnutFormatError, match=r"tubeV2: flat field ≤ dark at \d+ used pixels"):
-        read_walnut_slice(broken, detector_subsampling=1)
+        read_slice(WalnutScan(broken), detector_subsampling=1)
 
 
 def test_projection_with_nan(broken):
     _rewrite(_proj(broken) / "scan_000032.tif", lambda a: np.where(a == a.max(), np.nan, a.astype(np.float32)))
     with pytest.raises(WalnutFormatError, match=r"scan_000032.tif: 1 pixels are NaN or Inf"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_projection_with_non_positive_transmission(broken):
@@ -248,13 +249,13 @@ def test_projection_with_non_positive_transmission(broken):
         match=r"scan_000032.tif: \d+ used pixels have counts ≤ dark, i.e. "
         r"non-positive transmission",
     ):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_ground_truth_slice_with_wrong_shape(broken):
     _rewrite(broken / "Reconstructions" / "full_AGD_50_000002.tiff", lambda a: a[:, :100])
     with pytest.raises(WalnutFormatError, match=r"full_AGD_50_000002.tiff: shape \(128, 100\) differs"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_unfinished_simulation(broken):
@@ -262,12 +263,12 @@ def test_unfinished_simulation(broken):
     side["complete"] = False
     (broken / "ctuq_simulation.json").write_text(json.dumps(side))
     with pytest.raises(WalnutFormatError, match="did not finish"):
-        read_walnut_slice(broken)
+        read_slice(WalnutScan(broken))
 
 
 def test_without_reconstructions_there_is_no_ground_truth(broken):
     shutil.rmtree(broken / "Reconstructions")
-    d = read_walnut_slice(broken, angular_subsampling=8, detector_subsampling=2)
+    d = read_slice(WalnutScan(broken), angular_subsampling=8, detector_subsampling=2)
     assert d.ground_truth is None and d.volume.shape == (128, 128)  # grid from the sidecar
 
 
@@ -287,8 +288,13 @@ def test_bundled_scan_loads_with_the_demo_settings():
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert size < 4.2e6
     t0 = time.perf_counter()
-    d = load_walnut_slice(
-        path, angular_subsampling=4, detector_subsampling=2, image_shape=(128, 128), backend="sparse", progress=False
+    d = load_slice(
+        WalnutScan(path),
+        angular_subsampling=4,
+        detector_subsampling=2,
+        image_shape=(128, 128),
+        backend="sparse",
+        progress=False,
     )
     elapsed = time.perf_counter() - t0
     assert tuple(d.y.shape) == d.op.measurement_shape == (60, 128)
@@ -308,8 +314,10 @@ def test_bundled_scan_loads_with_the_demo_settings():
 @pytest.mark.gpu
 def test_cone_slice_backend_matches_the_fan_slice_in_the_source_plane(scan):
     out, _ = scan
-    fan = load_walnut_slice(out, angular_subsampling=2, detector_subsampling=1, device="cuda")
-    cone = load_walnut_slice(out, angular_subsampling=2, detector_subsampling=1, backend="astra_cuda", device="cuda")
+    fan = load_slice(WalnutScan(out), angular_subsampling=2, detector_subsampling=1, device="cuda")
+    cone = load_slice(
+        WalnutScan(out), angular_subsampling=2, detector_subsampling=1, backend="astra_cuda", device="cuda"
+    )
     assert cone.op.image_shape == fan.op.image_shape and cone.op.measurement_shape == fan.op.measurement_shape
     torch.testing.assert_close(cone.y, fan.y)
     gt = fan.ground_truth.cuda()
@@ -321,7 +329,7 @@ def test_cone_slice_backend_matches_the_fan_slice_in_the_source_plane(scan):
 @pytest.mark.gpu
 def test_volume_loads_on_gpu_and_reproduces_the_projections(scan):
     out, params = scan
-    d = load_walnut_volume(out, angular_subsampling=2, detector_subsampling=1, device="cuda")
+    d = load_volume(WalnutScan(out), angular_subsampling=2, detector_subsampling=1, device="cuda")
     assert d.op.image_shape == params.gt_shape and d.op.measurement_shape == tuple(d.y.shape)
     # the 2 mm thick GT slab explains the detector rows that look through it only: compare those rows
     rows = slice(2, 5)

@@ -6,6 +6,7 @@ scan.
 Sizes: 8×8 images, 12 parallel-beam candidates × 11 detector pixels, float64 (the references of test_design.py).
 """
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ctuq.calibration.check import HeldoutRows
+from ctuq.calibration.rows import HeldoutRows
 from ctuq.design.candidates import DesignError
 from ctuq.design.engine import DesignEngine
 from ctuq.design.forecast import (
@@ -100,9 +101,11 @@ def test_online_coverage_is_nominal_when_the_data_follow_the_model(op):  # noqa:
     assert 0.8 <= np.median(ks) <= 1.25, ks
 
 
-def test_forecaster_applies_the_registered_method_and_bands_it():
+def test_forecaster_applies_the_registered_method_and_bands_it(monkeypatch):
     """The predicted RMS error is the calibrated std map's RMS inside the object mask: for the scale k,
-    k × sqrt(mean_M v); the band brackets it; the bias model adds τ² inside the mask."""
+    k × sqrt(mean_M v); the band brackets it; the bias model adds τ² inside the mask. Every registered method is a
+    valid design.calibration, and the bootstrap refits are the method's own fits on the resampled rows: nothing is
+    scored."""
     rng = np.random.default_rng(0)
     m = 40 * 5
     groups = np.repeat(np.arange(40), 5)
@@ -115,7 +118,13 @@ def test_forecaster_applies_the_registered_method_and_bands_it():
     )
     recon = np.zeros((6, 6))
     recon[1:5, 1:5] = 1.0
+
+    def no_scoring(self, **kwargs):
+        raise AssertionError("the forecaster scored held-out rows")
+
+    monkeypatch.setattr(HeldoutRows, "score", no_scoring)
     fc = ErrorForecaster("heldout", recon, n_bootstrap=30, seed=1).fit(rows)
+    assert len(fc.replicates) == 30
     var = np.full((6, 6), 4e-4)
     out = fc.predict(var, 12)
     assert out["rmse"] == pytest.approx(fc.method.k * 0.02, rel=1e-12)
@@ -124,14 +133,18 @@ def test_forecaster_applies_the_registered_method_and_bands_it():
     bias = ErrorForecaster("bias", recon, n_bootstrap=0).fit(rows)
     tau = bias.method.tau
     assert bias.predict(var, 12)["rmse"] == pytest.approx(math.sqrt(4e-4 + tau**2), rel=1e-9)
-    # every method the forecast offers gives a row variance (the prequential check needs it)
-    copy = rows.take(np.arange(m))
-    copy.score(n_bootstrap=0)
-    for name in ("heldout", "bias", "none"):
-        v = CALIBRATIONS[name].fit(copy, recon).row_variance(copy)
-        assert v.shape == (m,) and np.all(v >= 0.5)  # at least the noise σ²
-    with pytest.raises(DesignError, match="design.calibration"):
-        ErrorForecaster("spatial", recon)
+    # every registered method is offered, fits on rows with its image features' weights (as RowPredictor gives
+    # them) and gives a row variance (the prequential check needs it)
+    for name in CALIBRATIONS:
+        each = ErrorForecaster(name, recon, n_bootstrap=3, seed=2)
+        weights = {k: rng.uniform(0.5, 1.5, m) for k in each.features}
+        fitted = each.fit(dataclasses.replace(rows, features=each.features, feature_weights=weights)).method
+        assert fitted is not None and all(r is not None for r in each.replicates), name
+        v = fitted.row_variance(dataclasses.replace(rows, feature_weights=weights))
+        assert v.shape == (m,) and np.all(v >= 0.5), name  # at least the noise σ²
+        assert np.isfinite(each.predict(var, 12)["rmse"]), name
+    with pytest.raises(DesignError, match=r"design.calibration must be one of \['none', 'heldout', 'bias'"):
+        ErrorForecaster("biased", recon)
     with pytest.raises(DesignError, match="no object"):
         ErrorForecaster("heldout", np.zeros((6, 6)))
 

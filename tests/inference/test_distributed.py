@@ -26,7 +26,7 @@ from ctuq.metrics import SampleMoments
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
 from ctuq.pipeline.checkpoints import check_shard_checkpoints
-from ctuq.pipeline.uq import UQSettings, run_linearized_uq
+from ctuq.pipeline.uq import UQRun, UQSettings
 
 TIMEOUT_S = 120
 SOLVERS = ("cg", "sdd")  # sharded in one spawn of the two ranks (starting them costs more than both runs)
@@ -57,17 +57,16 @@ def _settings(solver: str) -> UQSettings:
     # sdd: a short budget (the solves stop short and warn; sharding must not change what they return)
     return UQSettings(
         solver=solver,
-        rank=40,
+        cg={"rank": 40},
         em_steps=2,
         em_samples=5,
         samples=20,
         sample_chunk=5,
         patch_sizes=[1, 2],
         roi="full",
-        gprior_method="stochastic",
-        gprior_probes=32,
-        sdd_iterations=40,
-        first_order_tol=1e-3,
+        gprior={"method": "stochastic", "probes": 32},
+        sdd={"max_iter": 40, "rtol": 1e-3},
+        sgd={"rtol": 1e-3},
     )
 
 
@@ -95,10 +94,10 @@ def _sharded_run(rank, world, model, net_input, op, y, shard, solver: str, work_
         return original(self, chunk)
 
     def run(**kwargs):
-        return run_linearized_uq(
+        return UQRun(
             model, net_input, op, y, scale=3.0, settings=settings, seed=0, work_dir=work_dir, progress=False,
             shard=shard, moments_checkpoint_seconds=0.0, **kwargs
-        )  # fmt: skip
+        ).run()  # fmt: skip
 
     SampleMoments.update = failing
     try:
@@ -144,7 +143,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_per_rank(tmp_path):
     # the single-process references while the ranks start
     single = {
         solver: _summary(
-            run_linearized_uq(model, net_input, op, y, scale=3.0, settings=_settings(solver), seed=0, progress=False)
+            UQRun(model, net_input, op, y, scale=3.0, settings=_settings(solver), seed=0, progress=False).run()
         )
         for solver in SOLVERS
     }
@@ -186,7 +185,7 @@ def test_distributed_flag_without_torchrun_is_a_clear_error(tmp_path, monkeypatc
 def test_torchrun_uq_command_matches_one_process(tiny_run_none, tmp_path):
     """`torchrun --nproc_per_node=2 -m ctuq uq RUN` (gloo) writes the metrics a single `ctuq uq RUN` writes."""
     one, two = (shutil.copytree(tiny_run_none, tmp_path / name) for name in ("one", "two"))
-    cg = ("uq.solver=cg", "uq.rank=50", "uq.samples=24", "uq.sample_chunk=6", "uq.em_steps=2", "uq.em_samples=4")
+    cg = ("uq.solver=cg", "uq.cg.rank=50", "uq.samples=24", "uq.sample_chunk=6", "uq.em_steps=2", "uq.em_samples=4")
     # a sharded run has no held-out check, so uq.calibration = auto would differ from one process by design
     uq = [*sets(*cg, "uq.patch_sizes=[1, 2]", "uq.calibration=none"), "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CTUQ_NO_PROGRESS": "1"}

@@ -175,8 +175,10 @@ def test_solver_registry_is_the_one_vocabulary():
         ValueError, match=r"^LinearizedPosterior: prior must be one of \['gprior', 'isotropic', 'tv_predcp'\]"
     ):
         LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), prior="flat")
-    with pytest.raises(ValueError, match=r"^LinearizedPosterior: gprior_method must be one of"):
-        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), gprior_method="guess")
+    with pytest.raises(ValueError, match=r"^GPrior: method must be one of"):  # the prior's own options
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), prior_options={"method": "guess"})
+    with pytest.raises(TypeError, match="gprior_method"):  # no g-prior arguments of the posterior's own
+        LinearizedPosterior(feats, torch.zeros(50, dtype=torch.float64), gprior_method="exact")
     # the config reads its choices from the registry when it checks a value
     field = next(f for f in __import__("dataclasses").fields(UQConfig) if f.name == "solver")
     assert field.metadata["choices"]() == solver_choices()
@@ -241,8 +243,7 @@ def test_state_dict_resumes_the_em_exactly(regression, tmp_path):
             solver="cg",
             solver_options={"rank": 20},
             prior="gprior",
-            gprior_method="stochastic",
-            gprior_probes=32,
+            prior_options={"method": "stochastic", "probes": 32},
             seed=4,
         )
 

@@ -60,7 +60,7 @@ class LayerwisePrior(DiagonalPrior):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def toy_registered(tiny_run_none):  # the shared runs first: their config.yaml has every prior's section
+def toy_registered():
     PRIORS.register(LayerwisePrior)  # the one registry line
     yield
     PRIORS.unregister("layerwise")

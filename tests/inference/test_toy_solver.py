@@ -19,11 +19,10 @@ from ctuq.inference import (
     assemble_kernel,
     check_hyper,
     check_rhs,
-    register_solver,
     relative_residual,
     solver_choices,
-    unregister_solver,
 )
+from ctuq.registry import SOLVERS
 from ctuq.testing import SolverContract, contract_problem
 
 
@@ -63,10 +62,10 @@ class ToyCholesky(Solver):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def toy_registered(tiny_run_none):  # the shared runs first: their config.yaml has every solver's section
-    register_solver(ToyCholesky)  # the one registry line
+def toy_registered():
+    SOLVERS.register(ToyCholesky)  # the one registry line
     yield
-    unregister_solver("toy_cholesky")
+    SOLVERS.unregister("toy_cholesky")
 
 
 class TestToyCholeskyContract(SolverContract):
@@ -109,7 +108,7 @@ def test_the_config_reads_the_registry_when_it_validates():
 def test_the_uq_command_runs_it(tiny_run_none, tmp_path):
     run = shutil.copytree(tiny_run_none, tmp_path / "run")
     toy = ("uq.solver=toy_cholesky", "uq.toy_cholesky.jitter=0.0", "uq.samples=8", "uq.sample_chunk=8")
-    cheap = ("uq.em_steps=1", "uq.em_samples=2", "uq.gprior_method=stochastic", "uq.gprior_probes=8")
+    cheap = ("uq.em_steps=1", "uq.em_samples=2", "uq.gprior.method=stochastic", "uq.gprior.probes=8")
     assert main(["uq", str(run), *sets(*toy, *cheap), "--no-progress"]) == 0
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["uq"]["solver"] == metrics["uq"]["stats"]["route"] == "toy_cholesky"

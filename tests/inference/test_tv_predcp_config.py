@@ -1,5 +1,5 @@
 """``uq.prior = tv_predcp`` and its ``uq.tv_predcp`` section: accepted values, the mapping onto the posterior's
-arguments (the default g-prior's arguments unchanged), and one-line errors for bad values."""
+arguments (the default g-prior's through its own section, ``uq.gprior``), and one-line errors for bad values."""
 
 import pytest
 
@@ -22,9 +22,16 @@ def test_tv_predcp_is_a_prior_and_its_section_maps_to_prior_options():
     assert (cfg.uq.tv_predcp.steps, cfg.uq.tv_predcp.lr) == (3, 0.1)
 
 
-def test_the_default_prior_gets_no_prior_options():
+def test_the_default_prior_gets_its_section_as_prior_options():
     args = posterior_arguments(load_config("demo").uq)
-    assert args["prior"] == "gprior" and "prior_options" not in args
+    assert args["prior"] == "gprior" and args["prior_options"] == {"method": "exact", "probes": 256}
+    args = posterior_arguments(load_config("demo", ["uq.gprior.method=stochastic", "uq.gprior.probes=32"]).uq)
+    assert args["prior_options"] == {"method": "stochastic", "probes": 32}
+    # a prior without options gets none, and the old flat keys are gone
+    assert "prior_options" not in posterior_arguments(load_config("demo", ["uq.prior=isotropic"]).uq)
+    for old in ("uq.gprior_method=stochastic", "uq.gprior_probes=8", "design.gprior_method=exact"):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            load_config("demo", [old])
 
 
 @pytest.mark.parametrize(
@@ -42,6 +49,10 @@ def test_the_default_prior_gets_no_prior_options():
         ("uq.tv_predcp.max_step=-1", "uq.tv_predcp.max_step must be > 0"),
         ("uq.tv_predcp.rate=2", "unknown config key 'uq.tv_predcp.rate'"),
         ("uq.tv_predcp=3", "is a section"),
+        ("uq.gprior.method=guess", "uq.gprior.method must be one of"),
+        ("uq.gprior.probes=0", "uq.gprior.probes must be >= 1"),
+        ("design.gprior.probes=0", "design.gprior.probes must be >= 1"),
+        ("design.weight_prior=tv_predcp", "design.weight_prior must be one of"),
     ],
 )
 def test_bad_values_are_one_line_errors_naming_the_key(override, match):

@@ -1,11 +1,14 @@
-"""The held-out bias variance τ² (:func:`ctuq.metrics.heldout.fit_bias_variance`): var_i = v_i + τ² w_i + σ²_i."""
+"""The held-out bias variance τ² (:func:`ctuq.calibration.bias.fit_bias_variance`, the bias model's fit and its entry
+in the check's report): var_i = v_i + τ² w_i + σ²_i."""
 
 import math
 
 import numpy as np
 import pytest
 
-from ctuq.metrics.heldout import fit_bias_variance, heldout_check
+from ctuq.calibration import BiasModel, HeldoutRows, bias
+from ctuq.calibration.bias import fit_bias_variance
+from ctuq.metrics.heldout import heldout_check
 
 
 def _rows(tau: float, seed: int, m: int = 80000):
@@ -53,12 +56,27 @@ def test_residuals_smaller_than_predicted_give_zero():
     assert fit["zero"] and fit["tau"] == 0.0 and fit["se_bootstrap"] is None and fit["bias_variance_fraction"] == 0.0
 
 
-def test_heldout_check_reports_the_bias_only_when_given_weights():
+def test_the_check_reports_the_bias_only_for_rows_with_weights(monkeypatch):
+    """The bias model writes its entry (``bias``) into the scored rows' report and fits itself from the same rows,
+    with the rows' bootstrap: the same τ and s.e., from one fit (the bootstrap runs once per rows; new weights or
+    bootstrap settings fit again); rows without bias weights get neither."""
     r, v, s2, w, g = _rows(4e-3, seed=6, m=4000)
-    rep = heldout_check(r, np.zeros_like(r), variance=v, noise_variance=s2, groups=g, n_bootstrap=0, bias_weight=w)
-    alone = fit_bias_variance(r, v, s2, w, groups=g, n_bootstrap=0)
-    assert rep["bias"]["tau"] == pytest.approx(alone["tau"], rel=1e-12)
-    assert "bias" not in heldout_check(r, np.zeros_like(r), variance=v, noise_variance=s2, n_bootstrap=0)
+    rows = HeldoutRows(r, v, s2, g, bias_weight=w)
+    calls = []
+    monkeypatch.setattr(bias, "fit_bias_variance", lambda *a, **k: calls.append(k) or fit_bias_variance(*a, **k))
+    rep = rows.score(n_bootstrap=20, seed=3)
+    alone = fit_bias_variance(r, v, s2, w, groups=g, n_bootstrap=20, seed=3)
+    assert rep["bias"] == alone and "bias" not in heldout_check(r, np.zeros_like(r), variance=v, noise_variance=s2)
+    fitted = BiasModel.fit(rows, np.ones((4, 4)))
+    assert fitted.tau == alone["tau"] and fitted.tau_se == alone["se_bootstrap"]
+    assert fitted.tau_interval_95 == alone["interval_95"]
+    assert len(calls) == 1
+    rows.seed = 4
+    assert BiasModel.fit(rows, np.ones((4, 4))).tau_se != fitted.tau_se and len(calls) == 2
+    rows.bias_weight = 2.0 * w
+    assert BiasModel.fit(rows, np.ones((4, 4))).tau == pytest.approx(alone["tau"] / math.sqrt(2.0), rel=1e-6)
+    without = HeldoutRows(r, v, s2, g)
+    assert "bias" not in without.score(n_bootstrap=0) and BiasModel.fit(without, np.ones((4, 4))) is None
 
 
 def test_an_empty_object_mask_gives_no_bias_instead_of_an_error():

@@ -1,6 +1,6 @@
 """The fitted DIP is written and read only through ``ctuq.models.model_file``: ``dip_model.pt`` of the pipeline,
-``ctuq uq``'s restore, and pretrained weights. Files of ctuq 0.1 (no version) still load; newer versions are
-refused naming the version."""
+``ctuq uq``'s restore, and pretrained weights. Files without the format tag or of another version are refused naming
+the file and the version."""
 
 from pathlib import Path
 
@@ -33,26 +33,18 @@ def _restore(out_dir: Path, scale: float = 14.0) -> RunState:
     return state
 
 
-def test_pre_change_dip_model_file_is_read_and_restored(tmp_path):
-    # dip_model.pt as ctuq 0.1's `ctuq reconstruct` wrote it: no format, no version.
+def test_a_file_without_the_format_tag_or_of_an_older_version_is_refused(tmp_path):
+    # dip_model.pt as an unreleased ctuq wrote it: no format tag; runs are regenerated, not upgraded
     model, net_input = _tiny(), make_net_input((16, 16), seed=3)
-    torch.save(
-        {
-            "model_config": model.config.to_dict(),
-            "state_dict": model.state_dict(),
-            "net_input": net_input,
-            "scale": 14.0,
-            "best_iteration": 7,
-        },
-        tmp_path / "dip_model.pt",
-    )
-    mf = read_model_file(tmp_path / "dip_model.pt", need_input=True)
-    assert mf.version == 0 and mf.best_iteration == 7 and mf.input == "noise" and mf.scale == 14.0
-    state = _restore(tmp_path)
-    with torch.no_grad():
-        expected = model.eval()(net_input)[0, 0] / 14.0
-    torch.testing.assert_close(state.images["dip"], expected)
-    assert torch.equal(state.net_input, net_input)
+    blob = {"model_config": model.config.to_dict(), "state_dict": model.state_dict(), "net_input": net_input}
+    torch.save(dict(blob, scale=14.0), tmp_path / "dip_model.pt")
+    with pytest.raises(ModelFileError, match=r"dip_model.pt: not a ctuq model file \(no format tag 'ctuq.model'"):
+        read_model_file(tmp_path / "dip_model.pt")
+    with pytest.raises(ModelFileError, match="no format tag"):
+        _restore(tmp_path)
+    torch.save(dict(blob, scale=14.0, format=MODEL_FILE_FORMAT, version=1, input="noise"), tmp_path / "dip_model.pt")
+    with pytest.raises(ModelFileError, match=f"model file version 1, this ctuq reads version {MODEL_FILE_VERSION}"):
+        read_model_file(tmp_path / "dip_model.pt")
 
 
 def test_written_model_file_round_trips_through_restore(tmp_path):
@@ -114,7 +106,7 @@ def test_restore_without_model_file_uses_the_checkpoint_or_says_what_is_missing(
         torch.testing.assert_close(state.images["dip"], model.eval()(net_input)[0, 0] / 14.0)
 
 
-def test_pretrained_weights_are_model_files_and_old_formats_still_load(tmp_path):
+def test_pretrained_weights_are_model_files_or_dip_checkpoints(tmp_path):
     model = _tiny()
     path = save_pretrained(tmp_path / "pre.pt", model, scale=14.0, meta={"noise": 0.01})
     blob = torch.load(path, weights_only=True)
@@ -123,8 +115,7 @@ def test_pretrained_weights_are_model_files_and_old_formats_still_load(tmp_path)
     got = load_pretrained(fresh, path)
     assert got["input"] == "fbp" and got["scale"] == 14.0
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    # a DIP checkpoint ({"model": ...}) still loads (ctuq 0.1's pretrain output: tests/test_config.py's bundled
-    # demo weights)
+    # a DIP checkpoint ({"model": ...}: the latest weights of a fit) loads too
     ckpt = tmp_path / "dip_checkpoint.pt"
     torch.save({"version": 1, "model": model.state_dict(), "model_config": model.config.to_dict()}, ckpt)
     fresh = build_unet("tiny")
@@ -133,6 +124,10 @@ def test_pretrained_weights_are_model_files_and_old_formats_still_load(tmp_path)
     # the architecture is still checked, naming the setting
     with pytest.raises(ValueError, match=r"model.pretrained: .* was trained with channels = "):
         load_pretrained(build_unet("small"), path)
+    # a dict of weights that is neither (a pretrain file of an unreleased ctuq) is refused naming its keys
+    torch.save({"version": 1, "state_dict": model.state_dict(), "model_config": model.config.to_dict()}, ckpt)
+    with pytest.raises(ModelFileError, match=r"^model.pretrained: .* neither a ctuq model file nor a DIP checkpoint"):
+        load_pretrained(_tiny(), ckpt)
     (tmp_path / "junk.pt").write_bytes(b"junk")
     with pytest.raises(ValueError, match="model.pretrained: .*junk.pt could not be read as a torch file"):
         load_pretrained(_tiny(), tmp_path / "junk.pt")

@@ -3,6 +3,7 @@
 the uncertainty phase nor ``--check`` opens the scan again."""
 
 import ast
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -17,7 +18,6 @@ from tiny import restored_state
 from ctuq import calibration as cal
 from ctuq.cli import main
 from ctuq.config import load_config
-from ctuq.metrics import heldout_check
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline import runner
 from ctuq.pipeline import uq as pipeline_uq
@@ -107,21 +107,17 @@ def test_a_scaled_std_is_detected_and_the_recalibration_undoes_it(run):
     kw = dict(noise_model=run_.noise.model, n_samples=128, seed=cfg.seed + 1)
     base = cal.run_heldout_check(run_.posterior, recon, cfg.dip.scale, held, **kw)
     assert not base.report["scale"]["at_bound"]
+    k0 = base.report["scale"]["k"]
     for factor in (0.5, 2.0):
         res = cal.run_heldout_check(_Scaled(run_.posterior, factor), recon, cfg.dip.scale, held, **kw)
+        k = res.report["scale"]["k"]  # the heldout method's entry, as its own fit gives it
+        assert cal.HeldoutScale.fit(res, recon).k == k
         # the check reports the scaled std as too narrow (×0.5) or too wide (×2) by the factor ...
-        assert res.k == pytest.approx(base.k / factor, rel=0.10)
+        assert k == pytest.approx(k0 / factor, rel=0.10)
         # ... and the recalibrated std (factor × k × std) is the unscaled run's k × std to within 10 %
-        assert factor * res.k == pytest.approx(base.k, rel=0.10)
-        again = heldout_check(
-            res.residual,
-            np.zeros_like(res.residual),
-            variance=res.k**2 * res.variance,
-            noise_variance=res.noise_variance,
-            groups=res.groups,
-            n_bootstrap=0,
-        )
-        assert again["scale"]["k"] == pytest.approx(1.0, rel=0.10)
+        assert factor * k == pytest.approx(k0, rel=0.10)
+        again = cal.HeldoutScale.fit(dataclasses.replace(res, variance=k**2 * res.variance, report={}), recon)
+        assert again.k == pytest.approx(1.0, rel=0.10)
 
 
 @pytest.mark.slow
@@ -305,7 +301,7 @@ def _noise_reads(path: Path) -> list[tuple[str, str]]:
 
 
 def test_uq_noise_is_read_in_one_function_only():
-    """``uq.noise`` is resolved in exactly one function (:func:`ctuq.pipeline.uq.resolve_noise`): no other code of
+    """``uq.noise`` is resolved in exactly one function (:func:`ctuq.pipeline.noise.resolve_noise`): no other code of
     the package parses it (``NoiseModel(...)``) or reads it from a config section (``settings.noise``,
     ``cfg.uq.noise``)."""
     package = Path(cal.__file__).resolve().parents[1]
@@ -315,6 +311,6 @@ def test_uq_noise_is_read_in_one_function_only():
         for where, text in _noise_reads(path)
     }
     assert found == {
-        ("ctuq/pipeline/uq.py", "resolve_noise", "NoiseModel(settings.noise)"),
-        ("ctuq/pipeline/uq.py", "resolve_noise", "settings.noise"),
+        ("ctuq/pipeline/noise.py", "resolve_noise", "NoiseModel(settings.noise)"),
+        ("ctuq/pipeline/noise.py", "resolve_noise", "settings.noise"),
     }

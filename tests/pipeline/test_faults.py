@@ -20,7 +20,7 @@ from ctuq.cli import main
 from ctuq.design.dip_prior import DIPPrior
 from ctuq.design.engine import DesignEngine
 from ctuq.design.factors import DenseFactor
-from ctuq.design.greedy import greedy_design
+from ctuq.design.greedy import _digest, greedy_design
 from ctuq.design.model import DesignModel
 from ctuq.errors import CheckpointMismatch, DiskFullError, format_user_error, is_user_error
 from ctuq.geometry import ProjectionGeometry, VolumeGeometry
@@ -228,8 +228,11 @@ def test_damaged_or_edited_design_checkpoints_are_refused(tmp_path):
     edited["steps"][1]["candidate"] = next(c for c in range(12) if c not in (0, 6, *first.acquired))
     torch.save(edited, ckpt)  # another angle, digest kept: the replay would silently design something else
     refused("content does not match its digest")
-    edited.pop("digest")
-    edited["steps"][1]["candidate"] = 99  # without a digest (an older file): the records must still make sense
+    torch.save({k: v for k, v in state.items() if k != "digest"}, ckpt)  # no digest: not a checkpoint ctuq wrote
+    refused("content does not match its digest")
+    edited = dict(state, steps=[dict(s) for s in state["steps"]])
+    edited["steps"][1]["candidate"] = 99
+    edited["digest"] = _digest(edited["fingerprint"], edited["steps"])  # a consistent file of nonsense
     torch.save(edited, ckpt)
     refused(r"step record 2 is damaged .* in \[0, 12\)")
     ckpt.write_bytes(ckpt.read_bytes()[:200])  # truncated
@@ -277,12 +280,20 @@ def test_edited_study_folders_are_refused(tmp_path):
     assert _one_user_error(info.value).startswith(f"{mdir / 'result.pt'}: does not match the SHA-256 recorded in")
     assert info.value.args[0].endswith(f"delete {mdir} to recompute that method")
     record = json.loads((mdir / "metrics.json").read_text())
-    record.pop("result_sha256")  # a record of a study written before the digest: the file must still be a result
+    record.pop("result_sha256")  # no digest: not a record ctuq wrote
     (mdir / "metrics.json").write_text(json.dumps(record))
-    (mdir / "result.pt").write_bytes(b"damaged")
+    with pytest.raises(StudyError, match="does not match the SHA-256 recorded in metrics.json"):
+        method_done(mdir)
+
+    def recorded(write) -> None:  # a result with its digest recorded: the file must still be a result
+        write(mdir / "result.pt")
+        record["result_sha256"] = hashlib.sha256((mdir / "result.pt").read_bytes()).hexdigest()
+        (mdir / "metrics.json").write_text(json.dumps(record))
+
+    recorded(lambda p: p.write_bytes(b"damaged"))
     with pytest.raises(StudyError, match="not a readable result file"):
         method_done(mdir)
-    torch.save({"mean": torch.zeros(4, 4)}, mdir / "result.pt")
+    recorded(lambda p: torch.save({"mean": torch.zeros(4, 4)}, p))
     with pytest.raises(StudyError, match="not a method result"):
         method_done(mdir)
     (mdir / "metrics.json").write_text("[1, 2]")

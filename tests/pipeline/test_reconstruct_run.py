@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import tifffile
 import torch
+import yaml
 from tiny import NO_FIGURES, TINY_DATA, sets, tiny_args
 
 from ctuq.cli import main
+from ctuq.config import load_config
+from ctuq.registry import PRIORS, SOLVERS
 
 
 def test_help_lists_options(capsys):
@@ -91,6 +94,13 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(tiny_run):
     assert {"gprior", "em", "prediction"} <= set(m["uq"]["timings"])
     assert {"load", "fbp", "tv", "dip", "uq"} <= set(m["timings"])
     assert m["config"]["uq"]["samples"] == 64 and m["config"]["dip"]["iterations"] == 60
+    # the sections of what ran: config.yaml (written first) none of a solver, as uq.solver is auto; metrics.json the
+    # one the run resolved to; both the chosen prior's (where it has options), no other registered one's
+    written, route = yaml.safe_load((out / "config.yaml").read_text())["uq"], m["uq"]["stats"]["route"]
+    assert written["solver"] == "auto" and not set(written) & set(SOLVERS)
+    assert set(written) & set(PRIORS) <= {written["prior"]}
+    assert set(m["config"]["uq"]) & {*SOLVERS, *PRIORS} == {route} | (set(written) & set(PRIORS))
+    assert load_config(out / "config.yaml").to_dict(resolved={"uq.solver": route}) == m["config"]
     # the default calibration on a scan with unused angles: the held-out bias model
     assert m["uq"]["calibration"]["mode"] == "bias" and m["uq"]["calibration"]["setting"] == "auto"
     std = tifffile.imread(out / "std.tif")

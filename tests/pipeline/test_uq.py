@@ -13,11 +13,10 @@ from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.inference import DenseLinearGaussian
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
-from ctuq.pipeline import checkpoints
-from ctuq.pipeline import uq as uq_module
+from ctuq.pipeline import checkpoints, ct_model
 from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME as MOMENTS_NAME
 from ctuq.pipeline.run_folder import UQ_STATE_NAME as STATE_NAME
-from ctuq.pipeline.uq import UQSettings, run_linearized_uq
+from ctuq.pipeline.uq import UQRun, UQSettings
 
 SCALE = 3.0
 
@@ -87,11 +86,10 @@ def test_posterior_std_matches_the_dense_posterior(problem, solver):
         noise_variance=sigma2,
         samples=k,
         sample_chunk=k,
-        gprior_method="exact",
-        rank=300,
-        cg_tol=1e-5,
+        gprior={"method": "exact"},
+        cg={"rank": 300, "rtol": 1e-5},
     )
-    res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
+    res = UQRun(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False).run()
     assert res.stats["route"] == ("exact_primal" if solver == "exact" else "cg")
     expected = _std_reference(Phi, s, Psi, a, sigma2).reshape(16, 16).float()
     # A std estimated from k zero-mean Gaussian samples has relative sd ≈ 1/sqrt(2k) (1.6 % for k = 2000, 2.9 %
@@ -120,9 +118,9 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
         noise_variance=0.1,
         learn_noise=True,
         samples=2,
-        gprior_method="exact",
+        gprior={"method": "exact"},
     )
-    res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
+    res = UQRun(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False).run()
     a_ref, s2_ref, _ = DenseLinearGaussian(Psi, y_t).em_fixed_point(1.0, 0.1, learn_noise=True, rtol=1e-11)
     assert res.a == pytest.approx(a_ref, rel=1e-4) and res.sigma2 == pytest.approx(s2_ref, rel=1e-4)
     assert res.stats["gprior"]["method"] == "exact" and res.em_trace[-1]["log_evidence"] is not None
@@ -132,13 +130,13 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
     # Dual route (CG-free, c × c eigendecomposition) and sampled g-prior give the same fixed point.
     from ctuq.inference import ExactEigSolver, ScaledFeatures
 
-    net, base = uq_module.ct_features(model, net_input, op)
+    net, base = ct_model.ct_features(model, net_input, op)
     feats = ScaledFeatures(base, s.float())
     ex = ExactEigSolver(feats, side="dual")
     assert ex.gamma(a_ref, s2_ref) == pytest.approx(
         DenseLinearGaussian(Psi, y_t).effective_dimension(a_ref, s2_ref), rel=1e-3
     )
-    stoch = run_linearized_uq(
+    stoch = UQRun(
         model,
         net_input,
         op,
@@ -146,8 +144,10 @@ def test_dual_exact_route_and_gprior_scales_match_reference(problem):
         scale=SCALE,
         seed=0,
         progress=False,
-        settings=UQSettings(solver="cg", gprior_method="stochastic", gprior_probes=16, em_steps=0, samples=2, rank=50),
-    )
+        settings=UQSettings(
+            solver="cg", gprior={"method": "stochastic", "probes": 16}, em_steps=0, samples=2, cg={"rank": 50}
+        ),
+    ).run()
     assert stoch.stats["gprior"]["method"] == "stochastic"
 
 
@@ -163,9 +163,9 @@ def test_offset_makes_the_linear_model_exact_at_the_dip_weights(problem):
         noise_variance=1.0,
         learn_noise=True,
         samples=2,
-        gprior_method="exact",
+        gprior={"method": "exact"},
     )
-    res = run_linearized_uq(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False)
+    res = UQRun(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False).run()
     c = op.c
     # σ²_new = ‖ỹ − Ψw*‖²/(c − γ) with γ ≈ 0, w* ≈ 0  ⇒  ‖ỹ‖²/c
     assert res.em_trace[0]["sigma2_new"] == pytest.approx(float(y_t @ y_t) / c, rel=1e-6)
@@ -193,15 +193,14 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
         em_tol=0.0,
         samples=40,
         sample_chunk=10,
-        rank=60,
-        gprior_method="stochastic",
-        gprior_probes=64,
+        cg={"rank": 60},
+        gprior={"method": "stochastic", "probes": 64},
     )
 
     def run(work_dir, settings=settings, **kwargs):
-        return run_linearized_uq(
+        return UQRun(
             model, net_input, op, y, scale=SCALE, settings=settings, seed=3, work_dir=work_dir, progress=False, **kwargs
-        )
+        ).run()
 
     full = run(tmp_path / "full")
     work = tmp_path / "run"
@@ -238,13 +237,13 @@ def test_interrupted_inference_resumes_to_the_same_result(problem, tmp_path, mon
 def test_bad_settings_and_shapes_are_clear(problem):
     op, model, net_input, y = problem
     with pytest.raises(ValueError, match="uq.solver must be one of"):
-        run_linearized_uq(model, net_input, op, y, settings=UQSettings(solver="magic"))
+        UQRun(model, net_input, op, y, settings=UQSettings(solver="magic")).run()
     with pytest.raises(ValueError, match="y has shape"):
-        run_linearized_uq(model, net_input, op, y[:3])
+        UQRun(model, net_input, op, y[:3]).run()
     with pytest.raises(ValueError, match="resume=True needs a work_dir"):
-        run_linearized_uq(model, net_input, op, y, resume=True)
+        UQRun(model, net_input, op, y, resume=True).run()
     with pytest.raises(ValueError, match="uq.samples must be >= 2"):
-        run_linearized_uq(model, net_input, op, y, settings=UQSettings(samples=1))
+        UQRun(model, net_input, op, y, settings=UQSettings(samples=1)).run()
 
 
 def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
@@ -255,7 +254,7 @@ def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
     op, model, net_input, y = problem
     atomic_torch_save(tmp_path / STATE_NAME, {"version": 1, "fingerprint": {}, "stage": "em", "em": {}})
     with pytest.raises(CheckpointMismatch, match=r"version 1.*reads version 2.*delete"):
-        run_linearized_uq(
+        UQRun(
             model,
             net_input,
             op,
@@ -266,7 +265,7 @@ def test_checkpoint_of_another_version_is_refused_naming_it(problem, tmp_path):
             resume=True,
             progress=False,
             settings=UQSettings(solver="exact", em_steps=0, samples=2),
-        )
+        ).run()
 
 
 # ------------------------------------------------------------------------------------------ per-ray noise
@@ -289,9 +288,7 @@ def test_per_ray_noise_reaches_the_diagonal_reference_fixed_point(problem):
     settings = UQSettings(
         solver="exact", em_steps=200, em_tol=1e-9, prior_precision=1.0, noise_variance=0.1, samples=2, noise="per_ray"
     )
-    res = run_linearized_uq(
-        model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False, variances=var
-    )
+    res = UQRun(model, net_input, op, y, scale=SCALE, settings=settings, seed=0, progress=False, variances=var).run()
     ref = DenseLinearGaussian(A * s_w, y_t, noise_variances=d)
     a_ref, s2_ref, _ = ref.em_fixed_point(1.0, 0.1, learn_noise=True, rtol=1e-11)
     assert res.a == pytest.approx(a_ref, rel=1e-4) and res.sigma2 == pytest.approx(s2_ref, rel=1e-4)
@@ -310,9 +307,7 @@ def _noise_run(problem, noise, variances):
     """A short exact run with ``uq.noise = noise`` and the given per-measurement variances (or ``None``)."""
     op, model, net_input, y = problem
     settings = UQSettings(solver="exact", em_steps=3, samples=4, sample_chunk=4, noise=noise)
-    return run_linearized_uq(
-        model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=variances
-    )
+    return UQRun(model, net_input, op, y, scale=SCALE, settings=settings, progress=False, variances=variances).run()
 
 
 @pytest.fixture(scope="module")
@@ -358,17 +353,17 @@ def test_bad_per_ray_settings_are_clear(problem):
     op, model, net_input, y = problem
     per_ray = UQSettings(noise="per_ray", samples=2)
     with pytest.raises(ValueError, match=r"uq.noise must be one of \['homoscedastic', 'per_ray', 'auto'\]"):
-        run_linearized_uq(model, net_input, op, y, settings=UQSettings(noise="poisson"))
+        UQRun(model, net_input, op, y, settings=UQSettings(noise="poisson")).run()
     with pytest.raises(ValueError, match=r"uq.noise = 'per_ray' needs the scan's per-measurement variances"):
-        run_linearized_uq(model, net_input, op, y, settings=per_ray)
+        UQRun(model, net_input, op, y, settings=per_ray).run()
     with pytest.raises(ValueError, match=r"the variances have shape \(30, 31\), the sinogram \(30, 32\)"):
-        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=torch.ones(30, 31))
+        UQRun(model, net_input, op, y, settings=per_ray, variances=torch.ones(30, 31)).run()
     bad = torch.ones(30, 32)
     bad[2, 5] = 0.0
     with pytest.raises(
         ValueError, match=r"1 measurement variances are not finite and positive \(first at flat index 69"
     ):
-        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=bad)
+        UQRun(model, net_input, op, y, settings=per_ray, variances=bad).run()
     bad[2, 5] = float("nan")
     with pytest.raises(ValueError, match=r"first at flat index 69 of the \(30, 32\) sinogram: nan\)"):
-        run_linearized_uq(model, net_input, op, y, settings=per_ray, variances=bad)
+        UQRun(model, net_input, op, y, settings=per_ray, variances=bad).run()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ctuq.config import UQConfig, load_config
+from ctuq.config.engine import to_dict
 from ctuq.errors import CheckpointMismatch, is_user_error
 from ctuq.inference import LocalShard
 from ctuq.pipeline import checkpoints
@@ -57,91 +58,6 @@ def test_checkpoint_round_trip_version_and_fingerprint(tmp_path):
         checkpoints.load_uq_checkpoint(path, fp)
 
 
-def test_fingerprint_names_later_settings_only_when_changed():
-    class Net:
-        d = 3
-
-        @staticmethod
-        def params():
-            return torch.arange(3.0)
-
-    class Op:
-        image_shape, c = (2, 2), 6
-
-    y = torch.ones(2, 3)
-    base = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig())
-    assert "sdd_step" not in base and base["samples"] == UQConfig().samples and base["y_sum"] == 12.0
-    changed = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(sdd_step=UQConfig().sdd_step * 2))
-    assert changed["sdd_step"] == UQConfig().sdd_step * 2
-    # uq.noise joined the fingerprint when homoscedastic was its default: a run resolved to homoscedastic (the
-    # default auto on a scan without counts) fingerprints as checkpoints written then did, per_ray as per_ray did
-    plain = checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="homoscedastic"))
-    assert "noise" not in plain and plain == {k: v for k, v in base.items() if k != "noise"}
-    assert checkpoints.uq_fingerprint(Net, Op, y, 2.0, 0, UQConfig(noise="per_ray"))["noise"] == "per_ray"
-
-
-# What uq_fingerprint gave before the solvers' config sections (computed with the code of that time, for the Net, Op
-# and y of the test above): checkpoints written then carry these dicts and must still resume.
-FINGERPRINT_BEFORE = {
-    "image_shape": [2, 2],
-    "c": 6,
-    "d": 3,
-    "y_sum": 12.0,
-    "weights_sum": 3.0,
-    "weights_sq_sum": 5.0,
-    "scale": 2.0,
-    "seed": 0,
-    "prior": "gprior",
-    "gprior_method": "exact",
-    "gprior_probes": 256,
-    "solver": "auto",
-    "preconditioner": "nystrom",
-    "rank": 400,
-    "oversampling": 10,
-    "cg_tol": 0.001,
-    "cg_max_iter": 150,
-    "em_steps": 5,
-    "em_samples": 16,
-    "em_tol": 0.01,
-    "prior_precision": 100.0,
-    "noise_variance": None,
-    "learn_noise": True,
-    "samples": 1024,
-    "sample_chunk": 64,
-    "roi": "inner_square",
-    "patch_sizes": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-    "noise": "auto",
-}
-FLAT_OVERRIDES = [
-    "uq.solver=cg",
-    "uq.rank=20",
-    "uq.cg_tol=1e-5",
-    "uq.first_order_tol=1e-3",
-    "uq.sdd_batch=7",
-    "uq.adaptive_rank=true",
-]
-FLAT_BEFORE = dict(
-    FINGERPRINT_BEFORE,
-    solver="cg",
-    rank=20,
-    cg_tol=1e-5,
-    em_steps=50,
-    em_tol=1e-3,
-    adaptive_rank=True,
-    sdd_batch=7,
-    first_order_tol=1e-3,
-)
-NESTED_OVERRIDES = [
-    "uq.solver=cg",
-    "uq.cg.rank=20",
-    "uq.cg.rtol=1e-5",
-    "uq.sdd.rtol=1e-3",
-    "uq.sgd.rtol=1e-3",
-    "uq.sdd.batch_size=7",
-    "uq.cg.adaptive_rank=true",
-]
-
-
 def _fingerprint(settings):
     class Net:
         d = 3
@@ -156,17 +72,34 @@ def _fingerprint(settings):
     return checkpoints.uq_fingerprint(Net, Op, torch.ones(2, 3), 2.0, 0, settings)
 
 
-def test_the_fingerprint_of_the_same_settings_is_the_dict_of_before():
-    assert _fingerprint(UQConfig()) == FINGERPRINT_BEFORE
-    # old flat keys and the sections they stand for: the same dict as before
-    for overrides in (FLAT_OVERRIDES, NESTED_OVERRIDES):
-        fp = _fingerprint(load_config("demo", overrides).uq)
-        assert fp == FLAT_BEFORE
+def test_the_fingerprint_holds_the_settings_as_config_yaml_does():
+    base = _fingerprint(UQConfig())
+    sizes = {"image_shape": [2, 2], "c": 6, "d": 3, "y_sum": 12.0, "weights_sum": 3.0, "weights_sq_sum": 5.0}
+    assert {k: base[k] for k in sizes} == sizes and (base["scale"], base["seed"]) == (2.0, 0)
+    written = {
+        k: v for k, v in checkpoints._dotted(to_dict(UQConfig())).items() if k not in checkpoints._NOT_FINGERPRINTED
+    }
+    assert {k: base[k] for k in written} == written and written["samples"] == UQConfig().samples
+    # solver auto: no solver section until the run resolves it (its defaults are the same numbers)
+    assert not any(k.startswith(("cg.", "sdd.", "sgd.")) for k in base)
+    cg = _fingerprint(load_config("demo", ["uq.solver=cg", "uq.cg.rank=20"]).uq)
+    assert cg["solver"] == "cg" and cg["cg.rank"] == 20 and cg["cg.rtol"] == UQConfig().cg.rtol
+    # another solver's section set away from its defaults is recorded too (whole); the prior's section with its prior
+    other = _fingerprint(load_config("demo", ["uq.sdd.step_size=0.5", "uq.prior=tv_predcp"]).uq)
+    assert other["sdd.step_size"] == 0.5 and other["sdd.max_iter"] == UQConfig().sdd.max_iter
+    assert not any(k.startswith(("cg.", "sgd.")) for k in other) and other["tv_predcp.steps"] == 100
 
 
-def test_options_without_a_flat_key_join_the_fingerprint_when_changed():
-    fp = _fingerprint(load_config("demo", ["uq.cg.initial_rank=50", "uq.sgd.rtol=0.05", "uq.sdd.lanczos_steps=9"]).uq)
-    assert fp["cg.initial_rank"] == 50 and fp["sdd.lanczos_steps"] == 9
-    # sgd.rtol differs from first_order_tol (which is sdd.rtol): both are recorded
-    assert fp["sgd.rtol"] == 0.05 and "first_order_tol" not in fp
-    assert "cg.initial_rank" not in _fingerprint(UQConfig())
+def test_settings_that_leave_the_numbers_alone_are_not_fingerprinted():
+    base = _fingerprint(UQConfig())
+    same = ["uq.calibration=none", "uq.save_samples=true", "uq.memory_budget_gb=2", "uq.chunk_size=7"]
+    assert _fingerprint(load_config("demo", same).uq) == _fingerprint(load_config("demo").uq)
+    assert not set(base) & checkpoints._NOT_FINGERPRINTED
+
+
+def test_a_changed_section_option_is_named_in_the_mismatch(tmp_path):
+    path = tmp_path / rf.UQ_STATE_NAME
+    checkpoints.save_uq_checkpoint(path, _fingerprint(load_config("demo", ["uq.solver=cg"]).uq), stage="em")
+    now = _fingerprint(load_config("demo", ["uq.solver=cg", "uq.cg.rank=20"]).uq)
+    with pytest.raises(CheckpointMismatch, match=r"its cg.rank is 400 but this run has 20"):
+        checkpoints.load_uq_checkpoint(path, now)

@@ -1,6 +1,6 @@
 """``uq.calibration: bias`` (:mod:`ctuq.pipeline.uq_phase`, :class:`ctuq.calibration.BiasModel`): the held-out bias
-model ``sqrt(std² + τ² M)`` applied to ``std.tif`` and scored, and the bias weights of rows saved before it, end to
-end on the tiny simulated scan."""
+model ``sqrt(std² + τ² M)`` applied to ``std.tif`` and scored, and rows without bias weights, end to end on the tiny
+simulated scan."""
 
 import json
 import shutil
@@ -11,12 +11,13 @@ import tifffile
 import torch
 from tiny import restored_state
 
-from ctuq.calibration import BiasModel, biased_moments, object_mask, read_rows, resolve_calibration
+from ctuq.calibration import BiasModel, biased_moments, object_mask, resolve_calibration
 from ctuq.cli import main
 from ctuq.metrics import SampleMoments, inner_square_roi
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.uq_phase import auto_calibration, phase_uq
 from ctuq.studies.calibration import heldout_rows, score_run
+from ctuq.studies.common import StudyError
 
 
 @pytest.fixture
@@ -152,32 +153,23 @@ def _strip_bias_weight(folder):
     return weight
 
 
-def test_rows_saved_before_the_bias_model_get_their_weights(run, tmp_path, capsys):
-    """Rows without ``bias_weight``: ``ctuq uq RUN --check`` and the study's rescoring compute them from the run's
-    scan (its held-out operator and the mask of reconstruction.tif), save them back, and find the run's τ."""
-    tau = _metrics(run)["uq"]["heldout"]["bias"]["tau"]
-    check, study = tmp_path / "check", tmp_path / "study"
-    for folder in (check, study):
-        shutil.copytree(run, folder)
-        weight = _strip_bias_weight(folder)
-        assert read_rows(folder / rf.HELDOUT_ROWS_NAME).bias_weight is None
-    assert main(["uq", str(check), "--check", "--no-progress"]) == 0
-    assert "held-out check on" in capsys.readouterr().out  # the verdict; the fitted τ is heldout.json's
-    assert json.loads((check / rf.HELDOUT_NAME).read_text())["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
-    assert heldout_rows(study).report["bias"]["tau"] == pytest.approx(tau, rel=1e-5)
-    for folder in (check, study):  # saved back: the next rescoring reads them
-        rows = read_rows(folder / rf.HELDOUT_ROWS_NAME)
-        np.testing.assert_allclose(rows.bias_weight, weight, rtol=1e-5)
-        assert rows.meta == read_rows(run / rf.HELDOUT_ROWS_NAME).meta
-
-
-def test_rows_of_another_scan_layout_are_a_one_line_error(run, tmp_path, capsys):
-    copy = tmp_path / "other"
+def test_rows_without_bias_weights_are_rescored_without_the_bias_model(run, tmp_path, capsys):
+    """Rows without ``bias_weight`` (a file from before the bias model: regenerated, not upgraded): ``ctuq uq RUN
+    --check`` rescores them without the bias model (no ``bias`` in heldout.json, the file left as it is), and the
+    study refuses ``uq.calibration = bias`` on them in one line naming the run."""
+    copy = tmp_path / "old"
     shutil.copytree(run, copy)
     _strip_bias_weight(copy)
-    assert main(["uq", str(copy), "--check", "--no-progress", "--set", "data.detector_subsampling=2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert str(copy / rf.HELDOUT_ROWS_NAME) in err and "held-out rows" in err
+    before = (copy / rf.HELDOUT_ROWS_NAME).read_bytes()
+    assert main(["uq", str(copy), "--check", "--no-progress"]) == 0
+    assert "held-out check on" in capsys.readouterr().out
+    rep = json.loads((copy / rf.HELDOUT_NAME).read_text())
+    assert "bias" not in rep and rep["scale"]["k"] == _metrics(run)["uq"]["heldout"]["scale"]["k"]
+    assert (copy / rf.HELDOUT_ROWS_NAME).read_bytes() == before
+    assert "bias" not in heldout_rows(copy).report
+    with pytest.raises(StudyError, match="uq.calibration = bias cannot be fitted") as err:
+        score_run(copy, "bias")
+    assert str(copy) in str(err.value) and "\n" not in str(err.value)
 
 
 def test_biased_moments_add_the_variance_on_every_diagonal_only():

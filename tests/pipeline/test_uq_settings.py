@@ -1,12 +1,10 @@
 """The ``uq`` section → the core's arguments (ctuq.pipeline.uq_settings): each solver gets exactly its section's
-keys, the cost model its workload, and old flat keys reach the same arguments as the sections."""
+keys, the cost model its workload."""
 
 import dataclasses
 
-import pytest
-
 from ctuq.config import UQConfig, load_config
-from ctuq.inference import SOLVERS, Solver, Workload, register_solver, solver_kwargs, unregister_solver
+from ctuq.inference import SOLVERS, Solver, Workload, solver_kwargs
 from ctuq.options import option
 from ctuq.pipeline.uq_settings import posterior_arguments, solver_options, workload
 
@@ -16,37 +14,17 @@ SECTIONS = {
     "sdd": {"step_size": 0.7, "momentum": 0.9, "batch_size": 5, "max_iter": 33, "rtol": 1e-3},
     "sgd": {"lr": 0.5, "momentum": 0.8, "lr_decay": "linear", "clip": 2.0, "max_iter": 44, "rtol": 1e-3},
 }
-FLAT = {
-    "solver": "cg",
-    "preconditioner": "halko",
-    "rank": 12,
-    "oversampling": 3,
-    "cg_tol": 1e-5,
-    "cg_max_iter": 77,
-    "sdd_step": 0.7,
-    "sdd_momentum": 0.9,
-    "sdd_batch": 5,
-    "sdd_iterations": 33,
-    "sgd_lr": 0.5,
-    "sgd_momentum": 0.8,
-    "sgd_lr_decay": "linear",
-    "sgd_clip": 2.0,
-    "sgd_iterations": 44,
-    "first_order_tol": 1e-3,
-}
-COMMON = {"prior": "isotropic", "gprior_method": "stochastic", "gprior_probes": 9, "prior_precision": 3.0}
+COMMON = {"prior": "gprior", "gprior": {"method": "stochastic", "probes": 9}, "prior_precision": 3.0}
 RUN = {"em_steps": 2, "em_samples": 3, "samples": 10, "sample_chunk": 5}
 
 
-@pytest.mark.parametrize("keys", [SECTIONS, FLAT], ids=["sections", "flat keys"])
-def test_posterior_arguments_give_each_solver_exactly_its_keys(keys):
-    uq = UQConfig(**COMMON, **RUN, **keys)
+def test_posterior_arguments_give_each_solver_exactly_its_keys():
+    uq = UQConfig(**COMMON, **RUN, **SECTIONS)
     args = posterior_arguments(uq)
-    assert set(args) == {"prior", "gprior_method", "gprior_probes", "a", "solver", "solver_options", "workload"}
-    assert (args["prior"], args["gprior_method"], args["gprior_probes"], args["a"], args["solver"]) == (
-        "isotropic",
-        "stochastic",
-        9,
+    assert set(args) == {"prior", "prior_options", "a", "solver", "solver_options", "workload"}
+    assert (args["prior"], args["prior_options"], args["a"], args["solver"]) == (
+        "gprior",
+        {"method": "stochastic", "probes": 9},  # the prior's section uq.gprior
         3.0,
         "cg",
     )
@@ -136,9 +114,9 @@ class ToySweeps(Solver):
 
 
 def test_a_later_solver_gets_its_section_as_options():
-    register_solver(ToySweeps)
+    SOLVERS.register(ToySweeps)
     try:
         uq = load_config("demo", ["uq.solver=toy_sweeps", "uq.toy_sweeps.sweeps=5"]).uq
         assert solver_kwargs(posterior_arguments(uq)["solver_options"], "toy_sweeps") == {"sweeps": 5}
     finally:
-        unregister_solver("toy_sweeps")
+        SOLVERS.unregister("toy_sweeps")

@@ -14,7 +14,7 @@ from ctuq.inference.priors import TVPredCPPrior
 from ctuq.inference.priors.tv_predcp import anisotropic_tv
 from ctuq.models import UNet, make_net_input
 from ctuq.operators import SparseRayTransform
-from ctuq.pipeline.uq import UQSettings, run_linearized_uq
+from ctuq.pipeline.uq import UQRun, UQSettings
 
 SCALE = 3.0
 
@@ -47,9 +47,9 @@ def test_tv_predcp_run_matches_the_dense_block_prior_posterior(problem, tmp_path
         roi="full",
         patch_sizes=[1],
     )
-    res = run_linearized_uq(
+    res = UQRun(
         model, net_input, op, y, scale=SCALE, settings=settings, work_dir=tmp_path, progress=False, keep_samples=True
-    )
+    ).run()
     post = res.posterior
     prior = post.weight_prior
     assert isinstance(prior, TVPredCPPrior)

@@ -95,11 +95,11 @@ def test_the_3d_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
             "dip.iterations=20",
             "tv.enabled=true",
             "uq.solver=cg",
-            "uq.rank=400",
-            "uq.adaptive_rank=true",
+            "uq.cg.rank=400",
+            "uq.cg.adaptive_rank=true",
             "uq.prior_precision=0.3",
-            "uq.gprior_method=stochastic",
-            "uq.gprior_probes=16",
+            "uq.gprior.method=stochastic",
+            "uq.gprior.probes=16",
             "uq.em_steps=25",
             "uq.em_samples=2",
             "uq.em_tol=0.05",
@@ -141,7 +141,8 @@ def test_the_3d_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
 
 def test_moments_memory_error_names_the_patch_sizes(monkeypatch):
     import ctuq.memory
-    from ctuq.pipeline.uq import UQSettings, check_moments_memory, moments_bytes
+    from ctuq.pipeline.moments import check_moments_memory, moments_bytes
+    from ctuq.pipeline.uq import UQSettings
 
     s = UQSettings(patch_sizes=[1, 2, 4, 8], roi="inner_square")
     need = moments_bytes((167, 167, 167), s)
@@ -161,7 +162,7 @@ def test_walnut_3d_configs_need_cuda_and_say_so(name, capsys):
     from ctuq.config import load_config
 
     cfg = load_config(name)
-    assert cfg.data.ndim == 3 and cfg.uq.solver == "sgd" and cfg.uq.gprior_method == "stochastic"
+    assert cfg.data.ndim == 3 and cfg.uq.solver == "sgd" and cfg.uq.gprior.method == "stochastic"
     if name == "walnut_3d_published":  # exactly the published setting
         assert (cfg.data.orbit, cfg.data.angular_subsampling, cfg.data.detector_subsampling) == (2, 60, 3)
         assert cfg.data.image_shape == [167, 167, 167] and (cfg.data.expect_angles, cfg.data.expect_columns) == (

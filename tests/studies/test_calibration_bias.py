@@ -13,15 +13,15 @@ from ctuq.studies.calibration import aggregate, markdown_table, score_run
 
 
 def _report(tau: float) -> HeldoutRows:
-    """Scored held-out rows with the parts of the report the study reads (the rows themselves are not)."""
-    report = {
-        "scale": {"k": 1.0, "se_bootstrap": 0.05},
-        "coverage_headline": {"0.5": 0.5, "0.9": 0.9, "0.95": 0.95},
-        "image_variance_fraction": 0.2,
-        "z": {"mean": 0.0, "std": 1.0},
-        "bias": {"tau": tau, "zero": tau == 0.0, "se_bootstrap": None, "se_curvature": None},
-    }
-    return HeldoutRows(np.zeros(2), np.ones(2), 1.0, np.arange(2), report=report)
+    """Scored held-out rows whose bias model fit is ``tau`` (mm⁻¹): ``r_i² = v_i + τ² w_i + σ²`` on every row, the
+    root of the score equation (exact to rounding), or, for ``tau = 0``, residuals half as large as the posterior's
+    predictive (no room for a bias: τ = 0 exactly)."""
+    m = 200
+    v, w, s2 = np.linspace(1.0, 2.0, m) * 1e-4, np.linspace(0.5, 1.5, m), 1e-4
+    r = np.sqrt(v + tau**2 * w + s2) if tau > 0 else np.sqrt(0.5 * (v + s2))
+    rows = HeldoutRows(r, v, s2, np.arange(m) // 5, bias_weight=w, n_bootstrap=0)
+    rows.score()
+    return rows
 
 
 def _run(folder, seed: int):
@@ -45,28 +45,28 @@ def test_the_bias_map_is_scored_beside_the_posterior(tmp_path):
     s = score_run(_run(tmp_path / "a", 0), heldout=_report(0.01))
     assert s["right_scale"] > 1.5
     b = s["bias"]
-    assert b["tau"] == 0.01 and b["right_scale"] == pytest.approx(1.0, abs=0.03)
+    assert b["tau"] == pytest.approx(0.01, rel=1e-12) and b["right_scale"] == pytest.approx(1.0, abs=0.03)
     assert b["coverage_0.9"] == pytest.approx(0.90, abs=0.015) and b["marginal_ll"] > s["marginal_ll"]
     # τ = 0 (no room on the held-out rows) leaves the posterior's map; a recalibrated score has no bias entry
     z = score_run(tmp_path / "a", heldout=_report(0.0))["bias"]
     assert z["right_scale"] == pytest.approx(s["right_scale"], rel=1e-12)
     assert score_run(tmp_path / "a", "heldout", heldout=_report(0.01))["bias"] is None
     without = _report(0.01)
-    del without.report["bias"]
-    assert score_run(tmp_path / "a", heldout=without)["bias"] is None  # rows saved before the bias model
+    without.bias_weight = None
+    assert score_run(tmp_path / "a", heldout=without)["bias"] is None  # rows without bias weights
 
 
 def test_aggregate_and_table_summarise_the_bias_model(tmp_path):
     records = [
         {"scan": f"s{i}", "kind": "walnut", "angles": 60, "combination": "c", "scores": score_run(
-            _run(tmp_path / f"r{i}", i), heldout=_report(tau))}
+            _run(tmp_path / f"r{i}", i), heldout=_report(tau)), "settings": {"uq.calibration": "none"}}
         for i, tau in enumerate((0.01, 0.0))
     ]  # fmt: skip
     rows = aggregate(records, {"right_scale": [0.85, 1.15]})
     b = rows[0]["bias"]
     assert b["n"] == 2 and b["n_tau_positive"] == 1 and b["n_ll_at_least_posterior"] == 2
     assert b["n_right_scale_in_target"] == 1  # τ = 0.01 is right; τ = 0 keeps the posterior's 1.9
-    assert b["tau"][0] == pytest.approx(0.005)
+    assert b["tau"][0] == pytest.approx(0.005, rel=1e-9)
     text = markdown_table(rows, [], {}, "cmd", targets={"right_scale": [0.85, 1.15]})
     assert "Held-out bias inside the object" in text and "| 60 | c | 2 | 1 |" in text
     assert "right scale ∈ [0.85, 1.15]" in text and "## Targets" not in text  # no gates: no targets table

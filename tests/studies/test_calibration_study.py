@@ -69,7 +69,8 @@ def test_gates_report_margins():
         sc = {"coverage_0.5": 0.5, "coverage_0.9": cov9, "coverage_0.95": cov9 + 0.04, "right_scale": scale,
               "marginal_ll": ll, "oracle_ll": 5.0, "joint_ll_10": 5.0, "oracle_joint_ll_10": 5.0, "spearman": 0.5,
               "rmse": 0.01, "mean_std": 0.01, "calibration": [0.5] * 20}  # fmt: skip
-        return {"scan": scan, "kind": "walnut", "angles": 60, "combination": "c", "scores": sc}
+        return {"scan": scan, "kind": "walnut", "angles": 60, "combination": "c", "scores": sc,
+                "settings": {"uq.calibration": "none"}}  # fmt: skip
 
     records = [rec("a", 0.90, 1.0, 5.5), rec("b", 0.90, 1.2, 4.9)]
     records[0]["scores"]["heldout"] = {"k": 1.0, "k_image_rows": 2.0}
@@ -218,21 +219,18 @@ def test_heldout_calibration_is_scored_from_the_same_run(tmp_path):
     (tmp_path / rf.METRICS_NAME).write_text(
         json.dumps({"uq": {"summary": summary, "summary_recalibrated": recal, "n_samples": 8}})
     )
-    report = {
-        "scale": {"k": 2.0, "se_bootstrap": 0.1},
-        "coverage_headline": {"0.5": 0.5, "0.9": 0.9, "0.95": 0.95},
-        "image_variance_fraction": 0.3,
-        "z": {"mean": 0.0, "std": 1.0},
-    }
-    heldout = HeldoutRows(np.zeros(2), np.ones(2), 1.0, np.arange(2), report=report)
+    # held-out rows whose maximum-likelihood k is 2 (r² = k² v + σ² on every row: the score equation's root)
+    v = np.linspace(0.5, 1.5, 200)
+    heldout = HeldoutRows(np.sqrt(4.0 * v + 1.0), v, 1.0, np.arange(200) // 5, n_bootstrap=0)
+    heldout.score()
     none = score_run(tmp_path, "none", heldout)
     cal = score_run(tmp_path, "heldout", heldout)
-    assert none["k"] is None and cal["k"] == 2.0
+    assert none["k"] is None and cal["k"] == pytest.approx(2.0, rel=1e-12)
     assert cal["right_scale"] == pytest.approx(none["right_scale"] / 2.0, rel=1e-6)
     assert cal["coverage_0.9"] > none["coverage_0.9"] and cal["spearman"] == pytest.approx(none["spearman"])
     assert none["joint_ll_10"] == 2.0
     assert cal["joint_ll_10"] == pytest.approx(joint_ll_at_scale(2.0, 2.5, 1.5, 2.0))
-    assert cal["heldout"]["k"] == 2.0 and cal["heldout"]["image_variance_fraction"] == 0.3
+    assert cal["heldout"]["k"] == cal["k"] and cal["heldout"]["image_variance_fraction"] == pytest.approx(0.5, rel=0.05)
 
 
 def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path, monkeypatch):

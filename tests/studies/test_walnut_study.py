@@ -119,28 +119,15 @@ def test_rerun_skips_finished_parts(study_run, capsys):
     assert json.loads((study_run / "results.json").read_text())["table"] == table
 
 
-def test_dip_model_files_are_versioned_and_version_0_files_still_resume(study_run, capsys):
-    # A study folder written before the versioned model file: dip_model.pt as the old study wrote it (no format
-    # or version; summary and reconstruction beside the weights). A rerun must load it rather than refit.
+def test_dip_model_files_are_versioned_and_a_rerun_resumes_from_them(study_run, capsys):
+    # The stored networks are model files of this version, with the fit's summary and reconstruction in meta; a
+    # rerun loads them rather than refit.
     sdir = study_run / f"angles_{SETTINGS[0]}"
-    paths = [sdir / "dip_model.pt", sdir / "mc_dropout" / "dip_model.pt"]
-    for path in paths:
+    for path in (sdir / "dip_model.pt", sdir / "mc_dropout" / "dip_model.pt"):
         mf = read_model_file(path, need_input=True)
         assert mf.version == MODEL_FILE_VERSION and mf.net_input.shape == (1, 1, 32, 32)
         assert mf.meta["reconstruction"].shape == (32, 32) and "best_psnr_history" in mf.meta["summary"]
-        torch.save(
-            {
-                "model_config": mf.model_config,
-                "state_dict": mf.state_dict,
-                "net_input": mf.net_input,
-                "scale": mf.scale,
-                "summary": mf.meta["summary"],
-                "reconstruction": mf.meta["reconstruction"],
-            },
-            path,
-        )
-        assert read_model_file(path).version == 0
-    # MC dropout reruns its passes from the version-0 dropout network: same numbers as from the fitted one
+    # MC dropout reruns its passes from the stored dropout network: same numbers as from the fitted one
     mc_metrics = sdir / "mc_dropout" / "metrics.json"
     before = json.loads(mc_metrics.read_text())
     mc_metrics.unlink()

@@ -2,7 +2,8 @@
 weights ``w ~ N(0, a⁻¹ I)``, ``v − ṽ = L w``, as one interface for diagonal and block priors.
 
 * :mod:`.base`: the contract (:class:`WeightPrior`: make, prepare, set up = fit + build ``Ψ = Ψ₀ L``, state,
-  summary, figures), :class:`DiagonalPrior` (``L = diag(s)``, also given scales), :class:`PriorError`;
+  summary, figures; its options section, set-up cost, timing key and label), :class:`DiagonalPrior`
+  (``L = diag(s)``, also given scales), :class:`PriorCost`, :class:`PriorError`;
 * :mod:`.gprior`: the g-prior (exact or stochastic column norms) and the scale functions other front ends use
   (:func:`gprior_scales`, :func:`scales_from_sq_norms`, :func:`isotropic_scales`, :func:`column_sq_norms`);
 * :mod:`.isotropic`: ``s = 1``;
@@ -14,7 +15,7 @@ of ``LinearizedPosterior(prior=...)`` and of ``uq.prior``. A new prior is one mo
 built-in one, its import line below; ``ctuq.testing.PriorContract`` is its test.
 """
 
-from ctuq.inference.priors.base import DiagonalPrior, PriorError, PriorProblem, PriorSetup, WeightPrior
+from ctuq.inference.priors.base import DiagonalPrior, PriorCost, PriorError, PriorProblem, PriorSetup, WeightPrior
 from ctuq.registry import PRIORS
 
 # The registry lines: importing a prior module registers its class, in this order (the order of PRIORS.names()).
@@ -31,6 +32,7 @@ __all__ = [
     "PriorError",
     "PriorProblem",
     "PriorSetup",
+    "PriorCost",
     "GPrior",
     "IsotropicPrior",
     "TVPredCPPrior",

@@ -19,6 +19,18 @@ What :class:`~ctuq.inference.LinearizedPosterior` does with a prior, whatever th
 4. **use it**: :meth:`WeightPrior.apply` (``L w``) for image samples; :meth:`WeightPrior.checkpoint` for the
    posterior's state; :meth:`WeightPrior.summary` and :meth:`WeightPrior.figures` for the report.
 
+What a prior owns besides ``L``: its registry :attr:`~WeightPrior.name` and the configuration section of its
+:attr:`~WeightPrior.Options` (``uq.<name>``, and ``design.<name>`` for a diagonal prior of a design), the cost of its
+set-up in Jacobian products (:meth:`WeightPrior.setup_cost`, which the whole-inference estimate sums), the key its
+set-up seconds are booked under (:attr:`~WeightPrior.timing_key`), its short human name for logs, figures and
+metrics (:attr:`~WeightPrior.label`), the key of its summary in a run's metrics (:attr:`~WeightPrior.summary_key`)
+and the calibration method it calls for (:attr:`~WeightPrior.auto_calibration`).
+
+The classifier (:class:`ctuq.classify.LinearizedLaplace`) and the linearised-DIP design prior
+(:class:`ctuq.design.DIPPrior`) take the diagonal priors (:attr:`WeightPrior.diagonal`, :class:`DiagonalPrior`):
+they keep the scales ``s`` themselves and ask a prior for them with :meth:`DiagonalPrior.compute_scales`, handing it
+the exact squared column norms they compute their own way (:attr:`PriorProblem.column_norms`).
+
 A new prior is one module with a subclass registered by ``@PRIORS.register`` (and its import line in
 ``ctuq/inference/priors/__init__.py`` for a built-in one); ``ctuq.testing.PriorContract`` is its test.
 """
@@ -39,9 +51,10 @@ import torch
 from ctuq.errors import CTUQError
 from ctuq.inference.block_features import BlockFeatures
 from ctuq.inference.features import DenseFeatures, FeatureOperator, ScaledFeatures
+from ctuq.inference.kernel import column_sq_norms
 from ctuq.registry import PRIORS
 
-__all__ = ["PriorError", "PriorProblem", "PriorSetup", "WeightPrior", "DiagonalPrior"]
+__all__ = ["PriorError", "PriorProblem", "PriorSetup", "PriorCost", "WeightPrior", "DiagonalPrior"]
 
 
 class PriorError(CTUQError):
@@ -58,8 +71,9 @@ class PriorProblem:
     ----------
     features : FeatureOperator
         The unscaled features ``Ψ₀`` (``c × d``), matrix-free.
-    targets : torch.Tensor
-        ``ỹ`` ``(c,)``.
+    targets : torch.Tensor or None
+        ``ỹ`` ``(c,)``; ``None`` where a front end asks for scales before it has targets (the classifier: its
+        pseudo-targets come from the mode, which needs the scales); a prior that fits needs them.
     a, sigma2 : float
         The prior precision and the noise variance at set-up.
     learn_noise : bool
@@ -72,10 +86,17 @@ class PriorProblem:
         Progress bars.
     log : callable, optional
         One-line status messages.
+    column_norms : callable, optional
+        ``() →`` the exact squared column norms ``‖Ψ₀[:, i]‖²`` ``(d,)`` float64, computed the front end's own way
+        (the classifier: the GGN diagonal from per-example Jacobians; the design: block by block, kept across
+        refreshes); :meth:`exact_column_sq_norms` calls it instead of ``c`` VJPs.
+    column_norms_free : bool
+        :attr:`column_norms` costs nothing beyond what is at hand (an assembled Jacobian): a prior that would
+        otherwise estimate the norms (the stochastic g-prior) takes the exact ones.
     """
 
     features: FeatureOperator
-    targets: torch.Tensor
+    targets: torch.Tensor | None
     a: float
     sigma2: float
     learn_noise: bool = False
@@ -83,11 +104,34 @@ class PriorProblem:
     seed: int = 0
     progress: bool = False
     log: Callable[[str], None] | None = None
+    column_norms: Callable[[], torch.Tensor] | None = None
+    column_norms_free: bool = False
 
     def say(self, message: str) -> None:
         """Pass ``message`` to :attr:`log` (if any)."""
         if self.log is not None:
             self.log(message)
+
+    def exact_column_sq_norms(self) -> torch.Tensor:
+        """``‖Ψ₀[:, i]‖²`` ``(d,)`` float64: the front end's :attr:`column_norms` when given, else ``c`` VJPs of
+        :attr:`features` (:func:`~ctuq.inference.kernel.column_sq_norms`)."""
+        if self.column_norms is not None:
+            return self.column_norms()
+        b = self.features
+        return column_sq_norms(b.rmatvec, b.n_outputs, dtype=b.dtype, device=b.device, progress=self.progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorCost:
+    """The Jacobian products a prior's set-up spends beside the solver's (:meth:`WeightPrior.setup_cost`), per
+    product of one vector: ``jvp`` products ``Ψ₀ v``, ``vjp`` products ``Ψ₀ᵀ r``."""
+
+    jvp: float = 0.0
+    vjp: float = 0.0
+
+    def seconds(self, t_jvp: float, t_vjp: float) -> float:
+        """``jvp·t_jvp + vjp·t_vjp`` (seconds, for ``t_*`` seconds per product; a count of zero adds nothing)."""
+        return (self.jvp * t_jvp if self.jvp else 0.0) + (self.vjp * t_vjp if self.vjp else 0.0)
 
 
 @dataclasses.dataclass
@@ -106,7 +150,8 @@ class WeightPrior(abc.ABC):
     Subclasses give :attr:`name`, :meth:`apply` and :meth:`apply_t`; a prior with hyperparameters sets
     :attr:`fitted` false until they are final and implements :meth:`fit`; a prior with configurable options gives
     them as the dataclass :attr:`Options` (fields made with :func:`ctuq.options.option`), from which the
-    configuration derives the section ``uq.<name>``.
+    configuration derives the section ``uq.<name>``. A prior whose set-up spends Jacobian products says how many
+    (:meth:`setup_cost`); :attr:`label` and :attr:`timing_key` default to ``"prior <name>"`` and ``name``.
 
     Attributes
     ----------
@@ -127,9 +172,27 @@ class WeightPrior(abc.ABC):
     #: The calibration method ``uq.calibration = auto`` means with this prior when the scan has held-out angles
     #: (a name of :data:`ctuq.registry.CALIBRATIONS`; docs/calibration.md measured ``bias`` for the g-prior).
     auto_calibration: ClassVar[str] = "bias"
+    #: Short human name for logs, figures and metrics (``"g-prior"``); a class that sets none gets
+    #: ``"prior <name>"``.
+    label: ClassVar[str] = ""
+    #: The key of :attr:`LinearizedPosterior.timings <ctuq.inference.LinearizedPosterior.timings>` (and of a CT
+    #: run's ``metrics.json`` ``uq.timings`` / ``uq.products``) that holds this prior's set-up; a class that sets
+    #: none gets its :attr:`name`.
+    timing_key: ClassVar[str] = ""
+    #: ``L`` is diagonal (a :class:`DiagonalPrior`): the prior gives scales ``s``, the form the classifier and the
+    #: design take.
+    diagonal: ClassVar[bool] = False
 
     d: int | None = None
     fitted: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # each class its own defaults (a subclass under another name does not inherit its parent's label or key)
+        if not cls.__dict__.get("label"):
+            cls.label = f"prior {cls.name}"
+        if not cls.__dict__.get("timing_key"):
+            cls.timing_key = cls.name
 
     # ------------------------------------------------------------------------------------------ making
     @classmethod
@@ -189,6 +252,12 @@ class WeightPrior(abc.ABC):
         """The prior of a posterior on fewer or more rows (:meth:`LinearizedPosterior.restrict` / ``extend``).
         Default: this very prior (its hyperparameters are shared)."""
         return self
+
+    def setup_cost(self, n_outputs: int, n_features: int, *, assembled: bool) -> PriorCost:
+        """The Jacobian products :meth:`setup` spends on features of ``n_outputs`` rows and ``n_features`` columns
+        (``assembled``: the solver assembles ``Ψ₀``, so products with it cost no Jacobian products), for the
+        whole-inference estimate (:meth:`ctuq.pipeline.uq.UQRun.inference_estimate`). Default: none."""
+        return PriorCost()
 
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self, problem: PriorProblem) -> PriorSetup:
@@ -280,6 +349,8 @@ class DiagonalPrior(WeightPrior):
     """
 
     name = "scales"
+    label = "given scales"
+    diagonal = True
 
     def __init__(self, scales: torch.Tensor | None = None):
         if scales is not None:
@@ -299,8 +370,17 @@ class DiagonalPrior(WeightPrior):
         return "given"
 
     def compute_scales(self, problem: PriorProblem) -> torch.Tensor:
-        """The scales ``(d,)`` from the matrix-free whitened ``Ψ₀`` ``problem.features``, on its device and dtype."""
+        """The scales ``(d,)`` from the matrix-free whitened ``Ψ₀`` ``problem.features`` (on its device; its dtype,
+        or float64 where they come from ``problem.column_norms``). Also what the classifier and the design call
+        (module docstring)."""
         raise ValueError(f"{type(self).__name__}: no scales were given and this prior computes none")
+
+    def kernel_trace(self, scales: torch.Tensor, problem: PriorProblem) -> float:
+        """``tr(Ψ Ψᵀ) = Σ_i s_i² ‖Ψ₀[:, i]‖²`` for the scales ``scales`` ``(d,)`` on ``problem``'s rows: the prior
+        predictive energy of those rows per unit of ``1/a`` (the design's energy rule for ``a``,
+        :func:`ctuq.design.priors.energy_precision`). Default: from :meth:`PriorProblem.exact_column_sq_norms`."""
+        norms = problem.exact_column_sq_norms().double().cpu()
+        return float((scales.detach().double().cpu().pow(2) * norms).sum())
 
     def dense_scales(self, problem: PriorProblem) -> torch.Tensor:
         """The scales ``(d,)`` from the assembled whitened ``Ψ₀`` ``problem.dense``. Default: :meth:`compute_scales`

@@ -32,7 +32,8 @@ columns) to every non-zero squared norm before the inverse square root: the prio
 Ibrahim, 2007, which adds a ridge to ``XᵀX``). Without it a weight the data barely reach (a first-layer weight of
 an input pixel that is non-zero in a handful of training images) gets a prior standard deviation up to
 ``1/√(min n)``, thousands of times the median, and any test input that excites it (noise, blur) gets a logit
-variance to match. The classifier uses it (``LinearizedLaplace(gprior_floor=...)``); CT keeps ``δ = 0``.
+variance to match. The classifier uses it (``LinearizedLaplace(prior_options={"floor": δ})``, default 1); CT and the
+design keep ``δ = 0``.
 
 The estimator itself is :func:`~ctuq.inference.kernel.column_sq_norms` (it lives in the kernel module, which the
 priors build on; it is re-exported here). Random probes are drawn from ``generator`` (a ``torch.Generator``;
@@ -41,14 +42,15 @@ default: a CPU generator seeded with ``seed``); a CPU generator gives the same p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
 
 from ctuq.inference.kernel import column_sq_norms
-from ctuq.inference.priors.base import DiagonalPrior, PriorError, PriorProblem
-from ctuq.options import GPriorMethod, values
+from ctuq.inference.priors.base import DiagonalPrior, PriorCost, PriorError, PriorProblem
+from ctuq.options import GPriorMethod, option, values
 from ctuq.registry import PRIORS
 
 __all__ = ["GPrior", "column_sq_norms", "gprior_scales", "isotropic_scales", "scales_from_sq_norms"]
@@ -142,30 +144,55 @@ def isotropic_scales(
 class GPrior(DiagonalPrior):
     """The g-prior ``s_i = ‖Ψ₀[:, i]‖⁻¹`` of the whitened features (module docstring): every weight has the same
     prior variance in units of its effect on the data (the diagonal of ``Ψ₀ᵀ D⁻¹ Ψ₀``, the weights' Fisher
-    information). Computed on the first build: from the assembled ``Ψ₀`` exactly at no further cost, else by
-    :func:`gprior_scales` (``c`` VJPs exact, ``probes`` VJPs stochastic, seeded by the posterior's seed).
+    information). Computed on the first build: from the assembled ``Ψ₀`` exactly at no further cost, from the front
+    end's exact column norms where it gives them (:attr:`PriorProblem.column_norms`: the classifier, the design),
+    else by :func:`gprior_scales` (``c`` VJPs exact, ``probes`` VJPs stochastic, seeded by the posterior's seed).
 
     Parameters
     ----------
     method : {"exact", "stochastic"} (:class:`~ctuq.options.GPriorMethod`)
-        Column norms of the matrix-free ``Ψ₀`` (``LinearizedPosterior(gprior_method=...)``, ``uq.gprior_method``).
+        Column norms of the matrix-free ``Ψ₀`` (``prior_options={"method": ...}``, ``uq.gprior.method``).
     probes : int
-        Rademacher probes of the stochastic method (``gprior_probes``).
+        Rademacher probes of the stochastic method (``uq.gprior.probes``).
+    floor : float
+        ``δ ≥ 0``, the ridge of :func:`scales_from_sq_norms` (module docstring; 0: the plain g-prior).
     scales : torch.Tensor, optional
         Given scales ``(d,)`` (final; e.g. from a stored state).
     """
 
     name = "gprior"
+    label = "g-prior"
     summary_key = "gprior"  # metrics.json has kept the diagonal priors' summary under uq.stats.gprior
 
-    def __init__(self, method: str = "exact", probes: int = 256, scales: torch.Tensor | None = None):
+    @dataclasses.dataclass
+    class Options:
+        """The g-prior (``uq.prior = gprior``, the default): how the column norms of a matrix-free ``Ψ₀`` are
+        found (an assembled ``Ψ₀`` gives the exact ones at no cost)."""
+
+        method: str = option(
+            "exact",
+            choices=values(GPriorMethod),
+            help="column norms: exact (c VJPs) or stochastic (probes VJPs); exact when Ψ₀ is assembled",
+        )
+        probes: int = option(256, ge=1, help="Rademacher probes of the stochastic g-prior")
+
+    def __init__(
+        self,
+        method: str = "exact",
+        probes: int = 256,
+        floor: float = 0.0,
+        scales: torch.Tensor | None = None,
+    ):
         super().__init__(scales)
         if method not in values(GPriorMethod):
             raise PriorError(f"GPrior: method must be one of {list(values(GPriorMethod))}, got {method!r}")
         if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
             raise PriorError(f"GPrior: probes must be a positive int, got {probes!r}")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not (math.isfinite(floor) and floor >= 0):
+            raise PriorError(f"GPrior: floor must be finite and >= 0, got {floor!r}")
         self.gprior_method = str(method)
         self.probes = int(probes)
+        self.floor = float(floor)
 
     @property
     def method(self) -> str:
@@ -173,6 +200,9 @@ class GPrior(DiagonalPrior):
         return GPriorMethod.EXACT.value if self.from_dense else self.gprior_method
 
     def compute_scales(self, problem: PriorProblem) -> torch.Tensor:
+        if problem.column_norms is not None and (self.gprior_method == GPriorMethod.EXACT or problem.column_norms_free):
+            # the front end's exact norms (no products of ours; float64, as the classifier keeps its scales)
+            return scales_from_sq_norms(problem.column_norms(), floor=self.floor)
         b = problem.features
         n = b.n_outputs if self.gprior_method == GPriorMethod.EXACT else self.probes
         problem.say(f"g-prior scales ({self.gprior_method}, {n} VJPs)")
@@ -182,6 +212,7 @@ class GPrior(DiagonalPrior):
             method=self.gprior_method,
             n_features=b.n_features,
             n_probes=self.probes,
+            floor=self.floor,
             seed=problem.seed,
             dtype=b.dtype,
             device=b.device,
@@ -191,7 +222,23 @@ class GPrior(DiagonalPrior):
 
     def dense_scales(self, problem: PriorProblem) -> torch.Tensor:
         # exact column norms are free once Ψ₀ is assembled: no stochastic estimate is needed
-        return scales_from_sq_norms(problem.dense.pow(2).sum(0)).to(problem.features.dtype)
+        return scales_from_sq_norms(problem.dense.pow(2).sum(0), floor=self.floor).to(problem.features.dtype)
+
+    def kernel_trace(self, scales: torch.Tensor, problem: PriorProblem) -> float:
+        """Without a ridge every column of ``Ψ = Ψ₀ diag(s)`` with ``s_i > 0`` has unit norm: the trace is the
+        number of non-zero scales (no products; the authors' energy rule counts them for the stochastic scales
+        too). With a ridge, the default's ``Σ s_i² ‖Ψ₀[:, i]‖²``."""
+        if self.floor > 0:
+            return super().kernel_trace(scales, problem)
+        return float((scales > 0).sum())
+
+    def setup_cost(self, n_outputs: int, n_features: int, *, assembled: bool) -> PriorCost:
+        """The column norms of a matrix-free ``Ψ₀``: ``c`` VJPs (exact) or ``probes`` VJPs; none when the solver
+        assembles ``Ψ₀`` (its norms are then free)."""
+        if assembled:
+            return PriorCost()
+        return PriorCost(vjp=n_outputs if self.gprior_method == GPriorMethod.EXACT else self.probes)
 
     def __repr__(self) -> str:
-        return f"GPrior(method={self.gprior_method!r}, probes={self.probes}, d={self.d})"
+        floor = f", floor={self.floor:g}" if self.floor else ""
+        return f"GPrior(method={self.gprior_method!r}, probes={self.probes}{floor}, d={self.d})"

@@ -16,6 +16,7 @@ class IsotropicPrior(DiagonalPrior):
     """``s = 1``: the same prior variance ``a⁻¹`` on every weight, whatever its effect on the data."""
 
     name = "isotropic"
+    label = "isotropic prior"
     summary_key = "gprior"  # metrics.json has kept the diagonal priors' summary under uq.stats.gprior
 
     def __init__(self):

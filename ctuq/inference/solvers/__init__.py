@@ -3,10 +3,11 @@
 Where things are:
 
 * :mod:`.base`: the contract (:class:`Solver`, :class:`ExactSolver`), :class:`SolveStats`,
-  :class:`ConvergenceWarning`, :func:`relative_residual`;
+  :class:`ConvergenceWarning`, :func:`relative_residual`, and the cost model's value types (:class:`Workload`,
+  :class:`SolverCostEstimate`, :func:`cost_estimate`);
 * :mod:`.registry`: the functions of :data:`ctuq.registry.SOLVERS` (registry name → class, filled by
   ``@SOLVERS.register``; re-exported here as :data:`SOLVERS`), the option rule;
-* :mod:`.cost`: :class:`Workload`, the cost model, ``solver="auto"`` (:func:`choose_solver`),
+* :mod:`.cost`: the cost model over the registry, ``solver="auto"`` (:func:`choose_solver`),
   :func:`resolve_solver`, :func:`make_solver`;
 * one module per solver family: :mod:`.exact` (``exact_primal``, ``exact_dual``), :mod:`.cg` (``cg``, with
   :mod:`.preconditioners`), :mod:`.sdd` and :mod:`.sgd` (on :mod:`.first_order`).
@@ -19,15 +20,15 @@ from ctuq.inference.solvers.base import (
     ConvergenceWarning,
     ExactSolver,
     Solver,
+    SolverCostEstimate,
     SolveStats,
+    Workload,
+    cost_estimate,
     relative_residual,
     warn_not_converged,
 )
 from ctuq.inference.solvers.cost import (
-    SolverCostEstimate,
-    Workload,
     choose_solver,
-    cost_estimate,
     dense_features_fit,
     estimate_solver_costs,
     make_solver,
@@ -36,10 +37,8 @@ from ctuq.inference.solvers.cost import (
 from ctuq.inference.solvers.registry import (
     SOLVERS,
     check_solver_options,
-    register_solver,
     solver_choices,
     solver_kwargs,
-    unregister_solver,
 )
 
 # The registry lines: importing a solver module registers its classes, in this order (the order of SOLVERS, of
@@ -68,8 +67,6 @@ __all__ = [
     "relative_residual",
     "warn_not_converged",
     "SOLVERS",
-    "register_solver",
-    "unregister_solver",
     "solver_choices",
     "check_solver_options",
     "solver_kwargs",

@@ -36,7 +36,7 @@ import dataclasses
 import inspect
 import typing
 import warnings
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,10 +46,11 @@ from ctuq.inference.kernel import KernelOperator, measurement_covariance
 from ctuq.options import option
 from ctuq.registry import SOLVERS
 
-if TYPE_CHECKING:  # annotations only: cost.py imports the registry, which imports this module
-    from ctuq.inference.solvers.cost import SolverCostEstimate, Workload
-
 __all__ = [
+    "Workload",
+    "DEFAULT_WORKLOAD",
+    "SolverCostEstimate",
+    "cost_estimate",
     "ConvergenceWarning",
     "SolveStats",
     "relative_residual",
@@ -58,6 +59,102 @@ __all__ = [
     "Solver",
     "ExactSolver",
 ]
+
+
+# ------------------------------------------------------------------------------------------ cost value types
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the inference will do, to estimate solver costs.
+
+    Attributes
+    ----------
+    em_steps : int
+        Sampled-EM steps (default 5).
+    em_samples : int
+        Posterior samples per EM step (default 16).
+    prediction_samples : int
+        Weight-space posterior samples for prediction (default 1024).
+    cg_iterations : float
+        Expected preconditioned CG iterations per solve (published: ≤ 10 with a rank-400 preconditioner).
+    rank, oversampling : int
+        CG preconditioner rank (the cap with an adaptive rank) and oversampling.
+    sdd_iterations, sgd_iterations : float
+        Iterations per solve of the first-order solvers (their budgets).
+    chunk : int
+        Prediction samples solved together: the first-order solvers hold a few ``chunk × c`` (SDD) or
+        ``chunk × d`` (SGD) buffers.
+    lanczos_steps : int
+        Kernel products of the first-order solvers' ``λ_max(K̄)`` estimate.
+    """
+
+    em_steps: int = 5
+    em_samples: int = 16
+    prediction_samples: int = 1024
+    cg_iterations: float = 10.0
+    rank: int = 400
+    oversampling: int = 10
+    sdd_iterations: float = 1000.0
+    sgd_iterations: float = 1000.0
+    chunk: int = 64
+    lanczos_steps: int = 20
+
+    @property
+    def n_solves(self) -> int:
+        """Right-hand sides solved in all: ``k + 1`` per EM step (samples and the mean) and ``n + 1`` for
+        prediction."""
+        return self.em_steps * (self.em_samples + 1) + (self.prediction_samples + 1)
+
+
+DEFAULT_WORKLOAD = Workload()
+"""The published run (5 EM steps of 16 samples, 1024 prediction samples): the default of every cost query."""
+
+
+@dataclasses.dataclass
+class SolverCostEstimate:
+    """Estimated cost of one solver for a :class:`Workload`.
+
+    ``jvp``/``vjp``: Jacobian products; ``dense_flops``: dense linear algebra; ``memory_bytes``: peak extra
+    memory of the solver; ``seconds``: ``jvp·t_jvp + vjp·t_vjp + dense_flops/flop_rate``; ``feasible``: fits the
+    memory budget; ``t_jvp``/``t_vjp``: the seconds per product (per sample) the estimate used (measured on this
+    machine by :func:`choose_solver`), so that a front end can add the products it spends beside the solver's.
+    """
+
+    solver: str
+    jvp: float
+    vjp: float
+    dense_flops: float
+    memory_bytes: float
+    seconds: float
+    feasible: bool
+    t_jvp: float = 0.0
+    t_vjp: float = 0.0
+
+
+def cost_estimate(
+    name: str,
+    jvp: float,
+    vjp: float,
+    dense_flops: float,
+    memory_bytes: float,
+    *,
+    t_jvp: float,
+    t_vjp: float,
+    flop_rate: float,
+    memory_budget: float,
+) -> SolverCostEstimate:
+    """A :class:`SolverCostEstimate` from counts: seconds ``jvp·t_jvp + vjp·t_vjp + dense_flops/flop_rate``,
+    feasible when ``memory_bytes ≤ memory_budget`` (bytes)."""
+    return SolverCostEstimate(
+        name,
+        float(jvp),
+        float(vjp),
+        float(dense_flops),
+        float(memory_bytes),
+        jvp * t_jvp + vjp * t_vjp + dense_flops / flop_rate,
+        memory_bytes <= memory_budget,
+        float(t_jvp),
+        float(t_vjp),
+    )
 
 
 class ConvergenceWarning(RuntimeWarning):

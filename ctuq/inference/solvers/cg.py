@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Callable
 
@@ -43,8 +42,15 @@ from linear_operator.utils.warnings import NumericalWarning
 
 from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.solvers.base import Solver, SolveStats, relative_residual, warn_not_converged
-from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
+from ctuq.inference.solvers.base import (
+    Solver,
+    SolverCostEstimate,
+    SolveStats,
+    Workload,
+    cost_estimate,
+    relative_residual,
+    warn_not_converged,
+)
 from ctuq.inference.solvers.preconditioners import (
     LowRankEig,
     LowRankPreconditioner,
@@ -89,24 +95,10 @@ def pcg(
     -------
     (X, stats) : ``(k, c)`` solutions and :class:`SolveStats`.
     """
-    if rhs.ndim != 2:
-        raise ValueError(f"pcg: rhs must be (k, c), got shape {tuple(rhs.shape)}")
-    if not (rtol > 0 and math.isfinite(rtol)):
-        raise ValueError(f"pcg: rtol must be positive, got {rtol}")
-    if not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"pcg: max_iter must be a positive int, got {max_iter!r}")
+    X, R, n_products = _pcg_start(matmul, rhs, rtol, max_iter, x0)
     k = rhs.shape[0]
     precond = preconditioner if preconditioner is not None else (lambda R: R)
     bnorm = torch.linalg.vector_norm(rhs.double(), dim=1)
-    X = torch.zeros_like(rhs) if x0 is None else x0.clone()
-    if x0 is not None and x0.shape != rhs.shape:
-        raise ValueError(f"pcg: x0 has shape {tuple(x0.shape)}, rhs {tuple(rhs.shape)}")
-    n_products = 0
-    if x0 is None:
-        R = rhs.clone()
-    else:
-        R = rhs - matmul(X)
-        n_products += k
     iterations = torch.zeros(k, dtype=torch.long)
     rel = relative_residual(R, bnorm)
     active = (rel > rtol).nonzero().flatten()
@@ -119,13 +111,7 @@ def pcg(
             break
         AP = matmul(P)
         n_products += int(active.numel())
-        pAp = (P * AP).sum(1)
-        if not torch.all(pAp > 0):
-            bad = active[~(pAp > 0)].tolist()
-            raise FloatingPointError(
-                f"pcg: pᵀAp <= 0 for right-hand side(s) {bad[:10]} at iteration {it}: the operator is not positive "
-                f"definite in this precision (check a, σ² > 0 and the kernel's dtype)"
-            )
+        pAp = _curvature(P, AP, active, it)
         alpha = rz / pAp
         X[active] += alpha[:, None] * P
         R_act = R[active] - alpha[:, None] * AP
@@ -149,6 +135,35 @@ def pcg(
     if warn and not stats.all_converged:
         warn_not_converged(stats, rtol, max_iter)
     return X, stats
+
+
+def _pcg_start(matmul, rhs: torch.Tensor, rtol: float, max_iter: int, x0: torch.Tensor | None):
+    """:func:`pcg`'s arguments checked, and its start: ``(X, R, n_products)``, the initial guess, its residual
+    ``rhs − A X`` and the kernel products that took (none from zeros)."""
+    if rhs.ndim != 2:
+        raise ValueError(f"pcg: rhs must be (k, c), got shape {tuple(rhs.shape)}")
+    if not (rtol > 0 and math.isfinite(rtol)):
+        raise ValueError(f"pcg: rtol must be positive, got {rtol}")
+    if not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"pcg: max_iter must be a positive int, got {max_iter!r}")
+    if x0 is None:
+        return torch.zeros_like(rhs), rhs.clone(), 0
+    X = x0.clone()
+    if x0.shape != rhs.shape:
+        raise ValueError(f"pcg: x0 has shape {tuple(x0.shape)}, rhs {tuple(rhs.shape)}")
+    return X, rhs - matmul(X), rhs.shape[0]
+
+
+def _curvature(P: torch.Tensor, AP: torch.Tensor, active: torch.Tensor, it: int) -> torch.Tensor:
+    """``pᵀAp`` per active row; ``FloatingPointError`` naming the rows where it is not positive."""
+    pAp = (P * AP).sum(1)
+    if not torch.all(pAp > 0):
+        bad = active[~(pAp > 0)].tolist()
+        raise FloatingPointError(
+            f"pcg: pᵀAp <= 0 for right-hand side(s) {bad[:10]} at iteration {it}: the operator is not positive "
+            f"definite in this precision (check a, σ² > 0 and the kernel's dtype)"
+        )
+    return pAp
 
 
 @SOLVERS.register
@@ -265,7 +280,6 @@ class CGSolver(Solver):
             self.preconditioner_kind = str(preconditioner)
         # The configured preconditioner, for messages (a restored decomposition keeps it).
         self.preconditioner = self.preconditioner_kind
-        self.setup_time_s = 0.0
 
     def _use(self, eig: LowRankEig) -> None:
         """Take a ready decomposition (moved to the features' device and dtype)."""
@@ -296,7 +310,6 @@ class CGSolver(Solver):
         ``a``, ``σ²`` set the stopping rule of ``adaptive_rank`` (required then; ignored otherwise)."""
         if self._eig is not None or self.preconditioner_kind == "none":
             return self._eig
-        t0 = time.perf_counter()
         if self.adaptive_rank:
             if a is None or sigma2 is None:
                 raise ValueError(
@@ -323,7 +336,6 @@ class CGSolver(Solver):
             )
         else:
             self._eig = pivoted_cholesky_eig(self.kernel, self.rank, diagonal=self.pivoted_diagonal, seed=self.seed)
-        self.setup_time_s = time.perf_counter() - t0
         return self._eig
 
     def preconditioner_inverse(self, a: float, sigma2: float) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import scipy.linalg
 import torch
@@ -16,8 +15,14 @@ import torch
 from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
 from ctuq.inference.kernel import assemble_features, assemble_kernel
-from ctuq.inference.solvers.base import ExactSolver, SolveStats, relative_residual
-from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
+from ctuq.inference.solvers.base import (
+    ExactSolver,
+    SolverCostEstimate,
+    SolveStats,
+    Workload,
+    cost_estimate,
+    relative_residual,
+)
 from ctuq.options import ExactSide, option, values
 from ctuq.registry import SOLVERS
 
@@ -104,7 +109,6 @@ class ExactEigSolver(ExactSolver):
         self.side = str(side)
         self._Q: torch.Tensor | None = None
         self._lam: torch.Tensor | None = None
-        self.setup_time_s = 0.0
         self.n_setup_products = 0
 
     @property
@@ -117,7 +121,6 @@ class ExactEigSolver(ExactSolver):
     def decompose(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(λ (r,), Q (c, r))`` float64, ``λ > 0`` ascending, ``QᵀQ = I``; computed on first call."""
         if self._Q is None:
-            t0 = time.perf_counter()
             before = self.features.n_rmatvec + self.features.n_matvec
             if self.resolved_side == "dual":
                 K = assemble_kernel(
@@ -137,7 +140,6 @@ class ExactEigSolver(ExactSolver):
                 Q = Q / lam.sqrt()
             self._lam, self._Q = lam, Q
             self.n_setup_products = self.features.n_rmatvec + self.features.n_matvec - before
-            self.setup_time_s = time.perf_counter() - t0
         assert self._lam is not None and self._Q is not None
         return self._lam, self._Q
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 
 import torch
@@ -154,7 +153,6 @@ class FirstOrderSolver(Solver):
         self.lanczos_steps = int(lanczos_steps)
         self._lambda_max = None if lambda_max is None else float(lambda_max)
         self.n_setup_products = 0
-        self.setup_time_s = 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
     @property
@@ -168,14 +166,12 @@ class FirstOrderSolver(Solver):
     def build(self) -> float:
         """Estimate ``λ_max(K̄)`` now (otherwise the first solve does); idempotent. Returns it."""
         if self._lambda_max is None:
-            t0 = time.perf_counter()
             lam, n = lanczos_top_eigenvalue(self.kernel, self.lanczos_steps, seed=self.seed)
             if not lam > 0:
                 raise FloatingPointError(
                     f"{type(self).__name__}: K̄ = ΨΨᵀ is zero (λ_max estimate {lam}); the features carry no information"
                 )
             self._lambda_max, self.n_setup_products = lam, n
-            self.setup_time_s = time.perf_counter() - t0
         return self._lambda_max
 
     def setup(self, a: float, sigma2: float) -> None:

@@ -255,7 +255,7 @@ def adaptive_nystrom_eig(
     preconditioned ``C`` has condition number ``≲ 1 + threshold`` up to the Nyström error (the published rank 400
     misses directions with ``λ/a`` up to ~10³ σ² on the walnut-size problem, whose effective dimension is
     ~1150–1250). ``a`` and ``σ²`` are those at build time (the EM usually raises ``a``, which only makes the rank
-    more than enough); ``max_rank`` caps the products (``uq.rank``).
+    more than enough); ``max_rank`` caps the products (``uq.cg.rank``).
 
     Memory: the sketch, ``2 · c · (r + oversampling)`` float64 numbers, while building.
     """

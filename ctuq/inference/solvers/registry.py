@@ -4,8 +4,8 @@ The registry itself is :data:`ctuq.registry.SOLVERS` (a :class:`ctuq.registry.Re
 package, base class :class:`~ctuq.inference.solvers.base.Solver`): a solver module registers its class with
 ``@SOLVERS.register``, and the package ``__init__`` imports every solver module, so the first lookup fills it.
 Everything that offers a choice of solver (the posterior, ``solver="auto"``, the config's ``uq.solver``, ``--help``)
-reads the registry when it needs it, so a solver registered later (e.g. in a test) is available everywhere. The
-functions below are the registry's operations under the names the package has always had.
+reads the registry when it needs it, so a solver registered later (``SOLVERS.register(cls)``, e.g. in a test) is
+available everywhere; ``SOLVERS.unregister(name)`` removes it.
 
 Solver options (:func:`solver_kwargs`): one mapping serves every solver. Flat keys go to whichever solver takes them
 (its :meth:`~ctuq.inference.solvers.base.Solver.option_names`); a nested mapping under a registry name
@@ -16,21 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ctuq.inference.solvers.base import Solver
 from ctuq.registry import SOLVERS
 
-__all__ = ["SOLVERS", "register_solver", "unregister_solver", "solver_choices", "check_solver_options", "solver_kwargs"]
-
-
-def register_solver(cls: type[Solver]) -> type[Solver]:
-    """``SOLVERS.register(cls)``: add ``cls`` (a :class:`Solver` subclass) under ``cls.name``, a new, non-empty name
-    that is not one of the :class:`~ctuq.options.SolverAlias` values; usable as a class decorator."""
-    return SOLVERS.register(cls)
-
-
-def unregister_solver(name: str) -> None:
-    """Remove ``name`` from :data:`SOLVERS` (tests that register a solver of their own clean up with this)."""
-    SOLVERS.unregister(name)
+__all__ = ["SOLVERS", "solver_choices", "check_solver_options", "solver_kwargs"]
 
 
 def solver_choices() -> tuple[str, ...]:

@@ -46,8 +46,7 @@ import torch
 
 from ctuq.inference.checks import check_hyper
 from ctuq.inference.features import FeatureOperator
-from ctuq.inference.solvers.base import SolveStats, relative_residual
-from ctuq.inference.solvers.cost import SolverCostEstimate, Workload, cost_estimate
+from ctuq.inference.solvers.base import SolverCostEstimate, SolveStats, Workload, cost_estimate, relative_residual
 from ctuq.inference.solvers.first_order import FirstOrderOptions, FirstOrderSolver
 from ctuq.options import option
 from ctuq.registry import SOLVERS

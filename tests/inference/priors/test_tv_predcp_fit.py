@@ -1,4 +1,4 @@
-"""The TV-PredCP type-II MAP (ctuq.inference.priors.tv_predcp.fit_block_prior): the L-BFGS fit with fixed Hutchinson
+"""The TV-PredCP type-II MAP (ctuq.inference.priors.tv_predcp.fit.fit_block_prior): the L-BFGS fit with fixed Hutchinson
 probes reaches a stationary point of the exact MAP objective and stops there (convergence criterion met, early stop),
 the variance floor holds, the convergence record reaches the state, and bad settings are one-line errors."""
 
@@ -9,17 +9,19 @@ import torch
 from tv_toy import IMAGE, SHAPES, toy_problem
 
 from ctuq.inference import DenseFeatures
-from ctuq.inference.priors import PriorError, TVPredCPPrior, tv_predcp
+from ctuq.inference.priors import PriorError, TVPredCPPrior
 from ctuq.inference.priors.tv_predcp import (
     CONVERGENCE_PATIENCE,
-    MACKAY_WARMUP,
     block_gprior_variances,
     fit_block_prior,
+    lbfgs,
+    mll,
     mll_gradient,
     tap_grams,
     tv_predcp_terms,
     variance_floor,
 )
+from ctuq.inference.priors.tv_predcp.lbfgs import MACKAY_WARMUP
 
 
 def _problem(c=60, seed=0):
@@ -142,7 +144,7 @@ def test_a_gradient_whose_cg_did_not_converge_is_refused(monkeypatch):
     """CG capped at 1 iteration with a rank-8 preconditioner on c = 60 cannot reach rtol 1e-3: without the dense
     fallback (more rows than EXACT_FALLBACK_ROWS) the fit says so in one line naming the setting that helps, instead
     of stepping (and converging) on a wrong gradient."""
-    monkeypatch.setattr(tv_predcp, "EXACT_FALLBACK_ROWS", 59)
+    monkeypatch.setattr(mll, "EXACT_FALLBACK_ROWS", 59)
     Phi, Psi0, y = _problem()
     with pytest.raises(PriorError, match="CG did not converge.*uq.tv_predcp.precond_rank") as info:
         _fit(Psi0, y, Phi, steps=10, probes=8, cg_max_iter=1)
@@ -166,7 +168,7 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
     smallest gradient, and an oracle that refuses any step dominated by that coordinate, as a derailed CG solve
     would) makes the fit forget its curvature pairs and take a gradient step, instead of stopping with an error."""
     poisoned = {"k": None, "calls": 0, "refused": 0, "last": None}
-    two_loop = tv_predcp._two_loop
+    two_loop = lbfgs._two_loop
 
     def bad_two_loop(g, pairs):
         free = g != 0
@@ -176,7 +178,7 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
         p[k] = math.copysign(1e6, float(g[k]))  # still an ascent direction: g·p > 0
         return p
 
-    call = tv_predcp._GradientOracle.__call__
+    call = mll.GradientOracle.__call__
 
     def refusing_call(self, theta, sigma2):
         x = torch.cat([theta.detach(), torch.tensor([math.log(sigma2)], dtype=torch.float64)])
@@ -190,9 +192,9 @@ def test_a_failed_lbfgs_line_search_restarts_from_the_gradient(monkeypatch):
         poisoned["last"] = x
         return out
 
-    monkeypatch.setattr(tv_predcp, "_two_loop", bad_two_loop)
-    monkeypatch.setattr(tv_predcp._GradientOracle, "__call__", refusing_call)
+    monkeypatch.setattr(lbfgs, "_two_loop", bad_two_loop)
+    monkeypatch.setattr(mll.GradientOracle, "__call__", refusing_call)
     Phi, Psi0, y = _problem()
     p, _ = _fit(Psi0, y, Phi, steps=12, probes=8)
-    assert poisoned["calls"] >= 1 and poisoned["refused"] >= tv_predcp.LINE_SEARCH_TRIES
+    assert poisoned["calls"] >= 1 and poisoned["refused"] >= lbfgs.LINE_SEARCH_TRIES
     assert p.fitted and sum(r["phase"] == "lbfgs" for r in p.trace) >= 2  # it went on after the failed search
