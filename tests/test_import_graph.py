@@ -15,12 +15,14 @@ DESIGN = ROOT / "docs" / "DESIGN.md"
 LAYERS: list[tuple[str, ...]] = [
     ("ctuq", "errors", "options", "registry", "config", "memory", "utils", "geometry", "interrupt", "log"),
     ("data", "operators", "metrics", "outputs", "figures", "calibration"),
+    ("scan",),
     ("models",),
     ("linearize",),
     ("inference",),
     ("reconstruct",),
     ("design", "classify"),
     ("pipeline",),
+    ("run",),
     ("studies",),
     ("commands", "cli", "__main__", "testing", "viewer"),
 ]

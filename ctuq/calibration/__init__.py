@@ -44,10 +44,11 @@ from ctuq.calibration.spatial import SpatialBias
 from ctuq.calibration.check import HELDOUT_SAMPLES, method_features, run_heldout_check
 from ctuq.calibration.likelihood import fit_linear_variance
 from ctuq.calibration.maps import bias_weight, biased_moments, moments_with_sums, object_mask, scaled_moments
-from ctuq.calibration.report import table, verdict, write_report
+from ctuq.calibration.report import HeldoutCheck, table, verdict, write_report
 from ctuq.calibration.rows import HeldoutRows, read_rows, write_rows
 
 __all__ = [
+    "HeldoutCheck",
     "AUTO",
     "NONE",
     "CalibrationMethod",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from statistics import NormalDist
@@ -17,13 +18,58 @@ if TYPE_CHECKING:  # annotations only
     from ctuq.calibration.rows import HeldoutRows
 from ctuq.utils import atomic_write_json
 
-__all__ = ["assess", "verdict", "table", "write_report"]
+__all__ = ["HeldoutCheck", "assess", "verdict", "table", "write_report"]
 
 _HEADLINE = ("0.5", "0.9", "0.95")
 _TAIL_Z = 3.0
 _TAIL_EXPECTED = 2.0 * (1.0 - NormalDist().cdf(_TAIL_Z))  # 0.27 % of a Gaussian lies beyond 3 std
 _TAIL_NOTE = 3.0  # a tail this many times heavier than a Gaussian's is worth a clause
 _NOISE_WORDS = {"per_ray": "per-ray photon noise", "homoscedastic": "one noise variance"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldoutCheck:
+    """The held-out check of a run as an object (``Run.check()``): the numbers and the sentence.
+
+    Attributes
+    ----------
+    report : dict
+        The check's statistics (``heldout.json``: coverage per level, z-scores, log-likelihoods, each calibration
+        method's fit on these rows).
+    calibration : dict or None
+        What the run shipped (its ``metrics.json["uq"]["calibration"]``: the method and its parameters).
+    """
+
+    report: dict
+    calibration: dict | None = None
+
+    @property
+    def call(self) -> str:
+        """``"too narrow"``, ``"about right"`` or ``"too wide"`` (:func:`assess`)."""
+        return assess(self.report, self.calibration)["call"]
+
+    @property
+    def coverage(self) -> dict[str, float]:
+        """Held-out coverage of the shipped error bars' 50/90/95 % intervals (keys ``"0.5"``, ``"0.9"``,
+        ``"0.95"``)."""
+        return assess(self.report, self.calibration)["coverage"]
+
+    @property
+    def n_angles(self) -> int:
+        """Held-out angles checked."""
+        return int(self.report["n_angles"])
+
+    @property
+    def verdict(self) -> str:
+        """The one-paragraph verdict (:func:`verdict`)."""
+        return verdict(self.report, self.calibration)
+
+    def table(self) -> str:
+        """The short text table (:func:`table`)."""
+        return table(self.report, self.calibration)
+
+    def __str__(self) -> str:
+        return self.verdict
 
 
 def _tolerance(q: float, n_groups: int) -> float:

@@ -12,14 +12,14 @@ import argparse
 from pathlib import Path
 
 from ctuq.commands import command_parser
-from ctuq.config import load_config
 from ctuq.log import run_log
 from ctuq.options import Baseline, Criterion, DesignPriorKind, values
 from ctuq.pipeline import run_folder
 from ctuq.registry import lazy_module
 
 candidates = lazy_module("ctuq.design.candidates")
-design = lazy_module("ctuq.pipeline.design")  # the work: imported when a run starts, not for --help
+design = lazy_module("ctuq.pipeline.design")
+api = lazy_module("ctuq.run")  # the work (ctuq.design_angles): imported when a design starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -116,30 +116,27 @@ def run(args: argparse.Namespace) -> int:
         raise candidates.DesignError("--resume: needs --out DIR (the design folder to continue)")
     if args.pilot is not None and args.pilot_angles is not None:
         raise candidates.DesignError("--pilot-angles: give either --pilot N or --pilot-angles FILE, not both")
-    # The design chooses among all of the scan's angles unless the user thins them (--set wins over this default).
-    overrides = ["data.angular_subsampling=1", "data.min_angles=1", *args.overrides]
-    cfg = load_config(
-        args.config,
-        overrides,
-        **{
-            "data.path": args.data,
-            "device": args.device,
-            "seed": args.seed,
-            "design.pilot": args.pilot,
-            "design.acquire": args.acquire,
-            "design.candidates": args.candidates,
-            "design.criterion": args.criterion,
-            "design.prior": args.prior,
-            "design.samples": args.samples,
-            "design.target_rmse": args.target_rmse,
-            "design.target_psnr": args.target_psnr,
-            "design.min_gain": args.min_gain,
-        },
-    )
     pilot_angles = design.read_angles_file(args.pilot_angles) if args.pilot_angles else None
     out = Path(args.out or run_folder.new_run_folder("runs"))
     with run_folder.discard_if_empty(out), run_log(out / run_folder.LOG_NAME):
-        design.run_design(
-            cfg, out, pilot_angles=pilot_angles, resume=args.resume, progress=not args.no_progress, plan=args.plan
+        api.design_angles(
+            args.data,
+            config=args.config,
+            set=args.overrides,
+            pilot=args.pilot,
+            acquire=args.acquire,
+            candidates=args.candidates,
+            pilot_angles=pilot_angles,
+            plan=args.plan,
+            target_rmse=args.target_rmse,
+            target_psnr=args.target_psnr,
+            criterion=args.criterion,
+            prior=args.prior,
+            samples=args.samples,
+            device=args.device,
+            seed=args.seed,
+            out=out,
+            resume=args.resume,
+            progress=not args.no_progress,
         )
     return 0

@@ -1,7 +1,7 @@
 """``ctuq reconstruct``: load a scan, reconstruct it with FBP, (TV,) and the deep image prior, write a run folder.
 
-The work is done by :func:`ctuq.pipeline.reconstruct` (phases load → fbp → [tv] → dip → [uq] → write; see
-:mod:`ctuq.pipeline`); this module only builds the argument parser and maps the options onto a config.
+The work is done by :func:`ctuq.reconstruct` (:mod:`ctuq.run`; phases load → fbp → [tv] → dip → [uq] → write, see
+:mod:`ctuq.pipeline`); this module only builds the argument parser and hands the options on.
 
 Defaults: the bundled ``demo`` config (``ctuq/configs/demo.yaml``) on the bundled simulated scan, written to
 ``runs/<timestamp>/``. See :mod:`ctuq.pipeline.run_folder` for the files.
@@ -20,7 +20,7 @@ from ctuq.log import run_log
 from ctuq.pipeline import run_folder
 from ctuq.registry import lazy_module
 
-runner = lazy_module("ctuq.pipeline.runner")  # the work: imported when a run starts, not for --help
+api = lazy_module("ctuq.run")  # the work: imported when a run starts, not for --help
 
 __all__ = ["add_parser", "run"]
 
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--config",
         metavar="FILE",
         help="YAML config file or bundled name (demo, demo_pretrained, walnut_2d_60, walnut_2d_120, "
-        "walnut_3d, walnut_3d_published); default: demo, or the run folder's config.yaml with --resume",
+        "walnut_3d, walnut_3d_published, tiny); default: demo, or the run folder's config.yaml with --resume",
     )
     p.add_argument(
         "--set",
@@ -102,27 +102,30 @@ def config_keys(section: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``ctuq reconstruct`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
+    """Run ``ctuq reconstruct`` for parsed ``args`` (:func:`ctuq.run.reconstruct`); user errors propagate to
+    :func:`ctuq.cli.main`."""
     if args.config_keys is not None:
         print(config_keys(args.config_keys))
         return 0
     if args.resume and not args.out:
         raise CTUQError("--resume: needs --out DIR (the run folder to continue)")
-    config_path = args.config
-    if args.resume and config_path is None and (Path(args.out) / run_folder.CONFIG_NAME).is_file():
-        config_path = Path(args.out) / run_folder.CONFIG_NAME
-    cfg = load_config(
-        config_path,
-        args.overrides,
-        **{
-            "data.path": args.data,
-            "device": args.device,
-            "seed": args.seed,
-            "uq.save_samples": args.save_samples or None,
-        },
-    )
+    config = args.config
+    if args.resume and config is None and (Path(args.out) / run_folder.CONFIG_NAME).is_file():
+        config = Path(args.out) / run_folder.CONFIG_NAME
     out_dir = Path(args.out) if args.out else run_folder.new_run_folder("runs")
     with run_folder.discard_if_empty(out_dir), run_log(out_dir / run_folder.LOG_NAME):
-        state = runner.reconstruct(cfg, out_dir, resume=args.resume, uq=not args.no_uq, progress=not args.no_progress)
+        run = api.reconstruct(
+            args.data,
+            config=config,
+            set=args.overrides,
+            out=out_dir,
+            resume=args.resume,
+            uq=not args.no_uq,
+            progress=not args.no_progress,
+            device=args.device,
+            seed=args.seed,
+            save_samples=args.save_samples or None,
+        )
+        state = run._state
         state.log(f"wrote {out_dir} in {sum(state.timings.values()):.1f} s")
     return 0

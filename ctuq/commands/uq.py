@@ -4,7 +4,7 @@ Reads the run's ``config.yaml`` (``--set uq.KEY=VALUE`` changes the inference se
 the fitted DIP from ``dip_model.pt`` (no refitting), runs the linearised inference and rewrites ``std.tif``, the
 uncertainty figures and ``metrics.json`` (the DIP/FBP/TV numbers of the original run are kept). ``--resume``
 continues an interrupted inference from the checkpoints in the run folder. The work is done by
-:func:`ctuq.pipeline.rerun_uq`.
+:func:`ctuq.uncertainty` (:mod:`ctuq.run`).
 
 Sharded over processes (one per GPU, or CPU processes with gloo): ``torchrun --nproc_per_node=N -m ctuq uq RUN_DIR``
 (``--distributed`` is implied when ``torchrun`` sets ``WORLD_SIZE`` > 1; give it explicitly to insist on it). The EM
@@ -25,15 +25,13 @@ import os
 from pathlib import Path
 
 from ctuq.commands import command_parser
-from ctuq.config import load_config
 from ctuq.log import run_log
 from ctuq.pipeline import run_folder
 from ctuq.registry import lazy_module
 
 # the work: imported when a run starts, not for --help
-calibration = lazy_module("ctuq.calibration")
+api = lazy_module("ctuq.run")
 shards = lazy_module("ctuq.inference.distributed")
-runner = lazy_module("ctuq.pipeline.runner")
 utils = lazy_module("ctuq.utils")
 
 __all__ = ["add_parser", "run"]
@@ -86,37 +84,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``ctuq uq`` for parsed ``args``; user errors propagate to :func:`ctuq.cli.main`."""
+    """Run ``ctuq uq`` for parsed ``args`` (:func:`ctuq.uncertainty`, :meth:`ctuq.Run.check`); user errors propagate
+    to :func:`ctuq.cli.main`."""
     out_dir = Path(args.run_dir)
-    cfg = load_config(
-        run_folder.require_run_folder(out_dir),
-        args.overrides,
-        **{"device": args.device, "uq.save_samples": args.save_samples or None},
-    )
+    run_folder.require_run_folder(out_dir)
     if args.check:  # changes no file but its own two, so not ctuq.log either
-        state, result = runner.check_run(cfg, out_dir, progress=not args.no_progress)
-        applied = state.metrics["uq"]["calibration"]  # the error bars the run ships (its metrics.json)
-        print(calibration.table(result.report, applied))
-        print(calibration.verdict(result.report, applied))
-        state.log(f"wrote {out_dir / run_folder.HELDOUT_NAME} in {sum(state.timings.values()):.1f} s")
+        check = api.Run(out_dir).check(progress=not args.no_progress)
+        print(check.table())
+        print(check.verdict)
         return 0
     with run_log(out_dir / run_folder.LOG_NAME):
-        return _rerun(args, cfg, out_dir)
+        return _rerun(args, out_dir)
 
 
-def _rerun(args: argparse.Namespace, cfg, out_dir: Path) -> int:
+def _rerun(args: argparse.Namespace, out_dir: Path) -> int:
+    options = dict(
+        set=args.overrides,
+        out=out_dir,
+        resume=args.resume,
+        progress=not args.no_progress,
+        device=args.device,
+        save_samples=args.save_samples or None,
+    )
     distributed = args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not distributed:
-        state = runner.rerun_uq(cfg, out_dir, resume=args.resume, progress=not args.no_progress)
+        state = api.uncertainty(out_dir, **options)._state
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s")
         return 0
-    device = utils.resolve_device(cfg.device)
+    device = utils.resolve_device(args.device or api.Run(out_dir).config.device)
     shard, device = shards.init_from_env(device.type)
     clean = False
     try:
-        state = runner.rerun_uq(
-            cfg, out_dir, resume=args.resume, progress=not args.no_progress, shard=shard, device=device
-        )
+        state = api.uncertainty(out_dir, **options, shard=shard, rank_device=device)._state
         state.log(f"updated {out_dir} in {sum(state.timings.values()):.1f} s on {shard.world_size} rank(s)")
         clean = True
     finally:

@@ -77,6 +77,12 @@ class DataConfig:
     )
     ndim: int = option(2, choices=(2, 3), help="2: one slice (sparse operator), 3: a volume (GPU, ASTRA CUDA)")
     orbit: int = option(2, choices=(1, 2, 3), help="source orbit (tubeV1..3)")
+    angles: list[int] | None = option(
+        None,
+        ge=0,
+        help="indices of the scan's distinct angles the run measures (the others are held out for the held-out "
+        "check); null: every angle, thinned by angular_subsampling",
+    )
     angular_subsampling: int = option(20, ge=1, help="use every k-th of the 1200 angles (20 → 60 angles)")
     detector_subsampling: int = option(6, ge=1, help="use every k-th detector column (6 → 128 of 768)")
     slice_index: int | None = option(None, ge=0, help="volume slice; null: the central slice")
@@ -104,6 +110,8 @@ class DataConfig:
     )
 
     def validate(self) -> None:
+        if self.angles is not None and (not self.angles or len(set(self.angles)) != len(self.angles)):
+            raise ConfigError(f"data.angles must be distinct indices (at least one), got {self.angles}")
         if self.image_shape is not None and len(self.image_shape) != self.ndim:
             raise ConfigError(
                 f"data.image_shape {self.image_shape} has {len(self.image_shape)} entries but data.ndim is {self.ndim}"

@@ -357,16 +357,12 @@ def _slice_number(scan: ScanSource, slice_index) -> int:
 def _heldout_slice_plan(scan: ScanSource, z: float, ass: int, dss, binning: bool, heldout: bool):
     """The plan of the held-out angles of the slice at height ``z`` and why there is none (``(None, reason)``):
     not asked for, no angle left out, or every angle used."""
-    held, reason = None, HELDOUT_NOT_READ
-    if heldout and ass == 1:
-        reason = HELDOUT_NO_UNUSED_ANGLES
-    elif heldout:
-        rows, files = scan.heldout_plan(ass)
-        if len(rows):
-            held, reason = plan_slice(scan, z, rows, files, dss, binning), ""
-        else:
-            reason = heldout_every_angle_used(scan.path)
-    return held, reason
+    if not heldout:
+        return None, HELDOUT_NOT_READ
+    rows, files = scan.heldout_plan(ass)  # a subset of a scan holds out its other angles at any subsampling
+    if len(rows):
+        return plan_slice(scan, z, rows, files, dss, binning), ""
+    return None, HELDOUT_NO_UNUSED_ANGLES if ass == 1 else heldout_every_angle_used(scan.path)
 
 
 def _slice_meta(scan: ScanSource, plan: SlicePlan, k: int, ass, dss, binning, volume, backend, op) -> dict:

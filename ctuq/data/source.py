@@ -28,6 +28,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from ctuq.options import MeasurementKind
 
 __all__ = [
     "ScanSource",
+    "SubsetSource",
     "ValueOrigin",
     "VECTOR_PARTS",
     "vector_file_origin",
@@ -396,3 +398,41 @@ def detector_record(rows, files, angular_subsampling, detector_subsampling, binn
             "mode": "bin" if binning else "subsample",
         },
     }
+
+
+class SubsetSource:
+    """A scan (any :class:`~ctuq.data.source.ScanSource`) of which only the geometry rows ``used`` are measured; the
+    scan's other distinct angles are its held-out angles. A proxy: everything but the angle plan is the scan's own."""
+
+    def __init__(self, base: ScanSource, used: np.ndarray):
+        """``used``: the geometry rows measured (of ``base.angle_plan(1)``)."""
+        self._base = base
+        rows, files = base.angle_plan(1)
+        keep = np.isin(rows, used)
+        self._rows, self._files = rows[keep], files[keep]
+
+    def __getattr__(self, name: str) -> Any:  # the scan's own facts, geometry and readers
+        if name.startswith("__") or name == "_base":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    @property
+    def base(self) -> ScanSource:
+        """The whole scan."""
+        return self._base
+
+    @property
+    def n_distinct_angles(self) -> int:
+        return len(self._rows)
+
+    def describe_angles(self) -> str:
+        return f"the subset uses {len(self._rows)} of its {self._base.n_distinct_angles} distinct angles"
+
+    def angle_plan(self, angular_subsampling: int) -> tuple[np.ndarray, np.ndarray]:
+        k = int(angular_subsampling)
+        return self._rows[::k].copy(), self._files[::k].copy()
+
+    def heldout_plan(self, angular_subsampling: int) -> tuple[np.ndarray, np.ndarray]:
+        rows, files = self._base.angle_plan(1)
+        held = ~np.isin(rows, self.angle_plan(angular_subsampling)[0])
+        return rows[held], files[held]

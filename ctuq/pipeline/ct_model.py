@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ctuq.config import UQConfig
 from ctuq.inference import LinearizedFeatures, LinearizedPosterior
 from ctuq.linearize import LinearizedNetwork
 from ctuq.memory import GIB
+from ctuq.metrics import SampleMoments, uq_summary_from_moments
 from ctuq.pipeline.noise import ResolvedNoise
 from ctuq.pipeline.uq_settings import posterior_arguments
 
-__all__ = ["ct_features", "ct_posterior"]
+__all__ = ["ct_features", "ct_posterior", "CTPosterior"]
 
 
 def ct_features(
@@ -122,3 +124,92 @@ def ct_posterior(
     posterior.weight_prior.prepare(output=g0, output_shape=tuple(op.image_shape))
     info.update({"g0": g0, "dip_residual_sigma2": dip_noise, "initial_sigma2": float(sigma2_0)})
     return posterior, net, info
+
+
+class CTPosterior:
+    """A fitted CT posterior in image units (``Run.posterior``): the linearised DIP's Gaussian posterior, whose
+    samples are images in mm⁻¹ about the reconstruction ``x̂``.
+
+    Parameters
+    ----------
+    posterior : LinearizedPosterior
+        Set up and fitted, on the features ``Ψ₀ = T Φ`` of :func:`ct_features` (scaled units).
+    mean : torch.Tensor
+        ``image_shape`` reconstruction ``x̂`` (mm⁻¹).
+    scale : float
+        The DIP's data/image scale.
+    """
+
+    def __init__(self, posterior: LinearizedPosterior, mean: torch.Tensor, scale: float):
+        self.linearized = posterior
+        self.mean = mean.detach().cpu()
+        self.scale = float(scale)
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(self.mean.shape)
+
+    @property
+    def n_measurements(self) -> int:
+        """``c``: the measurements the posterior is conditioned on."""
+        return int(self.linearized.n_outputs)
+
+    def deviations(self, n: int, *, seed: int = 0, chunk_size: int = 64):
+        """Zero-mean image samples ``x_j`` (mm⁻¹) in chunks ``(B, *image_shape)`` float32, ``n`` in all; chunk ``i``
+        draws from its own generator ``(seed, i)``."""
+        for _i, images, _ps in self.linearized.sample_outputs(n, chunk_size=chunk_size, seed=seed):
+            yield (images / self.scale).detach().cpu().float().reshape(-1, *self.image_shape)
+
+    def sample(self, n: int, *, seed: int = 0, chunk_size: int = 64) -> np.ndarray:
+        """``n`` posterior image samples ``x̂ + x_j`` ``(n, *image_shape)`` float32 (mm⁻¹)."""
+        dev = torch.cat(list(self.deviations(n, seed=seed, chunk_size=chunk_size)))
+        return (self.mean.float()[None] + dev).numpy()
+
+    def std(self, n_samples: int = 1024, *, seed: int = 0, chunk_size: int = 64) -> np.ndarray:
+        """The pixelwise posterior std ``sqrt(mean_j x_j²)`` ``image_shape`` float32 (mm⁻¹) from ``n_samples``
+        samples (uncalibrated: the run's ``std`` may add its held-out calibration)."""
+        total = torch.zeros(self.image_shape, dtype=torch.float64)
+        for chunk in self.deviations(n_samples, seed=seed, chunk_size=chunk_size):
+            total += chunk.double().pow(2).sum(0)
+        return (total / n_samples).sqrt().float().numpy()
+
+    def log_likelihood(
+        self, truth, *, n_samples: int = 1024, patch_sizes=range(1, 11), roi=None, seed: int = 0
+    ) -> dict[str, float]:
+        """The test log-likelihood of the image ``truth`` (``image_shape``, mm⁻¹) per pixel (nats): the marginal one
+        and the joint one of non-overlapping ``p × p`` patches for each of ``patch_sizes`` (keys ``"marginal"``,
+        ``"joint_<p>"``), from ``n_samples`` samples with the stabilised patch covariance of DESIGN.md §1; ``roi``
+        a region as for :class:`ctuq.metrics.SampleMoments` (default the whole image)."""
+        moments = SampleMoments(self.image_shape, roi=roi, patch_sizes=patch_sizes)
+        for chunk in self.deviations(n_samples, seed=seed):
+            moments.update(chunk)
+        x = torch.as_tensor(np.asarray(truth), dtype=torch.float64).reshape(self.image_shape)
+        summary = uq_summary_from_moments(x, self.mean.double(), moments)
+        return {"marginal": float(summary["marginal_ll"]), **{f"joint_{p}": v for p, v in summary["joint_ll"].items()}}
+
+    def restrict(self, angles, n_columns: int) -> CTPosterior:
+        """The posterior given only the measured angles ``angles`` (indices into the run's angles; ``n_columns``
+        detector columns each): same prior scales, ``a`` and ``σ²``, the solver set up anew."""
+        idx = torch.as_tensor(np.asarray(angles, dtype=np.int64))
+        rows = (idx[:, None] * n_columns + torch.arange(n_columns)[None]).reshape(-1)
+        return CTPosterior(self.linearized.restrict(rows).setup(), self.mean, self.scale)
+
+    def extend(self, op, y: torch.Tensor, variances: torch.Tensor | None = None) -> CTPosterior:
+        """The posterior given also the measurements ``y`` (``op.measurement_shape``, data units) of the ray
+        transform ``op`` (e.g. a scan's held-out angles: ``Scan.load().heldout``), with their per-ray
+        ``variances`` where the likelihood whitens by them."""
+        net = self.linearized.base.network
+        features = LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
+        with torch.no_grad():
+            g0 = net.output()
+            phi_v = net.jvp(net.params()[None])[0]
+            delta = op.forward_flat((phi_v - g0)[None].to(op.dtype))[0].to(net.dtype)
+        targets = (y.to(device=op.device, dtype=net.dtype) * self.scale).reshape(-1) + delta
+        v = None if variances is None else variances.reshape(-1)
+        return CTPosterior(self.linearized.extend(features, targets, v).setup(), self.mean, self.scale)
+
+    def __repr__(self) -> str:
+        return (
+            f"CTPosterior(image {self.image_shape}, {self.n_measurements} measurements, prior "
+            f"{self.linearized.prior}, a = {self.linearized.a:.4g}, σ² = {self.linearized.sigma2:.4g})"
+        )

@@ -323,7 +323,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out = _prepare_out(cfg, out_dir, resume)
-    scan = _load_candidates(cfg, device, pilot_angles, progress)
+    scan = _load_candidates(cfg, device, pilot_angles, progress, out)
     pilot = _pilot_prior(cfg, out, scan, progress)
     forecast = None
     if cfg.design.criterion in values(Criterion):  # greedy: the forecast, its plan and stop rule
@@ -368,11 +368,11 @@ def _prepare_out(cfg, out_dir, resume: bool) -> Path:
     return out
 
 
-def _load_candidates(cfg, device, pilot_angles, progress: bool) -> DesignScan:
+def _load_candidates(cfg, device, pilot_angles, progress: bool, out: Path) -> DesignScan:
     """The scan (no held-out rows), its candidate angles (``design.candidates``) and the pilot (``--pilot-angles``
     matched to the candidates, or ``design.pilot`` equidistant ones), after checking their sizes."""
     ds = cfg.design
-    data, scan_path, warnings = load_scan(cfg, device, progress=progress, heldout=False)
+    data, scan_path, warnings = load_scan(cfg, device, progress=progress, heldout=False, run_dir=out)
     for w in warnings:
         _logger.warning(w)
     op = data.op

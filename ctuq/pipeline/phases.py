@@ -132,7 +132,7 @@ def phase_load(state: RunState) -> None:
     the setting against it (:func:`ctuq.pipeline.scan.load_scan`)."""
     # the first record of a run: from here on its log file exists, so a scan that fails to load is recorded there
     _log.debug(f"run folder {state.out_dir}, {state.device}; loading {state.cfg.data.path or 'the bundled scan'}")
-    d, path, warnings = load_scan(state.cfg, state.device, progress=state.progress)
+    d, path, warnings = load_scan(state.cfg, state.device, progress=state.progress, run_dir=state.out_dir)
     state.data = d
     state.op = d.op
     state.y = d.y.to(state.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ctuq.config import Config
@@ -28,12 +29,14 @@ from ctuq.data.formats import open_scan
 from ctuq.data.loader import load_slice, load_volume
 from ctuq.data.plausibility import check_geometry, truncation_warning
 from ctuq.data.problem import CTData
-from ctuq.data.source import ScanSource
+from ctuq.data.source import ScanSource, SubsetSource
 from ctuq.data.walnut import default_data_dir
 from ctuq.errors import DataError, DeviceError
 from ctuq.geometry import VolumeGeometry
 
-__all__ = ["data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan", "count_kept"]
+__all__ = [
+    "subset_of",
+    "data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan", "count_kept"]
 
 # The walnut data set (Der Sarkissian et al. 2019) the published settings subsample.
 _WALNUT_ANGLES, _WALNUT_COLUMNS = 1200, 768
@@ -45,18 +48,34 @@ def count_kept(n: int, step: int) -> int:
     return len(range(0, n, step))
 
 
-def data_path(cfg: Config) -> Path:
+def data_path(cfg: Config, run_dir: Path | None = None) -> Path:
     """The scan of ``cfg.data.path`` (a walnut folder, a ``scan.yaml``, an NXtomo file, or a folder holding one),
-    or the default one (``$CTUQ_DATA`` or the bundled scan).
+    or the default one (``$CTUQ_DATA`` or the bundled scan). A relative path names a scan inside the run folder
+    ``run_dir`` when there is one there (a scan given as arrays travels with its runs, ``ctuq.reconstruct``), else
+    one relative to the working directory.
 
     Raises ``FileNotFoundError`` naming ``data.path`` when it does not exist.
     """
     if cfg.data.path is None:
         return default_data_dir()
     path = Path(cfg.data.path).expanduser()
+    if run_dir is not None and not path.is_absolute() and (Path(run_dir) / path).exists():
+        path = Path(run_dir) / path
     if not path.exists():
         raise FileNotFoundError(f"data.path {str(path)!r}: no such scan folder or file (set it with --data PATH)")
     return path
+
+
+def subset_of(scan: ScanSource, angles) -> SubsetSource:
+    """``scan`` measured at the distinct angles ``angles`` only (indices in geometry-row order: ``data.angles``);
+    :class:`~ctuq.errors.DataError` naming ``data.angles`` for an index the scan does not have."""
+    rows = scan.angle_plan(1)[0]
+    bad = [int(i) for i in angles if not 0 <= int(i) < len(rows)]
+    if bad:
+        raise DataError(
+            f"data.angles: {bad[:3]} out of range: {scan.path} has {len(rows)} distinct angles (0 … {len(rows) - 1})"
+        )
+    return SubsetSource(scan, rows[np.sort(np.asarray(angles, dtype=np.int64))])
 
 
 def check_device(cfg: Config, device: torch.device) -> None:
@@ -168,10 +187,12 @@ def expected_setting_warnings(scan: ScanSource, cfg: Config, measurement_shape: 
 
 
 def load_scan(
-    cfg: Config, device: torch.device, *, progress: bool = True, heldout: bool = True
+    cfg: Config, device: torch.device, *, progress: bool = True, heldout: bool = True, run_dir: Path | None = None
 ) -> tuple[CTData, Path, list[str]]:
     """Load the scan of ``cfg.data`` onto ``device`` after checking the setting against it, reading it once.
 
+    ``data.angles`` measures those distinct angles only (:class:`~ctuq.data.source.SubsetSource`; the others are
+    held out); ``run_dir`` is the run folder a relative ``data.path`` may name a scan in (:func:`data_path`).
     ``heldout``: also read the angles ``data.angular_subsampling`` leaves out (2D slices) into ``CTData.heldout``,
     for the held-out check (the run's own rows are the same either way); callers that never check (``ctuq design``,
     ``ctuq pretrain``) pass ``False``.
@@ -197,8 +218,10 @@ def load_scan(
     """
     dc = cfg.data
     check_device(cfg, device)
-    path = data_path(cfg)
+    path = data_path(cfg, run_dir)
     _fmt, scan = open_scan(path, dc.orbit)
+    if dc.angles is not None:
+        scan = subset_of(scan, dc.angles)
     implausible = check_geometry(scan)  # impossible geometry is refused here, before any pixel is read
     check_scan_setting(scan, cfg)
     kwargs = dict(
