@@ -36,7 +36,13 @@ from ctuq.geometry import VolumeGeometry
 
 __all__ = [
     "subset_of",
-    "data_path", "check_device", "check_scan_setting", "expected_setting_warnings", "load_scan", "count_kept"]
+    "data_path",
+    "check_device",
+    "check_scan_setting",
+    "expected_setting_warnings",
+    "load_scan",
+    "count_kept",
+]
 
 # The walnut data set (Der Sarkissian et al. 2019) the published settings subsample.
 _WALNUT_ANGLES, _WALNUT_COLUMNS = 1200, 768
