@@ -16,6 +16,8 @@ its layer and where a new implementation goes: docs/DESIGN.md §2 and CONTRIBUTI
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -42,3 +44,23 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC})
+
+
+class _Package(types.ModuleType):
+    """The type of the ``ctuq`` module: ``ctuq.reconstruct`` is the function :func:`ctuq.run.reconstruct`, although
+    the subpackage ``ctuq/reconstruct/`` (the DIP, FBP and TV fits) has that name. Importing a subpackage sets the
+    package's attribute of its name, which would turn ``ctuq.reconstruct`` into that module the first time anything
+    imports it (``import ctuq.run`` does); here the import system's assignment is dropped and the subpackage stays
+    in ``sys.modules``, so ``from ctuq.reconstruct import fit_dip`` and ``importlib.import_module`` work as before
+    (only attribute paths through the package, ``ctuq.reconstruct.dip``, do not)."""
+
+    @property
+    def reconstruct(self):
+        return importlib.import_module("ctuq.run").reconstruct
+
+    @reconstruct.setter
+    def reconstruct(self, module) -> None:
+        pass  # the subpackage ctuq.reconstruct being bound by its import: it is reached through sys.modules
+
+
+sys.modules[__name__].__class__ = _Package

@@ -406,3 +406,24 @@ class PriorFitOptimizer(Vocabulary):
 
 
 __all__ += ["PriorFitOptimizer"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The uncertainty method of a run (issue 43: the walnut study's MC-dropout baseline through ctuq.uncertainty)
+class UQMethod(Vocabulary):
+    """What the uncertainty phase computes (``uq.method``): the linearised DIP's Gaussian posterior
+    (:class:`ctuq.pipeline.uq.UQRun`), or MC dropout: stochastic forward passes of a DIP fitted with dropout
+    (``model.dropout > 0``; :func:`ctuq.reconstruct.mc_dropout_predict`)."""
+
+    LINEARISED = "linearised"
+    MC_DROPOUT = "mc_dropout"
+
+
+class TVInit(Vocabulary):
+    """The starting image of the TV baseline's PDHG (``tv.init``): the FBP, or zeros."""
+
+    FBP = "fbp"
+    ZERO = "zero"
+
+
+__all__ += ["UQMethod", "TVInit"]

@@ -16,13 +16,14 @@ import json
 import shutil
 import tempfile
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tifffile
 import torch
+import yaml
 
 from ctuq.calibration import HeldoutCheck
 from ctuq.config import Config, ConfigError, load_config
@@ -36,7 +37,7 @@ from ctuq.pipeline.phases import Phase, RunState, phase_load, phase_restore_dip
 from ctuq.scan import Scan
 from ctuq.utils import resolve_device
 
-__all__ = ["Run", "reconstruct", "uncertainty", "load_run", "Design", "design_angles"]
+__all__ = ["Run", "reconstruct", "uncertainty", "load_run", "Design", "design_angles", "holds_result"]
 
 _SCAN_DIR = "scan"  # where a run keeps a scan that was given as arrays
 _LOCK = ".ctuq.lock.json"
@@ -58,21 +59,34 @@ def _overrides(settings) -> tuple[list[str], dict[str, Any]]:
     return [str(s) for s in settings], {}
 
 
-def _config(config, settings, flags: dict[str, Any]) -> Config:
-    """The resolved config: ``config`` (a bundled name, a YAML file or a :class:`Config`) with ``settings`` (``set``)
-    and then ``flags`` (dotted keys whose values are not ``None``) applied."""
+def _config(config, settings, flags: dict[str, Any], first: Sequence[str] = ()) -> Config:
+    """The resolved config: ``config`` (a bundled name, a YAML file or a :class:`Config`) with the ``KEY=VALUE``
+    strings ``first``, then ``settings`` (``set``: ``KEY=VALUE`` strings, or a mapping of dotted keys, whose ``None``
+    is YAML's null), then ``flags`` (dotted keys whose values are not ``None``) applied in that order and the
+    cross-field checks once after all of them: what :func:`~ctuq.config.load_config` does with ``--set`` strings
+    and flags, each error naming the override at fault (``--set KEY=VALUE`` as the command line gives it, ``set
+    KEY=VALUE`` for a mapping's key)."""
     strings, values = _overrides(settings)
-    flags = {**values, **{k: v for k, v in flags.items() if v is not None}}
     if isinstance(config, Config):
-        cfg = copy.deepcopy(config)
-        for text in strings:
-            keys, value = parse_override(text)
-            set_value(cfg, keys, value, f"set {text}")
-        for key, value in flags.items():
-            set_value(cfg, key.split("."), value, f"set {key}={value!r}")
-        validate_all(cfg, "the given Config with set=")
-        return cfg
-    return load_config(config, strings, **flags)
+        cfg, where = copy.deepcopy(config), "the given Config"
+    else:
+        cfg = load_config(config)
+        where = f"config {config}"
+    applied = []
+    for text in [*first, *strings]:
+        keys, value = parse_override(text)
+        set_value(cfg, keys, value, f"--set {text}")
+        applied.append(f"--set {text}")
+    for key, value in values.items():
+        set_value(cfg, key.split("."), value, f"set {key}={value!r}")
+        applied.append(f"{key}={value!r}")
+    for key, value in flags.items():
+        if value is not None:
+            set_value(cfg, key.split("."), value, f"command-line option for {key}")
+            applied.append(f"{key}={value!r}")
+    if applied or isinstance(config, Config):  # a Config's attributes may have been assigned unchecked
+        validate_all(cfg, f"{where} with overrides {', '.join(applied)}" if applied else where)
+    return cfg
 
 
 def _scan_flags(scan, settings) -> tuple[dict[str, Any], Path | None]:
@@ -88,6 +102,9 @@ def _scan_flags(scan, settings) -> tuple[dict[str, Any], Path | None]:
     flags: dict[str, Any] = {}
     folder = root._folder
     flags["data.path"] = f"{_SCAN_DIR}/scan.yaml" if folder is not None else root.origin
+    orbit = getattr(root.source, "orbit", None)
+    if orbit is not None:  # a walnut folder holds three orbits: the run reads the one this scan opened
+        flags["data.orbit"] = int(orbit)
     if scan.is_subset:
         flags["data.angles"] = [int(i) for i in scan.used_angles]
         given = settings.keys() if isinstance(settings, Mapping) else [str(s).split("=")[0] for s in settings or []]
@@ -101,11 +118,76 @@ def _temporary_folder(kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"ctuq-{kind}-"))
 
 
+def _place_scan(folder: Path, scan_folder: Path | None, *, keep: bool) -> None:
+    """Copy a scan given as arrays (its ``scan.yaml`` folder) into the run folder's ``scan/``; a new run replaces
+    the one a previous run there left (it would otherwise read that scan), ``keep`` (a resumed run) keeps it."""
+    if scan_folder is None:
+        return
+    target = folder / _SCAN_DIR
+    if target.exists() and keep:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(scan_folder, target)
+
+
+def _discarded_on_failure(folder: Path, temporary: bool, work: Callable[[], Any]) -> Any:
+    """``work()``; when it raises (an error, Ctrl-C) a ``temporary`` folder is removed: nothing can resume it."""
+    try:
+        return work()
+    except BaseException:
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _run_folder(path: str | Path, who: str) -> Path:
+    """``path`` when it is a run folder (it holds ``config.yaml``); else ``OutDirError`` naming ``who`` (the
+    function and its argument) and the folder."""
+    path = Path(path).expanduser()
+    if not (path / rf.CONFIG_NAME).is_file():
+        what = "no such folder" if not path.exists() else "not a folder" if not path.is_dir() else "no config.yaml"
+        raise OutDirError(
+            f"{who} {path} is not a run folder ({what}); give a folder written by `ctuq reconstruct`, "
+            "ctuq.reconstruct(out=...) or Run.save"
+        )
+    return path
+
+
 def _copy_run(src: Path, dst: Path) -> None:
-    """Copy the run folder ``src`` into ``dst`` (new or empty), without its lock."""
+    """Copy the run folder ``src`` into ``dst`` (new or empty), without its lock. The copy is made beside ``dst`` and
+    renamed into place, so a copy killed half-way leaves no ``dst`` that looks like a run folder."""
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise OutDirError(f"out {dst}: exists and is not an empty folder")
-    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_LOCK))
+    tmp = dst.with_name(f".{dst.name}.copying")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(_LOCK))
+    if dst.exists():
+        dst.rmdir()  # empty (checked above)
+    tmp.rename(dst)
+
+
+def holds_result(folder: str | Path, config: Config, *files: str) -> bool:
+    """Whether ``folder`` holds the finished result of ``config``: every one of ``files`` (those its work writes
+    last, e.g. ``metrics.json``) is there, and its ``config.yaml`` is ``config``. The file is read through the config
+    schema, so a key added to ctuq since the run wrote it takes its default (what the run did without it), and both
+    are compared as the YAML a run writes; a file this version cannot read (a key it no longer has) holds no result
+    of it. What ``reuse=True`` of :func:`reconstruct`, :func:`uncertainty` and :func:`design_angles` asks before it
+    loads a folder instead of computing it."""
+    folder = Path(folder)
+    if not all((folder / name).is_file() for name in files):
+        return False
+    try:
+        saved = load_config(folder / rf.CONFIG_NAME)
+    except ConfigError:  # unreadable, not YAML, or a key or value this version does not know
+        return False
+
+    def written(cfg: Config) -> Any:
+        return yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    return written(saved) == written(config)
 
 
 # --------------------------------------------------------------------------------------------- the API
@@ -116,6 +198,7 @@ def reconstruct(
     *,
     out: str | Path | None = None,
     resume: bool = False,
+    reuse: bool = False,
     uq: bool = True,
     progress: bool = True,
     device: str | None = None,
@@ -128,20 +211,25 @@ def reconstruct(
 
     Parameters
     ----------
-    scan : Scan, path or None
+    scan : Scan, str, Path or None
         A :class:`~ctuq.scan.Scan` (:func:`~ctuq.scan.load_scan`, :meth:`~ctuq.scan.Scan.from_astra`, a
         :meth:`~ctuq.scan.Scan.subset`), the path of a scan (``--data``), or ``None``: the config's
         ``data.path`` (default the bundled simulated walnut).
-    config : str, path or Config
+    config : str, Path or Config
         A bundled config name (``"demo"``, ``"walnut_2d_60"``, …), a YAML file, or a :class:`ctuq.config.Config`.
     set : dict or list of str
         Config overrides: ``{"dip.iterations": 500}`` or ``["dip.iterations=500"]`` (``--set``).
-    out : path, optional
+    out : str or Path, optional
         The run folder to write (``--out``). Default: a temporary folder, removed with the returned run unless
         :meth:`Run.save` keeps it.
     resume, uq, progress, overwrite
         Continue an interrupted run in ``out`` from its checkpoints; run the uncertainty phase; progress bars;
         allow a new run into a folder holding a finished one.
+    reuse : bool
+        When ``out`` already holds this finished run (its ``metrics.json``, with ``uq`` its ``std.tif``, and a
+        ``config.yaml`` equal to this call's config: :func:`holds_result`), load it instead of computing it again
+        (:attr:`Run.reused`). With ``resume=True`` a rerun of the same call (a script, a notebook cell, a study)
+        loads what finished and continues what was interrupted. Anything else in ``out`` is treated as without it.
     device, seed, save_samples
         Override ``device``, ``seed`` and ``uq.save_samples``.
 
@@ -164,12 +252,19 @@ def reconstruct(
     if resume and config == "demo" and (Path(out) / rf.CONFIG_NAME).is_file():
         config_file = Path(out) / rf.CONFIG_NAME  # a resumed run keeps its own settings
     cfg = _config(config_file, set, {**flags, "device": device, "seed": seed, "uq.save_samples": save_samples})
-    folder = Path(out) if out is not None else _temporary_folder("run")
-    if scan_folder is not None and not (folder / _SCAN_DIR).exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(scan_folder, folder / _SCAN_DIR)
-    state = runner.reconstruct(cfg, folder, resume=resume, uq=uq, progress=progress, overwrite=overwrite)
-    return Run(folder, state=state, temporary=out is None)
+    if reuse and out is not None and holds_result(out, cfg, rf.METRICS_NAME, *([rf.STD_NAME] if uq else [])):
+        return Run(Path(out), reused=True)
+    temporary = out is None
+    folder = _temporary_folder("run") if temporary else Path(out)
+    if not temporary and scan_folder is not None and not resume:
+        rf.prepare_out_dir(folder, resume=overwrite, option="out")  # refused before the scan is copied into it
+
+    def work() -> RunState:
+        _place_scan(folder, scan_folder, keep=resume)
+        return runner.reconstruct(cfg, folder, resume=resume, uq=uq, progress=progress, overwrite=overwrite)
+
+    state = _discarded_on_failure(folder, temporary, work)
+    return Run(folder, state=state, temporary=temporary)
 
 
 def uncertainty(
@@ -178,6 +273,7 @@ def uncertainty(
     *,
     out: str | Path | None = None,
     resume: bool = False,
+    reuse: bool = False,
     progress: bool = True,
     device: str | None = None,
     save_samples: bool | None = None,
@@ -189,15 +285,21 @@ def uncertainty(
 
     Parameters
     ----------
-    run : Run or path
+    run : Run, str or Path
         The run (or its folder).
     set : dict or list of str
         Overrides of the run's config, e.g. ``{"uq.samples": 256, "uq.calibration": "none"}``.
-    out : path, optional
+    out : str or Path, optional
         Where the new run goes: default a temporary copy (the given run is left as it is); ``run.path`` reruns in
-        place (what ``ctuq uq RUN`` does); another path gets a copy of the run first.
+        place (what ``ctuq uq RUN`` does); another path gets a copy of the run first (made whole or not at all), or,
+        with ``resume=True`` when it already holds a run folder (an earlier call's copy), continues in it.
     resume, progress, device, save_samples
         Continue an interrupted inference; progress bars; override ``device`` and ``uq.save_samples``.
+    reuse : bool
+        When ``out`` already holds this finished inference (``metrics.json``, ``std.tif`` and a ``config.yaml``
+        equal to this call's config, which the inference writes last: :func:`holds_result`), load it instead of
+        computing it again (:attr:`Run.reused`); with ``resume=True`` a rerun of the same call loads what finished
+        and continues what was interrupted.
     shard : ctuq.inference.Shard, optional
         This process's share of a ``torchrun`` launch (``ctuq uq`` sharded), computing on ``rank_device`` (its own
         GPU; default the config's device).
@@ -206,24 +308,35 @@ def uncertainty(
     -------
     Run
     """
-    run = run if isinstance(run, Run) else Run(Path(run))
+    run = run if isinstance(run, Run) else Run(_run_folder(run, "uncertainty: run"))
     cfg = _config(run.path / rf.CONFIG_NAME, set, {"device": device, "uq.save_samples": save_samples})
+    if reuse and out is not None and holds_result(out, cfg, rf.METRICS_NAME, rf.STD_NAME):
+        return Run(Path(out), reused=True)
+    copied = False
     if out is None:
         target, temporary = _temporary_folder("run"), True
-        _copy_run(run.path, target)
+        _discarded_on_failure(target, True, lambda: _copy_run(run.path, target))
+        copied = True
     else:
         target, temporary = Path(out), False
-        if target.resolve() != run.path.resolve():
+        continued = resume and (target / rf.CONFIG_NAME).is_file()
+        if target.resolve() != run.path.resolve() and not continued:
             _copy_run(run.path, target)
-    state = runner.rerun_uq(cfg, target, resume=resume, progress=progress, shard=shard, device=rank_device)
+            copied = True
+    # a fresh copy has no inference of its own to continue (a checkpoint in it is the source run's)
+    resume = resume and not copied
+    state = _discarded_on_failure(
+        target,
+        temporary,
+        lambda: runner.rerun_uq(cfg, target, resume=resume, progress=progress, shard=shard, device=rank_device),
+    )
     return Run(target, state=state, temporary=temporary)
 
 
 def load_run(path: str | Path) -> Run:
     """The finished run in the folder ``path`` (written by ``ctuq reconstruct``, :func:`reconstruct` or
     :meth:`Run.save`). ``OutDirError`` naming the folder when it is not a run folder or not finished."""
-    path = Path(path)
-    rf.require_run_folder(path)
+    path = _run_folder(path, "load_run:")
     if not (path / rf.METRICS_NAME).is_file():
         raise OutDirError(
             f"load_run: {path} is not a finished run (no {rf.METRICS_NAME}); finish it with `ctuq reconstruct "
@@ -239,14 +352,17 @@ class Run:
     ----------
     path : Path
         The run folder behind it (a temporary one for a run made without ``out=``, until :meth:`save`).
+    reused : bool
+        Whether ``reuse=True`` found this run finished in its folder and loaded it (nothing was computed).
     """
 
-    def __init__(self, path: Path, *, state: RunState | None = None, temporary: bool = False):
+    def __init__(self, path: Path, *, state: RunState | None = None, temporary: bool = False, reused: bool = False):
         self.path = Path(path)
         self._state = state
         self._metrics: dict | None = None
         self._posterior: CTPosterior | None = None
         self.temporary = temporary
+        self.reused = reused
         if temporary:
             weakref.finalize(self, shutil.rmtree, self.path, True)
 
@@ -281,6 +397,18 @@ class Run:
         if result is not None and getattr(result, "std", None) is not None:
             return _numpy(result.std)
         return _read(self.path / rf.STD_NAME) if (self.path / rf.STD_NAME).is_file() else None
+
+    @property
+    def mean(self) -> np.ndarray | None:
+        """The predictive mean :attr:`std` belongs to (mm⁻¹): the DIP reconstruction for the linearised posterior,
+        the stochastic passes' mean (``mean.tif``) for ``uq.method = mc_dropout``; ``None`` for a run without the
+        uncertainty phase."""
+        if (self.path / rf.MEAN_NAME).is_file():
+            return _read(self.path / rf.MEAN_NAME)
+        result = None if self._state is None else self._state.uq_result
+        if result is not None and getattr(result, "mean", None) is not None:
+            return _numpy(result.mean)
+        return self.images.get("dip") if self.std is not None else None
 
     @property
     def std_uncalibrated(self) -> np.ndarray | None:
@@ -374,6 +502,7 @@ def design_angles(
     seed: int | None = None,
     out: str | Path | None = None,
     resume: bool = False,
+    reuse: bool = False,
     progress: bool = True,
 ) -> Design:
     """Choose the next scan angles of ``scan`` by Bayesian experimental design (``ctuq design`` as a function): the
@@ -396,6 +525,9 @@ def design_angles(
         Override ``design.criterion``, ``design.prior``, ``design.samples``, ``device`` and ``seed``.
     out, resume, progress
         The design folder (default temporary), continue a killed design, progress bars.
+    reuse : bool
+        When ``out`` already holds this finished design (``design.json`` and a ``config.yaml`` equal to this call's
+        config: :func:`holds_result`), load it instead of computing it again (:attr:`Design.reused`).
 
     Returns
     -------
@@ -403,7 +535,6 @@ def design_angles(
     """
     flags, scan_folder = _scan_flags(scan, set)
     overrides = ["data.angular_subsampling=1", "data.min_angles=1"]  # the candidates are all of the scan's angles
-    strings, values = _overrides(set)
     design_flags = {
         "design.pilot": pilot,
         "design.acquire": acquire,
@@ -416,14 +547,20 @@ def design_angles(
         "device": device,
         "seed": seed,
     }
-    cfg = _config(config, [*overrides, *strings], {**values, **flags, **design_flags})
-    folder = Path(out) if out is not None else _temporary_folder("design")
-    if scan_folder is not None and not (folder / _SCAN_DIR).exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(scan_folder, folder / _SCAN_DIR)
+    cfg = _config(config, set, {**flags, **design_flags}, first=overrides)
+    if reuse and out is not None and holds_result(out, cfg, DESIGN_NAME):
+        return Design(Path(out), reused=True)
+    temporary = out is None
+    folder = _temporary_folder("design") if temporary else Path(out)
     angles = None if pilot_angles is None else np.asarray(pilot_angles, dtype=np.float64)
-    run_design(cfg, folder, pilot_angles=angles, resume=resume, progress=progress, plan=plan)
-    return Design(folder, temporary=out is None)
+
+    def work() -> None:
+        # a finished design there is refused without resume: its scan is left as it is
+        _place_scan(folder, scan_folder, keep=resume or (folder / DESIGN_NAME).is_file())
+        run_design(cfg, folder, pilot_angles=angles, resume=resume, progress=progress, plan=plan)
+
+    _discarded_on_failure(folder, temporary, work)
+    return Design(folder, temporary=temporary)
 
 
 class Design:
@@ -436,15 +573,18 @@ class Design:
     record : dict
         ``design.json``: candidates, pilot, acquired angles in order with their criterion values, the forecast
         and the reconstructions from the designed and equidistant angles.
+    reused : bool
+        Whether ``reuse=True`` found this design finished in its folder and loaded it.
     """
 
-    def __init__(self, path: Path, *, temporary: bool = False):
+    def __init__(self, path: Path, *, temporary: bool = False, reused: bool = False):
         self.path = Path(path)
         try:
             self.record = json.loads((self.path / DESIGN_NAME).read_text())
         except (OSError, ValueError) as exc:
             raise OutDirError(f"{self.path / DESIGN_NAME}: not a finished design ({type(exc).__name__})") from None
         self.temporary = temporary
+        self.reused = reused
         if temporary:
             weakref.finalize(self, shutil.rmtree, self.path, True)
 
@@ -462,6 +602,13 @@ class Design:
     def forecast(self) -> dict | None:
         """The error forecast (``design.json["forecast"]``: the plan's curves, the stop), or ``None``."""
         return self.record.get("forecast")
+
+    @property
+    def pilot_images(self) -> dict[str, np.ndarray]:
+        """The pilot scan's reconstructions by method (``"fbp"``, ``"tv"`` when it ran, ``"dip"``; ``pilot/``):
+        ``image_shape`` float32 arrays in mm⁻¹."""
+        pilot = self.path / "pilot"
+        return {k: _read(pilot / name) for k, name in _IMAGES.items() if (pilot / name).is_file()}
 
     @property
     def std_pilot(self) -> np.ndarray | None:

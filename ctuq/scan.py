@@ -27,7 +27,7 @@ from ctuq.data.formats import open_scan
 from ctuq.data.loader import load_slice, load_volume
 from ctuq.data.scan_file import LENGTH_FACTORS, write_scan_file
 from ctuq.data.source import ScanSource, SubsetSource
-from ctuq.errors import DataError
+from ctuq.errors import DataError, OutDirError
 from ctuq.geometry import ProjectionGeometry
 from ctuq.options import LengthUnit, MeasurementKind, ScanGeometry, values
 
@@ -98,7 +98,9 @@ class Scan:
             ASTRA volume geometry (``astra.create_vol_geom``), centred on the origin; its voxels must be cubic.
         ground_truth : array, optional
             The true image on ``vol_geom``'s grid (``(rows, cols)`` or ``(slices, rows, cols)``), in attenuation per
-            the geometry's length unit; converted to mm⁻¹.
+            the geometry's length unit; converted to mm⁻¹. A run's images (``Run.images``, ``Run.std``) come in
+            this array order (ASTRA's: a 2D image's row 0 at the top). :attr:`angles` says how ctuq's angles
+            relate to the geometry's.
         units : {"mm", "cm", "m", "um"}
             The length unit of the ASTRA geometry (ASTRA has none). Default mm: a geometry in pixel units then has
             1 mm pixels.
@@ -169,7 +171,9 @@ class Scan:
     @property
     def angles(self) -> np.ndarray:
         """Every distinct projection angle of the scan, degrees in ``[0, 360)``: the source's (or the rays')
-        direction about ``z`` (ASTRA's orientation), geometry-row order."""
+        direction about ``z`` in ctuq's frame, which is ASTRA's 3D frame (geometry-row order). ASTRA's 2D frame is
+        ctuq's mirrored in ``y`` (its image row 0 is at the top), which reverses the rotation: a 2D ASTRA geometry
+        given to :meth:`from_astra` at angle ``θ`` is at ``(180° − θ) mod 360°`` here; a 3D one at ``θ``."""
         rows, _files = self._all_rows()
         s = self.source.vectors[rows]
         return np.degrees(np.arctan2(s[:, 0], -s[:, 1])) % 360.0
@@ -202,11 +206,21 @@ class Scan:
         (:func:`ctuq.reconstruct` sets ``data.angular_subsampling = 1``). ``DataError`` naming ``angles`` for
         indices out of range, repeated, or fewer than one."""
         rows = self._all_rows()[0]
+        if hasattr(angles, "detach"):  # a torch tensor
+            angles = angles.detach().cpu().numpy()
         idx = np.asarray(angles)
         if idx.dtype == bool:
             if idx.shape != rows.shape:
                 raise DataError(f"Scan.subset: angles is a mask of shape {idx.shape}; the scan has {len(rows)} angles")
             idx = np.flatnonzero(idx)
+        # indices only: a float (an angle in degrees?) must not be truncated into some index
+        if idx.size and not np.issubdtype(idx.dtype, np.integer):
+            raise DataError(
+                f"Scan.subset: angles must be integer indices into Scan.angles (or a boolean mask), got dtype "
+                f"{idx.dtype} (angles in degrees? pick their indices in Scan.angles)"
+            )
+        if idx.ndim > 1:
+            raise DataError(f"Scan.subset: angles must be one-dimensional, got shape {idx.shape}")
         idx = idx.astype(np.int64, copy=False).reshape(-1)
         if idx.size < 1 or idx.min() < 0 or idx.max() >= len(rows) or len(np.unique(idx)) != idx.size:
             raise DataError(
@@ -248,8 +262,8 @@ class Scan:
     def save(self, folder: str | Path) -> Path:
         """Write a scan given as arrays as a ``scan.yaml`` folder that ``ctuq reconstruct --data`` (and
         :func:`load_scan`) reads as this very scan, bit for bit; returns the ``scan.yaml`` path. ``folder`` must not
-        exist yet or be empty. A scan opened from a file is already on disk (:attr:`origin`); a subset is saved as
-        its whole scan."""
+        exist yet or be empty (``OutDirError`` naming it otherwise). A scan opened from a file is already on disk
+        (:attr:`origin`; ``DataError``); a subset is saved as its whole scan."""
         scan = self
         while scan._parent is not None:
             scan = scan._parent
@@ -257,7 +271,7 @@ class Scan:
             raise DataError(f"Scan.save: this scan is already on disk ({self.origin}); use that path")
         folder = Path(folder).expanduser()
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-            raise DataError(f"Scan.save: {folder} exists and is not an empty folder")
+            raise OutDirError(f"Scan.save: folder {folder} exists and is not an empty folder; give a new or empty one")
         shutil.copytree(scan._folder, folder, dirs_exist_ok=True)
         return folder / _SCAN_FILE
 
@@ -338,7 +352,7 @@ class _AstraArrays:
         if variances is not None:
             var = _astra_order(_as_array(variances, "variances"), geometry, "variances")
             if np.any(var <= 0):
-                raise DataError("Scan.from_astra: variances must be positive")
+                raise DataError(f"Scan.from_astra: variances must be positive; {int((var <= 0).sum())} are ≤ 0")
         truth = None
         if ground_truth is not None:
             truth = _as_array(ground_truth, "ground_truth")

@@ -29,47 +29,21 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 from ctuq.studies import StudyError
-from ctuq.studies.angle_selection import DEFAULTS, STUDY_STRATEGIES, TINY
+from ctuq.studies.angle_selection import DEFAULTS, STUDY_STRATEGIES, TINY, AngleSelectionOptions
 from ctuq.studies.angle_selection_report import markdown_tables, run_study
+from ctuq.studies.study_options import option_help
 from ctuq.utils import tune_malloc
 
-_HELP = {
-    "images": "number of images (default 30)",
-    "images_file": ".npy or TIFF stack (N, H, W), H = W: own phantoms",
-    "size": "image side of the generated phantoms (default 128)",
-    "orientation_mean": "fix every image's preferential angle (degrees; default: U(0, 180) per image)",
-    "orientation_std": "rectangles' spread around it (degrees, default 2.86)",
-    "noise": "noise std as a fraction of mean |Tx| (default 0.05)",
-    "candidates": "candidate angles in [0°, 180°) (default 200)",
-    "pilot": "pilot angles (default 5)",
-    "acquire": "acquisitions (default 35)",
-    "every": "reconstruct every this many angles (default 5)",
-    "samples": "m, samples per step of the DIP designs (default 3000)",
-    "strategies": "subset of strategies",
-    "recon": "reconstructions: tv dip (default both)",
-    "jitter": "criteria jitter (default 0.01)",
-    "refresh_every": "DIP g-prior refresh (default 5)",
-    "retrain_every": "retraining period of *_retrain (default 5)",
-    "retrain_iterations": "iterations of one retraining (default 300)",
-    "preset": "U-Net preset (default tiny)",
-    "iterations": "pilot DIP iterations (default 2000)",
-    "lr": "pilot DIP learning rate (default 3e-3)",
-    "tv_weight": "DIP TV weight (default 1e-6)",
-    "clip_grad_norm": "DIP gradient clip (default 1)",
-    "scale": "DIP data/image scale (default 1)",
-    "input_std": "DIP input std (default 0.1)",
-    "warm_iterations": "iterations of each warm-started DIP reconstruction (default 500)",
-    "warm_lr": "their learning rate (default 1e-3)",
-    "tv_lambda": "TV reconstruction weight λ (default 0.003)",
-    "tv_iterations": "PDHG iterations (default 300)",
-    "seed": "seed of phantoms, noise, networks, samples (default 0)",
-}
+# flags of the run, not of the study's numbers: set below with their own defaults
+_RUN_FLAGS = ("device", "threads", "tiny", "progress")
+_CHOICES = {"strategies": STUDY_STRATEGIES, "recon": ("tv", "dip")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,22 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", required=True, metavar="DIR", help="study folder (created; reruns resume in it)")
-    for key, default in DEFAULTS.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(default, list):
-            choices = STUDY_STRATEGIES if key == "strategies" else ("tv", "dip") if key == "recon" else None
-            p.add_argument(flag, nargs="+", choices=choices, help=_HELP[key])
+    types = typing.get_type_hints(AngleSelectionOptions)
+    for field in dataclasses.fields(AngleSelectionOptions):
+        key = field.name
+        if key in _RUN_FLAGS:
+            continue
+        flag, hint = "--" + key.replace("_", "-"), option_help(AngleSelectionOptions, key)
+        if key in _CHOICES:
+            p.add_argument(flag, nargs="+", choices=_CHOICES[key], help=hint)
         elif key == "images_file":
-            p.add_argument(flag, metavar="FILE", help=_HELP[key])
-        else:
-            typ = (
-                int
-                if isinstance(default, int) and key not in ("noise",)
-                else float
-                if isinstance(default, float) or key == "orientation_mean"
-                else str
-            )
-            p.add_argument(flag, type=typ, help=_HELP[key])
+            p.add_argument(flag, metavar="FILE", help=hint)
+        else:  # int, float, str, or one of them or None
+            typ = next(t for t in typing.get_args(types[key]) or (types[key],) if t is not type(None))
+            p.add_argument(flag, type=typ, help=hint)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="default: cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is kinder on a shared machine)")
     p.add_argument(
@@ -112,54 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_options(args) -> dict:
-    opts = dict(DEFAULTS)
-    if args.tiny:
-        opts.update(TINY)
-    for key in DEFAULTS:
-        v = getattr(args, key)
-        if v is not None:
-            opts[key] = list(v) if isinstance(v, (list, tuple)) else v
-    opts.update(device=args.device, threads=args.threads, tiny=bool(args.tiny), progress=not args.no_progress)
-
-    def need(ok, what):
-        if not ok:
-            raise StudyError(what)
-
-    for key in (
-        "images",
-        "size",
-        "candidates",
-        "pilot",
-        "acquire",
-        "every",
-        "samples",
-        "iterations",
-        "warm_iterations",
-        "tv_iterations",
-        "retrain_iterations",
-    ):
-        need(opts[key] >= 1, f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
-    need(
-        opts["pilot"] + opts["acquire"] <= opts["candidates"],
-        f"--acquire: pilot {opts['pilot']} + {opts['acquire']} exceed the {opts['candidates']} candidates",
+def resolve_options(args) -> AngleSelectionOptions:
+    """The study's options: explicit command-line values > ``--tiny`` > the defaults; validated (``StudyError``)."""
+    base = TINY if args.tiny else DEFAULTS
+    given = {}
+    for field in dataclasses.fields(AngleSelectionOptions):
+        value = None if field.name in _RUN_FLAGS else getattr(args, field.name)
+        if value is not None:
+            given[field.name] = tuple(value) if isinstance(value, (list, tuple)) else value
+    options = dataclasses.replace(
+        base, **given, device=args.device, threads=args.threads, tiny=bool(args.tiny), progress=not args.no_progress
     )
-    need(opts["noise"] > 0 and math.isfinite(opts["noise"]), f"--noise must be positive, got {opts['noise']}")
-    need(opts["orientation_std"] >= 0, f"--orientation-std must be >= 0, got {opts['orientation_std']}")
-    need(len(opts["strategies"]) == len(set(opts["strategies"])), "--strategies: repeated strategy")
-    return opts
+    options.validate()
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        opts = resolve_options(args)
+        options = resolve_options(args)
         command = shlex.join(["python", "scripts/angle_selection.py", *(sys.argv[1:] if argv is None else argv)])
-        agg = run_study(opts, Path(args.out), command=command, report_only=args.report)
+        agg = run_study(options, Path(args.out), command=command, report_only=args.report)
     except StudyError as exc:
         print(f"angle_selection: {exc}", file=sys.stderr)
         return 2
-    print(markdown_tables(agg, opts["strategies"]), end="")
+    print(markdown_tables(agg, options.strategies), end="")
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A newcomer's first contact, timed: ``ctuq --help`` and every command's ``--help``, the default demo (``ctuq
 reconstruct``, with its phases and the solver's own estimate of the inference), and ``make test-fast``; medians of
-several runs, as a table (README "Quick start" quotes it; docs/NOTES.md has the profile).
+several runs, as a table (the guide's "Quick start", docs/guide.md, quotes it; docs/NOTES.md has the profile).
 
 Run it on an idle machine (the numbers are wall times; a second busy process on 2 cores slows torch ~10×)::
 

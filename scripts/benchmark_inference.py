@@ -4,7 +4,8 @@
 What it reproduces: ``--products`` gives the per-sample JVP/VJP table in the module docstring of
 ``ctuq/linearize.py`` (``--products --presets small --size 128``) and the chunk-size figures of docs/NOTES.md
 ("Jacobian products run in vmap chunks": ``--products --presets tiny small --chunks 8 16 32``); the phase table
-measures DESIGN.md §5's cost floor (Jacobian products × the cost of one) phase by phase, as README "Test" lists it.
+measures DESIGN.md §5's cost floor (Jacobian products × the cost of one) phase by phase, as the guide's "Test"
+section (docs/guide.md) lists it.
 
 The problem is the synthetic one of ``scripts/_bench_common.py``: a U-Net of ctuq (``--preset``, random weights) and
 a sparse line map in place of the ray transform, so the cost is the inference's and no scan is needed; the

@@ -2,7 +2,8 @@
 """Time the ray-transform backends: forward / adjoint per call and throughput (images/s) per batch size.
 
 What it measures for the docs: the ray transform's share of the inference cost floor in DESIGN.md §5 (a batched
-sparse product per sample, next to the network's Jacobian products); README "Test" lists it with the benchmarks.
+sparse product per sample, next to the network's Jacobian products); the guide's "Test" section (docs/guide.md)
+lists it with the benchmarks.
 
 Setting: the walnut sparse 2D scan (DESIGN.md §4) — fan beam, 60 angles over 360°, 128 detector columns of
 0.1496 × 6 mm, source–origin 66 mm, source–detector 199 mm — on a 128² and a 501² grid over the same 50.1 mm field

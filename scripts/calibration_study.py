@@ -17,12 +17,13 @@ Outputs in ``--out``::
     results.md, results.json          the table, the targets' margins (pass/fail), every per-scan score
     calibration.png                    coverage against nominal level (0.05…0.99), one curve per combination
     scans/<kind>_<seed>/               the simulated scans
-    runs/<scan>/angles_<N>/dip/        the DIP run (``ctuq reconstruct --no-uq``)
-    runs/<scan>/angles_<N>/<prior>-<noise>/   the inference run of one setting, and its score.json (every
-                                       calibration's scores)
+    runs/<scan>/angles_<N>/dip/        the DIP run (``ctuq.reconstruct(..., uq=False)``: ``ctuq reconstruct --no-uq``)
+    runs/<scan>/angles_<N>/<prior>-<noise>/   the inference run of one setting (``ctuq.uncertainty`` on a copy of
+                                       the DIP run: ``ctuq uq``), and its score.json (every calibration's scores)
     study.json                         the options (a rerun must use the same ones)
 
-Rerunning the same command (or with ``--resume``, which says so) skips every finished part.
+Rerunning the same command (or with ``--resume``, which says so) calls the API on the same run folders: finished
+runs are loaded, an interrupted one continues from its checkpoints.
 
 Examples::
 
@@ -37,47 +38,57 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
 
 from ctuq.registry import CALIBRATIONS
 from ctuq.studies import StudyError
-from ctuq.studies.calibration import AXES, DEFAULTS, TARGET_METRICS, TINY, parse_target, run_study
+from ctuq.studies.calibration import (
+    AXES,
+    DEFAULTS,
+    TARGET_METRICS,
+    TINY,
+    CalibrationOptions,
+    parse_target,
+    run_study,
+)
 from ctuq.studies.common import Log
+from ctuq.studies.study_options import option_help
 from ctuq.utils import tune_malloc
+
+_LISTS = ("walnut_seeds", "textured_seeds", "settings", "priors", "noises", "calibrations")
+
+
+def _help(name: str, extra: str = "") -> str:
+    """A flag's help: the option's own (:class:`CalibrationOptions`), its default and its ``--tiny`` value."""
+    text, tiny = option_help(CalibrationOptions, name), getattr(TINY, name)
+    if tiny != getattr(DEFAULTS, name):
+        text += f"; --tiny: {list(tiny) if isinstance(tiny, tuple) else tiny}"
+    return text + extra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser; study options default to ``None`` (then :data:`DEFAULTS`, or :data:`TINY`)."""
+    """The command-line parser; study options default to ``None`` (then :data:`DEFAULTS`, or :data:`TINY`: the
+    fields of :class:`CalibrationOptions`)."""
     p = argparse.ArgumentParser(
         prog="calibration_study.py",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__[__doc__.index("Outputs in") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = DEFAULTS
     p.add_argument("--out", metavar="DIR", required=True, help="study folder (created; reruns resume in it)")
-    p.add_argument(
-        "--walnut-seeds", type=int, nargs="*", metavar="S", help=f"walnut scans (default {d['walnut_seeds']})"
-    )
-    p.add_argument(
-        "--textured-seeds", type=int, nargs="*", metavar="S", help=f"textured scans (default {d['textured_seeds']})"
-    )
-    p.add_argument("--settings", type=int, nargs="+", metavar="ANGLES", help=f"angle counts (default {d['settings']})")
-    p.add_argument(
-        "--priors", nargs="+", metavar="P", help=f"uq.prior values {AXES['uq.prior']} (default {d['priors']})"
-    )
-    p.add_argument(
-        "--noises", nargs="+", metavar="N", help=f"uq.noise values {AXES['uq.noise']} (default {d['noises']})"
-    )
+    p.add_argument("--walnut-seeds", type=int, nargs="*", metavar="S", help=_help("walnut_seeds"))
+    p.add_argument("--textured-seeds", type=int, nargs="*", metavar="S", help=_help("textured_seeds"))
+    p.add_argument("--settings", type=int, nargs="+", metavar="ANGLES", help=_help("settings"))
+    p.add_argument("--priors", nargs="+", metavar="P", help=_help("priors", f"; one of {', '.join(AXES['uq.prior'])}"))
+    p.add_argument("--noises", nargs="+", metavar="N", help=_help("noises", f"; one of {', '.join(AXES['uq.noise'])}"))
     p.add_argument(
         "--calibrations",
         nargs="+",
         metavar="C",
-        help=f"uq.calibration values (registered methods: {', '.join(CALIBRATIONS.names())}; default "
-        f"{d['calibrations']})",
+        help=_help("calibrations", f"; registered: {', '.join(CALIBRATIONS.names())}"),
     )
     p.add_argument(
         "--target",
@@ -86,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="report each combination's worst margin against this range (repeatable; a bound may be empty, e.g. "
         f"coverage_0.95=0.92:); METRIC one of {', '.join(TARGET_METRICS)}. Default: none",
     )
-    p.add_argument("--config", help=f"base config of every run (default {d['config']})")
+    p.add_argument("--config", help=_help("config"))
     p.add_argument(
         "--set",
         action="append",
@@ -106,23 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_options(args: argparse.Namespace) -> dict:
-    """Defaults (:data:`DEFAULTS`, with :data:`TINY` on top for ``--tiny``) overridden by the given flags."""
-    opts = copy.deepcopy(DEFAULTS)
-    if args.tiny:
-        opts.update(copy.deepcopy(TINY))
-    for key in ("walnut_seeds", "textured_seeds", "settings", "priors", "noises", "calibrations", "config"):
-        value = getattr(args, key)
-        if value is not None:
-            opts[key] = value
-    if args.set:
-        opts["set"] = [*opts["set"], *args.set]
+def resolve_options(args: argparse.Namespace) -> CalibrationOptions:
+    """:data:`DEFAULTS` (:data:`TINY` for ``--tiny``) with the given flags: a list flag replaces the list, ``--set``
+    adds to it."""
+    base = TINY if args.tiny else DEFAULTS
+    given = {key: tuple(getattr(args, key)) for key in _LISTS if getattr(args, key) is not None}
+    if args.config is not None:
+        given["config"] = args.config
     if args.target:
-        opts["targets"] = dict(parse_target(text) for text in args.target)
-    opts["progress"] = bool(args.progress)
-    opts["rescore"] = bool(args.rescore)
-    opts["tiny"] = bool(args.tiny)
-    return opts
+        given["targets"] = dict(parse_target(text) for text in args.target)
+    return dataclasses.replace(
+        base,
+        **given,
+        set=(*base.set, *(args.set or [])),
+        progress=bool(args.progress),
+        rescore=bool(args.rescore),
+        tiny=bool(args.tiny),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     log = Log("calibration_study")
     try:
-        opts = resolve_options(args)
+        options = resolve_options(args)
     except StudyError as exc:
         print(f"calibration_study.py: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = "python scripts/calibration_study.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     try:
-        results = run_study(opts, out, command, log)
+        results = run_study(options, out, command, log)
     except (StudyError, ValueError) as exc:  # CTUQError is a ValueError: every user error of the pipeline
         if args.debug:
             raise

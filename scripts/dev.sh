@@ -5,11 +5,13 @@
 #   bash scripts/dev.sh demo     # set up, then `ctuq reconstruct --config demo` into a new run folder
 #   bash scripts/dev.sh test     # set up, then ruff (lint + format check) and the test suite
 #   bash scripts/dev.sh test-fast   # set up, then the tests not marked slow (every package, about a minute)
+#   bash scripts/dev.sh docs     # set up, then build the documentation site (docs/_build/html) with no warning
 #   bash scripts/dev.sh setup    # set up only
 #
 # Set-up is README's three commands: `python3 -m venv .venv`, `pip install torch==2.13.0`, `pip install -e
-# ".[test]"`. It runs once: a stamp file in the venv records the torch spec and a hash of pyproject.toml, so a
-# second call installs nothing unless the dependencies changed (delete .venv/.ctuq-setup to force it).
+# ".[test]"` (the test extra brings the docs one: the tests execute the tutorial, `test` builds the site). It runs
+# once: a stamp file in the venv records the torch spec and a hash of pyproject.toml, so a second call installs
+# nothing unless the dependencies changed (delete .venv/.ctuq-setup to force it).
 #
 # Environment: PYTHON (default python3, ≥ 3.10), VENV (default .venv), TORCH_SPEC (default torch==2.13.0; the
 # PyPI wheel runs on the CPU and brings CUDA where a GPU is), TORCH_PIP_ARGS (more pip options for torch only, e.g.
@@ -93,14 +95,25 @@ dev.sh: the demo's run folder is $out (reconstruction.tif, std.tif, uncertainty.
 EOF
 }
 
+build_docs() {
+    # the guide, the tutorial (rendered, not executed: tests/test_tutorial.py runs it) and the API reference; -W
+    # makes every warning an error, --keep-going reports them all first, -E rereads every page (an incremental build
+    # would not repeat the warnings of unchanged pages)
+    say "docs: python -m sphinx -W --keep-going -E -q docs docs/_build/html"
+    python -m sphinx -W --keep-going -E -q docs docs/_build/html
+    say "docs: built docs/_build/html/index.html"
+}
+
 run_tests() {
     setup
     say "lint: ruff check ctuq tests scripts && ruff format --check ctuq tests scripts"
     ruff check ctuq tests scripts
     ruff format --check ctuq tests scripts
-    say "tests: python -m pytest -q ${PYTEST_ARGS:-}"
+    say "tests: python -m pytest -q --durations=25 ${PYTEST_ARGS:-}"
+    # --durations=25: the slowest tests in the log, to keep the suite within CI's time
     # shellcheck disable=SC2086
-    python -m pytest -q ${PYTEST_ARGS:-}
+    python -m pytest -q --durations=25 ${PYTEST_ARGS:-}
+    build_docs
 }
 
 run_fast_tests() {
@@ -115,8 +128,12 @@ setup) setup ;;
 demo) demo ;;
 test) run_tests ;;
 test-fast) run_fast_tests ;;
+docs)
+    setup
+    build_docs
+    ;;
 *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|test-fast   (or: make setup|demo|test|test-fast)" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|test-fast|docs   (or: make setup|demo|test|test-fast|docs)" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,7 @@ study loads the 2D slice problem and
 
 1. fits the DIP once (U-Net without dropout): its reconstruction ``x̃`` is the mean of both linearised methods;
 2. **linearised (sampled)**: g-prior, sampled EM with preconditioned CG, ``--samples`` dual Matheron samples
-   (:class:`ctuq.pipeline.uq.UQRun` with ``solver="cg"``);
+   (:func:`ctuq.uncertainty` on the DIP's run with ``uq.solver = cg``);
 3. **linearised (exact)**: the exact reference (``solver="exact"``: the dense route ``TΦ`` for ``d < c``, the
    ``c × c`` eigendecomposition otherwise; exact EM to convergence, exact samples) when ``--exact`` permits:
    ``auto`` runs it when its memory estimate (:func:`ctuq.inference.estimate_solver_costs` from ``c``, ``d`` and
@@ -32,14 +32,16 @@ Outputs in ``--out``::
     joint_ll_<N>.png                   joint log-likelihood against patch size
     calibration_<N>.png                calibration curves
     error_vs_std_<N>.png               |error| against std histograms
-    angles_<N>/                        per setting: ground_truth.tif, reconstruction.tif, dip_model.pt, and per
-        <method>/                      method std.tif, mean.tif, result.pt, metrics.json (+ its checkpoints)
+    angles_<N>/                        per setting: ground_truth.tif, reconstruction.tif (the DIP's), and run
+        dip/                           folders (ctuq.load_run): the DIP fit (ctuq.reconstruct, uq=False),
+        <method>/                      per method its run (std.tif, metrics.json, checkpoints; MC dropout's
+                                       own DIP and mean.tif)
     study.json                         the options of the study (a rerun must use the same ones)
     scan/                              the simulated scan (only without --data)
 
-Checkpoints: the DIP fits (``fit_dip`` checkpoints), the linearised inference (``uq_state.pt`` and sample
-chunks) and each finished (setting, method) are kept in ``--out``; rerunning the same command skips what is
-finished and resumes what is not (the log says which).
+Resuming: every run is made by the public API with ``resume=True, reuse=True``, so rerunning the same command
+(also after a kill) loads the finished runs and continues the interrupted one from its checkpoints (the DIP fit's
+``dip_checkpoint.pt``, the inference's ``uq_state.pt`` and sample chunks); the log says which.
 
 Examples::
 
@@ -52,14 +54,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 from ctuq.studies import StudyError
-from ctuq.studies.walnut import DEFAULTS, TINY, markdown_table, run_study, table_rows
+from ctuq.studies.walnut import DEFAULTS, TINY, WalnutOptions, markdown_table, run_study, table_rows
 from ctuq.utils import tune_malloc
 
 
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--scan-preset",
         choices=("bundled", "tiny", "walnut"),
-        help=f"simulation preset when --data is not given (default {d['scan_preset']})",
+        help=f"simulation preset when --data is not given (default {d.scan_preset})",
     )
     g.add_argument("--out", metavar="DIR", required=True, help="study folder (created; reruns resume in it)")
     g.add_argument(
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="ANGLES",
         help=f"angle counts, each dividing the scan's number of distinct angles (default "
-        f"{' '.join(map(str, d['settings']))})",
+        f"{' '.join(map(str, d.settings))})",
     )
     g.add_argument("--orbit", type=int, choices=(1, 2, 3), help="source orbit (default 2)")
     g.add_argument("--slice-index", type=int, help="ground-truth slice (default: the central one)")
@@ -110,39 +111,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--backend", choices=("auto", "sparse", "astra_cuda"), help="ray transform (default auto)")
     g = p.add_argument_group("DIP")
-    g.add_argument("--preset", choices=("tiny", "small", "walnut"), help=f"U-Net preset (default {d['preset']})")
-    g.add_argument("--iterations", type=int, help=f"DIP iterations (default {d['iterations']})")
-    g.add_argument("--lr", type=float, help=f"Adam learning rate (default {d['lr']})")
-    g.add_argument("--tv-weight", type=float, help=f"TV weight (default {d['tv_weight']})")
-    g.add_argument(
-        "--clip-grad-norm", type=float, help=f"gradient-norm clip, 0 disables (default {d['clip_grad_norm']})"
-    )
-    g.add_argument("--scale", type=float, help=f"data/image scale of the DIP (default {d['scale']})")
-    g.add_argument("--input-std", type=float, help=f"std of the fixed noise input (default {d['input_std']})")
+    g.add_argument("--preset", choices=("tiny", "small", "walnut"), help=f"U-Net preset (default {d.preset})")
+    g.add_argument("--iterations", type=int, help=f"DIP iterations (default {d.iterations})")
+    g.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
+    g.add_argument("--tv-weight", type=float, help=f"TV weight (default {d.tv_weight})")
+    g.add_argument("--clip-grad-norm", type=float, help=f"gradient-norm clip, 0 disables (default {d.clip_grad_norm})")
+    g.add_argument("--scale", type=float, help=f"data/image scale of the DIP (default {d.scale})")
+    g.add_argument("--input-std", type=float, help=f"std of the fixed noise input (default {d.input_std})")
     g = p.add_argument_group("linearised inference")
-    g.add_argument("--samples", type=int, help=f"prediction samples of the linearised methods (default {d['samples']})")
+    g.add_argument("--samples", type=int, help=f"prediction samples of the linearised methods (default {d.samples})")
     g.add_argument("--exact-samples", type=int, help="prediction samples of the exact reference (default: --samples)")
-    g.add_argument("--em-steps", type=int, help=f"sampled-EM steps (default {d['em_steps']})")
-    g.add_argument("--em-samples", type=int, help=f"samples per sampled-EM step (default {d['em_samples']})")
+    g.add_argument("--em-steps", type=int, help=f"sampled-EM steps (default {d.em_steps})")
+    g.add_argument("--em-samples", type=int, help=f"samples per sampled-EM step (default {d.em_samples})")
     g.add_argument(
         "--exact-em-steps",
         type=int,
-        help=f"EM steps of the exact reference (free there; default {d['exact_em_steps']}, tol 1e-3)",
+        help=f"EM steps of the exact reference (free there; default {d.exact_em_steps}, tol 1e-3)",
     )
-    g.add_argument("--rank", type=int, help=f"CG preconditioner rank (default {d['rank']})")
+    g.add_argument("--rank", type=int, help=f"CG preconditioner rank (default {d.rank})")
     g.add_argument(
         "--gprior", choices=("exact", "stochastic"), help="g-prior scales: exact (c VJPs) or stochastic (default exact)"
     )
-    g.add_argument("--prior-precision", type=float, help=f"initial prior precision a (default {d['prior_precision']})")
+    g.add_argument("--prior-precision", type=float, help=f"initial prior precision a (default {d.prior_precision})")
     g.add_argument(
         "--exact",
         choices=("auto", "always", "never"),
         help="run the exact reference: auto = when its memory estimate fits the device (default)",
     )
     g = p.add_argument_group("MC dropout")
-    g.add_argument("--mc-passes", type=int, help=f"stochastic forward passes (default {d['mc_passes']})")
-    g.add_argument("--mc-batch", type=int, help=f"passes per forward call (default {d['mc_batch']})")
-    g.add_argument("--dropout", type=float, help=f"dropout rate after every conv block (default {d['dropout']})")
+    g.add_argument("--mc-passes", type=int, help=f"stochastic forward passes (default {d.mc_passes})")
+    g.add_argument("--mc-batch", type=int, help=f"passes per forward call (default {d.mc_batch})")
+    g.add_argument("--dropout", type=float, help=f"dropout rate after every conv block (default {d.dropout})")
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if available")
     g.add_argument("--seed", type=int, help="seed of inputs, weights, dropout and samples (default 0)")
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tiny",
         action="store_true",
         help="tiny preset for tests: tiny simulated scan, 4 and 8 angles, 32² grid, 24 detector columns, "
-        f"{TINY['iterations']} DIP iterations, a few samples (explicit options still win)",
+        f"{TINY.iterations} DIP iterations, a few samples (explicit options still win)",
     )
     g.add_argument(
         "--threads",
@@ -163,52 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Options: explicit command-line values > ``--tiny`` > :data:`DEFAULTS`; validated (``StudyError``)."""
-    opts = dict(DEFAULTS)
-    if args.tiny:
-        opts.update(TINY)
-    for key in DEFAULTS:
-        value = getattr(args, key, None)
-        if value is not None:
-            opts[key] = list(value) if isinstance(value, (list, tuple)) else value
-    if opts["exact_samples"] is None:
-        opts["exact_samples"] = opts["samples"]
-    opts["device"] = args.device
-    opts["threads"] = args.threads
-    opts["tiny"] = bool(args.tiny)
-    opts["progress"] = not args.no_progress
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise StudyError(what)
-
-    need(
-        len(opts["settings"]) > 0 and min(opts["settings"]) >= 1,
-        f"--settings: angle counts must be >= 1, got {opts['settings']}",
-    )
-    need(len(set(opts["settings"])) == len(opts["settings"]), f"--settings: repeated angle count in {opts['settings']}")
-    for key in ("iterations", "samples", "exact_samples", "mc_passes", "em_samples", "rank", "mc_batch"):
-        need(opts[key] >= 1, f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
-    for key in ("samples", "exact_samples", "mc_passes"):
-        need(opts[key] >= 2, f"--{key.replace('_', '-')} must be >= 2 (a std needs two samples), got {opts[key]}")
-    for key in ("em_steps", "exact_em_steps"):
-        need(opts[key] >= 0, f"--{key.replace('_', '-')} must be >= 0, got {opts[key]}")
-    for key in ("lr", "scale", "input_std", "prior_precision"):
-        need(opts[key] > 0 and math.isfinite(opts[key]), f"--{key.replace('_', '-')} must be positive, got {opts[key]}")
-    need(opts["tv_weight"] >= 0, f"--tv-weight must be >= 0, got {opts['tv_weight']}")
-    need(opts["clip_grad_norm"] >= 0, f"--clip-grad-norm must be >= 0, got {opts['clip_grad_norm']}")
-    need(0.0 < opts["dropout"] < 1.0, f"--dropout must lie in (0, 1), got {opts['dropout']}")
-    need(opts["seed"] >= 0, f"--seed must be >= 0, got {opts['seed']}")
-    need(opts["threads"] is None or opts["threads"] >= 1, f"--threads must be >= 1, got {opts['threads']}")
-    if opts["image_shape"] is not None:
-        need(min(opts["image_shape"]) >= 4, f"--image-shape must be at least 4 × 4, got {opts['image_shape']}")
-    if opts["detector_subsampling"] is not None:
-        need(
-            opts["detector_subsampling"] >= 1,
-            f"--detector-subsampling must be >= 1, got {opts['detector_subsampling']}",
-        )
-    return opts
+def resolve_options(args: argparse.Namespace) -> WalnutOptions:
+    """The study's options: explicit command-line values > ``--tiny`` (:data:`~ctuq.studies.walnut.TINY`) >
+    :data:`~ctuq.studies.walnut.DEFAULTS`; ``exact_samples`` resolved and validated (``StudyError``)."""
+    base = TINY if args.tiny else DEFAULTS
+    given = {}
+    for field in dataclasses.fields(WalnutOptions):
+        value = getattr(args, field.name, None)
+        if value is not None and field.name not in ("device", "threads", "tiny", "progress"):
+            given[field.name] = tuple(value) if isinstance(value, (list, tuple)) else value
+    options = dataclasses.replace(
+        base, **given, device=args.device, threads=args.threads, tiny=bool(args.tiny), progress=not args.no_progress
+    ).resolved()
+    options.validate()
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        opts = resolve_options(args)
+        options = resolve_options(args)
         out = Path(args.out)
         command = shlex.join(["python", "scripts/walnut_study.py", *(sys.argv[1:] if argv is None else argv)])
-        results = run_study(opts, args.data, out, command=command)
+        results = run_study(options, args.data, out, command=command)
     except StudyError as exc:
         print(f"walnut_study: {exc}", file=sys.stderr)
         return 2

@@ -251,14 +251,14 @@ def test_the_solver_defaults_are_todays():
     "override, fragment",
     [
         ("uq.cg.rank=0", "--set uq.cg.rank=0: uq.cg.rank must be >= 1, got 0"),
-        ("uq.rank=0", "--set uq.rank=0: unknown config key 'uq.rank'; valid keys of section 'uq': prior, "),
+        ("uq.rank=0", "--set uq.rank=0: unknown config key 'uq.rank'; valid keys of section 'uq': method, prior, "),
         ("uq.sdd.momentum=1.0", "uq.sdd.momentum must be < 1.0"),
         ("uq.sgd.lr_decay=cosine", "uq.sgd.lr_decay must be one of ['linear', 'none']"),
         ("uq.cg.preconditioner=magic", "uq.cg.preconditioner must be one of"),
         ("uq.cg.seed=3", "unknown config key 'uq.cg.seed'; valid keys of section 'uq.cg': preconditioner, rank"),
         ("uq.sdd.iterations=3", "unknown config key 'uq.sdd.iterations'"),
         ("uq.cg=3", "'uq.cg' is a section and needs a mapping of keys (preconditioner, rank"),
-        ("uq.cgx.rank=3", "valid keys of section 'uq': prior, gprior, tv_predcp, solver, "),
+        ("uq.cgx.rank=3", "valid keys of section 'uq': method, prior, gprior, tv_predcp, solver, "),
         ("uq.samples.x=3", "'uq.samples' is a value, not a section"),
     ],
 )
@@ -315,7 +315,7 @@ def test_a_flat_key_of_an_unreleased_version_is_an_unknown_key(key, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(f)
     msg = str(e.value)
-    assert f"unknown config key 'uq.{key}'; valid keys of section 'uq': prior, " in msg and "\n" not in msg
+    assert f"unknown config key 'uq.{key}'; valid keys of section 'uq': method, prior, " in msg and "\n" not in msg
     with pytest.raises(ConfigError, match=f"UQConfig\\(...\\): unknown config key 'uq.{key}'"):
         UQConfig(**{key: 1})
     with pytest.raises(AttributeError, match=f"no config key '{key}'"):

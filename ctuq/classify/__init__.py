@@ -10,8 +10,9 @@
     la.log_evidence(); state = la.state_dict(); LinearizedLaplace.from_state_dict(model, state)
 
 Modules: :mod:`~ctuq.classify.laplace` (the front end and its equations), :mod:`~ctuq.classify.hessian` (softmax
-Hessian square roots and pseudo-target residuals), :mod:`~ctuq.classify.mode` (the linearised model's categorical
-mode for the M-step), :mod:`~ctuq.classify.jacobians` (per-example Jacobians: exact g-prior, dense features),
+Hessian square roots and pseudo-target residuals), :mod:`~ctuq.classify.prior_fit` (EM, grid search and evidence
+for the prior precision), :mod:`~ctuq.classify.mode` (the linearised model's categorical mode for the M-step),
+:mod:`~ctuq.classify.jacobians` (per-example Jacobians: exact g-prior, dense features),
 :mod:`~ctuq.classify.predictive` (MC / probit predictives), :mod:`~ctuq.classify.data` (input checks),
 :mod:`~ctuq.classify.state` (save / load). Metrics: :mod:`ctuq.metrics.classification`. Docs:
 docs/classification.md. Option vocabularies: :class:`ctuq.options.LinearModel`, :class:`~ctuq.options.PriorMethod`,

@@ -47,6 +47,8 @@ from ctuq.options import (
     FilterType,
     ForecastUpdate,
     NoiseModel,
+    TVInit,
+    UQMethod,
     option,
     values,
 )
@@ -155,6 +157,7 @@ class DIPConfig:
     scale: float = option(14.0, gt=0.0, help="data and image are multiplied by this while fitting")
     clip_grad_norm: float | None = option(1.0, ge=0.0, help="gradient-norm clip; null or 0 disables")
     checkpoint_every: int = option(100, ge=0, help="checkpoint period in iterations (0: only at the end)")
+    enabled: bool = option(True, help="fit the DIP (false: only the FBP and, when enabled, TV; no uncertainty phase)")
 
 
 @dataclasses.dataclass
@@ -174,6 +177,7 @@ class TVConfig:
     iterations: int = option(300, ge=1, help="PDHG iterations")
     nonnegative: bool = option(True, help="constrain x ≥ 0")
     isotropic: bool = option(True, help="isotropic (else anisotropic) TV")
+    init: str = option("fbp", choices=values(TVInit), help="PDHG's starting image: the FBP, or zeros")
 
 
 def _calibration_help() -> str:
@@ -210,6 +214,13 @@ class UQConfig:
     ``prior_precision`` is the initial ``a`` of the g-prior-scaled weights.
     """
 
+    method: str = option(
+        "linearised",
+        choices=values(UQMethod),
+        help="linearised: the linearised DIP's Gaussian posterior (the keys below); mc_dropout: uq.samples "
+        "stochastic forward passes (uq.sample_chunk at a time) of a DIP fitted with dropout (model.dropout > 0), "
+        "the MC-dropout baseline: no held-out check, no calibration, no posterior object",
+    )
     prior: str = option(
         "gprior",
         choices=PRIORS.choices,
@@ -402,6 +413,11 @@ class OutputConfig:
     hdf5: bool = option(
         False, help="also write results.h5: every image of the run and its geometry (voxel grid, projection vectors)"
     )
+    psnr_trace: bool = option(
+        False,
+        help="with a ground truth, record the PSNR after every TV and DIP iteration in metrics.json (tv.psnr_trace, "
+        "dip.psnr_trace): the best over the iterations is an oracle (it looks at the ground truth)",
+    )
 
 
 @dataclasses.dataclass
@@ -423,6 +439,11 @@ class Config:
     def validate(self) -> None:
         if self.data.ndim == 3 and self.device == "cpu":
             raise ConfigError("data.ndim = 3 (volumes) needs device 'cuda': ASTRA has no 3D projectors on CPU")
+        if self.uq.method == UQMethod.MC_DROPOUT and not self.model.dropout > 0:
+            raise ConfigError(
+                "uq.method = 'mc_dropout' needs a DIP fitted with dropout: set model.dropout > 0 (e.g. 0.05); "
+                f"model.dropout is {self.model.dropout}"
+            )
 
     # -------------------------------------------------------------------- conversion
     def to_dict(self, resolved: dict[str, str] | None = None) -> dict:

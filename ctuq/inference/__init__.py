@@ -23,7 +23,7 @@ equation                                              implementation
 ``Φu``, ``Φᵀr`` (Jacobian of ``g`` at ``ṽ``)             :class:`ctuq.linearize.LinearizedNetwork` ``jvp``/``vjp``
 ``s_i = [ΦᵀTᵀTΦ]_ii^(−1/2)`` (exact / stochastic)     :class:`GPrior`, :func:`gprior_scales`
                                                       (``priors/gprior.py``)
-``Ψ₀ = L Φ``; ``Ψ = Ψ₀ diag(s)``; dense ``Ψ``          :class:`LinearizedFeatures`; :class:`ScaledFeatures`;
+``Ψ₀ = L Φ``; ``Ψ = Ψ₀ diag(s)``; dense ``Ψ``         :class:`LinearizedFeatures`; :class:`ScaledFeatures`;
                                                       :class:`DenseFeatures` (``features.py``)
 any prior ``Ψ = Ψ₀ L``; TV-PredCP, its type-II MAP    :class:`WeightPrior` (``priors/base.py``);
                                                       :class:`BlockFeatures` (``block_features.py``);
@@ -33,20 +33,20 @@ any prior ``Ψ = Ψ₀ L``; TV-PredCP, its type-II MAP    :class:`WeightPrior` (
 ``C = K̄/a + σ²I``                                     :func:`measurement_covariance` (shares K̄)
 ``K̄ ≈ UΛUᵀ``, ``P = UΛUᵀ/a + σ²I``, Woodbury ``P⁻¹``  :func:`randomized_eig`, :func:`pivoted_cholesky_eig`,
                                                       :class:`LowRankPreconditioner` (``solvers/preconditioners.py``)
-``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)  :class:`CGSolver`, :func:`pcg` (``solvers/cg.py``)
-``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,        :class:`ExactEigSolver` (``solvers/exact.py``: ``gamma``,
-``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``             ``weight_norm_sq``, ``log_evidence``), an :class:`ExactSolver`
-``C⁻¹R`` by stochastic dual descent / primal SGD       :class:`SDDSolver`, :class:`SGDSolver` (``solvers/sdd.py``,
+``C⁻¹R`` by preconditioned CG (rtol 1e-3, ≤150 it.)   :class:`CGSolver`, :func:`pcg` (``solvers/cg.py``)
+``C⁻¹ = Q diag(1/(λ/a + σ²)) Qᵀ``; exact ``γ``,       :class:`ExactEigSolver` (``solvers/exact.py``: ``gamma``,
+``‖w*‖²``, log evidence ``log N(ỹ; 0, C)``            ``weight_norm_sq``, ``log_evidence``), an :class:`ExactSolver`
+``C⁻¹R`` by stochastic dual descent / primal SGD      :class:`SDDSolver`, :class:`SGDSolver` (``solvers/sdd.py``,
                                                       ``solvers/sgd.py``; large ``c``)
-``‖C x − b‖/‖b‖`` (every solver's residual)          :func:`relative_residual` (``solvers/base.py``)
-exact / CG / SDD / SGD by cost; solver registry      :func:`choose_solver`, :func:`resolve_solver` (``solvers/
+``‖C x − b‖/‖b‖`` (every solver's residual)           :func:`relative_residual` (``solvers/base.py``)
+exact / CG / SDD / SGD by cost; solver registry       :func:`choose_solver`, :func:`resolve_solver` (``solvers/
                                                       cost.py``), :data:`SOLVERS` (``solvers/registry.py``)
 ``w* = a⁻¹ Ψᵀ C⁻¹ ỹ``                                 :func:`posterior_mean` (or ``sample_posterior(y_tilde=…)``)
-``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                     :func:`sample_posterior`, resumable :func:`sample_chunks`
+``ζ = w₀ + a⁻¹ Ψᵀ C⁻¹ (ε − Ψ w₀)``                    :func:`sample_posterior`, resumable :func:`sample_chunks`
 image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedPosterior.output_samples` (through
                                                       :meth:`LinearizedFeatures.network_matvec` of ``s ⊙ ζ``)
-``γ̂ = (1/k) Σ ‖Ψζ_j‖²/σ²``; ``a ← γ̂/‖w*‖²``;           :class:`SampledEM` (uses ``Ψζ_j = ε_j − σ²C⁻¹(ε_j − Ψw₀_j)``
-``σ² ← ‖ỹ − Ψw*‖²/(c − γ̂)``                          and ``‖w*‖² = a⁻¹(uᵀỹ − σ²‖u‖²)``: no VJPs)
+``γ̂ = (1/k) Σ ‖Ψζ_j‖²/σ²``; ``a ← γ̂/‖w*‖²``;          :class:`SampledEM` (uses ``Ψζ_j = ε_j − σ²C⁻¹(ε_j − Ψw₀_j)``
+``σ² ← ‖ỹ − Ψw*‖²/(c − γ̂)``                           and ``‖w*‖² = a⁻¹(uᵀỹ − σ²‖u‖²)``: no VJPs)
 dense float64 reference (primal form)                 :class:`DenseLinearGaussian`
 ====================================================  =========================================================
 

@@ -126,6 +126,15 @@ def ct_posterior(
     return posterior, net, info
 
 
+def _network(features) -> LinearizedNetwork:
+    """The linearised network behind the features of a CT posterior: a :class:`LinearizedFeatures`, or one under
+    the row subsets, row scalings and stacked blocks that ``restrict``, per-ray variances and ``extend`` put on it
+    (every block of a stack shares the network)."""
+    while not isinstance(features, LinearizedFeatures):
+        features = features.blocks[0] if hasattr(features, "blocks") else features.base
+    return features.network
+
+
 class CTPosterior:
     """A fitted CT posterior in image units (``Run.posterior``): the linearised DIP's Gaussian posterior, whose
     samples are images in mm⁻¹ about the reconstruction ``x̂``.
@@ -183,7 +192,8 @@ class CTPosterior:
         moments = SampleMoments(self.image_shape, roi=roi, patch_sizes=patch_sizes)
         for chunk in self.deviations(n_samples, seed=seed):
             moments.update(chunk)
-        x = torch.as_tensor(np.asarray(truth), dtype=torch.float64).reshape(self.image_shape)
+        # a copy: torch takes no array of negative strides (np.flipud of an image)
+        x = torch.as_tensor(np.array(truth, dtype=np.float64)).reshape(self.image_shape)
         summary = uq_summary_from_moments(x, self.mean.double(), moments)
         return {"marginal": float(summary["marginal_ll"]), **{f"joint_{p}": v for p, v in summary["joint_ll"].items()}}
 
@@ -198,7 +208,7 @@ class CTPosterior:
         """The posterior given also the measurements ``y`` (``op.measurement_shape``, data units) of the ray
         transform ``op`` (e.g. a scan's held-out angles: ``Scan.load().heldout``), with their per-ray
         ``variances`` where the likelihood whitens by them."""
-        net = self.linearized.base.network
+        net = _network(self.linearized.base)
         features = LinearizedFeatures(net, op.forward_flat, op.adjoint_flat, n_outputs=op.c)
         with torch.no_grad():
             g0 = net.output()

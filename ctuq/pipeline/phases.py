@@ -29,9 +29,10 @@ import torch
 from ctuq import __version__, figures
 from ctuq.config import Config, ConfigError
 from ctuq.errors import CTUQError, NonFiniteLossError
-from ctuq.metrics.image import image_metrics
+from ctuq.metrics.image import image_metrics, psnr
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
+from ctuq.options import TVInit
 from ctuq.outputs import (
     package_versions,
     result_channels,
@@ -163,8 +164,15 @@ def phase_fbp(state: RunState) -> None:
 
 
 def phase_tv(state: RunState) -> None:
-    """TV-regularised baseline with ODL's PDHG → ``images['tv']``, ``tv.tif``."""
+    """TV-regularised baseline with ODL's PDHG from the FBP or zeros (``tv.init``) → ``images['tv']``, ``tv.tif``;
+    with ``output.psnr_trace`` and a ground truth also the PSNR after every iteration (``metrics["tv"]["psnr_trace"]``,
+    dB)."""
     tc = state.cfg.tv
+    trace = _psnr_trace(state)
+
+    def record(_iteration: int, x: torch.Tensor) -> None:
+        trace.append(psnr(x.detach().cpu(), state.ground_truth.cpu()))
+
     res = tv_reconstruction(
         state.op,
         state.y,
@@ -172,12 +180,21 @@ def phase_tv(state: RunState) -> None:
         iterations=tc.iterations,
         nonnegative=tc.nonnegative,
         isotropic=tc.isotropic,
-        x0=state.images.get("fbp"),
+        x0=state.images.get("fbp") if tc.init == TVInit.FBP else None,
         progress=state.progress,
+        callback=None if trace is None else record,
     )
     state.images["tv"] = res["reconstruction"]
     state.metrics["tv"] = {k: res[k] for k in ("iterations", "time_s", "objective", "op_norm")}
+    if trace is not None:
+        state.metrics["tv"]["psnr_trace"] = trace
     write_tiff(state.out_dir / rf.TV_NAME, res["reconstruction"], voxel_size=state.voxel_size)
+
+
+def _psnr_trace(state: RunState) -> list[float] | None:
+    """An empty list to collect the PSNR (dB) of every iteration in, when ``output.psnr_trace`` asks for it and the
+    scan has a ground truth; else ``None``."""
+    return [] if state.cfg.output.psnr_trace and state.ground_truth is not None else None
 
 
 def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
@@ -256,6 +273,8 @@ def phase_dip(state: RunState) -> None:
         "n_parameters": count_parameters(model),
         "n_conv_weights": count_parameters(model, conv_weights_only=True),
     }
+    if _psnr_trace(state) is not None:  # output.psnr_trace: the fit's own PSNR after every iteration (dB)
+        state.metrics["dip"]["psnr_trace"] = list(result.psnr_history or [])
     write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction, voxel_size=state.voxel_size)
     if cfg.output.save_model:
         write_model_file(
@@ -345,9 +364,10 @@ def _write_results_h5(state: RunState) -> None:
 def _resolved(state: RunState) -> dict[str, str]:
     """What the run resolved ``uq.solver`` to (``auto``, ``exact``: the registry solver it set up), so that
     ``metrics.json``'s config holds that solver's section; nothing when no inference ran."""
-    if state.uq_result is None:
+    stats = getattr(state.uq_result, "stats", None)  # MC dropout (uq.method) resolves no solver
+    if not stats:
         return {}
-    return {"uq.solver": state.uq_result.stats["route"]}
+    return {"uq.solver": stats["route"]}
 
 
 def phase_write(state: RunState) -> None:

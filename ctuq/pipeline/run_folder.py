@@ -10,6 +10,8 @@ Files (all written atomically, so a killed run never leaves a half-written one):
     tv.tif               TV reconstruction (only when the TV baseline ran)
     ground_truth.tif     the ground truth on the reconstruction grid (only when the scan has one)
     std.tif              pixelwise posterior standard deviation (mm⁻¹; only with the uncertainty phase)
+    mean.tif             the predictive mean std.tif belongs to, when it is not reconstruction.tif (uq.method =
+                         mc_dropout: the mean of the stochastic passes)
     stack.tif            reconstruction, std, |error|, ground truth (those present) as channels (output.stack)
     results.h5           every image above and the geometry: voxel grid, projection vectors (output.hdf5)
     ctuq.log             every message of the run, timestamped; appended by --resume and ``ctuq uq`` (module ctuq.log)
@@ -57,6 +59,7 @@ __all__ = [
     "TV_NAME",
     "GROUND_TRUTH_NAME",
     "STD_NAME",
+    "MEAN_NAME",
     "CHECKPOINT_NAME",
     "MODEL_NAME",
     "UQ_STATE_NAME",
@@ -93,6 +96,7 @@ FBP_NAME = "fbp.tif"
 TV_NAME = "tv.tif"
 GROUND_TRUTH_NAME = "ground_truth.tif"
 STD_NAME = "std.tif"
+MEAN_NAME = "mean.tif"  # uq.method = mc_dropout: the passes' mean (the linearised posterior's is reconstruction.tif)
 STD_UNCALIBRATED_NAME = "std_uncalibrated.tif"  # the posterior's std when std.tif is recalibrated (uq.calibration)
 HELDOUT_NAME = "heldout.json"  # `ctuq uq RUN --check`'s report
 # the held-out check's per-row arrays (residual, image and noise variances, angle): `--check` rescores them without

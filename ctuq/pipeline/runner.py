@@ -17,8 +17,10 @@ from ctuq import calibration as cal
 from ctuq import interrupt
 from ctuq.config import Config, ConfigError
 from ctuq.errors import CTUQError, OutDirError
+from ctuq.options import UQMethod
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.lock import run_lock
+from ctuq.pipeline.mc_dropout_phase import phase_mc_dropout
 from ctuq.pipeline.phases import (
     Phase,
     RunState,
@@ -48,15 +50,19 @@ __all__ = [
 
 
 def uq_phases(state: RunState) -> list[Phase]:
-    """Phases of the linearised inference, run after the DIP and before writing (``--no-uq``: none)."""
+    """Phases of the uncertainty inference, run after the DIP and before writing (``--no-uq``: none): the
+    linearised posterior, or MC dropout (``uq.method``, :mod:`ctuq.pipeline.mc_dropout_phase`)."""
+    if state.cfg.uq.method == UQMethod.MC_DROPOUT:
+        return [Phase("uq", phase_mc_dropout)]
     return [Phase("uq", phase_uq)]
 
 
 def build_phases(state: RunState) -> list[Phase]:
-    """The phase list of ``ctuq reconstruct`` for ``state.cfg``: load → fbp → [tv] → dip → [uq] → write.
+    """The phase list of ``ctuq reconstruct`` for ``state.cfg``: load → fbp → [tv] → [dip → [uq]] → write.
 
     A state whose problem is already given (``state.op`` set, :func:`reconstruct_problem`) skips the load, and the
-    2D-only TV baseline with a warning when that problem is a volume.
+    2D-only TV baseline with a warning when that problem is a volume. ``dip.enabled = false`` leaves out the DIP and
+    so the uncertainty phase (with a warning when one was asked for).
     """
     phases = [Phase("load", phase_load)] if state.op is None else []
     phases.append(Phase("fbp", phase_fbp))
@@ -64,8 +70,11 @@ def build_phases(state: RunState) -> list[Phase]:
         state.warn("tv.enabled: the TV baseline is 2D only; skipped for this volume")
     elif state.cfg.tv.enabled:
         phases.append(Phase("tv", phase_tv))
-    phases.append(Phase("dip", phase_dip))
-    if state.uq:
+    if state.cfg.dip.enabled:
+        phases.append(Phase("dip", phase_dip))
+    elif state.uq:
+        state.warn("dip.enabled = false: no DIP, so no uncertainty phase")
+    if state.uq and state.cfg.dip.enabled:
         phases.extend(uq_phases(state))
     phases.append(Phase("write", phase_write))
     return phases

@@ -1,19 +1,19 @@
 """Studies: scripted comparisons that run ctuq's methods over a grid of settings and tabulate the results.
 
 A *study* in ctuq is a resumable experiment driven by a thin command-line script in ``scripts/``: it takes one
-scan, a list of settings (e.g. angle counts) and a set of methods, writes everything into one study folder
-(``OUT/study.json`` with the options, per setting ``OUT/angles_<N>/`` with the fitted networks and per method a
-``metrics.json`` + ``result.pt``, then tables and figures), and skips on a rerun whatever an earlier run
-finished. A rerun with options that change the numbers is refused, so a folder always holds one study.
+scan, a list of settings (e.g. angle counts) and a set of methods, and writes everything into one study folder:
+``OUT/study.json`` with its options (one frozen dataclass, :mod:`ctuq.studies.study_options`), the run folders of
+its fits and inferences (made by the public API, :func:`ctuq.reconstruct` / :func:`ctuq.uncertainty` with
+``resume=True, reuse=True``, so a rerun loads what finished and continues what was interrupted), then tables and
+figures. A rerun with options that change the numbers is refused, so a folder always holds one study.
 
 This package holds the reusable machinery, so that a new study (e.g. an experimental-design study) is its own
 module of methods and tables on top of the shared pieces:
 
 * :mod:`ctuq.studies.common`: what every study needs: the study-folder check (:func:`study_fingerprint`,
   :func:`check_study_folder`), :class:`StudyError`, :class:`Log`, :func:`read_json`, scan preparation
-  (:func:`prepare_scan`, :func:`angular_subsampling`), :func:`exact_decision`, the DIP fit or reload
-  (:func:`fit_or_load_dip`, stored through :mod:`ctuq.models.model_file`) and the per-method bookkeeping
-  (:func:`method_done`, :func:`finish_method`).
+  (:func:`prepare_scan`, :func:`angular_subsampling`), :func:`exact_decision` and the DIP fit or reload of the
+  angle-selection study (:func:`fit_or_load_dip`, stored through :mod:`ctuq.models.model_file`).
 * :mod:`ctuq.studies.walnut`: the walnut uncertainty study (linearised DIP inference against MC dropout) behind
   ``scripts/walnut_study.py``.
 """
@@ -25,9 +25,7 @@ from ctuq.studies.common import (
     angular_subsampling,
     check_study_folder,
     exact_decision,
-    finish_method,
     fit_or_load_dip,
-    method_done,
     prepare_scan,
     read_json,
     setting_dir,
@@ -41,9 +39,7 @@ __all__ = [
     "angular_subsampling",
     "check_study_folder",
     "exact_decision",
-    "finish_method",
     "fit_or_load_dip",
-    "method_done",
     "prepare_scan",
     "read_json",
     "setting_dir",

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from ctuq.design.plots import plot_psnr_curves
-from ctuq.studies.angle_selection import NEUTRAL, STUDY_STRATEGIES, load_images, run_image
+from ctuq.studies.angle_selection import NEUTRAL, STUDY_STRATEGIES, AngleSelectionOptions, load_images, run_image
 from ctuq.studies.common import Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.study_options import plain
 from ctuq.utils import atomic_path, atomic_write_json, resolve_device
 
 __all__ = [
@@ -273,41 +274,68 @@ def _figures(out: Path, agg: dict, strategies: list[str]) -> None:
             plot_psnr_curves(out / f"psnr_{method}{suffix}.png", curves, title=title)
 
 
-def run_study(opts: dict, out: Path, log: Log | None = None, command: str = "", report_only: bool = False) -> dict:
+def run_study(
+    options: AngleSelectionOptions,
+    out: Path,
+    log: Log | None = None,
+    command: str = "",
+    report_only: bool = False,
+) -> dict:
     """Every image × strategy (resumable), then ``results.md``/``results.json`` and the figures from all finished
     results in ``out`` (also those of other processes sharing the folder). ``report_only``: run nothing, only
-    rebuild those from what the folder holds."""
+    rebuild those from what the folder holds.
 
+    Parameters
+    ----------
+    options : AngleSelectionOptions
+        The study's options (validated here: :class:`~ctuq.studies.StudyError` naming the flag at fault).
+    out : Path
+        The study folder (created; a rerun resumes in it, refusing options that change numbers).
+    log : Log, optional
+        Progress lines (default: a :class:`~ctuq.studies.Log` named ``angle_selection``).
+    command : str
+        The command line, recorded in ``results.md`` and ``results.json``.
+    report_only : bool
+        Run nothing; rebuild the tables and figures from the finished results.
+
+    Returns
+    -------
+    dict
+        The aggregated results (``results.json`` without ``options``, ``command`` and ``strategies``).
+    """
+    options.validate()
     log = log or Log("angle_selection")
     if report_only and not (out / "study.json").is_file():
         raise StudyError(f"--report: {out} holds no study (no study.json)")
     out.mkdir(parents=True, exist_ok=True)
     # reconstruction methods may be added to a study: finished results get them at their recorded angles
     check_study_folder(
-        out, study_fingerprint(opts, opts["images_file"] or "rectangles", NEUTRAL), log, growable=("recon",)
+        out, study_fingerprint(plain(options), options.images_file or "rectangles", NEUTRAL), log, growable=("recon",)
     )
-    if opts.get("threads"):
-        torch.set_num_threads(int(opts["threads"]))
-    images, phis = load_images(opts, with_angles=True)  # phis: None for an images file
+    if options.threads:
+        torch.set_num_threads(int(options.threads))
+    images, phis = load_images(options, with_angles=True)  # phis: None for an images file
     if not report_only:
-        device = resolve_device(opts["device"])
+        device = resolve_device(options.device)
         for i, gt in enumerate(images):
-            run_image(i, gt, opts, out, device, log)
+            run_image(i, gt, options, out, device, log)
     n_images = len(images)
     per_image = collect_results(out, n_images)
     present = [s for s in STUDY_STRATEGIES if any(s in r for r in per_image)]
     agg = {**aggregate(per_image), "paired": paired_differences(per_image)}
     if phis is not None:
-        agg["orientation"] = orientation_distances(per_image, phis, opts["pilot"])
+        agg["orientation"] = orientation_distances(per_image, phis, options.pilot)
     text = (
         f"# angle-selection study\n\n`{command}`\n\n{n_images} images of {images.shape[1]}², "
-        f"{opts['candidates']} candidates, pilot {opts['pilot']}, {opts['acquire']} acquired, m = "
-        f"{opts['samples']}, noise {opts['noise']:.0%} of mean |Tx|; every finished result in the folder "
+        f"{options.candidates} candidates, pilot {options.pilot}, {options.acquire} acquired, m = "
+        f"{options.samples}, noise {options.noise:.0%} of mean |Tx|; every finished result in the folder "
         f"(n: images in a row)\n" + markdown_tables(agg, present)
     )
     with atomic_path(out / "results.md") as tmp:
         tmp.write_text(text)
-    atomic_write_json(out / "results.json", {"options": opts, "command": command, "strategies": present, **agg})
+    atomic_write_json(
+        out / "results.json", {"options": plain(options), "command": command, "strategies": present, **agg}
+    )
     _figures(out, agg, present)
     log(f"wrote {out / 'results.md'}")
     return agg

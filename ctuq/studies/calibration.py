@@ -5,11 +5,12 @@ Over simulated scans of two content types (the ellipsoid walnut and the textured
 :func:`ctuq.data.phantom.make_phantom`, several seeds each), every scan simulated once with 1200 angles so that
 every angle count of the study is a subset and the other angles stay unused (held out), the study
 
-1. fits the DIP once per scan × angle count with the ``ctuq reconstruct`` pipeline (:func:`ctuq.pipeline.runner
-   .reconstruct`, ``--no-uq``; the run folder ``OUT/<scan>/angles_<N>/dip`` is resumed when interrupted);
-2. per inference setting (``uq.prior`` × ``uq.noise``), copies that run folder and runs the inference on it once, as
-   ``ctuq uq RUN --set uq.prior=… --set uq.noise=… --set uq.calibration=none`` would
-   (:func:`ctuq.pipeline.runner.rerun_uq`), so every setting shares the DIP and differs only in the settings;
+1. fits the DIP once per scan × angle count through the public API (:func:`ctuq.reconstruct` with ``uq=False``,
+   ``ctuq reconstruct --no-uq``): the run folder ``OUT/runs/<scan>/angles_<N>/dip`` (:func:`dip_run`);
+2. per inference setting (``uq.prior`` × ``uq.noise``), reruns only the inference on a copy of that run folder, once
+   (:func:`ctuq.uncertainty` with ``out=`` the folder ``<prior>-<noise>`` beside it, as ``ctuq uq RUN --set
+   uq.prior=… --set uq.noise=… --set uq.calibration=none`` would: :func:`inference_run`), so every setting shares the
+   DIP and differs only in the settings;
    ``uq.calibration`` is post-processing of that one posterior, so each of its values (a registered calibration
    method, :data:`ctuq.registry.CALIBRATIONS`; by default those with ``study_default``) is scored from the same run
    instead of a second inference: the method is fitted on the run's saved held-out rows (``heldout_rows.npz``,
@@ -26,7 +27,8 @@ every angle count of the study is a subset and the other angles stay unused (hel
    against the same oracle, Spearman(std, |err|) over the square and inside the object, the AUC of the std map for
    the 10 % largest errors, coverage@0.9 per decile of std, and the held-out check when the run made one;
 4. aggregates mean ± s.e. over scans per (angle count, combination), also per content type, and, when the user
-   passes targets (``opts["targets"]``: metric → ``[low, high]``, e.g. an issue's acceptance ranges), reports each
+   passes targets (:attr:`CalibrationOptions.targets`: metric → ``[low, high]``, e.g. an issue's acceptance ranges),
+   reports each
    combination's margin against them (:func:`gate_report`). No target is built in: by default the results show the
    measured numbers only.
 
@@ -36,17 +38,24 @@ tv_predcp`` before it exists) is reported as unavailable before any work starts 
 baseline value (``gprior``, ``homoscedastic``) is simply left out when its key does not exist, since it is what the
 code does without it. A run that fails with a user error (e.g. a CG solve that does not converge on one scan) is
 listed under ``failures`` with its scan and angle count; the combination goes on with the other scans, its rows
-count the scans it covers, and it fails the targets as a whole. Options are one plain dict ``opts``
-(:data:`DEFAULTS`); the script is ``scripts/calibration_study.py``.
+count the scans it covers, and it fails the targets as a whole.
+
+The study's state is its run folders: a rerun of the same command calls the API on the same folders with
+``resume=True, reuse=True``, so a finished run is loaded, an interrupted one continues from its checkpoints, and only
+what is missing is computed; ``score.json`` in an inference folder holds the scores derived from that run (rescored
+when the API had to compute the run, or with ``rescore``). The options are one frozen dataclass,
+:class:`CalibrationOptions` (:data:`DEFAULTS`, :data:`TINY`); ``study.json`` records them. The script is
+``scripts/calibration_study.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-import shutil
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import tifffile
@@ -55,20 +64,24 @@ from scipy.special import ndtri
 from scipy.stats import spearmanr
 
 from ctuq import calibration as cal
-from ctuq.config import Config, ConfigError, load_config
+from ctuq.config import ConfigError, load_config
 from ctuq.data.walnut import SIDECAR_NAME
 from ctuq.metrics import inner_square_roi
 from ctuq.metrics.calibration import error_localisation
 from ctuq.options import PhantomKind
 from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.runner import reconstruct, rerun_uq
 from ctuq.pipeline.simulate import simulate
 from ctuq.registry import CALIBRATIONS, RegistryError
+
+# the public API (ctuq.reconstruct, ctuq.uncertainty, ctuq.Run), imported from its home module
+from ctuq.run import Run, reconstruct, uncertainty
 from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.study_options import freeze, option, plain
 from ctuq.utils import atomic_path, atomic_write_json
 
 __all__ = [
     "AXES",
+    "CalibrationOptions",
     "DEFAULTS",
     "TINY",
     "TARGET_METRICS",
@@ -79,6 +92,8 @@ __all__ = [
     "check_combinations",
     "scan_names",
     "prepare_scans",
+    "dip_run",
+    "inference_run",
     "score_run",
     "heldout_rows",
     "aggregate",
@@ -86,7 +101,6 @@ __all__ = [
     "markdown_table",
     "calibration_figure",
     "run_study",
-    "validate_options",
     "parse_target",
 ]
 
@@ -103,38 +117,80 @@ LEVELS = tuple(float(v) for v in np.round(np.concatenate([np.arange(0.05, 0.951,
 HEADLINE = (0.5, 0.9, 0.95)
 JOINT_PATCH = "10"
 
-DEFAULTS: dict[str, Any] = {
-    "walnut_seeds": [0, 1, 2, 3, 4],
-    "textured_seeds": [0, 1, 2, 3, 4],
-    "settings": [60, 300],
-    "priors": ["gprior", "tv_predcp"],
-    "noises": ["homoscedastic", "per_ray"],
-    "calibrations": [name for name, method in CALIBRATIONS.items() if method.study_default],
-    # metric → [low, high] (None: unbounded) to report margins against (gate_report); none by default
-    "targets": {},
-    "config": "demo",
-    "set": [],
-    # Scan: the bundled preset's detector and ground-truth pixels, 1200 angles, 4 detector rows (the central slice
-    # lies between the middle two), one ground-truth slice.
-    "scan_preset": "bundled",
-    "projections": 1201,
-    "det_rows": 4,
-    "gt_shape": [1, 128, 128],
-    "progress": False,
-}
 
-# --tiny: seconds per combination (for tests); tiny scans, 32 angles, a short DIP and few samples.
-TINY: dict[str, Any] = {
-    "walnut_seeds": [0],
-    "textured_seeds": [0],
-    "settings": [8],
-    # the g-prior only: the study's machinery is what the test checks (TV-PredCP's hyperparameter fit takes minutes)
-    "priors": ["gprior"],
-    "scan_preset": "tiny",
-    "projections": 33,
-    "det_rows": 4,
-    "gt_shape": [1, 128, 128],
-    "set": [
+@dataclasses.dataclass(frozen=True)
+class CalibrationOptions:
+    """The options of one calibration study (``scripts/calibration_study.py`` builds them from its flags). Every
+    field but ``targets``, ``progress``, ``rescore`` and ``tiny`` changes numbers, so ``study.json`` records them
+    and a rerun in the same folder must keep them (the seeds, ``settings``, ``priors``, ``noises`` and
+    ``calibrations`` may grow)."""
+
+    walnut_seeds: tuple[int, ...] = option((0, 1, 2, 3, 4), help="seeds of the simulated walnut scans")
+    textured_seeds: tuple[int, ...] = option((0, 1, 2, 3, 4), help="seeds of the simulated textured scans")
+    settings: tuple[int, ...] = option((60, 300), help="angle counts (each divides the scans' angles)")
+    priors: tuple[str, ...] = option(AXES["uq.prior"], help="uq.prior values to run")
+    noises: tuple[str, ...] = option(AXES["uq.noise"], help="uq.noise values to run")
+    calibrations: tuple[str, ...] = option(
+        tuple(name for name, method in CALIBRATIONS.items() if method.study_default),
+        help="uq.calibration values scored from each inference",
+    )
+    targets: Mapping[str, list[float | None]] = option(
+        factory=dict, help="metric → [low, high] (None: unbounded) to report margins against; none by default"
+    )
+    config: str = option("demo", help="base config of every run (a bundled name or a YAML file)")
+    set: tuple[str, ...] = option((), help="config overrides of every run, as `ctuq reconstruct --set KEY=VALUE`")
+    # the scans: the bundled preset's detector and ground-truth pixels, 1200 angles, 4 detector rows (the central
+    # slice lies between the middle two), one ground-truth slice
+    scan_preset: str = option("bundled", help="ctuq simulate preset of the scans (bundled, tiny, walnut)")
+    projections: int = option(1201, help="projection files per scan (the last repeats the first angle)")
+    det_rows: int = option(4, help="detector rows of the simulated scans")
+    gt_shape: tuple[int, int, int] = option((1, 128, 128), help="ground-truth grid of the simulated scans")
+    progress: bool = option(False, help="progress bars of the runs")
+    rescore: bool = option(False, help="recompute every score from the finished runs (no inference is repeated)")
+    tiny: bool = option(False, help="the test size (TINY)")
+
+    def __post_init__(self) -> None:
+        freeze(self)
+
+    def validate(self) -> None:
+        """One-line :class:`StudyError` for an invalid option (named as its command-line flag)."""
+        axes = {"priors": AXES["uq.prior"], "noises": AXES["uq.noise"], "calibrations": CALIBRATIONS.names()}
+        for key, axis in axes.items():
+            given = getattr(self, key)
+            bad = [v for v in given if v not in axis]
+            if bad or not given:
+                raise StudyError(f"--{key} {' '.join(map(str, given))}: each must be one of {', '.join(axis)}")
+        if not self.walnut_seeds and not self.textured_seeds:
+            raise StudyError("--walnut-seeds/--textured-seeds: the study needs at least one scan")
+        n = self.projections - 1
+        for s in self.settings:
+            if s < 1 or n % s:
+                raise StudyError(f"--settings {s}: each angle count must divide the scans' {n} angles")
+        if not isinstance(self.targets, Mapping):
+            raise StudyError(f"--target: the targets must be a mapping metric → [low, high], got {self.targets!r}")
+        for key, bounds in self.targets.items():
+            text = f"{key}={'' if bounds[0] is None else bounds[0]}:{'' if bounds[1] is None else bounds[1]}"
+            parse_target(text)  # the same checks as on the command line
+        if self.scan_preset not in ("bundled", "tiny", "walnut"):
+            raise StudyError(f"--scan-preset {self.scan_preset!r}: must be one of bundled, tiny, walnut")
+        try:
+            load_config(self.config, list(self.set))
+        except ConfigError as exc:
+            raise StudyError(f"--config/--set: {exc}") from None
+
+
+DEFAULTS = CalibrationOptions()
+
+# --tiny: seconds per combination (for tests); tiny scans, 32 angles, a short DIP and few samples; the g-prior only:
+# the study's machinery is what the test checks (TV-PredCP's hyperparameter fit takes minutes).
+TINY = CalibrationOptions(
+    walnut_seeds=(0,),
+    textured_seeds=(0,),
+    settings=(8,),
+    priors=("gprior",),
+    scan_preset="tiny",
+    projections=33,
+    set=(
         "data.detector_subsampling=1",
         "data.image_shape=[32, 32]",
         "data.min_angles=2",
@@ -144,8 +200,9 @@ TINY: dict[str, Any] = {
         "uq.samples=32",
         "uq.em_steps=3",
         "output.figure=false",
-    ],
-}
+    ),
+    tiny=True,
+)
 
 
 class Combination:
@@ -167,23 +224,14 @@ class Combination:
         return f"Combination({self.name})"
 
 
-def combinations(opts: dict) -> list[Combination]:
-    """The inference settings ``priors × noises`` of ``opts`` as :class:`Combination` s (unchecked); each is run
-    once and scored for every value of ``opts["calibrations"]``."""
-    grid = itertools.product(opts["priors"], opts["noises"])
+def combinations(options: CalibrationOptions) -> list[Combination]:
+    """The inference settings ``priors × noises`` of ``options`` as :class:`Combination` s (unchecked); each is run
+    once and scored for every value of ``options.calibrations``."""
+    grid = itertools.product(options.priors, options.noises)
     return [Combination({"uq.prior": prior, "uq.noise": noise}) for prior, noise in grid]
 
 
-def _base_overrides(opts: dict, scan: Path | None, n_angles: int | None) -> list[str]:
-    out = list(opts["set"])
-    if scan is not None:
-        out.append(f"data.path={scan}")
-    if n_angles is not None:
-        out.append(f"data.angular_subsampling={(opts['projections'] - 1) // n_angles}")
-    return out
-
-
-def check_combinations(opts: dict, combos: list[Combination]) -> list[Combination]:
+def check_combinations(options: CalibrationOptions, combos: list[Combination]) -> list[Combination]:
     """Resolve each combination's ``--set`` strings against the config, up front: a setting the config rejects
     (an unknown key, or a value not in its choices) makes the combination unavailable, with the config's own
     one-line message in ``error``; a baseline value of an unknown key is dropped (the code's behaviour without
@@ -193,7 +241,7 @@ def check_combinations(opts: dict, combos: list[Combination]) -> list[Combinatio
         for key, value in combo.settings.items():
             text = f"{key}={value}"
             try:
-                load_config(opts["config"], [*opts["set"], text])
+                load_config(options.config, [*options.set, text])
             except ConfigError as exc:
                 unknown = "unknown config key" in str(exc)
                 if unknown and value == AXES[key][0]:
@@ -203,41 +251,44 @@ def check_combinations(opts: dict, combos: list[Combination]) -> list[Combinatio
             combo.overrides.append(text)
         if combo.error is None:
             try:
-                load_config(opts["config"], [*opts["set"], *combo.overrides])
+                load_config(options.config, [*options.set, *combo.overrides])
             except ConfigError as exc:  # a pair of settings that is invalid together
                 combo.error = str(exc)
     return combos
 
 
-def scan_names(opts: dict) -> list[tuple[str, str, int]]:
-    """``(name, kind, seed)`` of every scan: ``walnut_<seed>`` and ``textured_<seed>``."""
-    out = [(f"walnut_{s}", PhantomKind.WALNUT.value, int(s)) for s in opts["walnut_seeds"]]
-    return out + [(f"textured_{s}", PhantomKind.TEXTURED.value, int(s)) for s in opts["textured_seeds"]]
+def scan_names(options) -> list[tuple[str, str, int]]:
+    """``(name, kind, seed)`` of every scan of ``options`` (its ``walnut_seeds`` and ``textured_seeds``):
+    ``walnut_<seed>`` and ``textured_<seed>``."""
+    out = [(f"walnut_{s}", PhantomKind.WALNUT.value, int(s)) for s in options.walnut_seeds]
+    return out + [(f"textured_{s}", PhantomKind.TEXTURED.value, int(s)) for s in options.textured_seeds]
 
 
-def prepare_scans(opts: dict, out: Path, log: Log) -> dict[str, Path]:
-    """Simulate every scan into ``out/scans/<name>`` (:func:`ctuq.pipeline.simulate.simulate`), reusing complete
-    ones. Returns name → folder."""
+def prepare_scans(options, out: Path, log: Log) -> dict[str, Path]:
+    """Simulate every scan of ``options`` into ``out/scans/<name>`` (:func:`ctuq.pipeline.simulate.simulate`),
+    reusing complete ones. ``options``: a study's options with the simulated-scan fields (``walnut_seeds``,
+    ``textured_seeds``, ``scan_preset``, ``projections``, ``det_rows``, ``gt_shape``, ``progress``:
+    :class:`CalibrationOptions`, :class:`ctuq.studies.stop_rule.StopRuleOptions`). Returns name → folder."""
     paths = {}
-    for name, kind, seed in scan_names(opts):
+    for name, kind, seed in scan_names(options):
         path = out / "scans" / name
         sidecar = path / SIDECAR_NAME
         if sidecar.is_file() and read_json(sidecar).get("complete"):
             paths[name] = path
             continue
-        log(f"simulating {name} ({kind}, seed {seed}, {opts['projections'] - 1} angles)")
+        log(f"simulating {name} ({kind}, seed {seed}, {options.projections - 1} angles)")
         overrides = {
-            "n_projections": opts["projections"],
-            "det_rows": opts["det_rows"],
-            "gt_shape": tuple(opts["gt_shape"]),
+            "n_projections": options.projections,
+            "det_rows": options.det_rows,
+            "gt_shape": tuple(options.gt_shape),
             "seed": seed,
         }
         res = simulate(
             path,
-            opts["scan_preset"],
+            options.scan_preset,
             overrides=overrides,
             overwrite=sidecar.is_file(),
-            progress=opts["progress"],
+            progress=options.progress,
             log=log,
             phantom=kind,
         )
@@ -675,21 +726,20 @@ def calibration_figure(rows: list[dict], path: Path) -> None:
         fig.savefig(tmp, format="png", dpi=110)
 
 
-def _config(opts: dict, scan: Path, n_angles: int, extra: list[str]) -> Config:
-    try:
-        return load_config(opts["config"], [*_base_overrides(opts, scan, n_angles), *extra])
-    except ConfigError as exc:
-        raise StudyError(str(exc)) from None
-
-
-def _fit_dip(opts: dict, scan: Path, n_angles: int, folder: Path, log: Log) -> Path:
-    """The DIP run folder of one scan × angle count (``ctuq reconstruct --no-uq``), fitted or resumed."""
-    if rf.is_finished_run(folder):
-        return folder
-    log(f"fitting the DIP: {folder}")
-    cfg = _config(opts, scan, n_angles, [])
-    reconstruct(cfg, folder, resume=folder.is_dir(), uq=False, progress=opts["progress"])
-    return folder
+def dip_run(options: CalibrationOptions, scan: Path, n_angles: int, folder: Path) -> Run:
+    """The DIP run of one scan × angle count in ``folder`` (:func:`ctuq.reconstruct` with ``uq=False``: ``ctuq
+    reconstruct --no-uq``): loaded when finished, continued from its checkpoints when interrupted, else fitted."""
+    subsampling = (options.projections - 1) // n_angles
+    return reconstruct(
+        scan,
+        config=options.config,
+        set=[*options.set, f"data.angular_subsampling={subsampling}"],
+        out=folder,
+        uq=False,
+        resume=True,
+        reuse=True,
+        progress=options.progress,
+    )
 
 
 # Every inference of the study: the posterior's own std map (the calibrations are scored from it), and no
@@ -697,41 +747,46 @@ def _fit_dip(opts: dict, scan: Path, n_angles: int, folder: Path, log: Log) -> P
 _INFERENCE_SETS = ("uq.calibration=none", "output.keep_checkpoint=false")
 
 
-def _run_combination(opts: dict, scan: Path, n_angles: int, dip: Path, combo: Combination, log: Log) -> Path:
-    """The inference of one prior × noise setting on a copy of the DIP run folder; resumed from its checkpoints."""
-    folder = dip.parent / combo.name
-    resume = folder.is_dir()
-    if not resume:
-        tmp = folder.with_name(folder.name + ".copying")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(dip, tmp)
-        tmp.rename(folder)
-    log(f"inference {combo.name}: {folder}" + (" (resuming)" if resume else ""))
-    cfg = _config(opts, scan, n_angles, [*combo.overrides, *_INFERENCE_SETS])
-    rerun_uq(cfg, folder, resume=resume, progress=opts["progress"])
-    return folder
+def inference_run(options: CalibrationOptions, dip: Run, combo: Combination) -> Run:
+    """The inference of one prior × noise setting on a copy of the DIP run, in ``<prior>-<noise>`` beside it
+    (:func:`ctuq.uncertainty`): loaded when finished, continued from its checkpoints when interrupted."""
+    return uncertainty(
+        dip,
+        set=[*combo.overrides, *_INFERENCE_SETS],
+        out=dip.path.parent / combo.name,
+        resume=True,
+        reuse=True,
+        progress=options.progress,
+    )
 
 
-def _inference_finished(folder: Path) -> bool:
-    """The inference folder holds a finished uncertainty phase (``metrics.json`` with the UQ section; the copied
-    DIP run's has none)."""
-    path = folder / rf.METRICS_NAME
-    return path.is_file() and "n_samples" in (read_json(path).get("uq") or {})
+def _scores(options: CalibrationOptions, run: Run) -> dict:
+    """Every calibration's scores of the inference ``run`` (:func:`score_run`), kept in its ``score.json``: read
+    from there when the run was loaded as it was when they were computed (and not ``options.rescore``), else
+    computed and written."""
+    path = run.path / "score.json"
+    if run.reused and not options.rescore and path.is_file():
+        saved = read_json(path)
+        if set(options.calibrations) <= set(saved):
+            return saved
+    held = heldout_rows(run.path)
+    scores = {name: score_run(run.path, name, held) for name in options.calibrations}
+    atomic_write_json(path, scores)
+    return scores
 
 
-def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> dict:
-    """Run (or resume) the study of ``opts`` into ``out``; returns the content of ``results.json``.
+def run_study(options: CalibrationOptions, out: Path, command: str, log: Log | None = None) -> dict:
+    """Run (or resume) the study of ``options`` into ``out``; returns the content of ``results.json``.
 
-    Finished parts are skipped: simulated scans (complete sidecar), DIP fits (finished run folder), inferences
-    (``score.json`` in their folder, holding the scores of every calibration; ``opts["rescore"]`` recomputes the
-    scores from the finished runs, e.g. after a change of the held-out statistic). ``study.json`` must hold the
-    same options (``settings``, the seeds, ``priors``, ``noises`` and ``calibrations`` may grow). Raises
-    :class:`StudyError` for bad options or an output folder of another study.
+    Every run goes through the API on its folder with ``resume=True, reuse=True`` (:func:`dip_run`,
+    :func:`inference_run`): finished runs are loaded, interrupted ones continued, simulated scans with a complete
+    sidecar reused. ``study.json`` must hold the same options (``settings``, the seeds, ``priors``, ``noises`` and
+    ``calibrations`` may grow). Raises :class:`StudyError` for bad options or an output folder of another study.
     """
     log = log or Log("calibration_study")
     out = Path(out)
-    validate_options(opts)
-    combos = check_combinations(opts, combinations(opts))
+    options.validate()
+    combos = check_combinations(options, combinations(options))
     unavailable = {c.name: c.error for c in combos if c.error is not None}
     for name, why in unavailable.items():
         log(f"combination {name} is not available: {why}")
@@ -744,32 +799,29 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
     growable = ("settings", "walnut_seeds", "textured_seeds", "priors", "noises", "calibrations")
     # the targets change no number, only the margins reported against them
     neutral = NEUTRAL_OPTIONS | {"rescore", "targets"}
-    check_study_folder(out, study_fingerprint(opts, "simulated", neutral), log, growable)
-    scans = prepare_scans(opts, out, log)
-    kinds = {name: kind for name, kind, _ in scan_names(opts)}
+    check_study_folder(out, study_fingerprint(plain(options), "simulated", neutral), log, growable)
+    scans = prepare_scans(options, out, log)
+    kinds = {name: kind for name, kind, _ in scan_names(options)}
     records = []
     failures: dict[str, list[str]] = {}  # combination → the runs that failed ("scan, angles: error")
-    for n_angles in opts["settings"]:
+    for n_angles in options.settings:
         for name, scan in scans.items():
-            dip = _fit_dip(opts, scan, n_angles, out / "runs" / name / f"angles_{n_angles}" / "dip", log)
+            t0 = time.perf_counter()
+            dip = dip_run(options, scan, n_angles, out / "runs" / name / f"angles_{n_angles}" / "dip")
+            if not dip.reused:
+                log(f"fitted the DIP in {time.perf_counter() - t0:.1f} s: {dip.path}")
             for combo in runnable:
-                folder = dip.parent / combo.name
-                score_path = folder / "score.json"
-                done = score_path.is_file() and set(opts["calibrations"]) <= set(read_json(score_path))
-                if done and not opts.get("rescore"):
-                    by_cal = read_json(score_path)
-                else:
-                    if not _inference_finished(folder):
-                        try:
-                            _run_combination(opts, scan, n_angles, dip, combo, log)
-                        except ValueError as exc:  # a user error of this run (CTUQError): the other scans still run
-                            failures.setdefault(combo.name, []).append(f"{name}, {n_angles} angles: {exc}")
-                            log(f"combination {combo.name} failed on {name}, {n_angles} angles: {exc}")
-                            continue
-                    held = heldout_rows(folder)
-                    by_cal = {name: score_run(folder, name, held) for name in opts["calibrations"]}
-                    atomic_write_json(score_path, by_cal)
-                for calibration in opts["calibrations"]:
+                t0 = time.perf_counter()
+                try:
+                    run = inference_run(options, dip, combo)
+                except ValueError as exc:  # a user error of this run (CTUQError): the other scans still run
+                    failures.setdefault(combo.name, []).append(f"{name}, {n_angles} angles: {exc}")
+                    log(f"combination {combo.name} failed on {name}, {n_angles} angles: {exc}")
+                    continue
+                if not run.reused:
+                    log(f"inference {combo.name}: {run.path} in {time.perf_counter() - t0:.1f} s")
+                by_cal = _scores(options, run)
+                for calibration in options.calibrations:
                     scores = by_cal[calibration]
                     records.append(
                         {
@@ -787,10 +839,10 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
                         f"{scores['marginal_ll']:.2f} vs oracle "
                         f"{scores['oracle_ll']:.2f}"
                     )
-    targets = opts.get("targets") or {}
+    targets = dict(options.targets)
     rows = aggregate(records, targets)
     gates = gate_report(rows, targets, failures)
-    results = {"options": opts, "command": command, "levels": list(LEVELS), "unavailable": unavailable,
+    results = {"options": plain(options), "command": command, "levels": list(LEVELS), "unavailable": unavailable,
                "failures": failures, "records": records, "table": rows, "gates": gates}  # fmt: skip
     atomic_write_json(out / "results.json", results)
     md = markdown_table(rows, gates, unavailable, command, failures, targets)
@@ -798,30 +850,3 @@ def run_study(opts: dict, out: Path, command: str, log: Log | None = None) -> di
     (out / "results.md.tmp").replace(out / "results.md")
     calibration_figure(rows, out / "calibration.png")
     return results
-
-
-def validate_options(opts: dict) -> None:
-    """One-line :class:`StudyError` for an invalid study option (named as its command-line flag)."""
-    axes = {"priors": AXES["uq.prior"], "noises": AXES["uq.noise"], "calibrations": CALIBRATIONS.names()}
-    for key, axis in axes.items():
-        bad = [v for v in opts[key] if v not in axis]
-        if bad or not opts[key]:
-            raise StudyError(f"--{key} {' '.join(map(str, opts[key]))}: each must be one of {', '.join(axis)}")
-    if not opts["walnut_seeds"] and not opts["textured_seeds"]:
-        raise StudyError("--walnut-seeds/--textured-seeds: the study needs at least one scan")
-    n = opts["projections"] - 1
-    for s in opts["settings"]:
-        if s < 1 or n % s:
-            raise StudyError(f"--settings {s}: each angle count must divide the scans' {n} angles")
-    targets = opts.get("targets") or {}
-    if not isinstance(targets, dict):
-        raise StudyError(f"--target: the targets must be a mapping metric → [low, high], got {targets!r}")
-    for key, bounds in targets.items():
-        text = f"{key}={'' if bounds[0] is None else bounds[0]}:{'' if bounds[1] is None else bounds[1]}"
-        parse_target(text)  # the same checks as on the command line
-    if opts["scan_preset"] not in ("bundled", "tiny", "walnut"):
-        raise StudyError(f"--scan-preset {opts['scan_preset']!r}: must be one of bundled, tiny, walnut")
-    try:
-        load_config(opts["config"], list(opts["set"]))
-    except ConfigError as exc:
-        raise StudyError(f"--config/--set: {exc}") from None

@@ -1,19 +1,19 @@
-"""Pieces every ctuq study needs: the study folder and its resume check, the scan, the DIP fit, per-method records.
+"""Pieces every ctuq study needs: the study folder and its options check, the scan, the exact-reference decision.
 
 A study folder ``OUT`` holds ``study.json`` (the options that change numbers, see :func:`study_fingerprint` and
 :func:`check_study_folder`), the scan when it is simulated (``OUT/scan``, :func:`prepare_scan`), and per setting
-a folder (:func:`setting_dir`) with the fitted networks (``dip_model.pt``, :func:`fit_or_load_dip`) and per method
-a subfolder whose ``metrics.json`` marks it finished (:func:`finish_method`, :func:`method_done`). Everything a
-study writes is written atomically, so a killed run leaves either a finished part or none, and a rerun of the
-same command resumes where it stopped.
+a folder (:func:`setting_dir`) with the study's run folders: its fits and inferences are calls of the public API
+(:func:`ctuq.reconstruct`, :func:`ctuq.uncertainty` with ``resume=True, reuse=True``), whose run folders resume
+after a kill and are loaded once finished. The angle-selection study still keeps its pilot DIP as a model file of
+its own (:func:`fit_or_load_dip`). Everything a study writes is written atomically, so a killed run leaves either a
+finished part or none, and a rerun of the same command resumes where it stopped.
 
-Options are passed as one plain dict ``opts`` (the study's resolved command-line options); each function names
-the keys it reads.
+A study's options are one frozen dataclass (:mod:`ctuq.studies.study_options`); a function here that takes
+``options`` names the attributes it reads, so any study whose options have them can use it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -30,10 +30,9 @@ from ctuq.log import ensure_console_logging
 from ctuq.memory import GIB, Budget, memory_budget
 from ctuq.models import build_unet, count_parameters, make_net_input
 from ctuq.models.model_file import read_model_file, write_model_file
-from ctuq.outputs import write_metrics, write_tiff
 from ctuq.pipeline.lock import hold_until_exit
 from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
-from ctuq.utils import atomic_torch_save, atomic_write_json, json_digest
+from ctuq.utils import atomic_write_json, json_digest
 
 __all__ = [
     "NEUTRAL_OPTIONS",
@@ -47,8 +46,6 @@ __all__ = [
     "exact_decision",
     "setting_dir",
     "fit_or_load_dip",
-    "method_done",
-    "finish_method",
 ]
 
 _log = logging.getLogger(__name__)
@@ -182,12 +179,12 @@ def check_study_folder(out: Path, fingerprint: dict, log: Log, growable: Iterabl
     atomic_write_json(path, {"options": fingerprint, "sha256": json_digest(fingerprint)})
 
 
-def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
+def prepare_scan(options, data: str | None, out: Path, log: Log) -> Path:
     """The scan folder of a study: ``--data`` as given, or a simulated scan in ``out/scan``.
 
     Parameters
     ----------
-    opts : dict
+    options : study options
         Reads ``scan_preset`` (the :func:`ctuq.data.simulate_scan` preset) and ``progress``.
     data : str or None
         The ``--data`` folder (a ``Walnut{id}`` folder, real or simulated); ``None`` simulates one.
@@ -219,12 +216,12 @@ def prepare_scan(opts: dict, data: str | None, out: Path, log: Log) -> Path:
     sidecar = path / SIDECAR_NAME
     if sidecar.is_file():
         info = read_json(sidecar)
-        if info.get("complete") and info.get("preset") == opts["scan_preset"]:
-            log(f"reusing the simulated scan {path} (preset {opts['scan_preset']})")
+        if info.get("complete") and info.get("preset") == options.scan_preset:
+            log(f"reusing the simulated scan {path} (preset {options.scan_preset})")
             return path
-    log(f"simulating a walnut scan (preset {opts['scan_preset']}) into {path}")
+    log(f"simulating a walnut scan (preset {options.scan_preset}) into {path}")
     t0 = time.perf_counter()
-    simulate_scan(path, preset=opts["scan_preset"], overwrite=sidecar.is_file(), progress=opts["progress"])
+    simulate_scan(path, preset=options.scan_preset, overwrite=sidecar.is_file(), progress=options.progress)
     log(f"simulated the scan in {time.perf_counter() - t0:.1f} s")
     return path
 
@@ -261,7 +258,7 @@ def angular_subsampling(n_files: int, n_angles: int, path: Path) -> int:
     return distinct // n_angles
 
 
-def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) -> tuple[bool, str]:
+def exact_decision(mode: str, c: int, d: int, options, device: torch.device) -> tuple[bool, str]:
     """Whether to run the exact linearised inference (``solver="exact"``), and why.
 
     Parameters
@@ -272,7 +269,7 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
         device memory, or the host's available physical memory; 4 GiB when unknown).
     c, d : int
         Number of measurements and of linearised (convolution) weights.
-    opts : dict
+    options : study options
         Reads ``exact_em_steps``, ``em_samples``, ``exact_samples`` and ``rank`` (the exact workload).
     device : torch.device
         Where the inference would run.
@@ -289,10 +286,10 @@ def exact_decision(mode: str, c: int, d: int, opts: dict, device: torch.device) 
 
     budget = memory_budget(Budget.STUDY_EXACT, device)
     wl = Workload(
-        em_steps=opts["exact_em_steps"],
-        em_samples=opts["em_samples"],
-        prediction_samples=opts["exact_samples"],
-        rank=opts["rank"],
+        em_steps=options.exact_em_steps,
+        em_samples=options.em_samples,
+        prediction_samples=options.exact_samples,
+        rank=options.rank,
     )
     est = estimate_solver_costs(c, d, wl, memory_budget=budget, itemsize=4)["exact"]
     route = "dense TΦ (d < c)" if d < c else "c × c eigendecomposition"
@@ -318,7 +315,7 @@ def _read_dip(path: Path):
     return mf, model
 
 
-def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.device, log: Log):
+def fit_or_load_dip(kind: str, sdir: Path, data, options, device: torch.device, log: Log):
     """The fitted DIP of one setting: loaded when an earlier run finished it, else fitted and stored.
 
     The fit resumes from its checkpoint (``dip_checkpoint.pt``, removed once the fit is stored). The network is
@@ -329,17 +326,17 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
     Parameters
     ----------
     kind : {"dip", "mc_dropout"}
-        ``"dip"``: the U-Net ``opts["preset"]`` without dropout, stored in ``sdir/dip_model.pt``;
-        ``"mc_dropout"``: the same U-Net with channel dropout ``opts["dropout"]`` after every conv block, fitted
+        ``"dip"``: the U-Net ``options.preset`` without dropout, stored in ``sdir/dip_model.pt``;
+        ``"mc_dropout"``: the same U-Net with channel dropout ``options.dropout`` after every conv block, fitted
         with dropout active (:func:`ctuq.reconstruct.fit_mc_dropout_dip`), stored in
         ``sdir/mc_dropout/dip_model.pt``.
     sdir : Path
         The setting's folder.
     data : ctuq.data.CTData
         The problem: ``op``, ``y`` and ``ground_truth`` (mm⁻¹; the fit tracks its PSNR).
-    opts : dict
-        Reads ``preset``, ``dropout``, ``iterations``, ``lr``, ``tv_weight``, ``clip_grad_norm`` (0: none),
-        ``scale``, ``input_std``, ``seed`` and ``progress``.
+    options : study options
+        Reads ``preset``, ``dropout`` (only for ``kind="mc_dropout"``), ``iterations``, ``lr``, ``tv_weight``,
+        ``clip_grad_norm`` (0: none), ``scale``, ``input_std``, ``seed`` and ``progress``.
     device : torch.device
         Where the fit runs and the returned model lives.
     log : Log
@@ -364,39 +361,39 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
     folder = sdir if kind == "dip" else sdir / "mc_dropout"
     folder.mkdir(parents=True, exist_ok=True)
     model_path = folder / "dip_model.pt"
-    label = "DIP" if kind == "dip" else f"MC-dropout DIP (p = {opts['dropout']})"
+    label = "DIP" if kind == "dip" else f"MC-dropout DIP (p = {options.dropout})"
     if model_path.is_file():
         mf, model = _read_dip(model_path)
         log(f"skipping the {label} fit: finished in an earlier run ({model_path})")
         return model.to(device), mf.net_input, mf.meta["reconstruction"], mf.meta["summary"]
     ckpt = folder / "dip_checkpoint.pt"
-    net_input = make_net_input(data.op.image_shape, channels=1, seed=opts["seed"], std=opts["input_std"])
+    net_input = make_net_input(data.op.image_shape, channels=1, seed=options.seed, std=options.input_std)
     common = dict(
-        iterations=opts["iterations"],
-        lr=opts["lr"],
-        tv_weight=opts["tv_weight"],
-        clip_grad_norm=opts["clip_grad_norm"] or None,
-        scale=opts["scale"],
-        seed=opts["seed"],
+        iterations=options.iterations,
+        lr=options.lr,
+        tv_weight=options.tv_weight,
+        clip_grad_norm=options.clip_grad_norm or None,
+        scale=options.scale,
+        seed=options.seed,
         ground_truth=data.ground_truth.to(device),
         checkpoint_path=ckpt,
-        checkpoint_every=max(50, opts["iterations"] // 10),
+        checkpoint_every=max(50, options.iterations // 10),
         resume=True,
         device=device,
-        progress=opts["progress"],
+        progress=options.progress,
     )
     log(
-        f"fitting the {label}: {opts['iterations']} iterations"
+        f"fitting the {label}: {options.iterations} iterations"
         + (" (resuming from its checkpoint)" if ckpt.is_file() else "")
     )
     if kind == "dip":
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(opts["seed"])  # same initial weights as `ctuq reconstruct` with this seed
-            model = build_unet(opts["preset"], ndim=data.op.ndim)
+            torch.manual_seed(options.seed)  # same initial weights as `ctuq reconstruct` with this seed
+            model = build_unet(options.preset, ndim=data.op.ndim)
         result = fit_dip(data.op, data.y, model=model, net_input=net_input, **common)
     else:
         model, result = fit_mc_dropout_dip(
-            data.op, data.y, preset=opts["preset"], dropout=opts["dropout"], net_input=net_input, **common
+            data.op, data.y, preset=options.preset, dropout=options.dropout, net_input=net_input, **common
         )
     summary = dict(result.summary(), n_conv_weights=count_parameters(model, conv_weights_only=True))
     write_model_file(
@@ -416,65 +413,3 @@ def fit_or_load_dip(kind: str, sdir: Path, data, opts: dict, device: torch.devic
     )
     mf, model_out = _read_dip(model_path)
     return model_out.to(device), result.net_input, result.reconstruction.detach().cpu(), mf.meta["summary"]
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
-def method_done(mdir: Path) -> dict | None:
-    """The record of a method that an earlier run finished in ``mdir`` (its ``metrics.json``), else ``None``.
-
-    A method counts as finished when both ``metrics.json`` and ``result.pt`` are there (see
-    :func:`finish_method`). Both are checked before they are reused: ``metrics.json`` must be a JSON object,
-    ``result.pt`` must match the SHA-256 recorded there (``result_sha256``) and hold the ``mean`` and ``std`` images
-    of one shape; :class:`StudyError` naming the file and saying to delete ``mdir`` otherwise.
-    """
-    metrics, result = mdir / "metrics.json", mdir / "result.pt"
-    if not (metrics.is_file() and result.is_file()):
-        return None
-    hint = f"delete {mdir} to recompute that method"
-    record = read_json(metrics)
-    if not isinstance(record, dict):
-        raise StudyError(f"{metrics}: not a method record (a JSON object); {hint}")
-    if record.get("result_sha256") != _sha256(result):
-        raise StudyError(
-            f"{result}: does not match the SHA-256 recorded in {metrics.name} (replaced, edited or damaged after the "
-            f"method finished); {hint}"
-        )
-    try:
-        saved = torch.load(result, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a damaged file: re-raised with the file named
-        raise StudyError(f"{result}: not a readable result file ({type(exc).__name__}); {hint}") from exc
-    images = [saved.get(k) for k in ("mean", "std")] if isinstance(saved, dict) else [None]
-    if not all(isinstance(t, torch.Tensor) for t in images) or images[0].shape != images[1].shape:
-        raise StudyError(f"{result}: not a method result (a 'mean' and a 'std' image of one shape); {hint}")
-    return record
-
-
-def finish_method(mdir: Path, mean: torch.Tensor, std: torch.Tensor, record: dict) -> dict:
-    """Write a finished method's outputs into ``mdir`` and return its record as stored.
-
-    Parameters
-    ----------
-    mdir : Path
-        The method's folder.
-    mean, std : torch.Tensor
-        ``(H, W)`` predictive mean and standard deviation, mm⁻¹: written as ``mean.tif``, ``std.tif`` and
-        (float32, CPU) ``result.pt``.
-    record : dict
-        The method's numbers; written last as ``metrics.json``, whose presence marks the method finished, with
-        ``result_sha256`` (the SHA-256 of ``result.pt``, checked by :func:`method_done`) added.
-
-    Returns
-    -------
-    dict
-        ``record`` read back from ``metrics.json`` (JSON values, as a resumed run sees them).
-    """
-    write_tiff(mdir / "std.tif", std)
-    write_tiff(mdir / "mean.tif", mean)
-    atomic_torch_save(mdir / "result.pt", {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()})
-    record = dict(record, result_sha256=_sha256(mdir / "result.pt"))
-    write_metrics(mdir / "metrics.json", record)  # written last: its presence marks the method as finished
-    return read_json(mdir / "metrics.json")

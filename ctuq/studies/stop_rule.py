@@ -1,152 +1,181 @@
 """The stop-rule study (``scripts/stop_rule_study.py``): is the predicted error of a scan not yet taken right, and
 does the stop rule stop at the right count?
 
-Per simulated scan (walnut and textured phantoms, :func:`ctuq.studies.calibration.prepare_scans`; 1200 angles):
+Per simulated scan (walnut and textured phantoms, :func:`ctuq.studies.calibration.prepare_scans`; 1200 angles), in
+``OUT/<scan>/``, everything through the public API:
 
-1. ``plan/``: ``ctuq design --plan`` from the pilot: the predicted RMS error inside the object after ``n = pilot …
-   pilot + acquire`` angles, designed and equidistant (:mod:`ctuq.design.plan`);
-2. ``acquire/``: the design on the scan's measurements, each new angle scored before it is used (predicted from
-   the tracked DIP, as with a stop target) and the forecast after every step (the stop rule needs nothing else: a
-   target changes where the design stops, not its choices);
+1. ``plan/``: ``ctuq design --plan`` from the pilot (:func:`ctuq.design_angles` with ``plan=True``): the predicted
+   RMS error inside the object after ``n = pilot … pilot + acquire`` angles, designed and equidistant
+   (:mod:`ctuq.design.plan`);
+2. ``acquire/``: the design on the scan's measurements (:func:`ctuq.design_angles`), each new angle scored before it
+   is used (predicted from the tracked DIP, as with a stop target) and the forecast after every step (the stop rule
+   needs nothing else: a target changes where the design stops, not its choices);
 3. ``actual/<strategy>_<n>/``: FBP, TV and the DIP (cold start, the ``dip`` section) from the first ``n`` designed
-   angles and from ``n`` equidistant ones, their RMS error inside the same object mask against the ground truth.
+   angles and from ``n`` equidistant ones (:func:`ctuq.reconstruct` of the scan's :meth:`~ctuq.scan.Scan.subset`
+   with ``uq=False``), their RMS error inside the same object mask against the ground truth;
+4. ``result.json``: the scan's record, derived from those folders.
 
 The report (:func:`report`) compares predicted with actual errors at every count of the grid, and, for two targets
 per scan (the actual DIP error interpolated at 40 % and 80 % of the way, in log error, from the pilot to the last
 count), the count at which the online forecast first meets the target against the oracle count (the smallest count
 whose actual error meets it, linear in log error between grid counts), and the actual error at the stop count.
-Everything is resumable: finished design folders and run folders are reused.
+A rerun of the same command resumes: every design and run is asked of the API on its folder with ``resume=True,
+reuse=True`` (a finished one is loaded, an interrupted one continues from its checkpoints). The options are one frozen
+dataclass, :class:`StopRuleOptions` (:data:`DEFAULTS`, :data:`TINY`), recorded in ``OUT/study.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ctuq.calibration.maps import object_mask
-from ctuq.config import load_config
+from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import equidistant_indices
-from ctuq.outputs import read_tiff
-from ctuq.pipeline import run_folder as rf
-from ctuq.pipeline.design import DESIGN_NAME, TRACK_ITERATIONS, reconstruct_angles, rmse_inside, run_design
-from ctuq.pipeline.scan import load_scan
+from ctuq.pipeline.design import TRACK_ITERATIONS, rmse_inside
 from ctuq.registry import CALIBRATIONS
+
+# the public API (ctuq.design_angles, ctuq.reconstruct, ctuq.load_scan), imported from its home modules
+from ctuq.run import design_angles, reconstruct
+from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
-from ctuq.studies.common import Log, read_json
+from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.study_options import freeze, option, plain
 from ctuq.utils import atomic_write_json
 
-__all__ = ["DEFAULTS", "TINY", "UPDATES", "run_study", "report"]
+__all__ = ["StopRuleOptions", "DEFAULTS", "TINY", "UPDATES", "run_study", "run_scan", "report", "stop_counts"]
 
 UPDATES = ("pooled", "online", "pilot")  # design.calibration_update, compared on every run
 
-DEFAULTS = {
-    "walnut_seeds": [0, 1, 2, 3],
-    "textured_seeds": [0, 1, 2, 3],
-    "config": "demo",
-    "set": ["data.image_shape=[64,64]", "data.detector_subsampling=4"],
-    "candidates": 120,
-    "pilot": 10,
-    "acquire": 20,
-    "counts": [10, 15, 20, 25, 30],
-    "target_fractions": [0.4, 0.8],
-    "scan_preset": "bundled",
-    "projections": 1201,
-    "det_rows": 4,
-    "gt_shape": [1, 128, 128],
-    "progress": False,
-}
-TINY = {
-    **DEFAULTS,
-    "walnut_seeds": [0],
-    "textured_seeds": [],
-    "set": ["data.image_shape=[32,32]", "data.detector_subsampling=8", "dip.iterations=200"],
-    "candidates": 24,
-    "pilot": 4,
-    "acquire": 4,
-    "counts": [4, 6, 8],
-    "scan_preset": "tiny",
-    "projections": 49,
-}
 
+@dataclasses.dataclass(frozen=True)
+class StopRuleOptions:
+    """The options of one stop-rule study (``scripts/stop_rule_study.py`` builds them from its flags). All but
+    ``progress`` and ``tiny`` change numbers, so ``study.json`` records them and a rerun in the same folder must keep
+    them (the seeds may grow)."""
 
-def _config(opts: dict, scan: Path, extra=()):
-    return load_config(
-        opts["config"],
-        [
-            "data.angular_subsampling=1",
-            "data.min_angles=1",
-            *opts["set"],
-            f"data.path={scan}",
-            f"design.candidates={opts['candidates']}",
-            f"design.pilot={opts['pilot']}",
-            f"design.acquire={opts['acquire']}",
-            f"design.forecast_points={len(opts['counts'])}",
-            *extra,
-        ],
+    walnut_seeds: tuple[int, ...] = option((0, 1, 2, 3), help="seeds of the simulated walnut scans")
+    textured_seeds: tuple[int, ...] = option((0, 1, 2, 3), help="seeds of the simulated textured scans")
+    config: str = option("demo", help="base config of every design and reconstruction")
+    set: tuple[str, ...] = option(
+        ("data.image_shape=[64,64]", "data.detector_subsampling=4"),
+        help="config overrides of every design and reconstruction (KEY=VALUE)",
     )
+    candidates: int = option(120, help="candidate angles of the designs (design.candidates)")
+    pilot: int = option(10, help="equidistant pilot angles (design.pilot)")
+    acquire: int = option(20, help="angles each design acquires (design.acquire)")
+    counts: tuple[int, ...] = option((10, 15, 20, 25, 30), help="angle counts where predicted and actual errors meet")
+    target_fractions: tuple[float, ...] = option(
+        (0.4, 0.8), help="stop targets: fractions of the way (log error) from the pilot's error to the last count's"
+    )
+    scan_preset: str = option("bundled", help="ctuq simulate preset of the scans (bundled, tiny, walnut)")
+    projections: int = option(1201, help="projection files per scan (the last repeats the first angle)")
+    det_rows: int = option(4, help="detector rows of the simulated scans")
+    gt_shape: tuple[int, int, int] = option((1, 128, 128), help="ground-truth grid of the simulated scans")
+    progress: bool = option(False, help="progress bars of the designs and runs")
+    tiny: bool = option(False, help="the test size (TINY)")
+
+    def __post_init__(self) -> None:
+        freeze(self)
+
+    def validate(self) -> None:
+        """One-line :class:`StudyError` for an invalid option (named as its command-line flag)."""
+        if not self.walnut_seeds and not self.textured_seeds:
+            raise StudyError("--walnut-seeds/--textured-seeds: the study needs at least one scan")
+        if not self.counts or list(self.counts) != sorted(set(self.counts)) or self.counts[0] != self.pilot:
+            raise StudyError(f"counts {list(self.counts)}: increasing angle counts from the pilot ({self.pilot})")
+        if self.counts[-1] > self.pilot + self.acquire:
+            raise StudyError(
+                f"counts {list(self.counts)}: the last count exceeds pilot + acquire = {self.pilot + self.acquire}"
+            )
+        try:
+            load_config(self.config, list(self.set))
+        except ConfigError as exc:
+            raise StudyError(f"--set: {exc}") from None
 
 
-def run_scan(name: str, scan: Path, opts: dict, out: Path, log: Log) -> dict:
-    """Plan, acquisition and actual errors of one scan into ``out/<name>``; returns its record (``result.json``)."""
+DEFAULTS = StopRuleOptions()
+# seconds-long runs of the machinery (tests)
+TINY = StopRuleOptions(
+    walnut_seeds=(0,),
+    textured_seeds=(),
+    set=("data.image_shape=[32,32]", "data.detector_subsampling=8", "dip.iterations=200"),
+    candidates=24,
+    pilot=4,
+    acquire=4,
+    counts=(4, 6, 8),
+    scan_preset="tiny",
+    projections=49,
+    tiny=True,
+)
+
+
+def _sets(options: StopRuleOptions) -> list[str]:
+    """The config overrides of every design and reconstruction of a scan."""
+    return ["data.min_angles=1", *options.set, f"design.forecast_points={len(options.counts)}"]
+
+
+def run_scan(name: str, scan: Path, options: StopRuleOptions, out: Path, log: Log) -> dict:
+    """Plan, acquisition and actual errors of one scan into ``out/<name>``; returns its record (``result.json``,
+    derived from the design and run folders there)."""
     sdir = out / name
-    done = sdir / "result.json"
-    if done.is_file():
-        return read_json(done)
-    sdir.mkdir(parents=True, exist_ok=True)
-    cfg = _config(opts, scan)
-    runs = {}
-    for part, kwargs in (("plan", {"plan": True}), ("acquire", {})):
-        folder = sdir / part
-        # the acquisition as a stop rule runs it (its predictions from the tracked DIP); no target: it runs to the cap
-        extra = [] if part == "plan" else ["design.reconstruct=false", f"design.track_iterations={TRACK_ITERATIONS}"]
-        if (folder / DESIGN_NAME).is_file():
-            runs[part] = read_json(folder / DESIGN_NAME)
-            continue
-        log(f"{name}: {part}")
-        runs[part] = run_design(
-            _config(opts, scan, extra), folder, resume=folder.is_dir(), progress=opts["progress"], **kwargs
-        )
-    acq = runs["acquire"]
-    device = torch.device("cpu")
-    data, _, _ = load_scan(cfg, device, progress=False, heldout=False)
-    cand = np.asarray(acq["candidates"]["scan_indices"])
-    cand_op = data.op.subset(cand.tolist())
-    y_cand = data.y[torch.as_tensor(cand)]
-    gt = data.ground_truth.detach().cpu().double().numpy().reshape(cand_op.image_shape)
-    pilot_x, _ = read_tiff(sdir / "acquire" / "pilot" / rf.RECONSTRUCTION_NAME)
-    mask = object_mask(np.asarray(pilot_x, np.float64)) > 0
-    order = acq["pilot"]["candidates"] + [a["candidate"] for a in acq["acquired"]]
+    design = dict(
+        config=options.config,
+        candidates=options.candidates,
+        pilot=options.pilot,
+        acquire=options.acquire,
+        resume=True,
+        reuse=True,
+        progress=options.progress,
+    )
+    plan = design_angles(scan, set=_sets(options), plan=True, out=sdir / "plan", **design)
+    log(f"{name}: plan {'loaded' if plan.reused else 'done'}")
+    # the acquisition as a stop rule runs it (its predictions from the tracked DIP); no target: it runs to the cap
+    extra = ["design.reconstruct=false", f"design.track_iterations={TRACK_ITERATIONS}"]
+    acq = design_angles(scan, set=[*_sets(options), *extra], out=sdir / "acquire", **design)
+    log(f"{name}: acquisition {'loaded' if acq.reused else 'done'}")
+    whole = load_scan(scan)
+    cand = np.asarray(acq.record["candidates"]["scan_indices"])
+    mask = object_mask(np.asarray(acq.pilot_images["dip"], np.float64)) > 0
+    order = acq.record["pilot"]["candidates"] + [a["candidate"] for a in acq.record["acquired"]]
     actual: dict = {"designed": {}, "equidistant": {}}
     done_sets: dict[tuple, float] = {}  # the same angles (the pilot: equidistant) are reconstructed once
-    for n in opts["counts"]:
+    for n in options.counts:
         for strategy in ("designed", "equidistant"):
             idx = sorted(order[:n] if strategy == "designed" else equidistant_indices(len(cand), n).tolist())
             if tuple(idx) not in done_sets:
-                folder = sdir / "actual" / f"{strategy}_{n:03d}"
-                if not rf.is_finished_run(folder):
-                    log(f"{name}: DIP from {n} {strategy} angles")
-                reconstruct_angles(
-                    cfg, folder, cand_op.subset(idx), y_cand[idx], data.ground_truth, device, False, need_model=False
+                run = reconstruct(
+                    whole.subset(cand[idx]),
+                    config=options.config,
+                    set=_sets(options),
+                    out=sdir / "actual" / f"{strategy}_{n:03d}",
+                    uq=False,
+                    resume=True,
+                    reuse=True,
+                    progress=options.progress,
                 )
-                done_sets[tuple(idx)] = rmse_inside(folder, gt, mask)["dip"]
+                if not run.reused:
+                    log(f"{name}: DIP from {n} {strategy} angles")
+                done_sets[tuple(idx)] = rmse_inside(run.path, run.ground_truth, mask)["dip"]
             actual[strategy][n] = done_sets[tuple(idx)]
     record = {
         "scan": name,
-        "counts": opts["counts"],
+        "counts": list(options.counts),
         "plan": {
-            s: {r["count"]: [r["rmse"], *r["rmse_band"]] for r in runs["plan"]["forecast"]["plan"][s]}
+            s: {r["count"]: [r["rmse"], *r["rmse_band"]] for r in plan.record["forecast"]["plan"][s]}
             for s in ("designed", "equidistant")
         },
-        "online": _online_by_update(acq["forecast"]),
+        "online": _online_by_update(acq.forecast),
         "online_coverage": {
-            mode: [r["cumulative_coverage_90_by_update"][mode] for r in acq["forecast"]["online"]] for mode in UPDATES
+            mode: [r["cumulative_coverage_90_by_update"][mode] for r in acq.forecast["online"]] for mode in UPDATES
         },
         "actual": actual,
         "order": order,
-        "plan_s": runs["plan"]["timings"]["total_s"],
+        "plan_s": plan.record["timings"]["total_s"],
     }
+    done = sdir / "result.json"
     atomic_write_json(done, record)
     return read_json(done)
 
@@ -318,14 +347,18 @@ def report(records: list[dict], fractions) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_study(opts: dict, out: Path, log: Log | None = None) -> str:
-    """Every scan of ``opts`` (scans simulated into ``out/scans`` or reused), then ``results.md``; returns it."""
+def run_study(options: StopRuleOptions, out: Path, log: Log | None = None) -> str:
+    """Every scan of ``options`` (scans simulated into ``out/scans`` or reused), then ``results.md``; returns it.
+    ``out/study.json`` must hold the same options (the seeds may grow); :class:`StudyError` otherwise."""
     log = log or Log("stop_rule_study")
     out = Path(out)
+    options.validate()
     out.mkdir(parents=True, exist_ok=True)
-    scans = prepare_scans(opts, out, log)
-    records = [run_scan(name, path, opts, out, log) for name, path in scans.items()]
-    text = report(records, opts["target_fractions"])
+    fingerprint = study_fingerprint(plain(options), "simulated", NEUTRAL_OPTIONS)
+    check_study_folder(out, fingerprint, log, growable=("walnut_seeds", "textured_seeds"))
+    scans = prepare_scans(options, out, log)
+    records = [run_scan(name, path, options, out, log) for name, path in scans.items()]
+    text = report(records, options.target_fractions)
     (out / "results.md").write_text(text)
     log(f"wrote {out / 'results.md'}")
     return text

@@ -1,26 +1,33 @@
 """The walnut uncertainty study: linearised DIP inference against MC dropout, for several angle counts of one scan.
 
-For one scan and every angle count in ``opts["settings"]`` the study (:func:`run_study`) loads the 2D slice
-problem (:func:`ctuq.data.load_slice` of its :class:`~ctuq.data.WalnutScan`), fits the DIP once
-(:func:`ctuq.studies.fit_or_load_dip`) and runs the methods of :data:`METHODS`:
+For one scan and every angle count in ``options.settings`` (:class:`WalnutOptions`) the study (:func:`run_study`)
+works through the public API, every step a run folder in the setting's folder ``angles_<N>/``:
 
-* **linearised (sampled)** and **linearised (exact)** (:func:`run_linearised`):
-  :class:`ctuq.pipeline.uq.UQRun` around the fitted DIP with ``solver="cg"`` (sampled EM, dual Matheron
-  samples) or ``solver="exact"`` (the exact reference, run when :func:`ctuq.studies.exact_decision` says it fits in
-  memory); their mean is the DIP reconstruction;
+* **DIP** (``dip/``): :func:`ctuq.reconstruct` with ``uq=False`` on the 2D slice problem (:func:`run_settings`:
+  the bundled ``demo`` config with the study's scan, subsampling, U-Net and fit);
+* **linearised (sampled)** and **linearised (exact)** (:func:`run_linearised`): :func:`ctuq.uncertainty` on that
+  run with ``uq.solver = cg`` (sampled EM, dual Matheron samples) or ``exact`` (the exact reference, run when
+  :func:`ctuq.studies.exact_decision` says it fits in memory), :func:`uq_settings`; their mean is the DIP
+  reconstruction;
 * **linearised, TV-PredCP (exact)**: the exact route with the TV-PredCP block prior (``docs/tv_predcp.md``) in place
   of the g-prior, run and skipped with the exact reference;
-* **MC dropout** (:func:`run_mc_dropout`): a second DIP with channel dropout, fitted with dropout active, then
-  stochastic passes (:mod:`ctuq.reconstruct.mc_dropout`).
+* **MC dropout** (:func:`run_mc_dropout`): :func:`ctuq.reconstruct` of a second DIP with channel dropout
+  (``model.dropout``), fitted with dropout active, then stochastic passes (``uq.method = mc_dropout``,
+  :mod:`ctuq.pipeline.mc_dropout_phase`).
 
-Each method is scored by :func:`ctuq.metrics.uq_summary` in the inner-square region of interest; the results go
-to ``results.json`` / ``results.md`` (:func:`write_results`: one row per setting × method, :func:`table_rows`)
-and four figures per setting (:func:`make_figures`). The command line is ``scripts/walnut_study.py``; the study
-and a measured table are described in ``docs/walnut_study.md``. Images are in mm⁻¹ throughout.
+Every call passes ``resume=True, reuse=True``: a finished run is loaded, an interrupted one continues from its
+checkpoints, so a rerun of the same command (after a kill, too) computes only what is missing; the run folders are
+the study's only state besides ``study.json`` (its options, :func:`ctuq.studies.check_study_folder`). Each method is
+scored by :func:`ctuq.metrics.uq_summary` in the inner-square region of interest (the runs' own scores); the
+results go to ``results.json`` / ``results.md`` (:func:`write_results`: one row per setting × method,
+:func:`table_rows`) and four figures per setting (:func:`make_figures`). The command line is
+``scripts/walnut_study.py``; the study and a measured table are described in ``docs/walnut_study.md``. Images are
+in mm⁻¹ throughout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import time
@@ -30,17 +37,17 @@ from typing import Any
 import torch
 
 from ctuq import figures
-from ctuq.data import WalnutScan, load_slice
+from ctuq.config import UQConfig
+from ctuq.data import WalnutScan
 from ctuq.log import run_log
-from ctuq.metrics import inner_square_roi, uq_summary, uq_summary_from_moments
-from ctuq.metrics.image import image_metrics
-from ctuq.models import build_unet, count_parameters
-from ctuq.outputs import package_versions, voxel_size_of, write_metrics, write_tiff
+from ctuq.metrics import inner_square_roi
+from ctuq.outputs import package_versions, write_metrics, write_tiff
 from ctuq.pipeline.run_folder import LOG_NAME as LOG_FILE
-from ctuq.pipeline.run_folder import UQ_MOMENTS_NAME, UQ_STATE_NAME
-from ctuq.pipeline.uq import UQRun, UQSettings
-from ctuq.reconstruct import mc_dropout_predict
+from ctuq.pipeline.run_folder import METRICS_NAME, UQ_STATE_NAME
 from ctuq.registry import PRIORS
+
+# the public API (ctuq.reconstruct, ctuq.uncertainty, ctuq.Run), imported from its home module
+from ctuq.run import Run, reconstruct, uncertainty
 from ctuq.studies.common import (
     NEUTRAL_OPTIONS,
     Log,
@@ -48,17 +55,18 @@ from ctuq.studies.common import (
     angular_subsampling,
     check_study_folder,
     exact_decision,
-    finish_method,
-    fit_or_load_dip,
-    method_done,
     prepare_scan,
     setting_dir,
     study_fingerprint,
 )
+from ctuq.studies.study_options import freeze, option, plain
 from ctuq.utils import atomic_path, resolve_device
 
 __all__ = [
     "METHODS",
+    "WalnutOptions",
+    "run_settings",
+    "uq_settings",
     "DEFAULTS",
     "TINY",
     "NEUTRAL",
@@ -81,55 +89,115 @@ METHODS = {
     "mc_dropout": "MC dropout",
 }
 
-# The CPU demo (ctuq/configs/demo.yaml: tiny U-Net, lr 3e-3, TV 1e-4, 2500 iterations, ×14) on the bundled-size
-# simulated walnut, 60 and 120 angles, with the published inference settings (EM 5 × 16, rank 400, 1024 passes).
-DEFAULTS: dict[str, Any] = {
-    "scan_preset": "bundled",
-    "settings": [60, 120],
-    "preset": "tiny",
-    "iterations": 2500,
-    "lr": 3e-3,
-    "tv_weight": 1e-4,
-    "clip_grad_norm": 1.0,
-    "scale": 14.0,
-    "input_std": 0.1,
-    "image_shape": None,  # None: the ground-truth grid
-    "detector_subsampling": None,  # None: keep about 128 detector columns (the published setting)
-    "orbit": 2,
-    "slice_index": None,
-    "backend": "auto",
-    "samples": 256,
-    "exact_samples": None,  # None: --samples
-    "mc_passes": 1024,
-    "mc_batch": 32,
-    "dropout": 0.05,
-    "em_steps": 5,
-    "em_samples": 16,
-    "exact_em_steps": 50,
-    "tv_predcp_steps": 100,  # most type-II MAP steps of the TV-PredCP row; it stops once converged (docs/tv_predcp.md)
-    "rank": 400,
-    "gprior": "exact",
-    "prior_precision": 100.0,
-    "exact": "auto",
-    "seed": 0,
-}
+
+@dataclasses.dataclass(frozen=True)
+class WalnutOptions:
+    """The options of one walnut study (``scripts/walnut_study.py`` builds them from its flags: explicit flags, then
+    ``--tiny`` (:data:`TINY`), then these defaults (:data:`DEFAULTS`): the CPU demo (``ctuq/configs/demo.yaml``:
+    tiny U-Net, lr 3e-3, TV 1e-4, 2500 iterations, ×14) on the bundled-size simulated walnut, 60 and 120 angles,
+    with the published inference settings (EM 5 × 16, rank 400, 1024 passes)). Every field but :data:`NEUTRAL`
+    changes numbers, so ``study.json`` records them and a rerun in the same folder must keep them (``settings`` may
+    grow)."""
+
+    scan_preset: str = option("bundled", help="simulation preset when --data is not given (bundled, tiny, walnut)")
+    settings: tuple[int, ...] = option((60, 120), help="angle counts, each dividing the scan's distinct angles")
+    preset: str = option("tiny", help="U-Net preset")
+    iterations: int = option(2500, help="DIP iterations")
+    lr: float = option(3e-3, help="Adam learning rate")
+    tv_weight: float = option(1e-4, help="TV weight")
+    clip_grad_norm: float = option(1.0, help="gradient-norm clip, 0 disables")
+    scale: float = option(14.0, help="data/image scale of the DIP")
+    input_std: float = option(0.1, help="std of the fixed noise input")
+    image_shape: tuple[int, int] | None = option(None, help="reconstruction grid (None: the ground-truth grid)")
+    detector_subsampling: int | None = option(
+        None, help="keep every K-th detector column (None: about 128 columns remain, the published setting)"
+    )
+    orbit: int = option(2, help="source orbit (1, 2, 3)")
+    slice_index: int | None = option(None, help="ground-truth slice (None: the central one)")
+    backend: str = option("auto", help="ray transform (auto, sparse, astra_cuda)")
+    samples: int = option(256, help="prediction samples of the linearised methods")
+    exact_samples: int | None = option(None, help="prediction samples of the exact reference (None: samples)")
+    mc_passes: int = option(1024, help="stochastic forward passes of MC dropout")
+    mc_batch: int = option(32, help="MC-dropout passes per forward call")
+    dropout: float = option(0.05, help="MC dropout's rate after every conv block")
+    em_steps: int = option(5, help="sampled-EM steps")
+    em_samples: int = option(16, help="samples per sampled-EM step")
+    exact_em_steps: int = option(50, help="EM steps of the exact reference (tol 1e-3)")
+    # most type-II MAP steps of the TV-PredCP row; it stops once converged (docs/tv_predcp.md)
+    tv_predcp_steps: int = option(100, help="most type-II MAP steps of the TV-PredCP row")
+    rank: int = option(400, help="CG preconditioner rank")
+    gprior: str = option("exact", help="g-prior scales of the sampled method: exact (c VJPs) or stochastic")
+    prior_precision: float = option(100.0, help="initial prior precision a")
+    exact: str = option("auto", help="run the exact reference: auto = when its memory estimate fits the device")
+    seed: int = option(0, help="seed of inputs, weights, dropout and samples")
+    device: str = option("auto", help="auto, cpu or cuda")
+    threads: int | None = option(None, help="torch CPU threads for the study (None: unchanged)")
+    tiny: bool = option(False, help="the test size (TINY)")
+    progress: bool = option(True, help="progress bars")
+
+    def __post_init__(self) -> None:
+        freeze(self)
+
+    def resolved(self) -> WalnutOptions:
+        """These options with ``exact_samples`` set (``None`` means ``samples``)."""
+        return self if self.exact_samples is not None else dataclasses.replace(self, exact_samples=self.samples)
+
+    def validate(self) -> None:
+        """One-line :class:`~ctuq.studies.StudyError` for an invalid option (named as its command-line flag)."""
+        o = self.resolved()
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise StudyError(what)
+
+        def flag(key: str) -> str:
+            return "--" + key.replace("_", "-")
+
+        need(
+            len(o.settings) > 0 and min(o.settings) >= 1,
+            f"--settings: angle counts must be >= 1, got {list(o.settings)}",
+        )
+        need(len(set(o.settings)) == len(o.settings), f"--settings: repeated angle count in {list(o.settings)}")
+        for key in ("iterations", "samples", "exact_samples", "mc_passes", "em_samples", "rank", "mc_batch"):
+            need(getattr(o, key) >= 1, f"{flag(key)} must be >= 1, got {getattr(o, key)}")
+        for key in ("samples", "exact_samples", "mc_passes"):
+            need(getattr(o, key) >= 2, f"{flag(key)} must be >= 2 (a std needs two samples), got {getattr(o, key)}")
+        for key in ("em_steps", "exact_em_steps"):
+            need(getattr(o, key) >= 0, f"{flag(key)} must be >= 0, got {getattr(o, key)}")
+        for key in ("lr", "scale", "input_std", "prior_precision"):
+            v = getattr(o, key)
+            need(v > 0 and math.isfinite(v), f"{flag(key)} must be positive, got {v}")
+        need(o.tv_weight >= 0, f"--tv-weight must be >= 0, got {o.tv_weight}")
+        need(o.clip_grad_norm >= 0, f"--clip-grad-norm must be >= 0, got {o.clip_grad_norm}")
+        need(0.0 < o.dropout < 1.0, f"--dropout must lie in (0, 1), got {o.dropout}")
+        need(o.seed >= 0, f"--seed must be >= 0, got {o.seed}")
+        need(o.threads is None or o.threads >= 1, f"--threads must be >= 1, got {o.threads}")
+        if o.image_shape is not None:
+            need(min(o.image_shape) >= 4, f"--image-shape must be at least 4 × 4, got {list(o.image_shape)}")
+        if o.detector_subsampling is not None:
+            need(o.detector_subsampling >= 1, f"--detector-subsampling must be >= 1, got {o.detector_subsampling}")
+
+
+DEFAULTS = WalnutOptions()
 
 # --tiny: the end-to-end test's size (tiny simulated scan, 32² grid, a few iterations and samples; seconds).
-TINY: dict[str, Any] = {
-    "scan_preset": "tiny",
-    "settings": [4, 8],
-    "image_shape": [32, 32],
-    "detector_subsampling": 4,
-    "iterations": 20,
-    "samples": 8,
-    "exact_samples": 16,
-    "mc_passes": 16,
-    "em_steps": 2,
-    "em_samples": 4,
-    "exact_em_steps": 10,
-    "tv_predcp_steps": 3,
-    "rank": 32,
-}
+TINY = dataclasses.replace(
+    DEFAULTS,
+    scan_preset="tiny",
+    settings=(4, 8),
+    image_shape=(32, 32),
+    detector_subsampling=4,
+    iterations=20,
+    samples=8,
+    exact_samples=16,
+    mc_passes=16,
+    em_steps=2,
+    em_samples=4,
+    exact_em_steps=10,
+    tv_predcp_steps=3,
+    rank=32,
+    tiny=True,
+)
 
 # Options that do not change the numbers: a rerun may change them freely.
 NEUTRAL = NEUTRAL_OPTIONS | {"mc_batch"}
@@ -138,175 +206,200 @@ LOG_NAME = "walnut_study"  # prefix of the log lines and error messages
 
 
 # ================================================================================================ methods
-def run_linearised(method: str, sdir: Path, model, net_input, data, opts: dict, log: Log) -> dict:
-    """Sampled (``solver="cg"``) or exact (``solver="exact"``) linearised inference around the fitted DIP.
+def run_settings(options: WalnutOptions, scan: Path, angular_subsampling: int, detector_subsampling: int) -> dict:
+    """The config overrides (on the bundled ``demo`` config) of one setting's DIP run: the scan and its subsampling,
+    the U-Net and the fit of ``options``; no TV baseline, no figures, the fitted network kept (``dip_model.pt``).
+    The fit checkpoints every ``max(50, iterations // 10)`` iterations."""
+    return {
+        "data.path": str(scan),
+        "data.ndim": 2,
+        "data.orbit": options.orbit,
+        "data.slice_index": options.slice_index,
+        "data.angular_subsampling": angular_subsampling,
+        "data.detector_subsampling": detector_subsampling,
+        "data.image_shape": None if options.image_shape is None else list(options.image_shape),
+        "data.backend": options.backend,
+        "data.min_angles": 1,
+        "model.preset": options.preset,
+        "model.input": "noise",
+        "model.input_std": options.input_std,
+        "model.pretrained": None,
+        "dip.iterations": options.iterations,
+        "dip.lr": options.lr,
+        "dip.tv_weight": options.tv_weight,
+        "dip.clip_grad_norm": options.clip_grad_norm,
+        "dip.scale": options.scale,
+        "dip.checkpoint_every": max(50, options.iterations // 10),
+        "tv.enabled": False,
+        "output.figure": False,
+        "output.save_model": True,
+        "seed": options.seed,
+        "device": options.device,
+    }
 
-    The one place that runs :class:`ctuq.pipeline.uq.UQRun` (and scores its streamed sample moments). It
-    resumes from the posterior state and the running sums in ``sdir/method`` and deletes them once the method is
-    finished.
+
+def uq_settings(method: str, options: WalnutOptions) -> dict:
+    """The ``uq`` overrides of one linearised method (``ctuq uq RUN --set ...``).
+
+    ``linearised_sampled``: g-prior ``options.gprior``, preconditioned CG (rank ``options.rank``), sampled EM
+    (``em_steps`` × ``em_samples``), ``options.samples`` samples; ``linearised_exact``: exact g-prior, exact EM
+    (``exact_em_steps``, tol 1e-3), ``options.exact_samples`` exact samples; ``linearised_tv_predcp``: as
+    ``linearised_exact`` with the TV-PredCP block prior (at most ``options.tv_predcp_steps`` type-II MAP steps, the
+    other ``uq.tv_predcp`` settings at their defaults) instead of the g-prior. All: homoscedastic noise learned by
+    the EM, initial ``a`` ``options.prior_precision``, no recalibration of the std map.
+    """
+    common = {
+        "uq.method": "linearised",
+        "uq.noise": "homoscedastic",
+        "uq.learn_noise": True,
+        "uq.calibration": "none",
+        "uq.roi": "inner_square",
+        "uq.prior_precision": options.prior_precision,
+        "uq.em_samples": options.em_samples,
+        "uq.cg.rank": options.rank,
+    }
+    if method == "linearised_sampled":
+        return {
+            **common,
+            "uq.prior": "gprior",
+            "uq.solver": "cg",
+            "uq.gprior.method": options.gprior,
+            "uq.em_steps": options.em_steps,
+            "uq.em_tol": UQConfig().em_tol,
+            "uq.samples": options.samples,
+            "uq.sample_chunk": min(64, options.samples),
+        }
+    return {
+        **common,
+        "uq.prior": "tv_predcp" if method == "linearised_tv_predcp" else "gprior",
+        "uq.solver": "exact",
+        "uq.gprior.method": "exact",
+        "uq.tv_predcp.steps": options.tv_predcp_steps,
+        "uq.em_steps": options.exact_em_steps,
+        "uq.em_tol": 1e-3,
+        "uq.samples": options.exact_samples,
+        "uq.sample_chunk": min(256, options.exact_samples),
+    }
+
+
+def _image(metrics: dict, key: str = "dip") -> dict:
+    """PSNR (dB) and SSIM of the run's ``key`` reconstruction against the ground truth (``metrics.json``)."""
+    return {"psnr": metrics["psnr"][key], "ssim": metrics["ssim"][key]}
+
+
+def run_linearised(method: str, dip: Run, sdir: Path, options: WalnutOptions, log: Log) -> tuple[Run, dict]:
+    """Sampled (``solver="cg"``) or exact (``solver="exact"``) linearised inference around the setting's DIP run.
+
+    :func:`ctuq.uncertainty` on the DIP run with :func:`uq_settings`, into the run folder ``sdir/method`` with
+    ``resume=True, reuse=True``: a finished run there is loaded, an interrupted inference continues from its
+    checkpoint (``uq_state.pt`` and the running sums).
 
     Parameters
     ----------
     method : {"linearised_sampled", "linearised_exact", "linearised_tv_predcp"}
-        ``linearised_sampled``: g-prior ``opts["gprior"]``, preconditioned CG (rank ``opts["rank"]``), sampled EM
-        (``em_steps`` × ``em_samples``), ``opts["samples"]`` samples; ``linearised_exact``: exact g-prior, exact
-        EM (``exact_em_steps``, tol 1e-3), ``opts["exact_samples"]`` exact samples; ``linearised_tv_predcp``: as
-        ``linearised_exact`` with the TV-PredCP block prior (at most ``opts["tv_predcp_steps"]`` type-II MAP steps,
-        the other ``uq.tv_predcp`` settings at their defaults) instead of the g-prior.
+        See :func:`uq_settings`.
+    dip : ctuq.Run
+        The setting's DIP run (its weights are the linearisation point; left as it is).
     sdir : Path
-        The setting's folder; the method writes into ``sdir/method``.
-    model : ctuq.models.UNet
-        The fitted DIP (its weights are the linearisation point); not modified.
-    net_input : torch.Tensor
-        ``(1, 1, H, W)`` its fixed input.
-    data : ctuq.data.CTData
-        ``op``, ``y`` and ``ground_truth`` (``(H, W)``, mm⁻¹) of the setting.
-    opts : dict
-        The study's options (also reads ``scale``, ``prior_precision``, ``seed``, ``progress``).
+        The setting's folder.
+    options : WalnutOptions
+        The study's options (also reads ``progress``).
     log : Log
         Progress lines, prefixed with the method's label.
 
     Returns
     -------
-    dict
-        The method's record as stored in ``metrics.json``: ``image`` (PSNR, SSIM), ``summary``
+    (ctuq.Run, dict)
+        The method's run and its record: ``image`` (PSNR, SSIM of the mean, the DIP), ``summary``
         (:func:`ctuq.metrics.uq_summary` in the inner-square ROI), timings in seconds (``time_hyperparameters_s``,
         ``time_prediction_s``, ``time_other_s``, ``timings``), the learned ``a`` and ``sigma2``, solver ``stats``
         and ``settings``.
     """
     mdir = sdir / method
-    mdir.mkdir(parents=True, exist_ok=True)
-    if method == "linearised_sampled":
-        settings = UQSettings(
-            solver="cg",
-            gprior={"method": opts["gprior"]},
-            em_steps=opts["em_steps"],
-            em_samples=opts["em_samples"],
-            samples=opts["samples"],
-            cg={"rank": opts["rank"]},
-            prior_precision=opts["prior_precision"],
-            sample_chunk=min(64, opts["samples"]),
-        )
-    else:
-        settings = UQSettings(
-            solver="exact",
-            gprior={"method": "exact"},
-            prior="tv_predcp" if method == "linearised_tv_predcp" else "gprior",
-            tv_predcp=PRIORS["tv_predcp"].Options(steps=int(opts.get("tv_predcp_steps", DEFAULTS["tv_predcp_steps"]))),
-            em_steps=opts["exact_em_steps"],
-            em_tol=1e-3,
-            em_samples=opts["em_samples"],
-            samples=opts["exact_samples"],
-            cg={"rank": opts["rank"]},
-            prior_precision=opts["prior_precision"],
-            sample_chunk=min(256, opts["exact_samples"]),
-        )
-    resumed = (mdir / UQ_STATE_NAME).is_file()
+    settings = uq_settings(method, options)
+    # an interrupted inference: its checkpoint is there, its metrics.json (written last) is not
+    resumed = (mdir / UQ_STATE_NAME).is_file() and not (mdir / METRICS_NAME).is_file()
     if resumed:
         log(f"{METHODS[method]}: resuming from {mdir / UQ_STATE_NAME} (its timings then cover this run only)")
-    res = UQRun(
-        model,
-        net_input,
-        data.op,
-        data.y,
-        scale=opts["scale"],
-        settings=settings,
-        seed=opts["seed"],
-        work_dir=mdir,
-        resume=True,
-        progress=opts["progress"],
-        log=lambda m: log(f"  {METHODS[method]}: {m}"),
-    ).run()
-    gt = data.ground_truth.detach().cpu()
-    summary = uq_summary_from_moments(gt, res.mean, res.moments)  # settings.roi: the inner square
-    t = res.timings
+    run = uncertainty(dip, set=settings, out=mdir, resume=True, reuse=True, progress=options.progress)
+    m = run.metrics
+    uq, t = m["uq"], m["uq"]["timings"]
+    prior = settings["uq.prior"]
     record = {
         "method": METHODS[method],
-        "solver": res.solver,
-        "route": res.stats.get("route"),
+        "solver": uq["solver"],
+        "route": uq["stats"].get("route"),
         "resumed": resumed,
-        "n_samples": res.n_samples,
-        "image": image_metrics(res.mean, gt),
-        "summary": summary,
-        "time_hyperparameters_s": t.get(PRIORS[settings.prior].timing_key, 0.0)
-        + t.get("solver_setup", 0.0)
-        + t.get("em", 0.0),
+        "n_samples": uq["n_samples"],
+        "image": _image(m),
+        "summary": {k: v for k, v in uq["summary"].items() if k != "localisation"},
+        "time_hyperparameters_s": t.get(PRIORS[prior].timing_key, 0.0) + t.get("solver_setup", 0.0) + t.get("em", 0.0),
         "time_prediction_s": t.get("prediction", 0.0),
         # tracing the linearisation (paid at the first JVP, in the offset phase) and the offset δ itself
         "time_other_s": t.get("linearize", 0.0) + t.get("route", 0.0) + t.get("offset", 0.0),
         "timings": t,
-        "products": res.products,
-        "a": res.a,
-        "sigma2": res.sigma2,
-        "em_steps": len(res.em_trace),
-        "stats": res.stats,
+        "products": uq["products"],
+        "a": uq["a"],
+        "sigma2": uq["sigma2"],
+        "em_steps": len(m.get("em_trace", [])),
+        "stats": uq["stats"],
         "settings": {
-            "solver": settings.solver,
-            "prior": settings.prior,
-            "gprior_method": settings.gprior.method,  # the record's name of uq.gprior.method
-            **{k: getattr(settings, k) for k in ("em_steps", "em_samples", "samples")},
-            "rank": settings.cg.rank,  # the record's name of uq.cg.rank
-            **{k: getattr(settings, k) for k in ("prior_precision", "learn_noise")},
+            "solver": settings["uq.solver"],
+            "prior": prior,
+            "gprior_method": settings["uq.gprior.method"],  # the record's name of uq.gprior.method
+            "em_steps": settings["uq.em_steps"],
+            "em_samples": settings["uq.em_samples"],
+            "samples": settings["uq.samples"],
+            "rank": settings["uq.cg.rank"],  # the record's name of uq.cg.rank
+            "prior_precision": settings["uq.prior_precision"],
+            "learn_noise": settings["uq.learn_noise"],
         },
     }
-    out = finish_method(mdir, res.mean, res.std, record)
-    # The running sums and the solver state only serve a resume; they are large (the exact Q is c × r float64).
-    (mdir / UQ_MOMENTS_NAME).unlink(missing_ok=True)
-    (mdir / UQ_STATE_NAME).unlink(missing_ok=True)
-    return out
+    return run, record
 
 
-def run_mc_dropout(sdir: Path, data, opts: dict, device: torch.device, log: Log) -> dict:
-    """Fit (or load) the dropout DIP, run the stochastic passes, score them.
+def run_mc_dropout(sdir: Path, dip_settings: dict, options: WalnutOptions, log: Log) -> tuple[Run, dict]:
+    """MC dropout: a DIP with channel dropout fitted with dropout active, then stochastic passes, scored.
 
-    Parameters
-    ----------
-    sdir : Path
-        The setting's folder; the method writes into ``sdir/mc_dropout`` (its own ``dip_model.pt`` included).
-    data : ctuq.data.CTData
-        ``op``, ``y`` and ``ground_truth`` (``(H, W)``, mm⁻¹) of the setting.
-    opts : dict
-        The study's options (reads the DIP options of :func:`ctuq.studies.fit_or_load_dip`, ``mc_passes``,
-        ``mc_batch``, ``scale``, ``seed``, ``progress``).
-    device : torch.device
-        Where the network is fitted and evaluated.
-    log : Log
-        Progress lines.
+    :func:`ctuq.reconstruct` with the setting's DIP overrides plus ``model.dropout = options.dropout`` and
+    ``uq.method = mc_dropout`` (``options.mc_passes`` passes, ``options.mc_batch`` per forward call), into the run
+    folder ``sdir/mc_dropout`` with ``resume=True, reuse=True``.
 
     Returns
     -------
-    dict
-        The record as stored in ``metrics.json``: ``image`` (of the passes' mean), ``image_dropout_off``,
-        ``summary`` (scored with ``centering="empirical"``), ``time_prediction_s`` and ``time_fit_s`` (seconds),
-        the fit's summary and the prediction's.
+    (ctuq.Run, dict)
+        The run and its record: ``image`` (of the passes' mean), ``image_dropout_off``, ``summary`` (scored with
+        ``centering="empirical"``), ``time_prediction_s`` and ``time_fit_s`` (seconds), the fit's summary and the
+        prediction's.
     """
-    mdir = sdir / "mc_dropout"
-    model, net_input, recon_det, fit = fit_or_load_dip("mc_dropout", sdir, data, opts, device, log)
-    log(f"MC dropout: {opts['mc_passes']} stochastic passes")
-    pred = mc_dropout_predict(
-        model,
-        net_input,
-        opts["mc_passes"],
-        scale=opts["scale"],
-        seed=opts["seed"],
-        batch=opts["mc_batch"],
-        progress=opts["progress"],
+    settings = {
+        **dip_settings,
+        "model.dropout": options.dropout,
+        "uq.method": "mc_dropout",
+        "uq.samples": options.mc_passes,
+        "uq.sample_chunk": options.mc_batch,
+        "uq.calibration": "none",
+        "uq.roi": "inner_square",
+    }
+    log(f"MC dropout (p = {options.dropout}): {options.iterations} DIP iterations, {options.mc_passes} passes")
+    run = reconstruct(
+        None, "demo", settings, out=sdir / "mc_dropout", resume=True, reuse=True, progress=options.progress
     )
-    gt = data.ground_truth.detach().cpu()
-    summary = uq_summary(gt, pred.mean, pred.passes, inner_square_roi(tuple(gt.shape)), centering="empirical")
+    m = run.metrics
+    uq = m["uq"]
     record = {
         "method": METHODS["mc_dropout"],
-        "n_samples": pred.n_passes,
-        "image": image_metrics(pred.mean, gt),
-        "image_dropout_off": image_metrics(recon_det, gt),
-        "summary": summary,
+        "n_samples": uq["n_samples"],
+        "image": uq["mean_metrics"],
+        "image_dropout_off": _image(m),
+        "summary": uq["summary"],
         "time_hyperparameters_s": None,  # nothing is learned: the dropout rate is fixed
-        "time_prediction_s": pred.time_s,
-        "time_fit_s": fit.get("time_s"),
-        "fit": fit,
-        "prediction": pred.summary(),
+        "time_prediction_s": uq["timings"]["prediction"],
+        "time_fit_s": m["dip"].get("time_s"),
+        "fit": {k: v for k, v in m["dip"].items() if k != "n_parameters"},
+        "prediction": uq["prediction"],
     }
-    return finish_method(mdir, pred.mean, pred.std, record)
+    return run, record
 
 
 def figure_paths(out: Path, n_angles: int) -> list[Path]:
@@ -314,8 +407,8 @@ def figure_paths(out: Path, n_angles: int) -> list[Path]:
     return [out / f"{kind}_{n_angles}.png" for kind in ("uq", "joint_ll", "calibration", "error_vs_std")]
 
 
-def make_figures(out: Path, n_angles: int, sdir: Path, gt: torch.Tensor, records: dict, log: Log) -> list[Path]:
-    """The four comparison figures of one setting from the finished methods' ``result.pt`` and metrics.
+def make_figures(out: Path, n_angles: int, gt: torch.Tensor, runs: dict, records: dict, log: Log) -> list[Path]:
+    """The four comparison figures of one setting from the finished methods' runs and records.
 
     Parameters
     ----------
@@ -323,12 +416,12 @@ def make_figures(out: Path, n_angles: int, sdir: Path, gt: torch.Tensor, records
         The study folder (the figures go there, see :func:`figure_paths`).
     n_angles : int
         The setting.
-    sdir : Path
-        The setting's folder (reads ``sdir/<method>/result.pt``).
     gt : torch.Tensor
         ``(H, W)`` ground truth, mm⁻¹, on the CPU.
+    runs : dict
+        Method key → :class:`ctuq.Run` of the finished methods (``Run.mean``, ``Run.std`` used).
     records : dict
-        Method key → record (``summary`` used) of the finished methods only.
+        Method key → record (``summary`` used) of the same methods.
     log : Log
         Names the figures written.
 
@@ -339,9 +432,9 @@ def make_figures(out: Path, n_angles: int, sdir: Path, gt: torch.Tensor, records
     """
     roi = inner_square_roi(tuple(gt.shape))
     maps = {}
-    for method, _rec in records.items():
-        saved = torch.load(sdir / method / "result.pt", map_location="cpu", weights_only=True)
-        maps[METHODS[method]] = (saved["mean"], (saved["mean"] - gt).abs(), saved["std"])
+    for method, run in runs.items():
+        mean, std = torch.from_numpy(run.mean), torch.from_numpy(run.std)
+        maps[METHODS[method]] = (mean, (mean - gt).abs(), std)
     names = {METHODS[m]: r for m, r in records.items()}
     paths = [
         figures.plot_uq_comparison(out / f"uq_{n_angles}.png", maps, ground_truth=gt, roi=roi),
@@ -475,15 +568,16 @@ def write_results(out: Path, results: dict) -> None:
 
 
 # ================================================================================================ study
-def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = None, command: str = "") -> dict:
-    """Run (or resume) the walnut study described by ``opts`` into ``out``.
+def run_study(
+    options: WalnutOptions, data_arg: str | None, out: Path, log: Log | None = None, command: str = ""
+) -> dict:
+    """Run (or resume) the walnut study described by ``options`` into ``out``.
 
     Parameters
     ----------
-    opts : dict
-        Resolved and validated options: every key of :data:`DEFAULTS` (``exact_samples`` set) plus ``device``
-        (``"auto"``, ``"cpu"``, ``"cuda"``), ``threads`` (torch CPU threads for the study only, restored
-        afterwards so a caller's process keeps its own setting; ``None``: unchanged), ``tiny`` and ``progress``.
+    options : WalnutOptions
+        The study's options (validated here; ``exact_samples`` ``None`` means ``samples``). ``threads`` sets the
+        torch CPU threads for the study only, restored afterwards so a caller's process keeps its own setting.
     data_arg : str or None
         The ``--data`` scan folder; ``None`` simulates one into ``out/scan``.
     out : Path
@@ -504,38 +598,40 @@ def run_study(opts: dict, data_arg: str | None, out: Path, log: Log | None = Non
     StudyError
         Bad input (scan, angle counts, no ground truth) or a folder holding another study.
     """
+    options = options.resolved()
+    options.validate()
     threads = torch.get_num_threads()
-    if opts.get("threads"):
-        torch.set_num_threads(opts["threads"])
+    if options.threads:
+        torch.set_num_threads(options.threads)
     try:
         with run_log(out / LOG_FILE):
-            return _run_study(opts, data_arg, out, log or Log(LOG_NAME), command)
+            return _run_study(options, data_arg, out, log or Log(LOG_NAME), command)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: str) -> dict:
-    device = resolve_device(opts["device"])
+def _run_study(options: WalnutOptions, data_arg: str | None, out: Path, log: Log, command: str) -> dict:
+    device = resolve_device(options.device)
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = study_fingerprint(
-        opts, str(Path(data_arg).expanduser().resolve()) if data_arg else "simulated", NEUTRAL
+        plain(options), str(Path(data_arg).expanduser().resolve()) if data_arg else "simulated", NEUTRAL
     )
     check_study_folder(out, fingerprint, log)
-    path = prepare_scan(opts, data_arg, out, log)
+    path = prepare_scan(options, data_arg, out, log)
     try:
-        scan = WalnutScan(path, opts["orbit"])
+        scan = WalnutScan(path, options.orbit)
     except Exception as exc:  # noqa: BLE001 - the loader's message names the file; say which option led there
         raise StudyError(f"cannot read the scan {path}: {exc}") from exc
     det_cols = scan.det_shape[1]
-    dsub = opts["detector_subsampling"] or max(1, round(det_cols / PUBLISHED_COLUMNS))
-    plans = [(n, angular_subsampling(scan.n_files, n, path)) for n in opts["settings"]]  # fail before any work
+    dsub = options.detector_subsampling or max(1, round(det_cols / PUBLISHED_COLUMNS))
+    plans = [(n, angular_subsampling(scan.n_files, n, path)) for n in options.settings]  # fail before any work
     results: dict[str, Any] = {
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
         "device": str(device),
         "data": {
             "path": str(path),
-            "kind": "given with --data" if data_arg else f"simulated ({opts['scan_preset']})",
+            "kind": "given with --data" if data_arg else f"simulated ({options.scan_preset})",
             "projection_files": scan.n_files,
             "detector_columns": det_cols,
             "detector_subsampling": dsub,
@@ -559,80 +655,72 @@ def _run_study(opts: dict, data_arg: str | None, out: Path, log: Log, command: s
             f"setting {i + 1}/{len(plans)}: {n_angles} angles (angular subsampling {ass} of "
             f"{scan.n_files - 1}), loading"
         )
-        data = load_slice(
-            scan,
-            slice_index=opts["slice_index"],
-            angular_subsampling=ass,
-            detector_subsampling=dsub,
-            image_shape=None if opts["image_shape"] is None else tuple(opts["image_shape"]),
-            backend=opts["backend"],
-            device=device,
-            progress=opts["progress"],
+        dip_settings = run_settings(options, path.resolve(), ass, dsub)
+        stage(f"{n_angles} angles: DIP")
+        dip = reconstruct(
+            None, "demo", dip_settings, out=sdir / "dip", uq=False, resume=True, reuse=True, progress=options.progress
         )
-        if data.ground_truth is None:
+        if dip.reused:
+            log(f"skipping the DIP fit for {n_angles} angles: finished in an earlier run ({dip.path})")
+        m = dip.metrics
+        if dip.ground_truth is None:
             raise StudyError(
                 f"{path} has no ground truth (Reconstructions/full_AGD_50_*.tiff): the study's metrics need one"
             )
-        gt = data.ground_truth.detach().cpu().float()
-        write_tiff(sdir / "ground_truth.tif", gt, voxel_size=voxel_size_of(data.op))
-        c = int(data.op.c)
-        d = count_parameters(build_unet(opts["preset"], ndim=data.op.ndim), conv_weights_only=True)
+        gt = torch.from_numpy(dip.ground_truth)
+        voxel = m["data"]["voxel_size_mm"]
+        write_tiff(sdir / "ground_truth.tif", gt, voxel_size=voxel)
+        write_tiff(sdir / "reconstruction.tif", torch.from_numpy(dip.images["dip"]), voxel_size=voxel)
+        c = math.prod(m["data"]["measurement_shape"])
+        d = m["dip"]["n_conv_weights"]
         log(
-            f"{n_angles} angles: sinogram {tuple(data.op.measurement_shape)} (c = {c}), image "
-            f"{tuple(data.op.image_shape)}, U-Net '{opts['preset']}' with d = {d} conv weights, device {device}"
+            f"{n_angles} angles: sinogram {tuple(m['data']['measurement_shape'])} (c = {c}), image "
+            f"{tuple(m['data']['image_shape'])}, U-Net '{options.preset}' with d = {d} conv weights, device {device}"
         )
-
-        stage(f"{n_angles} angles: DIP")
-        model, net_input, recon, dip_summary = fit_or_load_dip("dip", sdir, data, opts, device, log)
-        write_tiff(sdir / "reconstruction.tif", recon, voxel_size=voxel_size_of(data.op))
-        dip_img = image_metrics(recon, gt)
+        dip_summary = {k: v for k, v in m["dip"].items() if k != "n_parameters"}
         setting: dict[str, Any] = {
             "angles": n_angles,
             "angular_subsampling": ass,
             "c": c,
             "d": d,
-            "image_shape": list(data.op.image_shape),
-            "dip": dict(dip_summary, **dip_img),
+            "image_shape": list(m["data"]["image_shape"]),
+            "dip": dict(dip_summary, **_image(m)),
             "methods": {},
         }
-        run_exact, reason = exact_decision(opts["exact"], c, d, opts, device)
+        run_exact, reason = exact_decision(options.exact, c, d, options, device)
         setting["exact_reason"] = ("run: " if run_exact else "skipped: ") + reason
         log(f"{n_angles} angles: exact reference {'will run' if run_exact else 'skipped'} ({reason})")
         computed = False  # whether any method of this setting ran now (else its figures are current)
+        runs: dict[str, Run] = {}
         for method in METHODS:
             stage(f"{n_angles} angles: {METHODS[method]}")
-            mdir = sdir / method
-            done = method_done(mdir)
             if method in ("linearised_exact", "linearised_tv_predcp") and not run_exact:
                 setting["methods"][method] = {"status": "skipped", "reason": reason}
                 continue
-            if done is not None:
-                log(
-                    f"skipping {METHODS[method]} for {n_angles} angles: finished in an earlier run "
-                    f"({mdir / 'metrics.json'})"
-                )
-                setting["methods"][method] = done
-                continue
             t0 = time.perf_counter()
-            computed = True
             if method == "mc_dropout":
-                rec = run_mc_dropout(sdir, data, opts, device, log)
+                run, rec = run_mc_dropout(sdir, dip_settings, options, log)
             else:
-                rec = run_linearised(method, sdir, model, net_input, data, opts, log)
+                run, rec = run_linearised(method, dip, sdir, options, log)
                 rec["time_fit_s"] = dip_summary.get("time_s")
+            runs[method] = run
+            setting["methods"][method] = rec
+            if run.reused:
+                log(f"skipping {METHODS[method]} for {n_angles} angles: finished in an earlier run ({run.path})")
+                continue
+            computed = True
             s = rec["summary"]
             log(
                 f"{METHODS[method]} ({n_angles} angles) done in {time.perf_counter() - t0:.1f} s: PSNR "
                 f"{_fmt(rec['image']['psnr'], '.2f')} dB, marginal LL {_fmt(s['marginal_ll'], '.3f')}, 10×10 joint LL "
                 f"{_fmt(s['joint_ll'].get('10'), '.3f')}, coverage@0.9 {s['coverage']['0.9']:.3f}"
             )
-            setting["methods"][method] = rec
         stage(f"{n_angles} angles: figures and table")
         finished = {m: r for m, r in setting["methods"].items() if r.get("status") != "skipped"}
         if not computed and all(p.is_file() for p in figure_paths(out, n_angles)):
             log(f"figures for {n_angles} angles are up to date (no method was recomputed): skipping them")
         else:
-            make_figures(out, n_angles, sdir, gt, finished, log)
+            make_figures(out, n_angles, gt, runs, finished, log)
         results["settings"][str(n_angles)] = setting
         write_results(out, results)  # after every setting: partial results are readable while the next one runs
     log(f"wrote {out / 'results.md'} and {out / 'results.json'}")

@@ -198,7 +198,7 @@ def test_fan_beam_sinogram_of_one_row(tmp_path):
     assert d.volume.shape == (cols, cols) and np.isclose(d.volume.voxel_size, 1.5 * 100 / 150)
 
 
-@pytest.mark.parametrize("doc", ["docs/data_formats.md", "README.md"])
+@pytest.mark.parametrize("doc", ["docs/data_formats.md", "docs/guide.md"])
 def test_documented_scan_yaml_examples_are_valid(doc, tmp_path):
     """The first ``format: ctuq-scan-1`` YAML block of each document passes every key check; only its arrays are
     missing here."""

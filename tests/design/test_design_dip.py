@@ -5,6 +5,7 @@ A 16² image, 10 parallel-beam candidate angles × 23 detector pixels; the DIP p
 whatever the image size); the study test uses the study's own U-Net.
 """
 
+import dataclasses
 import math
 import types
 
@@ -181,7 +182,7 @@ def test_study_image_runs_and_resumes(tmp_path):
     from ctuq.studies.angle_selection import DEFAULTS, run_image
     from ctuq.studies.common import Log
 
-    opts = dict(
+    opts = dataclasses.replace(
         DEFAULTS,
         size=16,
         candidates=10,
@@ -192,15 +193,15 @@ def test_study_image_runs_and_resumes(tmp_path):
         iterations=5,
         warm_iterations=3,
         tv_iterations=5,
-        recon=["tv", "dip"],
+        recon=("tv", "dip"),
         progress=False,
-        strategies=["equidistant", "equidistant_grid", "random", "matern", "dip_ese"],
+        strategies=("equidistant", "equidistant_grid", "random", "matern", "dip_ese"),
     )
     from ctuq.data.rectangles import rectangles_stack
 
     gt = rectangles_stack(1, 16, seed=0)[0][0]
     res = run_image(0, gt, opts, tmp_path, torch.device("cpu"), Log("test"))
-    assert set(res) == set(opts["strategies"])
+    assert set(res) == set(opts.strategies)
     assert set(res["random"]["recon"]) == {"2", "4"} and set(res["equidistant_grid"]["recon"]) == {"2"}
     for rec in res.values():
         for m in rec["recon"].values():
@@ -217,25 +218,17 @@ def test_study_adds_a_reconstruction_method_at_the_recorded_angles(tmp_path):
     and the designs alone; a recorded angle off the candidate grid is refused with the file named."""
     import json
 
-    from ctuq.studies.angle_selection import DEFAULTS, TINY
+    from ctuq.studies.angle_selection import TINY
     from ctuq.studies.angle_selection_report import run_study
     from ctuq.studies.common import StudyError
 
-    opts = dict(
-        DEFAULTS,
-        **dict(TINY, images=1),
-        strategies=["equidistant", "random"],
-        progress=False,
-        device="cpu",
-        threads=None,
-        tiny=True,
-    )
-    run_study(dict(opts, recon=["tv"]), tmp_path / "grown")
+    opts = dataclasses.replace(TINY, images=1, strategies=("equidistant", "random"), progress=False, device="cpu")
+    run_study(dataclasses.replace(opts, recon=("tv",)), tmp_path / "grown")
     first = json.loads((tmp_path / "grown/img_000/random/result.json").read_text())
     assert all(set(r) == {"tv"} for r in first["recon"].values())
-    run_study(dict(opts, recon=["tv", "dip"]), tmp_path / "grown")
-    run_study(dict(opts, recon=["tv", "dip"]), tmp_path / "both")
-    for s in opts["strategies"]:
+    run_study(dataclasses.replace(opts, recon=("tv", "dip")), tmp_path / "grown")
+    run_study(dataclasses.replace(opts, recon=("tv", "dip")), tmp_path / "both")
+    for s in opts.strategies:
         grown = json.loads((tmp_path / f"grown/img_000/{s}/result.json").read_text())
         both = json.loads((tmp_path / f"both/img_000/{s}/result.json").read_text())
         assert grown["angles_deg"] == both["angles_deg"] and set(grown["recon"]) == set(both["recon"])
@@ -250,7 +243,7 @@ def test_study_adds_a_reconstruction_method_at_the_recorded_angles(tmp_path):
         r.pop("dip")
     path.write_text(json.dumps(bad))
     with pytest.raises(StudyError, match="random/result.json: the recorded angles of 4"):
-        run_study(dict(opts, recon=["tv", "dip"]), tmp_path / "grown")
+        run_study(dataclasses.replace(opts, recon=("tv", "dip")), tmp_path / "grown")
 
 
 def test_study_script_options_and_images_file(tmp_path, capsys):
@@ -273,7 +266,7 @@ def test_study_script_options_and_images_file(tmp_path, capsys):
     import tifffile
 
     tifffile.imwrite(good, np.random.default_rng(0).random((3, 12, 12)).astype(np.float32), photometric="minisblack")
-    stack = load_images(dict(DEFAULTS, images=2, images_file=str(good)))
+    stack = load_images(dataclasses.replace(DEFAULTS, images=2, images_file=str(good)))
     assert stack.shape == (2, 12, 12) and stack.dtype == np.float32
 
 
@@ -283,13 +276,13 @@ def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_pat
     over images of the per-image PSNR differences."""
     import json
 
-    from ctuq.studies.angle_selection import DEFAULTS, TINY
+    from ctuq.studies.angle_selection import TINY
     from ctuq.studies.angle_selection_report import run_study
 
-    opts = dict(DEFAULTS, **TINY, recon=["tv"], progress=False, device="cpu", threads=None, tiny=True)
+    opts = dataclasses.replace(TINY, recon=("tv",), progress=False, device="cpu")
     out = tmp_path / "study"
-    run_study(dict(opts, strategies=["equidistant"]), out)
-    agg = run_study(dict(opts, strategies=["random"]), out)
+    run_study(dataclasses.replace(opts, strategies=("equidistant",)), out)
+    agg = run_study(dataclasses.replace(opts, strategies=("random",)), out)
     text = (out / "results.md").read_text()
     assert "| equidistant (n=2)" in text and "| random (n=2)" in text and "minus equidistant" in text
     recs = [
@@ -306,7 +299,7 @@ def test_study_tables_hold_every_finished_result_with_paired_differences(tmp_pat
     cells = agg["orientation"]["random"]
     assert cells["all"]["n"] == 2 and all(0.0 <= c["mean"] <= 45.0 for c in cells.values())
     (out / "results.md").unlink()
-    again = run_study(dict(opts, strategies=["random"]), out, report_only=True)
+    again = run_study(dataclasses.replace(opts, strategies=("random",)), out, report_only=True)
     assert (out / "results.md").read_text() == text and again["paired"] == agg["paired"]
     from ctuq.studies import StudyError
 

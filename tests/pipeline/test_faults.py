@@ -27,7 +27,7 @@ from ctuq.geometry import ProjectionGeometry, VolumeGeometry
 from ctuq.operators import SparseRayTransform
 from ctuq.pipeline import checkpoints
 from ctuq.reconstruct.dip import load_checkpoint
-from ctuq.studies import Log, StudyError, check_study_folder, finish_method, method_done
+from ctuq.studies import Log, StudyError, check_study_folder
 from ctuq.utils import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_tiff
 
 FAST = tiny_args(
@@ -269,33 +269,3 @@ def test_edited_study_folders_are_refused(tmp_path):
     (tmp_path / "study.json").write_text('{"options": ')
     with pytest.raises(StudyError, match="could not be read as JSON"):
         check_study_folder(tmp_path, {"seed": 1}, log)
-
-    mdir = tmp_path / "angles_4" / "linearised"
-    mdir.mkdir(parents=True)
-    rec = finish_method(mdir, torch.zeros(4, 4), torch.ones(4, 4), {"psnr": 20.0})
-    assert method_done(mdir) == rec and len(rec["result_sha256"]) == 64
-    torch.save({"mean": torch.zeros(4, 4), "std": torch.full((4, 4), 2.0)}, mdir / "result.pt")  # another result
-    with pytest.raises(StudyError) as info:
-        method_done(mdir)
-    assert _one_user_error(info.value).startswith(f"{mdir / 'result.pt'}: does not match the SHA-256 recorded in")
-    assert info.value.args[0].endswith(f"delete {mdir} to recompute that method")
-    record = json.loads((mdir / "metrics.json").read_text())
-    record.pop("result_sha256")  # no digest: not a record ctuq wrote
-    (mdir / "metrics.json").write_text(json.dumps(record))
-    with pytest.raises(StudyError, match="does not match the SHA-256 recorded in metrics.json"):
-        method_done(mdir)
-
-    def recorded(write) -> None:  # a result with its digest recorded: the file must still be a result
-        write(mdir / "result.pt")
-        record["result_sha256"] = hashlib.sha256((mdir / "result.pt").read_bytes()).hexdigest()
-        (mdir / "metrics.json").write_text(json.dumps(record))
-
-    recorded(lambda p: p.write_bytes(b"damaged"))
-    with pytest.raises(StudyError, match="not a readable result file"):
-        method_done(mdir)
-    recorded(lambda p: torch.save({"mean": torch.zeros(4, 4)}, p))
-    with pytest.raises(StudyError, match="not a method result"):
-        method_done(mdir)
-    (mdir / "metrics.json").write_text("[1, 2]")
-    with pytest.raises(StudyError, match="not a method record"):
-        method_done(mdir)

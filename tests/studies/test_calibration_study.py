@@ -2,10 +2,12 @@
 (the combinations the config knows), resume skips finished work, bad options are one-line errors, and the scoring
 against an oracle on synthetic numbers (seed 0; tolerances stated per check)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -111,7 +113,7 @@ def test_bad_targets_are_one_line_errors(tmp_path, capsys, text, fragment):
 
 def test_unknown_keys_make_a_combination_unavailable_up_front():
     combos = check_combinations(
-        dict(DEFAULTS),
+        DEFAULTS,
         [
             Combination({"uq.prior": "gprior", "uq.noise": "homoscedastic", "uq.calibration": "none"}),
             Combination({"uq.prior": "no_such_prior", "uq.noise": "homoscedastic", "uq.calibration": "none"}),
@@ -120,7 +122,7 @@ def test_unknown_keys_make_a_combination_unavailable_up_front():
     assert combos[0].error is None  # the baseline always runs (keys the config lacks are left out)
     assert "uq.prior" in combos[1].error and "\n" not in combos[1].error
     for key, value in (("uq.noise", "per_ray"), ("uq.calibration", "heldout")):
-        c = check_combinations(dict(DEFAULTS), [Combination({"uq.prior": "gprior", key: value})])[0]
+        c = check_combinations(DEFAULTS, [Combination({"uq.prior": "gprior", key: value})])[0]
         assert (c.error is None) == _known(key, value)
         if c.error is not None:
             assert "not available yet" in c.error
@@ -178,7 +180,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     capsys.readouterr()
     assert script.main([*tiny, "--resume"]) == 0  # the targets may change: no number does
     err = capsys.readouterr().err
-    assert "fitting the DIP" not in err and "simulating" not in err
+    assert "fitted the DIP" not in err and "simulating" not in err
     # only combinations that failed (e.g. an option whose data the scan lacks) are tried again
     retried = {line.split("inference ")[1].split(":")[0] for line in err.splitlines() if "] inference " in line}
     assert retried <= failed
@@ -235,27 +237,38 @@ def test_heldout_calibration_is_scored_from_the_same_run(tmp_path):
 
 def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path, monkeypatch):
     """A run that fails with a user error on one scan is listed with its scan; the combination still runs on the
-    next scan, its rows count the scans it covers, and it fails the gates as a whole. The scans, DIP fits,
-    inferences and scores are replaced by stand-ins: what is checked is the study's bookkeeping."""
-    opts = {**DEFAULTS, **TINY, "noises": ["homoscedastic", "per_ray"], "calibrations": ["none"]}
-    opts["targets"] = {"coverage_0.9": [0.86, 0.94], "min_ll_margin": [0.0, None]}
+    next scan, its rows count the scans it covers, and it fails the gates as a whole; a rerun takes the scores of
+    the runs the API loads from their score.json. The scans, DIP fits, inferences and scores are replaced by
+    stand-ins: what is checked is the study's bookkeeping."""
+    options = dataclasses.replace(
+        TINY,
+        noises=["homoscedastic", "per_ray"],
+        calibrations=["none"],
+        targets={"coverage_0.9": [0.86, 0.94], "min_ll_margin": [0.0, None]},
+    )
+    assert options.noises == ("homoscedastic", "per_ray")  # lists given by a caller are frozen into tuples
     ran = []
 
-    def fake_scans(opts, out, log):
-        return {name: out / "scans" / name for name, _, _ in cal.scan_names(opts)}
+    def fake_scans(options, out, log):
+        return {name: out / "scans" / name for name, _, _ in cal.scan_names(options)}
 
-    def fake_dip(opts, scan, n_angles, folder, log):
+    def fake_dip(options, scan, n_angles, folder):
         folder.mkdir(parents=True, exist_ok=True)
-        return folder
+        return SimpleNamespace(path=folder, reused=False)
 
-    def fake_run(opts, scan, n_angles, dip, combo, log):
-        ran.append((scan.name, combo.name))
-        if scan.name == "walnut_0" and combo.name == "gprior-per_ray":
+    def fake_run(options, dip, combo):
+        ran.append((dip.path.parts[-3], combo.name))
+        if dip.path.parts[-3] == "walnut_0" and combo.name == "gprior-per_ray":
             raise ValueError("CG did not converge in 500 iterations")
-        (dip.parent / combo.name).mkdir()
-        return dip.parent / combo.name
+        folder = dip.path.parent / combo.name
+        reused = folder.is_dir()  # a rerun: the API loads the finished run (reuse=True) instead of computing it
+        folder.mkdir(exist_ok=True)
+        return SimpleNamespace(path=folder, reused=reused)
+
+    scored = []
 
     def fake_score(run, calibration="none", heldout=None):
+        scored.append((run.parts[-3], run.name))
         good = run.name == "gprior-homoscedastic"
         return {"coverage_0.5": 0.5, "coverage_0.9": 0.9 if good else 0.88, "coverage_0.95": 0.95,
                 "right_scale": 1.0, "marginal_ll": 5.5, "oracle_ll": 5.0, "joint_ll_10": 5.0,
@@ -263,11 +276,11 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
                 "calibration": [0.5] * len(LEVELS), "k": None, "tau": None}  # fmt: skip
 
     monkeypatch.setattr(cal, "prepare_scans", fake_scans)
-    monkeypatch.setattr(cal, "_fit_dip", fake_dip)
-    monkeypatch.setattr(cal, "_run_combination", fake_run)
+    monkeypatch.setattr(cal, "dip_run", fake_dip)
+    monkeypatch.setattr(cal, "inference_run", fake_run)
     monkeypatch.setattr(cal, "heldout_rows", lambda run: None)
     monkeypatch.setattr(cal, "score_run", fake_score)
-    res = run_study(opts, tmp_path / "study", "test")
+    res = run_study(options, tmp_path / "study", "test")
 
     # walnut_0 comes first; the per-ray combination still runs on textured_0 after failing on walnut_0
     assert ("textured_0", "gprior-per_ray") in ran
@@ -283,3 +296,11 @@ def test_a_failed_run_leaves_its_combination_running_on_the_other_scans(tmp_path
     md = (tmp_path / "study" / "results.md").read_text()
     assert "| FAIL (1 run failed) |" in md and "coverage_0.9 ∈ [0.86, 0.94]" in md
     assert "- `gprior-per_ray` on walnut_0, 8 angles: CG did not converge in 500 iterations" in md
+
+    # a rerun resumes: the runs the API loads keep the scores of their score.json (none is recomputed), the failed
+    # run is tried again, and the results are the same
+    ran.clear()
+    scored.clear()
+    again = run_study(options, tmp_path / "study", "test")
+    assert ("walnut_0", "gprior-per_ray") in ran and scored == []
+    assert again["records"] == res["records"] and again["failures"] == res["failures"]

@@ -3,6 +3,7 @@
 the versioned model file format), and clear errors. The study machinery lives in ctuq.studies; the script is its
 command line."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 import tifffile
 import torch
 
-from ctuq.models.model_file import MODEL_FILE_VERSION, read_model_file
+from ctuq import load_run
 from ctuq.studies import exact_decision
 from ctuq.studies.walnut import DEFAULTS, METHODS
 from ctuq.studies.walnut import TINY as TINY_OPTIONS
@@ -59,14 +60,19 @@ def test_tiny_study_writes_every_file(study_run):
             assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         sdir = out / f"angles_{n}"
         gt = tifffile.imread(sdir / "ground_truth.tif")
-        assert gt.shape == (32, 32) and (sdir / "reconstruction.tif").is_file() and (sdir / "dip_model.pt").is_file()
+        assert gt.shape == (32, 32) and (sdir / "reconstruction.tif").is_file()
+        # the DIP and every method are run folders of the public API
+        dip = load_run(sdir / "dip")
+        np.testing.assert_array_equal(dip.images["dip"], tifffile.imread(sdir / "reconstruction.tif"))
+        np.testing.assert_array_equal(dip.ground_truth, gt)
         for method in METHODS:
-            std = tifffile.imread(sdir / method / "std.tif")
-            saved = torch.load(sdir / method / "result.pt", map_location="cpu", weights_only=True)
-            assert std.shape == (32, 32) and np.all(np.isfinite(std)) and std.min() > 0, (n, method)
-            np.testing.assert_array_equal(std, saved["std"].numpy())
-            # the linearised inference's resume files are large and are removed once the method is finished
-            assert not list((sdir / method).glob("uq_*")), (n, method)
+            run = load_run(sdir / method)
+            assert run.std.shape == (32, 32) and np.all(np.isfinite(run.std)) and run.std.min() > 0, (n, method)
+            mean = run.mean
+            if method == "mc_dropout":
+                assert run.config.uq.method == "mc_dropout" and not np.array_equal(mean, dip.images["dip"])
+            else:  # the linearised posterior's mean is the shared DIP
+                np.testing.assert_array_equal(mean, dip.images["dip"])
 
 
 def test_table_has_every_method_and_setting_with_finite_numbers(study_run):
@@ -74,10 +80,10 @@ def test_table_has_every_method_and_setting_with_finite_numbers(study_run):
     rows = res["table"]
     assert [(r["setting"], r["method"]) for r in rows] == [(n, m) for n in SETTINGS for m in METHODS]
     expected_samples = {
-        "linearised_sampled": TINY_OPTIONS["samples"],
-        "linearised_exact": TINY_OPTIONS["exact_samples"],
-        "linearised_tv_predcp": TINY_OPTIONS["exact_samples"],
-        "mc_dropout": TINY_OPTIONS["mc_passes"],
+        "linearised_sampled": TINY_OPTIONS.samples,
+        "linearised_exact": TINY_OPTIONS.exact_samples,
+        "linearised_tv_predcp": TINY_OPTIONS.exact_samples,
+        "mc_dropout": TINY_OPTIONS.mc_passes,
     }
     for r in rows:
         assert r["status"] == "done", r
@@ -111,34 +117,28 @@ def test_rerun_skips_finished_parts(study_run, capsys):
     log = capsys.readouterr().err
     assert "reusing the simulated scan" in log
     assert log.count("skipping the DIP fit") == len(SETTINGS)
-    assert log.count("skipping the MC-dropout DIP (p = 0.05) fit") == 0  # MC dropout as a whole was skipped
     for label in METHODS.values():
         assert log.count(f"skipping {label} for") == len(SETTINGS), label
-    assert "fitting" not in log
     assert {p: p.stat().st_mtime_ns for p in study_run.glob("angles_*/*/metrics.json")} == before
     assert json.loads((study_run / "results.json").read_text())["table"] == table
 
 
-def test_dip_model_files_are_versioned_and_a_rerun_resumes_from_them(study_run, capsys):
-    # The stored networks are model files of this version, with the fit's summary and reconstruction in meta; a
-    # rerun loads them rather than refit.
+def test_a_method_whose_run_lost_its_result_is_redone_from_its_checkpoints(study_run, capsys):
+    # The study's state is its run folders: a method run without metrics.json is not reused but resumed
+    # (ctuq.reconstruct(resume=True)): the MC-dropout DIP continues from its kept checkpoint, no iteration is
+    # repeated, and the passes give the same numbers.
     sdir = study_run / f"angles_{SETTINGS[0]}"
-    for path in (sdir / "dip_model.pt", sdir / "mc_dropout" / "dip_model.pt"):
-        mf = read_model_file(path, need_input=True)
-        assert mf.version == MODEL_FILE_VERSION and mf.net_input.shape == (1, 1, 32, 32)
-        assert mf.meta["reconstruction"].shape == (32, 32) and "best_psnr_history" in mf.meta["summary"]
-    # MC dropout reruns its passes from the stored dropout network: same numbers as from the fitted one
-    mc_metrics = sdir / "mc_dropout" / "metrics.json"
-    before = json.loads(mc_metrics.read_text())
-    mc_metrics.unlink()
+    record = json.loads((study_run / "results.json").read_text())["settings"][str(SETTINGS[0])]["methods"]
+    before = record["mc_dropout"]
+    (sdir / "mc_dropout" / "metrics.json").unlink()
     assert study.main([*TINY, "--out", str(study_run), "--threads", "1"]) == 0
     log = capsys.readouterr().err
-    assert "fitting" not in log
     assert log.count("skipping the DIP fit") == len(SETTINGS)
-    assert log.count("skipping the MC-dropout DIP (p = 0.05) fit") == 1
-    after = json.loads(mc_metrics.read_text())
-    for key in ("image", "image_dropout_off", "summary", "n_samples", "fit"):
-        assert after[key] == before[key], key
+    assert "skipping MC dropout" not in log
+    assert json.loads((sdir / "mc_dropout" / "metrics.json").read_text())["dip"]["resumed_from_iteration"] == 20
+    after = json.loads((study_run / "results.json").read_text())["settings"][str(SETTINGS[0])]["methods"]
+    for key in ("image", "image_dropout_off", "summary", "n_samples"):
+        assert after["mc_dropout"][key] == before[key], key
 
 
 def test_other_options_in_the_same_folder_are_refused(study_run, capsys):
@@ -159,7 +159,7 @@ def test_bad_input_is_named(study_run, tmp_path, capsys):
 
 
 def test_exact_reference_decision_follows_memory():
-    opts = dict(DEFAULTS, exact_samples=1024)
+    opts = dataclasses.replace(DEFAULTS, exact_samples=1024)
     cpu = torch.device("cpu")
     assert exact_decision("never", 10, 10, opts, cpu) == (False, "--exact never")
     assert exact_decision("always", 10**7, 10**8, opts, cpu)[0]
