@@ -612,7 +612,7 @@ class Design:
 
     @property
     def std_pilot(self) -> np.ndarray | None:
-        """The posterior std after the pilot (image units), or ``None`` for a plan."""
+        """The posterior std after the pilot (image units), or ``None`` for a plan or ``design.forecast = false``."""
         path = self.path / "std_pilot.tif"
         return _read(path) if path.is_file() else None
 

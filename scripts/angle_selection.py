@@ -11,10 +11,11 @@ reconstructions, PSNR after a fixed iteration budget and the oracle best over it
 over images. The study is :mod:`ctuq.studies.angle_selection`; this script is its command line.
 
 Outputs in ``--out``: results.md / results.json (tables, with each strategy's paired difference to equidistant
-angles), psnr_<tv|dip>[_oracle].png, study.json, and per image img_<i>/ (pilot DIP, per strategy result.json and
-design checkpoints). A rerun skips finished (image, strategy) pairs; more images or strategies may be added to an
-existing study, and several processes may share the folder with different ``--strategies``: the tables hold
-every finished result in the folder, and ``--report`` rebuilds them without running anything.
+angles), psnr_<tv|dip>[_oracle].png, study.json, and per image img_<i>/ (the pilot DIP, the designs and the
+reconstructions as run folders of ctuq's API, per strategy result.json). A rerun loads every finished run folder
+and continues an interrupted one (killed or not); more images or strategies may be added to an existing study,
+and several processes may share the folder with different ``--strategies``: the tables hold every finished
+result in the folder, and ``--report`` rebuilds them without running anything.
 
 Examples::
 

@@ -335,6 +335,7 @@ class DesignConfig:
     )
     retrain_every: int = option(0, ge=0, help="retrain the DIP (warm start) every this many angles (0: never)")
     retrain_iterations: int = option(300, ge=1, help="Adam iterations of one retraining")
+    retrain_lr: float | None = option(None, gt=0.0, help="Adam learning rate of a retraining; null: dip.lr")
     prior_scale: str = option(
         "auto",
         choices=values(DesignPriorScale),
@@ -364,6 +365,11 @@ class DesignConfig:
     )
     std_samples: int = option(256, ge=2, help="posterior samples for the std maps after pilot and design")
     reconstruct: bool = option(True, help="reconstruct pilot+designed and pilot+equidistant angles (FBP, TV, DIP)")
+    forecast: bool = option(
+        True,
+        help="forecast the error during a greedy design (its calibration, online recalibration, stop targets, --plan "
+        "and the std map after the pilot); false: the plain greedy loop, whose samples nothing else draws from",
+    )
     calibration: str = option(
         "heldout",
         choices=CALIBRATIONS.names,

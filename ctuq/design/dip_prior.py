@@ -72,10 +72,10 @@ class DIPPrior:
     sigma2 : float, optional
         Noise variance in scaled units; default the DIP's mean squared residual on the pilot.
     settings : DesignConfig
-        ``refresh_every``, ``retrain_every``, ``retrain_iterations``, ``prior_scale``, ``weight_prior`` and its
-        section (``design.gprior``, ...), ``dense``.
+        ``refresh_every``, ``retrain_every``, ``retrain_iterations``, ``retrain_lr``, ``prior_scale``,
+        ``weight_prior`` and its section (``design.gprior``, ...), ``dense``.
     dip_settings : DIPConfig, optional
-        Learning rate, TV weight and clipping of retraining.
+        Learning rate (unless ``settings.retrain_lr``), TV weight and clipping of retraining.
     work_dir : path, optional
         Where retrained weights are stored (``retrain_<n>.pt``) so that a resumed design restores them.
     """
@@ -271,7 +271,8 @@ class DIPPrior:
                 model=model,
                 net_input=self.net_input,
                 iterations=int(self.settings.retrain_iterations),
-                lr=dc.lr if dc else 1e-3,
+                # design.retrain_lr when set (the angle-selection study retrains at its warm-start rate), else dip.lr
+                lr=self.settings.retrain_lr or (dc.lr if dc else 1e-3),
                 tv_weight=dc.tv_weight if dc else 1e-4,
                 clip_grad_norm=dc.clip_grad_norm if dc else 1.0,
                 scale=self.scale,

@@ -14,7 +14,8 @@ The output folder (``--out``) holds::
                            (a, σ², scales / lengthscale), timings, and the reconstruction comparison
     angles.txt             pilot then acquired angles (degrees), one per line, in acquisition order
     design_polar.png       the chosen angles on a polar plot over the pilot
-    std_pilot.tif, std_design.tif, std.png   posterior std (image units) after the pilot and after the design
+    std_pilot.tif, std_design.tif, std.png   posterior std (image units) after the pilot (not with design.forecast
+                                             = false) and after the design
     pilot/                 FBP/TV/DIP from the pilot angles (a run folder; its dip_model.pt is the prior's DIP)
     designed/, equidistant/   FBP/TV/DIP from pilot + designed angles and from as many equidistant angles, with
                            PSNR/SSIM against the ground truth in their metrics.json (when the scan has one)
@@ -326,7 +327,7 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     scan = _load_candidates(cfg, device, pilot_angles, progress, out)
     pilot = _pilot_prior(cfg, out, scan, progress)
     forecast = None
-    if cfg.design.criterion in values(Criterion):  # greedy: the forecast, its plan and stop rule
+    if cfg.design.criterion in values(Criterion) and cfg.design.forecast:  # greedy: the forecast, plan, stop rule
         forecast = _forecast_setup(cfg, scan, pilot, plan=plan, rule=rule, progress=progress)
         if plan:
             return _write_plan(cfg, out, scan, pilot, forecast, t_start)
@@ -349,6 +350,9 @@ def _check_request(ds, plan: bool) -> StopRule:
     if (plan or rule) and ds.criterion not in values(Criterion):
         option = "--plan" if plan else "--target-rmse/--target-psnr/--min-gain"
         raise DesignError(f"{option}: needs a greedy criterion ({', '.join(values(Criterion))}), not {ds.criterion}")
+    if (plan or rule) and not ds.forecast:
+        option = "--plan" if plan else "--target-rmse/--target-psnr/--min-gain"
+        raise DesignError(f"{option}: needs the error forecast, but design.forecast = false")
     return rule
 
 
@@ -436,9 +440,11 @@ def _pilot_prior(cfg, out: Path, scan: DesignScan, progress: bool) -> PilotPrior
 
 
 def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: DesignForecast | None, progress: bool):
-    """``(result, std)``: the greedy design (with ``forecast``; checkpointed in ``work/design_state.pt``) or the
-    baseline strategy's choice (:class:`~ctuq.design.greedy.DesignResult`), and the posterior std maps (image
-    shape, mm⁻¹) after the pilot and after the design."""
+    """``(result, std)``: the greedy design (with ``forecast`` unless ``design.forecast`` is false; checkpointed in
+    ``work/design_state.pt``) or the baseline strategy's choice (:class:`~ctuq.design.greedy.DesignResult`), and the
+    posterior std maps (image shape, mm⁻¹) after the pilot and after the design. Without the forecast the greedy
+    loop runs alone (no std map after the pilot): the engine's sample streams count its resets
+    (:meth:`~ctuq.design.engine.DesignEngine.chunk_seed`), so nothing may condition it between the steps."""
     ds, engine, chosen_at_pilot = cfg.design, pilot.engine, scan.pilot
     std: dict[str, torch.Tensor] = {}
     shape = tuple(scan.data.op.image_shape)
@@ -449,8 +455,8 @@ def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: Desi
         s = engine.posterior_std(ds.std_samples, seed=cfg.seed + 11) / engine.model.image_scale
         return s.reshape(shape)
 
-    if forecast is not None:
-        hooks = forecast.hooks
+    if ds.criterion in values(Criterion):
+        hooks = None if forecast is None else forecast.hooks
         result = greedy_design(
             engine,
             chosen_at_pilot,
@@ -463,10 +469,12 @@ def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: Desi
             fingerprint=pilot.fingerprint,
             progress=progress,
             log=_log,
-            update_last=True,
-            on_setup=lambda eng: (std.__setitem__("after the pilot", std_map(chosen_at_pilot)), hooks.at_pilot(eng)),
-            before_acquire=hooks.before_acquire,
-            after_step=hooks.after_step,
+            update_last=hooks is not None,
+            on_setup=None
+            if hooks is None
+            else lambda eng: (std.__setitem__("after the pilot", std_map(chosen_at_pilot)), hooks.at_pilot(eng)),
+            before_acquire=None if hooks is None else hooks.before_acquire,
+            after_step=None if hooks is None else hooks.after_step,
         )
     else:
         result = baseline_design(
@@ -478,10 +486,11 @@ def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: Desi
 
 
 def _write_choice(cfg, out: Path, scan: DesignScan, result, std: dict) -> None:
-    """The std maps (``std_pilot.tif``, ``std_design.tif``, ``std.png``), the polar plot of the angles and
-    ``angles.txt`` (pilot then acquired, in acquisition order)."""
+    """The std maps (``std_pilot.tif`` unless ``design.forecast`` is false, ``std_design.tif``, ``std.png``), the
+    polar plot of the angles and ``angles.txt`` (pilot then acquired, in acquisition order)."""
     ds = cfg.design
-    write_tiff(out / "std_pilot.tif", std["after the pilot"], voxel_size=voxel_size_of(scan.cand_op))
+    if "after the pilot" in std:
+        write_tiff(out / "std_pilot.tif", std["after the pilot"], voxel_size=voxel_size_of(scan.cand_op))
     write_tiff(out / "std_design.tif", std["after the design"], voxel_size=voxel_size_of(scan.cand_op))
     plot_std_maps(out / "std.png", std)
     pilot_deg, acq_deg = scan.degrees(scan.pilot), scan.degrees(result.acquired)
@@ -539,7 +548,7 @@ def _design_record(
         "device": str(scan.device),
         "scan": str(scan.path),
         "strategy": ds.criterion,
-        "route": pilot.route if forecast is not None else None,
+        "route": pilot.route if ds.criterion in values(Criterion) else None,
         "period_deg": math.degrees(scan.period),
         "candidates": {"n": len(cand_idx), "scan_indices": cand_idx.tolist(), "angles_deg": scan.cand_deg.tolist()},
         "pilot": {"candidates": scan.pilot, "angles_deg": pilot_deg},

@@ -12,8 +12,7 @@ module of methods and tables on top of the shared pieces:
 
 * :mod:`ctuq.studies.common`: what every study needs: the study-folder check (:func:`study_fingerprint`,
   :func:`check_study_folder`), :class:`StudyError`, :class:`Log`, :func:`read_json`, scan preparation
-  (:func:`prepare_scan`, :func:`angular_subsampling`), :func:`exact_decision` and the DIP fit or reload of the
-  angle-selection study (:func:`fit_or_load_dip`, stored through :mod:`ctuq.models.model_file`).
+  (:func:`prepare_scan`, :func:`angular_subsampling`) and :func:`exact_decision`.
 * :mod:`ctuq.studies.walnut`: the walnut uncertainty study (linearised DIP inference against MC dropout) behind
   ``scripts/walnut_study.py``.
 """
@@ -25,7 +24,6 @@ from ctuq.studies.common import (
     angular_subsampling,
     check_study_folder,
     exact_decision,
-    fit_or_load_dip,
     prepare_scan,
     read_json,
     setting_dir,
@@ -39,7 +37,6 @@ __all__ = [
     "angular_subsampling",
     "check_study_folder",
     "exact_decision",
-    "fit_or_load_dip",
     "prepare_scan",
     "read_json",
     "setting_dir",

@@ -17,16 +17,22 @@ not the design's own ``ctuq.design.STRATEGIES``):
 
 Every ``every`` angles (5, 10, …, pilot + acquire) the angles chosen so far are reconstructed with TV (PDHG) and the
 DIP (warm-started from the pilot DIP), recording the PSNR after the fixed iteration budget and — as the authors
-reported — the best PSNR over the iterations (an *oracle*: it looks at the ground truth). Each (image, strategy) is
-finished when its ``result.json`` exists; reruns skip it (and greedy designs resume from their checkpoints). A rerun
-with a reconstruction method the result lacks (``--recon tv dip`` on a TV-only study) adds it at the recorded angles
-from the same data, without redoing the designs.
+reported — the best PSNR over the iterations (an *oracle*: it looks at the ground truth).
+
+Everything runs through the public API on :class:`ctuq.Scan` objects made from the study's arrays
+(:meth:`ctuq.Scan.from_astra` with the operator's geometry in ctuq's convention, so the runs' operator is the study's
+matrix bit for bit): the pilot DIP and every reconstruction are :func:`ctuq.reconstruct` run folders (the warm start
+is ``model.pretrained``, the oracle ``output.psnr_trace``), the greedy strategies :func:`ctuq.design_angles` design
+folders (``design.forecast = false``, ``design.noise_variance`` the study's σ², ``design.retrain_lr`` the warm-start
+rate). Their one resume mechanism is the API's: a rerun loads every finished folder (``reuse``) and continues an
+interrupted one from its checkpoints (``resume``); ``result.json`` per (image, strategy) summarises them. A rerun with
+a reconstruction method more (``--recon tv dip`` on a TV-only study) adds its runs at the same angles and data, without
+redoing the designs.
 Tables and figures: :mod:`ctuq.studies.angle_selection_report`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -37,18 +43,18 @@ import numpy as np
 import tifffile
 import torch
 
-from ctuq.config import DesignConfig, DIPConfig
+from ctuq.config import Config
+from ctuq.data.astra_geometry import from_astra
 from ctuq.data.rectangles import parallel_geometry, rectangles_stack
-from ctuq.design import DesignEngine, auto_route, greedy_design
 from ctuq.design.candidates import equidistant_angles, equidistant_indices, random_indices
-from ctuq.design.dip_prior import DIPPrior
-from ctuq.design.priors import isotropic_model, matern_model
+from ctuq.geometry import astra_geometries
 from ctuq.metrics import psnr
 from ctuq.operators import SparseRayTransform
 from ctuq.options import Criterion
-from ctuq.reconstruct.classical import tv_reconstruction
-from ctuq.reconstruct.dip import fit_dip
-from ctuq.studies.common import Log, StudyError, fit_or_load_dip, read_json
+from ctuq.pipeline import run_folder as rf
+from ctuq.run import design_angles, reconstruct
+from ctuq.scan import Scan
+from ctuq.studies.common import Log, StudyError
 from ctuq.studies.study_options import freeze, option
 from ctuq.utils import atomic_write_json
 
@@ -221,112 +227,147 @@ def _psnr(x: torch.Tensor, gt: torch.Tensor) -> float:
     return float(psnr(x.detach().cpu(), gt.cpu()))
 
 
-def reconstruct(op, y, gt, options: AngleSelectionOptions, pilot_dip) -> dict:
-    """TV and warm-started DIP from ``op``/``y``: PSNR at the fixed budget and the oracle best over iterations."""
-    out: dict[str, dict] = {}
-    if "tv" in options.recon:
-        hist: list[float] = []
-        res = tv_reconstruction(
-            op,
-            y,
-            weight=options.tv_lambda,
-            iterations=options.tv_iterations,
-            progress=False,
-            callback=lambda i, x: hist.append(_psnr(x, gt)),
-        )
-        out["tv"] = {
-            "psnr": _psnr(res["reconstruction"], gt),
-            "best_psnr": max(hist),
-            "best_iteration": int(np.argmax(hist)),
-        }
-    if "dip" in options.recon:
-        model, net_input = copy.deepcopy(pilot_dip[0]), pilot_dip[1]
-        res = fit_dip(
-            op,
-            y,
-            model=model,
-            net_input=net_input,
-            iterations=options.warm_iterations,
-            lr=options.warm_lr,
-            tv_weight=options.tv_weight,
-            clip_grad_norm=options.clip_grad_norm or None,
-            scale=options.scale,
-            ground_truth=gt,
-            seed=options.seed,
-            progress=False,
-        )
-        out["dip"] = {
-            "psnr": _psnr(res.reconstruction, gt),
-            "best_psnr": max(res.psnr_history),
-            "best_iteration": int(np.argmax(res.psnr_history)),
+def _scan(op, y: torch.Tensor, gt_np: np.ndarray) -> Scan:
+    """The study's problem ``y = T x + noise`` as a :class:`ctuq.Scan`: ``op``'s geometry handed to
+    :meth:`~ctuq.Scan.from_astra` in ctuq's own convention (:func:`ctuq.geometry.astra_geometries`), so the runs'
+    operator is ``op``'s matrix bit for bit, with the rows of ``y`` in their order (acquisition order for a design)."""
+    vol_geom, proj_geom = astra_geometries(op.volume, op.geometry)
+    return Scan.from_astra(y.detach().cpu().numpy(), proj_geom, vol_geom, ground_truth=gt_np, units="mm")
+
+
+def _settings(o: AngleSelectionOptions) -> dict:
+    """The config keys every run of the study shares (on :class:`ctuq.config.Config`'s defaults): the scan as
+    given, the U-Net and the DIP's loss, and the PSNR after every iteration (``output.psnr_trace``)."""
+    return {
+        "data.ndim": 2,
+        "data.backend": "sparse",
+        "data.angular_subsampling": 1,
+        "data.detector_subsampling": 1,
+        "data.min_angles": 1,
+        "model.preset": o.preset,
+        "model.input_std": o.input_std,
+        "dip.tv_weight": o.tv_weight,
+        "dip.clip_grad_norm": o.clip_grad_norm or None,
+        "dip.scale": o.scale,
+        "output.psnr_trace": True,
+        "output.figure": False,
+    }
+
+
+def _pilot_settings(o: AngleSelectionOptions) -> dict:
+    """The pilot DIP's keys (the runs' and the designs' pilot): ``iterations`` at ``lr``, no TV baseline."""
+    return {
+        **_settings(o),
+        "dip.iterations": o.iterations,
+        "dip.lr": o.lr,
+        "dip.checkpoint_every": max(50, o.iterations // 10),
+        "tv.enabled": False,
+    }
+
+
+def _run(scan: Scan, settings: dict, folder: Path, ctx: types.SimpleNamespace, progress: bool):
+    """:func:`ctuq.reconstruct` of ``scan`` into the run folder ``folder`` without the uncertainty phase: loaded
+    when finished there (``reuse``), continued when interrupted (``resume``)."""
+    o = ctx.options
+    return reconstruct(
+        scan,
+        Config(),
+        settings,
+        out=folder,
+        uq=False,
+        resume=True,
+        reuse=True,
+        progress=progress,
+        device=str(ctx.device),
+        seed=o.seed,
+    )
+
+
+def _reconstructions(ctx: types.SimpleNamespace, folder: Path, op, y: torch.Tensor) -> dict:
+    """TV and the DIP warm-started from the pilot DIP (``model.pretrained``) from ``op``/``y``, each a run folder
+    ``folder/<method>``: the PSNR at the fixed budget and the oracle best over the iterations (``psnr_trace``)."""
+    o, out = ctx.options, {}
+    scan = _scan(op, y, ctx.gt_np)
+    for method in ("tv", "dip"):
+        if method not in o.recon:
+            continue
+        if method == "tv":
+            extra = {
+                "dip.enabled": False,
+                "tv.enabled": True,
+                "tv.weight": o.tv_lambda,
+                "tv.iterations": o.tv_iterations,
+                "tv.init": "zero",
+            }
+        else:
+            extra = {
+                "tv.enabled": False,
+                "dip.iterations": o.warm_iterations,
+                "dip.lr": o.warm_lr,
+                "model.pretrained": str(ctx.pilot_model),
+            }
+        run = _run(scan, {**_settings(o), **extra}, folder / method, ctx, progress=False)
+        trace = run.metrics[method]["psnr_trace"]
+        out[method] = {
+            "psnr": _psnr(torch.from_numpy(run.images[method]), ctx.gt),
+            "best_psnr": max(trace),
+            "best_iteration": int(np.argmax(trace)),
         }
     return out
 
 
 def _design(strategy: str, ctx: types.SimpleNamespace, sdir: Path, log: Log) -> tuple[list[int], dict]:
-    """Candidate indices in acquisition order (pilot first) and the design's timings for a greedy strategy."""
-    o, pilot = ctx.options, ctx.pilot
-    t0 = time.perf_counter()
-    y_p = ctx.y_cand[pilot].reshape(-1).double()
-    updater, criterion = None, Criterion.EIG.value
-    if strategy == "isotropic":
-        model = isotropic_model(ctx.op, pilot, y_p, ctx.sigma**2)
-    elif strategy == "matern":
-        model = matern_model(ctx.op, pilot, y_p, ctx.sigma**2)
+    """Candidate indices in acquisition order (pilot first) and the design's timings for a greedy strategy:
+    :func:`ctuq.design_angles` on the candidates' scan into ``sdir/design`` (its pilot DIP refitted there with the
+    pilot's settings; ``design.forecast = false``: the plain greedy loop; σ² the study's noise variance)."""
+    o = ctx.options
+    retrain = strategy.endswith("_retrain")
+    if strategy in ("isotropic", "matern"):
+        prior, criterion = strategy, Criterion.EIG.value
     else:
-        retrain = strategy.endswith("_retrain")
-        criterion = strategy.split("_")[1]
-        ds = DesignConfig(
-            refresh_every=o.refresh_every,
-            retrain_every=o.retrain_every if retrain else 0,
-            retrain_iterations=o.retrain_iterations,
-            dense="auto",
-            samples=o.samples,
-        )
-        dipc = DIPConfig(lr=o.warm_lr, tv_weight=o.tv_weight, clip_grad_norm=o.clip_grad_norm or None)
-        prior = DIPPrior(
-            ctx.dip[0],
-            ctx.dip[1],
-            ctx.op,
-            ctx.y_cand,
-            o.scale,
-            settings=ds,
-            sigma2=(ctx.sigma * o.scale) ** 2,
-            dip_settings=dipc,
-            work_dir=sdir,
-            seed=o.seed,
-            log=log,
-        )
-        if ctx.linearized is not None:  # the pilot DIP's Jacobian, assembled once per image
-            prior.factor, prior.g0, prior.delta = ctx.linearized
-        model = prior.build(pilot, n_steps=o.acquire)
-        ctx.linearized = ctx.linearized or (prior.factor, prior.g0, prior.delta)
-        updater = prior.updater
-    route = auto_route(model, updater is not None and bool(o.refresh_every or strategy.endswith("_retrain")))
-    engine = DesignEngine(model, route=route, n_samples=o.samples, seed=o.seed)
-    prior_s = time.perf_counter() - t0
-    res = greedy_design(
-        engine,
-        pilot,
-        o.acquire,
+        prior, criterion = "dip", strategy.split("_")[1]
+    settings = {
+        **_pilot_settings(o),
+        "design.noise_variance": ctx.sigma**2,
+        "design.reconstruct": False,
+        "design.forecast": False,
+        "design.jitter": o.jitter,
+        "design.refresh_every": o.refresh_every,
+        "design.retrain_every": o.retrain_every if retrain else 0,
+        "design.retrain_iterations": o.retrain_iterations,
+        "design.retrain_lr": o.warm_lr,
+        "design.dense": "auto",
+    }
+    design = design_angles(
+        ctx.candidates,
+        Config(),
+        settings,
+        pilot_angles=ctx.pilot_scan_deg,
+        acquire=o.acquire,
         criterion=criterion,
-        angles_deg=ctx.angles_deg,
-        jitter=o.jitter,
-        updater=updater,
-        checkpoint=sdir / "design_state.pt",
-        fingerprint={"strategy": strategy, "samples": o.samples},
+        prior=prior,
+        samples=o.samples,
+        device=str(ctx.device),
+        seed=o.seed,
+        out=sdir / "design",
+        resume=True,
+        reuse=True,
         progress=o.progress,
-        log=log,
     )
-    times = [s["time_s"] for s in res.steps]
-    return res.chosen, {
-        "prior_s": prior_s,
-        **res.timings,
+    if design.reused:
+        log(f"image {ctx.image}: {strategy}: the design finished in an earlier run ({design.path})")
+    rec = design.record
+    if rec["pilot"]["candidates"] != ctx.pilot:
+        raise StudyError(f"{design.path}: its pilot {rec['pilot']['candidates']} is not the study's {ctx.pilot}")
+    times = [a["time_s"] for a in rec["acquired"]]
+    timings = {k: v for k, v in rec["timings"].items() if k != "resumed_steps"}
+    return ctx.pilot + [a["candidate"] for a in rec["acquired"]], {
+        **timings,
         "step_s_mean": float(np.mean(times)),
         "step_s_first5": float(np.mean(times[:5])),
         "step_s_last5": float(np.mean(times[-5:])),
-        "route": route,
-        "prior": engine.model.summary(),
+        "route": rec["route"],
+        "prior": {k: v for k, v in rec["prior"].items() if k != "evidence_grid"},
     }
 
 
@@ -339,36 +380,13 @@ def _equidistant_set(n: int, gt: torch.Tensor, o: dict, i: int, device):
     return ang, op_n, y_n
 
 
-def _recorded_sets(
-    strategy: str, record: dict, ctx: types.SimpleNamespace, gt: torch.Tensor, i: int, sdir: Path
-) -> dict:
-    """``{count: (operator, data)}`` of a finished result's recorded angle sets (``record["angles_deg"]``): the
-    equidistant sets with their own noise draws, the others as rows of the candidates' data — the data the
-    result's reconstructions were made from. Raises :class:`StudyError` when a recorded angle is not what the
-    study's options give (another candidate grid)."""
-    o, out = ctx.options, {}
-    for key, deg in record["angles_deg"].items():
-        deg = np.asarray(deg, dtype=np.float64)
-        if strategy == "equidistant":
-            ang, op_n, y_n = _equidistant_set(int(key), gt, o, i, gt.device)
-            ok = np.allclose(np.degrees(ang), deg, atol=1e-9)
-        else:
-            idx = np.rint(deg * o.candidates / 180.0).astype(int)
-            ok = bool((idx >= 0).all() and (idx < o.candidates).all()) and np.allclose(
-                ctx.angles_deg[np.clip(idx, 0, o.candidates - 1)], deg, atol=1e-6
-            )
-            op_n, y_n = ctx.op.subset(idx.tolist()), ctx.y_cand[idx.tolist()]
-        if not ok:
-            raise StudyError(
-                f"{sdir / 'result.json'}: the recorded angles of {key} are not those of this study's "
-                f"options ({o.candidates} candidates); use the options the study was run with"
-            )
-        out[key] = (op_n, y_n)
-    return out
-
-
 def run_image(i: int, gt_np: np.ndarray, options: AngleSelectionOptions, out: Path, device, log: Log) -> dict:
-    """All strategies for image ``i``: ``{strategy: result}`` (each also in ``out/img_<i>/<strategy>/result.json``)."""
+    """All strategies for image ``i``: ``{strategy: result}`` (each also in ``out/img_<i>/<strategy>/result.json``).
+
+    Everything is a run or design folder of the public API, loaded when finished and continued when interrupted
+    (``reuse``/``resume``): ``img_<i>/pilot`` (the pilot DIP), ``img_<i>/<strategy>/design`` (a greedy design) and
+    ``img_<i>/<strategy>/<count>/<method>`` (a reconstruction); ``result.json`` summarises them. A rerun with
+    another ``recon`` adds or reads the reconstruction runs at the same angles and data."""
     o = options
     idir = out / f"img_{i:03d}"
     idir.mkdir(parents=True, exist_ok=True)
@@ -379,44 +397,32 @@ def run_image(i: int, gt_np: np.ndarray, options: AngleSelectionOptions, out: Pa
     y_cand, sigma = _noisy(op, gt, o.noise, [o.seed, i, 0])
     pilot = equidistant_indices(o.candidates, o.pilot).tolist()
     counts = list(range(o.pilot, o.pilot + o.acquire + 1, o.every))
+    candidates = _scan(op, y_cand, gt_np)
+    # the design matches pilot angles to the scan's own angles (those of its vector geometry, ``op.angles``)
+    vec_angles = from_astra(*astra_geometries(op.volume, op.geometry))[1].angles
     ctx = types.SimpleNamespace(
         options=o,
-        op=op,
-        y_cand=y_cand,
+        image=i,
+        device=device,
+        gt=gt,
+        gt_np=gt_np,
         sigma=sigma,
         pilot=pilot,
-        linearized=None,
-        angles_deg=np.degrees(cand_rad),
-        dip=None,
+        candidates=candidates,
+        pilot_scan_deg=np.mod(np.degrees(vec_angles[pilot]), 180.0),
+        pilot_model=None,
     )
+    if "dip" in o.recon:
+        pilot_run = _run(
+            _scan(op.subset(pilot), y_cand[pilot], gt_np), _pilot_settings(o), idir / "pilot", ctx, o.progress
+        )
+        if pilot_run.reused:
+            log(f"image {i}: the pilot DIP finished in an earlier run ({pilot_run.path})")
+        ctx.pilot_model = (pilot_run.path / rf.MODEL_NAME).resolve()
     results: dict[str, dict] = {}
-
-    def pilot_dip():
-        if ctx.dip is None:
-            data = types.SimpleNamespace(op=op.subset(pilot), y=y_cand[pilot], ground_truth=gt)
-            model, net_input, _, _ = fit_or_load_dip("dip", idir, data, o, device, log)
-            ctx.dip = (model, net_input)
-        return ctx.dip
-
     for strategy in o.strategies:
         sdir = idir / strategy
-        if (sdir / "result.json").is_file():
-            record = read_json(sdir / "result.json")
-            missing = [m for m in o.recon if any(m not in r for r in record["recon"].values())]
-            if missing:  # reconstruction methods added to a study: the recorded angles, the same data
-                if "dip" in missing:
-                    pilot_dip()
-                log(f"image {i}: {strategy}: adding {', '.join(missing)} reconstructions at the recorded angles")
-                for key, (op_n, y_n) in _recorded_sets(strategy, record, ctx, gt, i, sdir).items():
-                    record["recon"].setdefault(key, {}).update(
-                        reconstruct(op_n, y_n, gt, dataclasses.replace(o, recon=tuple(missing)), ctx.dip)
-                    )
-                atomic_write_json(sdir / "result.json", record)
-            results[strategy] = record
-            continue
         sdir.mkdir(exist_ok=True)
-        if "dip" in o.recon or strategy.startswith("dip"):
-            pilot_dip()
         log(f"image {i}: {strategy}")
         t0 = time.perf_counter()
         timings: dict = {}
@@ -425,7 +431,7 @@ def run_image(i: int, gt_np: np.ndarray, options: AngleSelectionOptions, out: Pa
             chosen_deg = {}
             for n in counts:
                 ang, op_n, y_n = _equidistant_set(n, gt, o, i, device)
-                recon[str(n)] = reconstruct(op_n, y_n, gt, o, ctx.dip)
+                recon[str(n)] = _reconstructions(ctx, sdir / f"{n:03d}", op_n, y_n)
                 chosen_deg[str(n)] = np.degrees(ang).tolist()
             record = {"angles_deg": chosen_deg}
         else:
@@ -445,7 +451,7 @@ def run_image(i: int, gt_np: np.ndarray, options: AngleSelectionOptions, out: Pa
                     chosen, timings = _design(strategy, ctx, sdir, log)
                 sets = {n: chosen[:n] for n in counts}
             for n, idx in sets.items():
-                recon[str(n)] = reconstruct(op.subset(idx), y_cand[idx], gt, o, ctx.dip)
+                recon[str(n)] = _reconstructions(ctx, sdir / f"{n:03d}", op.subset(idx), y_cand[idx])
             record = {"angles_deg": {str(n): np.degrees(cand_rad[idx]).tolist() for n, idx in sets.items()}}
         record.update(
             {

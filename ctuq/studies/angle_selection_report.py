@@ -13,7 +13,8 @@ Outputs in the study folder (``scripts/angle_selection.py``)::
     psnr_<method>.png, psnr_<method>_oracle.png   PSNR against the number of angles, one curve per strategy
     study.json                   the options (a rerun with other options that change numbers is refused; more
                                  ``--recon`` methods are added to the finished results)
-    img_<i>/                     per image: dip_model.pt (pilot DIP), per strategy result.json (+ checkpoints)
+    img_<i>/                     per image: pilot/ (the pilot DIP's run folder), per strategy result.json, design/
+                                 (a greedy design's folder) and <count>/<tv|dip>/ (the reconstructions' run folders)
 """
 
 from __future__ import annotations

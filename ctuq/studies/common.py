@@ -4,9 +4,8 @@ A study folder ``OUT`` holds ``study.json`` (the options that change numbers, se
 :func:`check_study_folder`), the scan when it is simulated (``OUT/scan``, :func:`prepare_scan`), and per setting
 a folder (:func:`setting_dir`) with the study's run folders: its fits and inferences are calls of the public API
 (:func:`ctuq.reconstruct`, :func:`ctuq.uncertainty` with ``resume=True, reuse=True``), whose run folders resume
-after a kill and are loaded once finished. The angle-selection study still keeps its pilot DIP as a model file of
-its own (:func:`fit_or_load_dip`). Everything a study writes is written atomically, so a killed run leaves either a
-finished part or none, and a rerun of the same command resumes where it stopped.
+after a kill and are loaded once finished. Everything a study writes is written atomically, so a killed run
+leaves either a finished part or none, and a rerun of the same command resumes where it stopped.
 
 A study's options are one frozen dataclass (:mod:`ctuq.studies.study_options`); a function here that takes
 ``options`` names the attributes it reads, so any study whose options have them can use it.
@@ -28,10 +27,7 @@ from ctuq.errors import CTUQError
 from ctuq.inference import Workload, estimate_solver_costs
 from ctuq.log import ensure_console_logging
 from ctuq.memory import GIB, Budget, memory_budget
-from ctuq.models import build_unet, count_parameters, make_net_input
-from ctuq.models.model_file import read_model_file, write_model_file
 from ctuq.pipeline.lock import hold_until_exit
-from ctuq.reconstruct import fit_dip, fit_mc_dropout_dip
 from ctuq.utils import atomic_write_json, json_digest
 
 __all__ = [
@@ -45,7 +41,6 @@ __all__ = [
     "angular_subsampling",
     "exact_decision",
     "setting_dir",
-    "fit_or_load_dip",
 ]
 
 _log = logging.getLogger(__name__)
@@ -300,116 +295,3 @@ def exact_decision(mode: str, c: int, d: int, options, device: torch.device) -> 
 def setting_dir(out: Path, n_angles: int) -> Path:
     """The folder of one angle-count setting in the study folder ``out``: ``out/angles_<n_angles>``."""
     return out / f"angles_{n_angles}"
-
-
-def _read_dip(path: Path):
-    """The fitted DIP in ``path``: ``(ModelFile, model on the CPU)``; ``StudyError`` if it cannot serve a study."""
-    try:
-        mf = read_model_file(path, need_input=True)
-        missing = [k for k in ("summary", "reconstruction") if k not in mf.meta]
-        if missing:
-            raise ValueError(f"its meta lacks {missing}: not written by a study")
-        model = mf.build("cpu")
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named and the way out
-        raise StudyError(f"{path} is not a readable DIP model ({exc}); delete it to refit") from exc
-    return mf, model
-
-
-def fit_or_load_dip(kind: str, sdir: Path, data, options, device: torch.device, log: Log):
-    """The fitted DIP of one setting: loaded when an earlier run finished it, else fitted and stored.
-
-    The fit resumes from its checkpoint (``dip_checkpoint.pt``, removed once the fit is stored). The network is
-    stored in ``dip_model.pt`` by :func:`ctuq.models.model_file.write_model_file` (best weights, fixed input,
-    scale, best iteration; ``meta`` holds the fit's ``summary`` and ``reconstruction``). After a fit the stored file
-    is read back, so a fresh run and a resumed one continue from the same weights.
-
-    Parameters
-    ----------
-    kind : {"dip", "mc_dropout"}
-        ``"dip"``: the U-Net ``options.preset`` without dropout, stored in ``sdir/dip_model.pt``;
-        ``"mc_dropout"``: the same U-Net with channel dropout ``options.dropout`` after every conv block, fitted
-        with dropout active (:func:`ctuq.reconstruct.fit_mc_dropout_dip`), stored in
-        ``sdir/mc_dropout/dip_model.pt``.
-    sdir : Path
-        The setting's folder.
-    data : ctuq.data.CTData
-        The problem: ``op``, ``y`` and ``ground_truth`` (mm⁻¹; the fit tracks its PSNR).
-    options : study options
-        Reads ``preset``, ``dropout`` (only for ``kind="mc_dropout"``), ``iterations``, ``lr``, ``tv_weight``,
-        ``clip_grad_norm`` (0: none), ``scale``, ``input_std``, ``seed`` and ``progress``.
-    device : torch.device
-        Where the fit runs and the returned model lives.
-    log : Log
-        Says whether the fit runs, resumes or is skipped.
-
-    Returns
-    -------
-    model : ctuq.models.UNet
-        The best weights, on ``device``.
-    net_input : torch.Tensor
-        ``(1, 1, H, W)`` fixed noise input, on the CPU.
-    reconstruction : torch.Tensor
-        ``(H, W)`` reconstruction in mm⁻¹ (with dropout off), on the CPU.
-    summary : dict
-        The fit's summary (:meth:`ctuq.reconstruct.DIPResult.summary`) with ``n_conv_weights`` added.
-
-    Raises
-    ------
-    StudyError
-        An existing ``dip_model.pt`` cannot be read (delete it to refit).
-    """
-    folder = sdir if kind == "dip" else sdir / "mc_dropout"
-    folder.mkdir(parents=True, exist_ok=True)
-    model_path = folder / "dip_model.pt"
-    label = "DIP" if kind == "dip" else f"MC-dropout DIP (p = {options.dropout})"
-    if model_path.is_file():
-        mf, model = _read_dip(model_path)
-        log(f"skipping the {label} fit: finished in an earlier run ({model_path})")
-        return model.to(device), mf.net_input, mf.meta["reconstruction"], mf.meta["summary"]
-    ckpt = folder / "dip_checkpoint.pt"
-    net_input = make_net_input(data.op.image_shape, channels=1, seed=options.seed, std=options.input_std)
-    common = dict(
-        iterations=options.iterations,
-        lr=options.lr,
-        tv_weight=options.tv_weight,
-        clip_grad_norm=options.clip_grad_norm or None,
-        scale=options.scale,
-        seed=options.seed,
-        ground_truth=data.ground_truth.to(device),
-        checkpoint_path=ckpt,
-        checkpoint_every=max(50, options.iterations // 10),
-        resume=True,
-        device=device,
-        progress=options.progress,
-    )
-    log(
-        f"fitting the {label}: {options.iterations} iterations"
-        + (" (resuming from its checkpoint)" if ckpt.is_file() else "")
-    )
-    if kind == "dip":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(options.seed)  # same initial weights as `ctuq reconstruct` with this seed
-            model = build_unet(options.preset, ndim=data.op.ndim)
-        result = fit_dip(data.op, data.y, model=model, net_input=net_input, **common)
-    else:
-        model, result = fit_mc_dropout_dip(
-            data.op, data.y, preset=options.preset, dropout=options.dropout, net_input=net_input, **common
-        )
-    summary = dict(result.summary(), n_conv_weights=count_parameters(model, conv_weights_only=True))
-    write_model_file(
-        model_path,
-        model,
-        scale=result.scale,
-        state_dict=result.best_state_dict,
-        net_input=result.net_input,
-        input="noise",
-        best_iteration=result.best_iteration,
-        meta={"summary": summary, "reconstruction": result.reconstruction.detach().cpu()},
-    )
-    ckpt.unlink(missing_ok=True)
-    log(
-        f"{label}: {result.time_s:.1f} s, best iteration {result.best_iteration}, "
-        f"PSNR {summary['best_psnr_history'] or float('nan'):.2f} dB"
-    )
-    mf, model_out = _read_dip(model_path)
-    return model_out.to(device), result.net_input, result.reconstruction.detach().cpu(), mf.meta["summary"]

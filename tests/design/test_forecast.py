@@ -300,3 +300,8 @@ def test_bad_stop_inputs_are_one_line_before_any_work(tmp_path, capsys):
     assert err == ["ctuq design: --target-rmse: '0.002' has no unit; give it in mm⁻¹, e.g. 0.002/mm"]
     assert _cli(["--target-psnr", "30dB", "--criterion", "equidistant", "--out", str(tmp_path / "b")]) == 2
     assert "needs a greedy criterion" in capsys.readouterr().err
+    # design.forecast = false (the plain greedy loop) has no forecast to plan or stop with
+    for args in (["--plan"], ["--target-psnr", "30dB"]):
+        assert _cli([*args, "--set", "design.forecast=false", "--out", str(tmp_path / "c")]) == 2
+        assert "needs the error forecast, but design.forecast = false" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
