@@ -27,7 +27,7 @@ import yaml
 
 from ctuq.calibration import HeldoutCheck
 from ctuq.config import Config, ConfigError, load_config
-from ctuq.config.engine import parse_override, set_value, validate_all
+from ctuq.config.engine import apply_overrides
 from ctuq.errors import OutDirError
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline import runner
@@ -72,20 +72,8 @@ def _config(config, settings, flags: dict[str, Any], first: Sequence[str] = ()) 
     else:
         cfg = load_config(config)
         where = f"config {config}"
-    applied = []
-    for text in [*first, *strings]:
-        keys, value = parse_override(text)
-        set_value(cfg, keys, value, f"--set {text}")
-        applied.append(f"--set {text}")
-    for key, value in values.items():
-        set_value(cfg, key.split("."), value, f"set {key}={value!r}")
-        applied.append(f"{key}={value!r}")
-    for key, value in flags.items():
-        if value is not None:
-            set_value(cfg, key.split("."), value, f"command-line option for {key}")
-            applied.append(f"{key}={value!r}")
-    if applied or isinstance(config, Config):  # a Config's attributes may have been assigned unchecked
-        validate_all(cfg, f"{where} with overrides {', '.join(applied)}" if applied else where)
+    # a Config's attributes may have been assigned unchecked: it is checked also without overrides
+    apply_overrides(cfg, where, [*first, *strings], values=values, flags=flags, check=isinstance(config, Config))
     return cfg
 
 

@@ -33,7 +33,7 @@ import math
 import operator
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Union
@@ -61,6 +61,7 @@ __all__ = [
     "bundled_configs",
     "resolve_config_path",
     "load",
+    "apply_overrides",
 ]
 
 
@@ -653,16 +654,37 @@ def load(root: type, path: str | Path | None, overrides: list[str] | None, flags
     cfg = root()
     if raw is not None:
         apply_dict(cfg, raw, f"config file {cfg_path}")
+    apply_overrides(cfg, f"config file {cfg_path}", overrides or (), flags=flags)
+    return cfg
+
+
+def apply_overrides(
+    cfg: Any,
+    where: str,
+    overrides: Sequence[str] = (),
+    *,
+    values: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    check: bool = False,
+) -> None:
+    """Update ``cfg`` in place by the ``--set`` strings ``overrides`` (``KEY=VALUE``, in order), then the dotted
+    keys of ``values`` (every value, ``None`` included: YAML's null), then the dotted ``flags`` that are not
+    ``None``; then the cross-field checks once, named ``where`` with the overrides applied (also without any
+    override when ``check``: a config whose attributes may have been assigned unchecked). Each error names the
+    override at fault: ``--set KEY=VALUE``, ``set KEY=VALUE`` for ``values``, the command-line option for ``flags``.
+    """
     applied = []
-    for item in overrides or []:
+    for item in overrides:
         keys, value = parse_override(item)
         set_value(cfg, keys, value, f"--set {item}")
         applied.append(f"--set {item}")
-    for key, value in flags.items():
+    for key, value in (values or {}).items():
+        set_value(cfg, key.split("."), value, f"set {key}={value!r}")
+        applied.append(f"{key}={value!r}")
+    for key, value in (flags or {}).items():
         if value is None:
             continue
         set_value(cfg, key.split("."), value, f"command-line option for {key}")
         applied.append(f"{key}={value!r}")
-    if applied:
-        validate_all(cfg, f"config file {cfg_path} with overrides {', '.join(applied)}")
-    return cfg
+    if applied or check:
+        validate_all(cfg, f"{where} with overrides {', '.join(applied)}" if applied else where)
