@@ -655,3 +655,55 @@ def plot_em_trace(
         ax.set(title=label, xlabel="EM step")
         ax.grid(alpha=0.3)
     return save_figure(fig, path)
+
+
+def plot_tuning(
+    path: str | os.PathLike,
+    *,
+    tv: Mapping | None = None,
+    dip: Sequence[Sequence[float]] | None = None,
+    dip_kept: int | None = None,
+    dip_psnr: Sequence[float] | None = None,
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
+    """How a run was tuned on held-out angles (:mod:`ctuq.reconstruct.heldout`): one panel per tuned method.
+
+    ``tv``: the TV path's record (``metrics.json["tv"]["tuning"]``: ``weights``, ``heldout_error`` in data units²,
+    ``weight`` chosen, optional ``psnr`` in dB): the held-out error against ``λ`` (log axes) with the chosen weight
+    marked. ``dip``: ``[iteration, held-out error]`` pairs, ``dip_kept`` the iteration kept, ``dip_psnr`` the PSNR of
+    every iteration (dB, optional). A PSNR, when given, is drawn on a right-hand axis (it needs the ground truth;
+    the choice never uses it). At least one of ``tv`` and ``dip``. Default size ``3.6 in per panel × 3 in``.
+    Returns ``path``.
+    """
+    panels = [k for k, v in (("tv", tv), ("dip", dip)) if v]
+    if not panels:
+        raise ValueError("plot_tuning: give the TV path (tv) or the DIP's held-out trace (dip)")
+    fig = new_figure(figsize, (3.6 * len(panels), 3.0), dpi)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, name in zip(axes, panels):
+        if name == "tv":
+            x, e = np.asarray(tv["weights"], float), np.asarray(tv["heldout_error"], float)
+            ax.loglog(x, e, marker="o", ms=4, color="C0")
+            ax.axvline(float(tv["weight"]), color="C3", ls="--", lw=1, label=f"chosen λ = {float(tv['weight']):.3g}")
+            ax.set(title="TV: weight path", xlabel="λ", ylabel="held-out error (data units²)")
+            psnr = tv.get("psnr")
+        else:
+            arr = np.asarray(dip, float).reshape(-1, 2)
+            x, e = arr[:, 0], arr[:, 1]
+            ax.semilogy(x, e, color="C0")
+            if dip_kept is not None:
+                ax.axvline(dip_kept, color="C3", ls="--", lw=1, label=f"kept iteration {dip_kept}")
+            ax.set(title="DIP: stopping iteration", xlabel="iteration", ylabel="held-out error (data units²)")
+            psnr = None
+            if dip_psnr:
+                idx = x.astype(int)
+                psnr = [dip_psnr[i] for i in idx if i < len(dip_psnr)]
+                x = x[: len(psnr)]
+        if psnr:
+            twin = ax.twinx()
+            twin.plot(x, psnr, color="C2", alpha=0.7)
+            twin.set_ylabel("PSNR (dB, ground truth)", color="C2")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper center", fontsize=8)
+    return save_figure(fig, path)

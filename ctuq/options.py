@@ -426,4 +426,12 @@ class TVInit(Vocabulary):
     ZERO = "zero"
 
 
-__all__ += ["UQMethod", "TVInit"]
+class Tuning(Vocabulary):
+    """How a reconstruction's regularisation is set (``tv.tuning``, ``dip.tuning``): on the scan's held-out angles
+    (``ctuq.reconstruct.heldout``; the fixed setting when the scan has none), or the fixed setting of the config."""
+
+    HELDOUT = "heldout"
+    FIXED = "fixed"
+
+
+__all__ += ["UQMethod", "TVInit", "Tuning"]

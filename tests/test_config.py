@@ -54,7 +54,16 @@ def test_bundled_configs_load_and_match_top_level_folder():
 def test_default_is_demo_on_cpu():
     cfg = load_config()
     assert cfg.device == "cpu" and cfg.model.preset == "tiny" and cfg.data.path is None
-    assert cfg.model.pretrained is None and cfg.model.input == "noise"
+    # the demo's DIP starts from the FBP as its input and is tuned on held-out angles, as is its TV baseline
+    assert cfg.model.pretrained is None and cfg.model.input == "fbp"
+    assert cfg.dip.tuning == cfg.tv.tuning == "heldout"
+
+
+def test_tv_path_range_must_be_ordered():
+    with pytest.raises(ConfigError, match=r"tv.weight_min = 1 must be below tv.weight_max = 0.1"):
+        load_config("demo", ["tv.weight_min=1", "tv.weight_max=0.1"])
+    with pytest.raises(ConfigError, match="tv.tuning"):
+        load_config("demo", ["tv.tuning=oracle"])
 
 
 def test_pretrained_demo_finds_the_bundled_weights_from_any_working_directory(tmp_path, monkeypatch):

@@ -47,6 +47,7 @@ from ctuq.options import (
     FilterType,
     ForecastUpdate,
     NoiseModel,
+    Tuning,
     TVInit,
     UQMethod,
     option,
@@ -158,6 +159,17 @@ class DIPConfig:
     clip_grad_norm: float | None = option(1.0, ge=0.0, help="gradient-norm clip; null or 0 disables")
     checkpoint_every: int = option(100, ge=0, help="checkpoint period in iterations (0: only at the end)")
     enabled: bool = option(True, help="fit the DIP (false: only the FBP and, when enabled, TV; no uncertainty phase)")
+    tuning: str = option(
+        "heldout",
+        choices=values(Tuning),
+        help="heldout: keep the iterate with the lowest error on the tuning half of the scan's held-out angles "
+        "(scored every dip.heldout_every iterations) and stop dip.patience iterations after it; fixed: the iterate "
+        "with the lowest loss after dip.iterations. Without held-out angles: fixed",
+    )
+    heldout_every: int = option(25, ge=1, help="dip.tuning = heldout: score the iterate every this many iterations")
+    patience: int | None = option(
+        750, ge=1, help="dip.tuning = heldout: stop this many iterations after the lowest held-out error; null: never"
+    )
 
 
 @dataclasses.dataclass
@@ -173,11 +185,33 @@ class TVConfig:
     """TV-regularised baseline with ODL's PDHG (``ctuq.reconstruct.classical``)."""
 
     enabled: bool = option(False, help="run the TV baseline")
-    weight: float = option(1e-3, gt=0.0, help="λ in ½‖Tx − y‖² + λ TV(x) (original units, sums)")
-    iterations: int = option(300, ge=1, help="PDHG iterations")
+    weight: float = option(
+        1e-3,
+        gt=0.0,
+        help="λ in ½‖Tx − y‖² + λ TV(x) (original units, sums); with tv.tuning = heldout only without held-out angles",
+    )
+    iterations: int = option(300, ge=1, help="PDHG iterations (tv.tuning = heldout: after the path, at the chosen λ)")
+    tuning: str = option(
+        "heldout",
+        choices=values(Tuning),
+        help="heldout: λ from a warm-started path over tv.weight_range (tv.path_iterations each, largest first), "
+        "the one with the lowest error on the tuning half of the scan's held-out angles; fixed: tv.weight. "
+        "Without held-out angles: fixed",
+    )
+    weight_min: float = option(1e-4, gt=0.0, help="tv.tuning = heldout: the path's smallest λ")
+    weight_max: float = option(1.0, gt=0.0, help="tv.tuning = heldout: the path's largest λ (its first)")
+    per_decade: int = option(4, ge=1, help="tv.tuning = heldout: weights per decade between tv.weight_min and max")
+    path_iterations: int = option(60, ge=1, help="tv.tuning = heldout: PDHG iterations per weight of the path")
+    path_stop_early: bool = option(
+        True, help="tv.tuning = heldout: end the path once past the minimum (false: every weight, the whole curve)"
+    )
     nonnegative: bool = option(True, help="constrain x ≥ 0")
     isotropic: bool = option(True, help="isotropic (else anisotropic) TV")
     init: str = option("fbp", choices=values(TVInit), help="PDHG's starting image: the FBP, or zeros")
+
+    def validate(self) -> None:
+        if self.weight_min >= self.weight_max:
+            raise ConfigError(f"tv.weight_min = {self.weight_min:g} must be below tv.weight_max = {self.weight_max:g}")
 
 
 def _calibration_help() -> str:

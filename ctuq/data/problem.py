@@ -101,6 +101,30 @@ class HeldoutData:
         """Held-out angles."""
         return int(len(self.geometry_rows))
 
+    def subset(self, positions) -> HeldoutData:
+        """The held-out rows at ``positions`` (indices into this object's rows, in order): operator, rows,
+        geometry rows and variances."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if positions.size == 0 or positions.min() < 0 or positions.max() >= self.n_angles:
+            raise ValueError(f"HeldoutData.subset: positions must lie in 0 … {self.n_angles - 1}, got {positions}")
+        index = torch.as_tensor(positions, device=self.y.device)
+        return HeldoutData(
+            op=self.op.subset(positions.tolist()) if self.op is not None else None,
+            y=self.y.index_select(0, index),
+            geometry_rows=self.geometry_rows[positions],
+            n_used=self.n_used,
+            variances=None if self.variances is None else self.variances.index_select(0, index),
+        )
+
+    def split(self) -> tuple[HeldoutData, HeldoutData]:
+        """``(tuning, check)``: the held-out angles split in two interleaved halves (even and odd positions in scan
+        order), so both cover the whole orbit. The reconstruction is tuned on the first (``ctuq.reconstruct.heldout``)
+        and the held-out check scores the std map on the second, which the tuning never saw. Needs two angles."""
+        if self.n_angles < 2:
+            raise ValueError(f"HeldoutData.split: needs at least 2 held-out angles, has {self.n_angles}")
+        positions = np.arange(self.n_angles)
+        return self.subset(positions[0::2]), self.subset(positions[1::2])
+
 
 @dataclasses.dataclass
 class CTData:

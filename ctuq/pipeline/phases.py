@@ -32,7 +32,7 @@ from ctuq.errors import CTUQError, NonFiniteLossError
 from ctuq.metrics.image import image_metrics, psnr
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
-from ctuq.options import TVInit
+from ctuq.options import Tuning, TVInit
 from ctuq.outputs import (
     package_versions,
     result_channels,
@@ -46,12 +46,14 @@ from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.scan import load_scan
 from ctuq.reconstruct.classical import tv_reconstruction
 from ctuq.reconstruct.dip import RESTORE_KEYS, fit_dip, load_checkpoint
+from ctuq.reconstruct.heldout import HeldoutMonitor, tv_weight_path, weight_grid
 from ctuq.reconstruct.pretrain import load_pretrained
 
 __all__ = [
     "RunState",
     "Phase",
     "phase_load",
+    "split_heldout",
     "phase_fbp",
     "phase_tv",
     "phase_dip",
@@ -95,6 +97,7 @@ class RunState:
     uq_result: Any = None
     uq_summary: dict | None = None
     shard: Any = None  # ctuq.inference.Shard of a sharded `ctuq uq` (torchrun); None: one process
+    tuning: Any = None  # ctuq.data.HeldoutData: the held-out rows the reconstructions are tuned on (split_heldout)
 
     @property
     def voxel_size(self) -> float | None:
@@ -152,6 +155,46 @@ def phase_load(state: RunState) -> None:
     )
     for msg in warnings:
         state.warn(msg)
+    split_heldout(state)
+
+
+def tunes_on_heldout(cfg: Config) -> bool:
+    """Whether a run of ``cfg`` tunes a reconstruction on held-out angles (``tv.tuning``/``dip.tuning`` =
+    ``heldout`` for an enabled method): then the held-out angles are split between the tuning and the check."""
+    return (cfg.tv.enabled and cfg.tv.tuning == Tuning.HELDOUT) or (
+        cfg.dip.enabled and cfg.dip.tuning == Tuning.HELDOUT
+    )
+
+
+def split_heldout(state: RunState) -> None:
+    """Split the loaded problem's held-out angles when the run tunes on them (:func:`tunes_on_heldout`): the even
+    positions become ``state.tuning`` (what TV and the DIP are tuned on), the odd ones stay ``state.data.heldout``
+    (what the held-out check scores the std map on), so the check never scores rows the reconstruction was chosen
+    by (:meth:`ctuq.data.HeldoutData.split`). The rule depends on the config alone, so ``ctuq uq RUN`` splits as the
+    run did. Recorded in ``metrics["data"]["heldout_split"]``."""
+    held = getattr(state.data, "heldout", None)
+    if held is None or held.n_angles < 2 or not tunes_on_heldout(state.cfg):
+        return
+    state.tuning, check = held.split()
+    state.data = dataclasses.replace(state.data, heldout=check)  # a copy: a problem given in code is left as it was
+    state.metrics.setdefault("data", {})["heldout_split"] = {
+        "tuning_angles": state.tuning.n_angles,
+        "check_angles": state.data.heldout.n_angles,
+    }
+    state.log(
+        f"held-out angles: {state.tuning.n_angles} tune the reconstructions, {state.data.heldout.n_angles} check "
+        "the uncertainty"
+    )
+
+
+def _monitor(state: RunState, **kwargs) -> HeldoutMonitor | None:
+    """The held-out error on the run's tuning rows (``None`` when it has none)."""
+    t = state.tuning
+    if t is None:
+        return None
+    return HeldoutMonitor(
+        t.op, t.y.to(t.op.device), None if t.variances is None else t.variances.to(t.op.device), **kwargs
+    )
 
 
 def phase_fbp(state: RunState) -> None:
@@ -173,19 +216,51 @@ def phase_tv(state: RunState) -> None:
     def record(_iteration: int, x: torch.Tensor) -> None:
         trace.append(psnr(x.detach().cpu(), state.ground_truth.cpu()))
 
+    x0 = state.images.get("fbp") if tc.init == TVInit.FBP else None
+    weight, tuning = tc.weight, None
+    monitor = _monitor(state) if tc.tuning == Tuning.HELDOUT else None
+    if monitor is not None:
+        path = tv_weight_path(
+            state.op,
+            state.y,
+            monitor,
+            weights=weight_grid(tc.weight_min, tc.weight_max, tc.per_decade),
+            iterations=tc.path_iterations,
+            x0=x0,
+            nonnegative=tc.nonnegative,
+            isotropic=tc.isotropic,
+            ground_truth=state.ground_truth,
+            stop_early=tc.path_stop_early,
+            progress=state.progress,
+        )
+        weight, x0, tuning = path.weight, path.reconstruction, path.summary()
+        state.log(
+            f"TV: λ = {weight:.3g}, the lowest error on {monitor.n_angles} held-out angles along a path of "
+            f"{len(path.weights)} weights ({path.time_s:.1f} s)"
+        )
+        if path.path_weight in (path.weights[0], tc.weight_min) and len(path.weights) > 1:
+            state.warn(
+                f"tv.tuning: the chosen λ = {weight:.3g} is at the end of the path [tv.weight_min, tv.weight_max] = "
+                f"[{tc.weight_min:g}, {tc.weight_max:g}]; widen it"
+            )
+    elif tc.tuning == Tuning.HELDOUT:
+        state.log(f"TV: no held-out angles to tune on; fixed λ = tv.weight = {weight:g}")
     res = tv_reconstruction(
         state.op,
         state.y,
-        weight=tc.weight,
+        weight=weight,
         iterations=tc.iterations,
         nonnegative=tc.nonnegative,
         isotropic=tc.isotropic,
-        x0=state.images.get("fbp") if tc.init == TVInit.FBP else None,
+        x0=x0,
         progress=state.progress,
         callback=None if trace is None else record,
     )
     state.images["tv"] = res["reconstruction"]
     state.metrics["tv"] = {k: res[k] for k in ("iterations", "time_s", "objective", "op_norm")}
+    state.metrics["tv"]["weight"] = weight
+    if tuning is not None:
+        state.metrics["tv"]["tuning"] = tuning
     if trace is not None:
         state.metrics["tv"]["psnr_trace"] = trace
     write_tiff(state.out_dir / rf.TV_NAME, res["reconstruction"], voxel_size=state.voxel_size)
@@ -238,9 +313,11 @@ def phase_dip(state: RunState) -> None:
     ckpt = state.out_dir / rf.CHECKPOINT_NAME
     if state.resume and not ckpt.is_file():
         state.log(f"--resume: no checkpoint {ckpt} yet, starting the DIP from iteration 0")
+    monitor = _monitor(state, every=dc.heldout_every, patience=dc.patience) if dc.tuning == Tuning.HELDOUT else None
+    stop = f"at most {dc.iterations} iterations" if monitor is not None else f"{dc.iterations} iterations"
     state.log(
         f"DIP: U-Net {count_parameters(model):,} parameters "
-        f"({count_parameters(model, conv_weights_only=True):,} conv weights), {dc.iterations} iterations"
+        f"({count_parameters(model, conv_weights_only=True):,} conv weights), {stop}"
     )
     try:
         result = fit_dip(
@@ -260,6 +337,7 @@ def phase_dip(state: RunState) -> None:
             seed=cfg.seed,
             device=state.device,
             progress=state.progress,
+            monitor=monitor,
         )
     except FloatingPointError as exc:
         if isinstance(exc, CTUQError):
@@ -275,6 +353,12 @@ def phase_dip(state: RunState) -> None:
     }
     if _psnr_trace(state) is not None:  # output.psnr_trace: the fit's own PSNR after every iteration (dB)
         state.metrics["dip"]["psnr_trace"] = list(result.psnr_history or [])
+    if result.heldout_history is not None:
+        state.metrics["dip"]["heldout_trace"] = [list(p) for p in result.heldout_history]
+        state.log(
+            f"DIP: kept iteration {result.best_iteration} of {result.iterations}, the lowest error on "
+            f"{monitor.n_angles} held-out angles" + (" (stopped early)" if result.stopped_early else "")
+        )
     write_tiff(state.out_dir / rf.RECONSTRUCTION_NAME, result.reconstruction, voxel_size=state.voxel_size)
     if cfg.output.save_model:
         write_model_file(
@@ -345,6 +429,22 @@ def phase_restore_dip(state: RunState) -> None:
         state.metrics["reconstruct_timings"] = old.get("timings")
 
 
+def _tuning_figure(state: RunState) -> None:
+    """``tuning.png`` (with ``output.figure``) when TV or the DIP was tuned on held-out angles in this run."""
+    tv = (state.metrics.get("tv") or {}).get("tuning")
+    dip = state.metrics.get("dip") or {}
+    if not state.cfg.output.figure or not (tv or dip.get("heldout_trace")):
+        return
+    psnr = state.dip_result.psnr_history if state.dip_result is not None else None
+    figures.plot_tuning(
+        state.out_dir / rf.TUNING_FIGURE,
+        tv=tv,
+        dip=dip.get("heldout_trace"),
+        dip_kept=dip.get("best_iteration"),
+        dip_psnr=psnr,
+    )
+
+
 def _write_results_h5(state: RunState) -> None:
     """``results.h5`` (output.hdf5): the run's images under the names of its TIFFs, and its geometry."""
     std = state.uq_result.std if state.uq_result is not None else None
@@ -392,6 +492,7 @@ def phase_write(state: RunState) -> None:
             psnrs={names[k]: psnr.get(k) for k in order},
             error_of="DIP",
         )
+    _tuning_figure(state)
     if state.cfg.output.stack and "dip" in state.images:
         std = state.uq_result.std if state.uq_result is not None else None
         channels = result_channels(state.images["dip"], std, state.ground_truth)

@@ -78,6 +78,7 @@ __all__ = [
     "STD_UNCALIBRATED_NAME",
     "HELDOUT_NAME",
     "HELDOUT_FIGURE",
+    "TUNING_FIGURE",
     "STACK_NAME",
     "RESULTS_H5_NAME",
     "LOG_NAME",
@@ -122,6 +123,7 @@ ERROR_VS_STD_FIGURE = "error_vs_std.png"
 EM_TRACE_FIGURE = "em_trace.png"
 UNCERTAINTY_SLICES_FIGURE = "uncertainty_slices.png"  # volumes: axial / coronal / sagittal planes
 HELDOUT_FIGURE = "heldout_calibration.png"  # held-out coverage curve and z histogram
+TUNING_FIGURE = "tuning.png"  # TV's weight path and the DIP's stopping iteration on held-out angles
 FIGURE_NAMES = (
     RECONSTRUCTION_FIGURE,
     UNCERTAINTY_FIGURE,

@@ -30,6 +30,7 @@ from ctuq.pipeline.phases import (
     phase_restore_dip,
     phase_tv,
     phase_write,
+    split_heldout,
 )
 from ctuq.pipeline.scan import check_device
 from ctuq.pipeline.uq import UQRun
@@ -397,4 +398,5 @@ def _reconstruct_given(cfg: Config, out_dir: Path, data, device, *, uq: bool, re
         "has_ground_truth": state.ground_truth is not None,
         "meta": dict(getattr(data, "meta", {}) or {}),
     }
+    split_heldout(state)
     return run_phases(state, build_phases(state))

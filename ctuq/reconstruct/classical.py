@@ -80,7 +80,8 @@ class TorchRayTransformOperator(odl.Operator):
 
 class TVResult(dict):
     """``dict`` with ``reconstruction`` (``image_shape`` tensor, original units, on ``op.device``),
-    ``iterations``, ``time_s``, ``objective`` (final value of the TV objective), ``op_norm``."""
+    ``iterations``, ``time_s``, ``objective`` (final value of the TV objective), ``op_norm``, ``dual`` (PDHG's dual
+    variable, an element of ODL's product space: the warm start of a next weight)."""
 
 
 def tv_reconstruction(
@@ -92,6 +93,8 @@ def tv_reconstruction(
     nonnegative: bool = True,
     isotropic: bool = True,
     x0: torch.Tensor | None = None,
+    dual=None,
+    op_norm: float | None = None,
     progress: bool = True,
     callback: Callable[[int, torch.Tensor], None] | None = None,
 ) -> TVResult:
@@ -113,6 +116,11 @@ def tv_reconstruction(
         Isotropic (``‖∇x‖₂`` per pixel) or anisotropic (``|∂_1 x| + |∂_2 x|``) TV.
     x0 : torch.Tensor, optional
         Starting image ``image_shape`` (e.g. the FBP); zeros by default.
+    dual : optional
+        Starting dual variable: the ``dual`` of an earlier result on the same ``op`` (a warm start along a path of
+        weights, :func:`ctuq.reconstruct.heldout.tv_weight_path`); zeros by default.
+    op_norm : float, optional
+        ``‖T‖`` when already known (the path estimates it once); estimated by power iteration otherwise.
     progress : bool
         Show a tqdm bar.
     callback : callable, optional
@@ -138,7 +146,7 @@ def tv_reconstruction(
     # Balance the two blocks of L = (T, c∇): with c = ‖T‖/‖∇‖ both have the same norm, which PDHG with
     # one step size per side needs to converge in a few hundred iterations (‖T‖ is ~100× ‖∇‖ ≤ √(4·ndim)).
     # The objective is unchanged because the regulariser is weighted by λ/c.
-    t_norm = op.operator_norm(n_iter=30)
+    t_norm = op.operator_norm(n_iter=30) if op_norm is None else float(op_norm)
     grad_norm = 2.0 * math.sqrt(len(op.image_shape))
     c = t_norm / grad_norm if t_norm > 0 else 1.0
     L = odl.BroadcastOperator(T, c * grad)
@@ -160,7 +168,8 @@ def tv_reconstruction(
         state["it"] += 1
 
     try:
-        odl.solvers.pdhg(x, f, g, L, niter=iterations, tau=tau, sigma=sigma, callback=_cb)
+        y_dual = L.range.zero() if dual is None else dual.copy()
+        odl.solvers.pdhg(x, f, g, L, niter=iterations, tau=tau, sigma=sigma, y=y_dual, callback=_cb)
     finally:
         bar.close()
     recon = _to_torch(x, op.device).clone()
@@ -172,4 +181,5 @@ def tv_reconstruction(
         time_s=time.perf_counter() - t0,
         objective=objective,
         op_norm=t_norm,
+        dual=y_dual,
     )

@@ -14,7 +14,10 @@ TV weights (6.5e-6 for 60 angles, 4e-6 for 120) keep their meaning. Both data an
 divided by ``scale`` again, i.e. in the units of ``y``'s image (attenuation per mm for walnut data).
 
 The weights with the lowest loss are kept: the loss evaluated at iteration ``k`` belongs to the weights
-*before* the ``k``-th Adam step, so those weights (not the stepped ones) are stored as the best.
+*before* the ``k``-th Adam step, so those weights (not the stepped ones) are stored as the best. Given a
+:class:`~ctuq.reconstruct.heldout.HeldoutMonitor` (held-out rows of the scan), the fit keeps instead the weights whose
+image has the lowest *held-out error*, scored every ``monitor.every`` iterations, and stops once ``monitor.patience``
+iterations have passed without a lower one: the stopping point is chosen on measurements the fit does not use.
 
 Checkpoints hold model and optimizer state, iteration, RNG states, best weights and the history; resuming
 from one continues exactly where the run stopped, so on CPU an interrupted and resumed run ends bit-identical
@@ -40,6 +43,7 @@ from ctuq.metrics.image import (
     psnr_from_mse,
 )
 from ctuq.operators.base import RayTransform
+from ctuq.reconstruct.heldout import HeldoutMonitor
 from ctuq.utils import atomic_torch_save, check_fingerprint
 from ctuq.utils import progress as _progress_bar
 
@@ -57,15 +61,17 @@ class DIPResult:
     reconstruction : torch.Tensor
         ``image_shape``, float32, on the fitting device, original units (``g(ṽ) / scale``, dropout off).
     best_iteration : int
-        0-based iteration whose weights had the lowest loss (``ṽ``); −1 if no iteration ran.
+        0-based iteration whose weights are kept (``ṽ``): the lowest loss, or with a held-out monitor the lowest
+        held-out error; −1 if no iteration ran.
     best_loss : float
-        That loss (scaled units, see the module docstring).
+        The loss at ``best_iteration`` (scaled units, see the module docstring).
     loss_history, data_loss_history, tv_history : list[float]
         Per iteration: total loss, mean squared residual, TV (scaled units).
     psnr_history : list[float] | None
         Per iteration PSNR (dB) of ``g(v)/scale`` against the ground truth; ``None`` without ground truth.
     iterations : int
-        Iterations completed in total (including those before a resume).
+        Iterations completed in total (including those before a resume; fewer than asked when the held-out monitor
+        stopped the fit).
     time_s : float
         Wall time of the fit in this call (s); ``iterations_per_s`` counts this call's iterations only.
     best_state_dict, final_state_dict : dict[str, torch.Tensor]
@@ -74,6 +80,10 @@ class DIPResult:
         The fixed input ``(1, C, *image_shape)`` used (CPU).
     scale : float
         The data/image scale used.
+    heldout_history : list[tuple[int, float]] or None
+        With a held-out monitor: ``(iteration, held-out error)`` of every scored iterate (data units²).
+    stopped_early : bool
+        The held-out monitor stopped the fit before the requested iterations.
     """
 
     reconstruction: torch.Tensor
@@ -91,6 +101,8 @@ class DIPResult:
     net_input: torch.Tensor
     scale: float
     resumed_from: int = 0
+    heldout_history: list[tuple[int, float]] | None = None
+    stopped_early: bool = False
 
     def summary(self) -> dict:
         """JSON-friendly scalars for metrics.json."""
@@ -106,6 +118,19 @@ class DIPResult:
             "iterations_per_s": self.iterations_per_s,
             "resumed_from_iteration": self.resumed_from,
             "scale": self.scale,
+            **self._heldout_summary(),
+        }
+
+    def _heldout_summary(self) -> dict:
+        """``selection`` (``loss`` or ``heldout``) and, with held-out selection, the error at the kept iterate and
+        whether the fit stopped early; the full curve is ``heldout_history``."""
+        if self.heldout_history is None:
+            return {"selection": "loss"}
+        errors = dict(self.heldout_history)
+        return {
+            "selection": "heldout",
+            "heldout_error": errors.get(self.best_iteration),
+            "stopped_early": self.stopped_early,
         }
 
 
@@ -160,6 +185,7 @@ _CHECKPOINT_KEYS = (
     "net_input",
     "meta",
 )
+# optional keys (a checkpoint of a fit without a held-out monitor lacks them): "stopped"
 
 
 #: What restoring the fitted network needs (``ctuq uq`` on a run without ``dip_model.pt``): not the optimiser state.
@@ -243,6 +269,7 @@ def fit_dip(
     device: torch.device | str | None = None,
     progress: bool = True,
     callback: Callable[[int, dict], None] | None = None,
+    monitor: HeldoutMonitor | None = None,
 ) -> DIPResult:
     """Fit a deep image prior: Adam on ``mean((T g(v) − s y)²) + γ TV(g(v))`` (see the module docstring).
 
@@ -286,6 +313,9 @@ def fit_dip(
         ``callback(iteration, info)`` after each iteration with ``info`` keys ``loss``, ``data_loss``, ``tv``,
         ``psnr`` (or ``None``), ``best_loss``. An exception raised there stops the fit (after any checkpoint
         of that iteration was written) and propagates.
+    monitor : HeldoutMonitor, optional
+        Held-out rows on ``op.device``: keep the iterate with the lowest held-out error instead of the lowest loss,
+        and stop once ``monitor.patience`` iterations pass without a lower one (the module docstring).
 
     Returns
     -------
@@ -306,6 +336,15 @@ def fit_dip(
     gt_range = float(gt.max() - gt.min()) if gt is not None else None
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     fingerprint = _fingerprint(op, y, net_input, lr, tv_weight, scale, clip)
+    if monitor is not None:
+        if monitor.op.device.type != device.type:
+            raise ValueError(f"fit_dip: the held-out monitor lives on {monitor.op.device}, the fit on {device}")
+        if tuple(monitor.op.image_shape) != tuple(op.image_shape):
+            raise ValueError(
+                f"fit_dip: the held-out monitor's image shape {tuple(monitor.op.image_shape)} differs from the "
+                f"operator's {tuple(op.image_shape)}"
+            )
+        fingerprint.update(monitor.fingerprint())
     state = _start_state(model, optimizer, ckpt_path if resume else None, fingerprint, iterations, seed, device)
 
     def save(done: int) -> None:
@@ -317,12 +356,12 @@ def fit_dip(
     try:
         # Ctrl-C/SIGTERM under ctuq.interrupt.handling: noted, acted upon after the running iteration
         with interrupt.safe_points(enabled=ckpt_path is not None):
-            for it in range(state.start, iterations):
+            for it in range(state.start, iterations if state.stopped is None else state.start):
                 x_s, data_loss, tv, loss_value = _loss_and_gradient(
                     model, optimizer, op, net_input_dev, y_s, tv_weight, clip, it, lr
                 )
-                if loss_value < state.best_loss:
-                    # These are the weights that produced this loss: the step below has not happened yet.
+                if _is_best(state, monitor, x_s, loss_value, scale, it, iterations):
+                    # These are the weights that produced this image: the step below has not happened yet.
                     state.best_loss, state.best_iteration = loss_value, it
                     state.best_state = _device_state(model)
                 optimizer.step()
@@ -337,12 +376,38 @@ def fit_dip(
                 if interrupt.requested() is not None:  # a signal arrived: checkpoint this iteration, then stop
                     save(done)
                     interrupt.stop(f"the DIP fit after iteration {done} of {iterations}", ckpt_path)
+                if _passed_minimum(state, monitor, it):
+                    state.stopped = done
+                    break
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0
     final_state = _cpu_state(model)
-    save(iterations)
-    return _best_result(model, net_input, net_input_dev, state, final_state, iterations, elapsed, scale, gt)
+    done = iterations if state.stopped is None else state.stopped
+    save(done)
+    return _best_result(model, net_input, net_input_dev, state, final_state, done, elapsed, scale, gt)
+
+
+def _is_best(state: _FitState, monitor: HeldoutMonitor | None, x_s, loss_value: float, scale, it: int, iterations):
+    """Whether iteration ``it``'s weights are the best so far: the lowest loss; with ``monitor``, the lowest held-out
+    error of the image ``x_s / scale`` (scored every ``monitor.every`` iterations and at the last; recorded in
+    ``state.hist['heldout']``)."""
+    if monitor is None:
+        return loss_value < state.best_loss
+    if it % monitor.every and it != iterations - 1:
+        return False
+    error = monitor.error(x_s.detach() / scale)
+    state.hist["heldout"].append([it, error])
+    if error < state.best_score:
+        state.best_score = error
+        return True
+    return False
+
+
+def _passed_minimum(state: _FitState, monitor: HeldoutMonitor | None, it: int) -> bool:
+    """Whether the held-out error has clearly passed its minimum: ``monitor.patience`` iterations since it, without
+    a lower one (never without a monitor or patience)."""
+    return monitor is not None and monitor.patience is not None and it - state.best_iteration >= monitor.patience
 
 
 def _checked_device(
@@ -381,20 +446,25 @@ def _checked_device(
 class _FitState:
     """What :func:`fit_dip` carries from iteration to iteration and into its checkpoint: the first iteration of this
     call, the lowest loss so far with its iteration and weights (on the device, or CPU after a resume), and the
-    per-iteration history (``loss``, ``data_loss``, ``tv``, ``psnr``)."""
+    per-iteration history (``loss``, ``data_loss``, ``tv``, ``psnr``; ``heldout``: ``[iteration, error]`` of each
+    scored iterate); with a held-out monitor the best is by held-out error (``best_score``), and ``stopped`` is the
+    iterations done when the monitor stopped the fit (``None`` while it runs)."""
 
     start: int
     best_loss: float
     best_iteration: int
     best_state: dict
     hist: dict[str, list]
+    best_score: float = math.inf
+    stopped: int | None = None
 
 
 def _start_state(model, optimizer, resume_from: Path | None, fingerprint: dict, iterations: int, seed: int, device):
     """A fresh :class:`_FitState` after seeding torch with ``seed``, or the one of the checkpoint ``resume_from``
     when that file exists (its model, optimiser and RNG states restored; :class:`CheckpointMismatch` when it belongs
     to another run or has done more than ``iterations``)."""
-    state = _FitState(0, math.inf, -1, _device_state(model), {"loss": [], "data_loss": [], "tv": [], "psnr": []})
+    hist: dict[str, list] = {"loss": [], "data_loss": [], "tv": [], "psnr": [], "heldout": []}
+    state = _FitState(0, math.inf, -1, _device_state(model), hist)
     torch.manual_seed(seed)
     if resume_from is not None and resume_from.is_file():
         ckpt = load_checkpoint(resume_from)
@@ -406,8 +476,11 @@ def _start_state(model, optimizer, resume_from: Path | None, fingerprint: dict, 
             best_loss=float(ckpt["best_loss"]),
             best_iteration=int(ckpt["best_iteration"]),
             best_state=ckpt["best_state"],
-            hist={k: list(v) for k, v in ckpt["history"].items()},
+            hist={"heldout": [], **{k: list(v) for k, v in ckpt["history"].items()}},
+            stopped=ckpt.get("stopped"),
         )
+        # the held-out error of the kept iterate (a checkpoint of a fit without a monitor has no errors)
+        state.best_score = min((e for _, e in state.hist["heldout"]), default=math.inf)
         _set_rng_state(ckpt["rng"], device)
         if state.start > iterations:
             raise CheckpointMismatch(
@@ -435,6 +508,7 @@ def _save_checkpoint(path: Path | None, done: int, model, optimizer, state: _Fit
             "rng": _rng_state(device),
             "net_input": net_input.detach().cpu(),
             "meta": meta,
+            **({"stopped": state.stopped} if state.stopped is not None else {}),
             "model_config": model.config.to_dict()
             if hasattr(model, "config") and hasattr(model.config, "to_dict")
             else None,
@@ -522,4 +596,6 @@ def _best_result(model, net_input, net_input_dev, state: _FitState, final_state,
         net_input=net_input.detach().cpu(),
         scale=float(scale),
         resumed_from=state.start,
+        heldout_history=[(int(i), float(e)) for i, e in state.hist["heldout"]] or None,
+        stopped_early=state.stopped is not None,
     )

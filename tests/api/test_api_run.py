@@ -68,15 +68,16 @@ def test_a_scan_given_as_arrays_reconstructs_in_memory(fan_run, fan_scan):
 
 @pytest.mark.slow
 def test_the_held_out_check_of_a_saved_run(fan_run_saved, tmp_path):
-    """``Run.check()`` on the 20 angles ``tiny``'s ``angular_subsampling = 2`` left out (on a copy: it writes
-    ``heldout.json`` into the run folder)."""
+    """``Run.check()`` on the check half (10) of the 20 angles ``tiny``'s ``angular_subsampling = 2`` left out: the
+    other 10 tuned TV and the DIP (on a copy: it writes ``heldout.json`` into the run folder)."""
     run = ctuq.load_run(ctuq.load_run(fan_run_saved).save(tmp_path / "run"))
+    assert run.metrics["data"]["heldout_split"] == {"tuning_angles": 10, "check_angles": 10}
     check = run.check()
-    assert check.n_angles == 20
+    assert check.n_angles == 10
     assert set(check.coverage) == {"0.5", "0.9", "0.95"} and all(0 <= c <= 1 for c in check.coverage.values())
     assert check.call in {"too narrow", "about right", "too wide"}
-    assert "held-out check on 20 unused angles" in str(check)
-    assert json.loads((run.path / "heldout.json").read_text())["n_angles"] == 20
+    assert "held-out check on 10 unused angles" in str(check)
+    assert json.loads((run.path / "heldout.json").read_text())["n_angles"] == 10
 
 
 @pytest.mark.slow

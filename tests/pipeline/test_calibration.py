@@ -42,7 +42,9 @@ def _digests(folder):
 def test_every_run_with_uq_records_the_check(run):
     m = json.loads((run / "metrics.json").read_text())
     h = m["uq"]["heldout"]
-    assert h["n_angles"] == h["n_used_angles"] == m["data"]["measurement_shape"][0]  # every 2nd angle held out
+    # every 2nd angle held out; half of those tuned TV and the DIP, the other half is the check's
+    assert h["n_used_angles"] == m["data"]["measurement_shape"][0] == 2 * h["n_angles"]
+    assert m["data"]["heldout_split"] == {"tuning_angles": h["n_angles"], "check_angles": h["n_angles"]}
     assert h["n_rows"] == h["n_angles"] * m["data"]["measurement_shape"][1]
     assert set(h["coverage_headline"]) == {"0.5", "0.9", "0.95"} and len(h["coverage"]) == len(h["levels"]) == 20
     assert h["scale"]["k"] > 0 and h["scale"]["se_bootstrap"] > 0 and 0 < h["image_variance_fraction"] < 1
