@@ -434,4 +434,13 @@ class Tuning(Vocabulary):
     FIXED = "fixed"
 
 
-__all__ += ["UQMethod", "TVInit", "Tuning"]
+class TVCriterion(Vocabulary):
+    """How the TV baseline's weight is read off its held-out path (``tv.criterion``,
+    :func:`ctuq.reconstruct.heldout.tv_weight_path`): the lowest held-out error, or the discrepancy principle with
+    the noise level the held-out angles measure."""
+
+    HELDOUT = "heldout"
+    DISCREPANCY = "discrepancy"
+
+
+__all__ += ["UQMethod", "TVInit", "Tuning", "TVCriterion"]

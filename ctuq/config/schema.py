@@ -48,6 +48,7 @@ from ctuq.options import (
     ForecastUpdate,
     NoiseModel,
     Tuning,
+    TVCriterion,
     TVInit,
     UQMethod,
     option,
@@ -166,6 +167,12 @@ class DIPConfig:
         "(scored every dip.heldout_every iterations) and stop dip.patience iterations after it; fixed: the iterate "
         "with the lowest loss after dip.iterations. Without held-out angles: fixed",
     )
+    tv_weights: list[float] | None = option(
+        None,
+        ge=0.0,
+        help="dip.tuning = heldout: candidate TV weights γ, one fit each (the cost of one fit per weight); the fit "
+        "whose kept iterate has the lowest held-out error wins. null: dip.tv_weight only",
+    )
     heldout_every: int = option(25, ge=1, help="dip.tuning = heldout: score the iterate every this many iterations")
     patience: int | None = option(
         750, ge=1, help="dip.tuning = heldout: stop this many iterations after the lowest held-out error; null: never"
@@ -202,6 +209,13 @@ class TVConfig:
     weight_max: float = option(1.0, gt=0.0, help="tv.tuning = heldout: the path's largest λ (its first)")
     per_decade: int = option(4, ge=1, help="tv.tuning = heldout: weights per decade between tv.weight_min and max")
     path_iterations: int = option(60, ge=1, help="tv.tuning = heldout: PDHG iterations per weight of the path")
+    criterion: str = option(
+        "discrepancy",
+        choices=values(TVCriterion),
+        help="tv.tuning = heldout: discrepancy: the largest λ whose residual on the used rows is at most the path's "
+        "lowest held-out error (Morozov's principle, the noise level measured on held-out angles); heldout: the "
+        "lowest held-out error",
+    )
     path_stop_early: bool = option(
         True, help="tv.tuning = heldout: end the path once past the minimum (false: every weight, the whole curve)"
     )

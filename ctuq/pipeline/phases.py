@@ -18,6 +18,8 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
+import math
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ from ctuq.errors import CTUQError, NonFiniteLossError
 from ctuq.metrics.image import image_metrics, psnr
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
-from ctuq.options import Tuning, TVInit
+from ctuq.options import Tuning, TVCriterion, TVInit
 from ctuq.outputs import (
     package_versions,
     result_channels,
@@ -48,6 +50,7 @@ from ctuq.reconstruct.classical import tv_reconstruction
 from ctuq.reconstruct.dip import RESTORE_KEYS, fit_dip, load_checkpoint
 from ctuq.reconstruct.heldout import HeldoutMonitor, tv_weight_path, weight_grid
 from ctuq.reconstruct.pretrain import load_pretrained
+from ctuq.utils import atomic_path
 
 __all__ = [
     "RunState",
@@ -187,14 +190,14 @@ def split_heldout(state: RunState) -> None:
     )
 
 
-def _monitor(state: RunState, **kwargs) -> HeldoutMonitor | None:
-    """The held-out error on the run's tuning rows (``None`` when it has none)."""
+def _monitor(state: RunState, *, weighted: bool = True, **kwargs) -> HeldoutMonitor | None:
+    """The held-out error on the run's tuning rows (``None`` when it has none), each row weighted by its inverse
+    variance when the scan gives variances and ``weighted``."""
     t = state.tuning
     if t is None:
         return None
-    return HeldoutMonitor(
-        t.op, t.y.to(t.op.device), None if t.variances is None else t.variances.to(t.op.device), **kwargs
-    )
+    var = t.variances.to(t.op.device) if weighted and t.variances is not None else None
+    return HeldoutMonitor(t.op, t.y.to(t.op.device), var, **kwargs)
 
 
 def phase_fbp(state: RunState) -> None:
@@ -218,7 +221,8 @@ def phase_tv(state: RunState) -> None:
 
     x0 = state.images.get("fbp") if tc.init == TVInit.FBP else None
     weight, tuning = tc.weight, None
-    monitor = _monitor(state) if tc.tuning == Tuning.HELDOUT else None
+    # the discrepancy criterion compares unweighted means of the used and the held-out rows
+    monitor = _monitor(state, weighted=tc.criterion == TVCriterion.HELDOUT) if tc.tuning == Tuning.HELDOUT else None
     if monitor is not None:
         path = tv_weight_path(
             state.op,
@@ -231,11 +235,13 @@ def phase_tv(state: RunState) -> None:
             isotropic=tc.isotropic,
             ground_truth=state.ground_truth,
             stop_early=tc.path_stop_early,
+            criterion=tc.criterion,
             progress=state.progress,
         )
         weight, x0, tuning = path.weight, path.reconstruction, path.summary()
+        rule = "the lowest error on" if tc.criterion == TVCriterion.HELDOUT else "the discrepancy principle, noise from"
         state.log(
-            f"TV: λ = {weight:.3g}, the lowest error on {monitor.n_angles} held-out angles along a path of "
+            f"TV: λ = {weight:.3g} ({rule} {monitor.n_angles} held-out angles) along a path of "
             f"{len(path.weights)} weights ({path.time_s:.1f} s)"
         )
         if path.path_weight in (path.weights[0], tc.weight_min) and len(path.weights) > 1:
@@ -305,52 +311,58 @@ def phase_dip(state: RunState) -> None:
     """Fit the deep image prior → ``images['dip']``, ``reconstruction.tif``, ``dip_model.pt`` (a model file,
     :mod:`ctuq.models.model_file`), ``dip_checkpoint.pt``.
 
+    With ``dip.tuning = heldout`` and held-out angles to tune on, the fit keeps its iterate with the lowest held-out
+    error (:class:`~ctuq.reconstruct.heldout.HeldoutMonitor`); with ``dip.tv_weights`` too, one fit per candidate TV
+    weight γ (each from the same initial weights, each checkpointed in ``dip_checkpoint_tv<i>.pt``) and the one whose
+    kept iterate has the lowest held-out error wins (its checkpoint is copied to ``dip_checkpoint.pt``).
+
     Raises :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr`` when the loss becomes NaN or infinite.
     """
     cfg, dc = state.cfg, state.cfg.dip
-    model = build_model(cfg, state.op.ndim)
     net_input = make_input(cfg, state)
     ckpt = state.out_dir / rf.CHECKPOINT_NAME
-    if state.resume and not ckpt.is_file():
-        state.log(f"--resume: no checkpoint {ckpt} yet, starting the DIP from iteration 0")
     monitor = _monitor(state, every=dc.heldout_every, patience=dc.patience) if dc.tuning == Tuning.HELDOUT else None
+    gammas = list(dc.tv_weights) if monitor is not None and dc.tv_weights else [dc.tv_weight]
+    if dc.tv_weights and monitor is None:
+        state.log(f"DIP: no held-out angles to choose among dip.tv_weights; dip.tv_weight = {dc.tv_weight:g}")
+    paths = [ckpt]
+    if len(gammas) > 1:
+        paths = [state.out_dir / rf.CANDIDATE_CHECKPOINT.format(i) for i in range(len(gammas))]
+    if state.resume and not any(p.is_file() for p in paths):
+        state.log(f"--resume: no checkpoint {paths[0]} yet, starting the DIP from iteration 0")
+    model = build_model(cfg, state.op.ndim)
     stop = f"at most {dc.iterations} iterations" if monitor is not None else f"{dc.iterations} iterations"
+    each = f" for each of {len(gammas)} TV weights γ" if len(gammas) > 1 else ""
     state.log(
         f"DIP: U-Net {count_parameters(model):,} parameters "
-        f"({count_parameters(model, conv_weights_only=True):,} conv weights), {stop}"
+        f"({count_parameters(model, conv_weights_only=True):,} conv weights), {stop}{each}"
     )
-    try:
-        result = fit_dip(
-            state.op,
-            state.y,
-            model=model,
-            net_input=net_input,
-            iterations=dc.iterations,
-            lr=dc.lr,
-            tv_weight=dc.tv_weight,
-            clip_grad_norm=dc.clip_grad_norm,
-            scale=dc.scale,
-            ground_truth=state.ground_truth,
-            checkpoint_path=ckpt,
-            checkpoint_every=dc.checkpoint_every,
-            resume=state.resume,
-            seed=cfg.seed,
-            device=state.device,
-            progress=state.progress,
-            monitor=monitor,
-        )
-    except FloatingPointError as exc:
-        if isinstance(exc, CTUQError):
-            raise
-        detail = str(exc).removeprefix("fit_dip: ")
-        raise NonFiniteLossError(f"dip.lr = {dc.lr:g}: the DIP fit diverged: {detail}") from exc
+    best, search = None, []
+    for i, (gamma, path) in enumerate(zip(gammas, paths)):
+        model = model if i == 0 else build_model(cfg, state.op.ndim)  # the same seeded initial weights
+        result = _fit_dip(state, model, net_input, gamma, path, monitor)
+        score = _kept_error(result)
+        if len(gammas) > 1:
+            search.append({"tv_weight": gamma, "heldout_error": score, "best_iteration": result.best_iteration,
+                           "psnr": _kept_psnr(result)})  # fmt: skip
+            state.log(f"DIP: γ = {gamma:g}: held-out error {score:.4g} at iteration {result.best_iteration}")
+        if best is None or score < best[2]:
+            best = (model, result, score, gamma, path)
+    model, result, _, gamma, path = best
+    if len(gammas) > 1:
+        with atomic_path(ckpt) as tmp:  # the winner's checkpoint under the name `ctuq uq` restores from
+            shutil.copyfile(path, tmp)
+        state.log(f"DIP: γ = {gamma:g} chosen among dip.tv_weights by the held-out error")
     state.model, state.net_input, state.dip_result = model, result.net_input, result
     state.images["dip"] = result.reconstruction
     state.metrics["dip"] = {
         **result.summary(),
+        "tv_weight": gamma,
         "n_parameters": count_parameters(model),
         "n_conv_weights": count_parameters(model, conv_weights_only=True),
     }
+    if search:
+        state.metrics["dip"]["tv_weight_search"] = search
     if _psnr_trace(state) is not None:  # output.psnr_trace: the fit's own PSNR after every iteration (dB)
         state.metrics["dip"]["psnr_trace"] = list(result.psnr_history or [])
     if result.heldout_history is not None:
@@ -371,8 +383,52 @@ def phase_dip(state: RunState) -> None:
             best_iteration=result.best_iteration,
             meta={"dip": result.summary()},
         )
-    if not cfg.output.keep_checkpoint and ckpt.exists():
-        ckpt.unlink()
+    if not cfg.output.keep_checkpoint:
+        for p in {ckpt, *paths}:
+            p.unlink(missing_ok=True)
+
+
+def _fit_dip(state: RunState, model, net_input, tv_weight: float, ckpt: Path, monitor):
+    """One DIP fit of the run (:func:`ctuq.reconstruct.dip.fit_dip`) with TV weight ``tv_weight`` and checkpoint
+    ``ckpt``; a diverging fit is a :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr``."""
+    cfg, dc = state.cfg, state.cfg.dip
+    try:
+        return fit_dip(
+            state.op,
+            state.y,
+            model=model,
+            net_input=net_input,
+            iterations=dc.iterations,
+            lr=dc.lr,
+            tv_weight=tv_weight,
+            clip_grad_norm=dc.clip_grad_norm,
+            scale=dc.scale,
+            ground_truth=state.ground_truth,
+            checkpoint_path=ckpt,
+            checkpoint_every=dc.checkpoint_every,
+            resume=state.resume or ckpt.name != rf.CHECKPOINT_NAME,  # a finished candidate is not fitted again
+            seed=cfg.seed,
+            device=state.device,
+            progress=state.progress,
+            monitor=monitor,
+        )
+    except FloatingPointError as exc:
+        if isinstance(exc, CTUQError):
+            raise
+        detail = str(exc).removeprefix("fit_dip: ")
+        raise NonFiniteLossError(f"dip.lr = {dc.lr:g}: the DIP fit diverged: {detail}") from exc
+
+
+def _kept_error(result) -> float:
+    """The held-out error at a fit's kept iterate (``inf`` without held-out selection)."""
+    errors = dict(result.heldout_history or [])
+    return float(errors.get(result.best_iteration, math.inf))
+
+
+def _kept_psnr(result) -> float | None:
+    """The PSNR (dB) at a fit's kept iterate, when the scan has a ground truth (for reading; never chosen by)."""
+    hist = result.psnr_history
+    return float(hist[result.best_iteration]) if hist and result.best_iteration >= 0 else None
 
 
 def phase_restore_dip(state: RunState) -> None:

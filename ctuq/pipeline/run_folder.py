@@ -61,6 +61,7 @@ __all__ = [
     "STD_NAME",
     "MEAN_NAME",
     "CHECKPOINT_NAME",
+    "CANDIDATE_CHECKPOINT",
     "MODEL_NAME",
     "UQ_STATE_NAME",
     "UQ_MOMENTS_NAME",
@@ -107,6 +108,7 @@ RESULTS_H5_NAME = "results.h5"  # output.hdf5: images and geometry in one file (
 STACK_NAME = "stack.tif"  # output.stack: the images as one multi-channel ImageJ stack (ctuq.outputs.write_stack)
 LOG_NAME = "ctuq.log"  # the run's log file (ctuq.log.run_log); also in design folders and scan folders
 CHECKPOINT_NAME = "dip_checkpoint.pt"
+CANDIDATE_CHECKPOINT = "dip_checkpoint_tv{}.pt"  # dip.tv_weights: the fit of the i-th candidate TV weight
 MODEL_NAME = "dip_model.pt"
 # The linearised inference (ctuq.pipeline.uq) writes these into any work folder (run folders, study folders).
 UQ_STATE_NAME = "uq_state.pt"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,7 +29,11 @@ import torch
 
 from ctuq.operators.base import RayTransform
 
-__all__ = ["HeldoutMonitor", "TVPath", "tv_weight_path", "weight_grid"]
+__all__ = ["HeldoutMonitor", "TVPath", "TV_CRITERIA", "tv_weight_path", "weight_grid"]
+
+#: How :func:`tv_weight_path` chooses ``λ`` from the path (``tv.criterion``): the lowest held-out error, or the
+#: discrepancy principle with the noise level the held-out angles measure.
+TV_CRITERIA = ("heldout", "discrepancy")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,6 +133,10 @@ class TVPath:
         The path's weight with the lowest held-out error (the start of ``weight``'s iterations).
     weights, errors : list[float]
         The path's ``λ`` (decreasing) and the held-out error ``e`` of each (data units²).
+    residuals : list[float]
+        Each weight's mean squared residual on the rows it was fitted to, ``mean (T x − y)²`` (data units²).
+    criterion : str
+        The rule that chose ``weight`` (:data:`TV_CRITERIA`).
     psnrs : list[float] or None
         Each weight's PSNR (dB) against the ground truth, when one was given (for studies; never used to choose).
     iterations : int
@@ -141,6 +150,8 @@ class TVPath:
     path_weight: float
     weights: list[float]
     errors: list[float]
+    residuals: list[float]
+    criterion: str
     psnrs: list[float] | None
     iterations: int
     time_s: float
@@ -152,6 +163,8 @@ class TVPath:
             "path_weight": self.path_weight,
             "weights": list(self.weights),
             "heldout_error": list(self.errors),
+            "residual": list(self.residuals),
+            "criterion": self.criterion,
             "psnr": None if self.psnrs is None else list(self.psnrs),
             "iterations": self.iterations,
             "time_s": self.time_s,
@@ -171,16 +184,21 @@ def tv_weight_path(
     isotropic: bool = True,
     ground_truth: torch.Tensor | None = None,
     stop_early: bool = True,
+    criterion: str = "heldout",
     progress: bool = True,
 ) -> TVPath:
-    """The TV weight ``λ`` with the lowest held-out error on a warm-started path.
+    """The TV weight ``λ`` chosen on held-out angles along a warm-started path.
 
     From the largest ``λ`` to the smallest, each weight runs ``iterations`` PDHG iterations starting from the previous
     weight's image and dual variable (:func:`ctuq.reconstruct.classical.tv_reconstruction`); the held-out error ``e``
     of each end point is recorded. The path stops early (``stop_early``) once ``e`` has risen for two weights in a
     row past its minimum (smaller weights only fit more noise). Between grid points the minimum is located by the
-    parabola through the lowest ``e`` and its neighbours in ``log λ`` (the grid is coarse, the curve smooth); that
-    weight then gets ``final_iterations`` more iterations from the end point of the path's best weight.
+    parabola through the lowest ``e`` and its neighbours in ``log λ`` (the grid is coarse, the curve smooth): that is
+    the ``heldout`` criterion. The ``discrepancy`` criterion (Morozov's principle) takes instead the largest ``λ``
+    whose residual on the fitted rows, ``mean (T x − y)²``, is no larger than the lowest held-out error (what the
+    held-out rays say noise and model error amount to per measurement), interpolated in ``log λ`` between the two
+    path points around the crossing. The chosen weight then gets ``final_iterations`` more iterations from the end
+    point of the nearest path weight.
 
     Parameters
     ----------
@@ -202,6 +220,9 @@ def tv_weight_path(
         Only to record each weight's PSNR (studies); the choice never uses it.
     stop_early : bool
         Stop the path once it is clearly past the minimum (else every weight is run: the whole curve).
+    criterion : str
+        ``heldout`` or ``discrepancy`` (:data:`TV_CRITERIA`); ``discrepancy`` compares unweighted means, so it needs
+        a monitor without variances.
     progress : bool
         A tqdm bar over the weights.
 
@@ -218,12 +239,18 @@ def tv_weight_path(
         raise ValueError(f"tv_weight_path: weights must be positive and finite, got {list(weights)}")
     if len(set(grid)) != len(grid):
         raise ValueError(f"tv_weight_path: weights must be distinct, got {list(weights)}")
-    import time
-
+    if criterion not in TV_CRITERIA:
+        raise ValueError(f"tv_weight_path: criterion must be one of {TV_CRITERIA}, got {criterion!r}")
+    if criterion == "discrepancy" and monitor.variances is not None:
+        raise ValueError(
+            "tv_weight_path: the discrepancy criterion compares unweighted means: a monitor without variances"
+        )
     t0 = time.perf_counter()
     op_norm = op.operator_norm(n_iter=30)
     x, dual = x0, None
     errors: list[float] = []
+    residuals: list[float] = []
+    y_dev = y.to(op.device, torch.float32)
     psnrs: list[float] | None = [] if ground_truth is not None else None
     images: list[torch.Tensor] = []
     duals: list = []
@@ -248,6 +275,8 @@ def tv_weight_path(
             images.append(x)
             duals.append(dual)
             errors.append(monitor.error(x))
+            with torch.no_grad():
+                residuals.append(float((op(x) - y_dev).double().pow(2).mean()))
             if psnrs is not None:
                 psnrs.append(psnr(x.detach().cpu(), ground_truth.detach().cpu()))
             bar.update(1)
@@ -258,7 +287,10 @@ def tv_weight_path(
     finally:
         bar.close()
     best = int(np.argmin(errors))
-    weight = _vertex(grid[: len(errors)], errors, best)
+    if criterion == "heldout":
+        weight = _vertex(grid[: len(errors)], errors, best)
+    else:
+        weight, best = _discrepancy(grid[: len(errors)], residuals, errors[best])
     recon = images[best]
     if final_iterations:
         res = tv_reconstruction(
@@ -281,6 +313,8 @@ def tv_weight_path(
         path_weight=grid[best],
         weights=grid[: len(errors)],
         errors=errors,
+        residuals=residuals,
+        criterion=criterion,
         psnrs=psnrs,
         iterations=total,
         time_s=time.perf_counter() - t0,
@@ -300,3 +334,19 @@ def _vertex(weights: Sequence[float], errors: Sequence[float], best: int) -> flo
     t = float(np.clip((e_lo - e_hi) / (2.0 * curvature), -0.5, 0.5))
     step = math.log(weights[best - 1] / weights[best])
     return float(weights[best] * math.exp(t * step))
+
+
+def _discrepancy(weights: Sequence[float], residuals: Sequence[float], level: float) -> tuple[float, int]:
+    """``(λ, index)``: the largest ``λ`` whose residual is at most ``level``, between the path points around the
+    crossing by linear interpolation of the residual in ``log λ``, and the index of the path point just below it
+    (the image its final iterations start from); the smallest weight when no residual reaches ``level``."""
+    below = [i for i, r in enumerate(residuals) if r <= level]
+    if not below:
+        return float(weights[-1]), len(weights) - 1
+    i = below[0]
+    if i == 0:
+        return float(weights[0]), 0
+    r_hi, r_lo = residuals[i - 1], residuals[i]  # at the larger weight (above level) and at weights[i] (below)
+    t = (level - r_lo) / (r_hi - r_lo) if r_hi > r_lo else 0.0
+    weight = float(weights[i] * (weights[i - 1] / weights[i]) ** t)
+    return weight, i

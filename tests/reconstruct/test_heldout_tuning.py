@@ -1,10 +1,13 @@
 """Tuning on held-out angles (ctuq.reconstruct.heldout): the held-out error against a dense reference, the TV weight
 path, the DIP's held-out selection and early stop (with resume), and the split of a scan's held-out rows."""
 
+import json
 import math
+import shutil
 
 import numpy as np
 import pytest
+import tifffile
 import torch
 from test_dip import Interrupt, parallel_problem
 
@@ -94,6 +97,31 @@ def test_tv_path_picks_the_lowest_heldout_error(split_problem):
     assert mon.error(first["reconstruction"]) == pytest.approx(full.errors[0], rel=1e-5)
     with pytest.raises(ValueError, match="positive and finite"):
         tv_weight_path(op, y, mon, weights=[0.1, -1.0], iterations=2, progress=False)
+
+
+def test_tv_path_discrepancy_principle(split_problem):
+    """``criterion='discrepancy'``: the largest λ whose residual on the used rows is at most the lowest held-out
+    error, between the two path points around the crossing."""
+    op, y, x, held = split_problem
+    mon = HeldoutMonitor(held.op, held.y)
+    weights = weight_grid(1e-3, 3.0, 2)
+    path = tv_weight_path(op, y, mon, weights=weights, iterations=40, stop_early=False, criterion="discrepancy",
+                          progress=False)  # fmt: skip
+    level = min(path.errors)
+    # the residual falls with λ; the crossing lies between the last weight above the level and the first below
+    assert all(a >= b - 1e-12 for a, b in zip(path.residuals, path.residuals[1:]))
+    i = next(k for k, r in enumerate(path.residuals) if r <= level)
+    assert 0 < i and path.path_weight == path.weights[i]
+    assert path.weights[i] <= path.weight <= path.weights[i - 1]
+    # it regularises at least as much as the held-out minimum
+    assert path.weight >= path.weights[int(np.argmin(path.errors))]
+    assert path.summary()["criterion"] == "discrepancy" and len(path.summary()["residual"]) == len(weights)
+    var = torch.ones_like(held.y)
+    with pytest.raises(ValueError, match="without variances"):
+        tv_weight_path(op, y, HeldoutMonitor(held.op, held.y, var), weights=weights, iterations=2,
+                       criterion="discrepancy", progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="criterion must be one of"):
+        tv_weight_path(op, y, mon, weights=weights, iterations=2, criterion="oracle", progress=False)
 
 
 def _fit(op, y, x, monitor, iterations, ckpt=None, resume=False, stop_at=None):
@@ -189,3 +217,41 @@ def test_heldout_split_is_interleaved_and_disjoint(split_problem):
     one = held.subset([0])
     with pytest.raises(ValueError, match="at least 2"):
         one.split()
+
+
+def test_dip_tv_weight_chosen_on_heldout_angles_and_resumed(tiny_scan, tmp_path):
+    """``dip.tv_weights``: one fit per candidate γ from the same initial weights; the lowest held-out error at the
+    kept iterate wins and its checkpoint becomes ``dip_checkpoint.pt``; a run resumed from the first candidate's
+    finished checkpoint alone (as after a kill during the second) ends with the same choice and image."""
+    from tiny import NO_FIGURES, tiny_args
+
+    from ctuq.cli import main
+    from ctuq.pipeline import run_folder as rf
+
+    cand = ("dip.tv_weights=[0.0, 0.3]", "dip.iterations=30", "dip.heldout_every=5", "tv.enabled=false")
+    out = tmp_path / "run"
+    assert (
+        main(["reconstruct", "--data", str(tiny_scan), "--out", str(out), *tiny_args(*cand, *NO_FIGURES, uq=False)])
+        == 0
+    )
+    m = json.loads((out / rf.METRICS_NAME).read_text())
+    search = m["dip"]["tv_weight_search"]
+    assert [s["tv_weight"] for s in search] == [0.0, 0.3]
+    winner = min(search, key=lambda s: s["heldout_error"])
+    assert m["dip"]["tv_weight"] == winner["tv_weight"] and m["dip"]["heldout_error"] == winner["heldout_error"]
+    i = search.index(winner)
+    assert (out / rf.CHECKPOINT_NAME).read_bytes() == (out / rf.CANDIDATE_CHECKPOINT.format(i)).read_bytes()
+    # the two candidates differ (the TV term matters at γ = 0.3): a real choice was made
+    assert search[0]["heldout_error"] != search[1]["heldout_error"]
+    # resumed from the first candidate's finished checkpoint alone: the same numbers
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(out / rf.CONFIG_NAME, again / rf.CONFIG_NAME)
+    shutil.copy(out / rf.CANDIDATE_CHECKPOINT.format(0), again / rf.CANDIDATE_CHECKPOINT.format(0))
+    argv = ["reconstruct", "--data", str(tiny_scan), "--out", str(again), "--resume"]
+    assert main([*argv, *tiny_args(*cand, *NO_FIGURES, uq=False)]) == 0
+    m2 = json.loads((again / rf.METRICS_NAME).read_text())
+    assert m2["dip"]["tv_weight_search"] == search and m2["dip"]["tv_weight"] == m["dip"]["tv_weight"]
+    assert np.array_equal(
+        tifffile.imread(again / rf.RECONSTRUCTION_NAME), tifffile.imread(out / rf.RECONSTRUCTION_NAME)
+    )
