@@ -20,6 +20,8 @@ TINY_SETTINGS = (
     *TINY_DATA,
     "dip.iterations=60",
     "tv.iterations=20",
+    "tv.path_iterations=10",  # TV's weight path at test size: 10 PDHG iterations a weight, 2 weights a decade
+    "tv.per_decade=2",
     "uq.samples=64",
     "uq.em_steps=3",
 )

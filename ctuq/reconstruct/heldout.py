@@ -290,7 +290,7 @@ def tv_weight_path(
     if criterion == "heldout":
         weight = _vertex(grid[: len(errors)], errors, best)
     else:
-        weight, best = _discrepancy(grid[: len(errors)], residuals, errors[best])
+        weight, best = _discrepancy(grid[: len(errors)], residuals, errors)
     recon = images[best]
     if final_iterations:
         res = tv_reconstruction(
@@ -336,14 +336,28 @@ def _vertex(weights: Sequence[float], errors: Sequence[float], best: int) -> flo
     return float(weights[best] * math.exp(t * step))
 
 
-def _discrepancy(weights: Sequence[float], residuals: Sequence[float], level: float) -> tuple[float, int]:
-    """``(λ, index)``: the largest ``λ`` whose residual is at most ``level``, between the path points around the
-    crossing by linear interpolation of the residual in ``log λ``, and the index of the path point just below it
-    (the image its final iterations start from); the smallest weight when no residual reaches ``level``."""
+#: The discrepancy principle's guard: its weight's held-out error may exceed the lowest by at most this fraction.
+#: Where the angles are too sparse for the held-out rows to be predicted well, their error measures that
+#: interpolation error rather than the noise, and the principle alone would smooth without bound (a 32² scan from
+#: 16 angles chose the largest weight of any path); on the reconstruction study's settings the guard never binds
+#: (its weights are within 2–13 % of the lowest held-out error).
+DISCREPANCY_GUARD = 0.25
+
+
+def _discrepancy(weights: Sequence[float], residuals: Sequence[float], errors: Sequence[float]) -> tuple[float, int]:
+    """``(λ, index)``: the largest ``λ`` whose residual is at most the lowest held-out error, between the path points
+    around the crossing by linear interpolation of the residual in ``log λ``, and the index of the path point just
+    below it (the image its final iterations start from); the smallest weight when no residual reaches that level.
+    When that point's held-out error exceeds the lowest by more than :data:`DISCREPANCY_GUARD`, the largest path
+    weight within it instead (no interpolation)."""
+    level = min(errors)
     below = [i for i, r in enumerate(residuals) if r <= level]
     if not below:
         return float(weights[-1]), len(weights) - 1
     i = below[0]
+    if errors[i] > (1.0 + DISCREPANCY_GUARD) * level:
+        i = next(k for k in range(i, len(errors)) if errors[k] <= (1.0 + DISCREPANCY_GUARD) * level)
+        return float(weights[i]), i
     if i == 0:
         return float(weights[0]), 0
     r_hi, r_lo = residuals[i - 1], residuals[i]  # at the larger weight (above level) and at weights[i] (below)

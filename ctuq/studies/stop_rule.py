@@ -101,7 +101,13 @@ DEFAULTS = StopRuleOptions()
 TINY = StopRuleOptions(
     walnut_seeds=(0,),
     textured_seeds=(),
-    set=("data.image_shape=[32,32]", "data.detector_subsampling=8", "dip.iterations=200"),
+    set=(
+        "data.image_shape=[32,32]",
+        "data.detector_subsampling=8",
+        "dip.iterations=200",
+        "tv.path_iterations=10",
+        "tv.per_decade=2",
+    ),
     candidates=24,
     pilot=4,
     acquire=4,

@@ -255,3 +255,19 @@ def test_dip_tv_weight_chosen_on_heldout_angles_and_resumed(tiny_scan, tmp_path)
     assert np.array_equal(
         tifffile.imread(again / rf.RECONSTRUCTION_NAME), tifffile.imread(out / rf.RECONSTRUCTION_NAME)
     )
+
+
+def test_discrepancy_guard_keeps_the_heldout_error_near_its_minimum():
+    """Where even the largest weight fits the used rows below the held-out floor (sparse angles: the held-out error
+    is interpolation error, not noise), the weight is the largest whose held-out error is within the guard."""
+    from ctuq.reconstruct.heldout import DISCREPANCY_GUARD, _discrepancy
+
+    weights = [1.0, 0.1, 0.01, 0.001]
+    errors = [2.0, 1.2, 1.0, 1.1]  # lowest at 0.01
+    assert _discrepancy(weights, [0.5, 0.4, 0.3, 0.2], errors) == (0.1, 1)  # 1.2 ≤ 1.25 × 1.0
+    assert DISCREPANCY_GUARD == 0.25
+    # within the guard: the crossing, interpolated in log λ between 1.0 (residual 1.5) and 0.1 (residual 0.5)
+    w, i = _discrepancy(weights, [1.5, 0.5, 0.3, 0.2], [1.1, 1.05, 1.0, 1.1])
+    assert i == 1 and w == pytest.approx(0.1 * 10**0.5)
+    # no residual reaches the level: the smallest weight
+    assert _discrepancy(weights, [5.0, 4.0, 3.0, 2.0], errors) == (0.001, 3)
