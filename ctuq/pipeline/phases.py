@@ -341,10 +341,11 @@ def phase_dip(state: RunState) -> None:
     for i, (gamma, path) in enumerate(zip(gammas, paths)):
         model = model if i == 0 else build_model(cfg, state.op.ndim)  # the same seeded initial weights
         result = _fit_dip(state, model, net_input, gamma, path, monitor)
-        score = _kept_error(result)
+        # the held-out error at the kept iterate (inf without held-out selection: one candidate only then)
+        score = result.heldout_error if result.heldout_error is not None else math.inf
         if len(gammas) > 1:
             search.append({"tv_weight": gamma, "heldout_error": score, "best_iteration": result.best_iteration,
-                           "psnr": _kept_psnr(result)})  # fmt: skip
+                           "psnr": result.best_psnr})  # fmt: skip
             state.log(f"DIP: γ = {gamma:g}: held-out error {score:.4g} at iteration {result.best_iteration}")
         if best is None or score < best[2]:
             best = (model, result, score, gamma, path)
@@ -417,18 +418,6 @@ def _fit_dip(state: RunState, model, net_input, tv_weight: float, ckpt: Path, mo
             raise
         detail = str(exc).removeprefix("fit_dip: ")
         raise NonFiniteLossError(f"dip.lr = {dc.lr:g}: the DIP fit diverged: {detail}") from exc
-
-
-def _kept_error(result) -> float:
-    """The held-out error at a fit's kept iterate (``inf`` without held-out selection)."""
-    errors = dict(result.heldout_history or [])
-    return float(errors.get(result.best_iteration, math.inf))
-
-
-def _kept_psnr(result) -> float | None:
-    """The PSNR (dB) at a fit's kept iterate, when the scan has a ground truth (for reading; never chosen by)."""
-    hist = result.psnr_history
-    return float(hist[result.best_iteration]) if hist and result.best_iteration >= 0 else None
 
 
 def phase_restore_dip(state: RunState) -> None:

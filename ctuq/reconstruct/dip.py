@@ -111,9 +111,7 @@ class DIPResult:
             "best_iteration": self.best_iteration,
             "best_loss": self.best_loss,
             "final_loss": self.loss_history[-1] if self.loss_history else None,
-            "best_psnr_history": (
-                self.psnr_history[self.best_iteration] if self.psnr_history and self.best_iteration >= 0 else None
-            ),
+            "best_psnr_history": self.best_psnr,
             "time_s": self.time_s,
             "iterations_per_s": self.iterations_per_s,
             "resumed_from_iteration": self.resumed_from,
@@ -121,17 +119,22 @@ class DIPResult:
             **self._heldout_summary(),
         }
 
+    @property
+    def heldout_error(self) -> float | None:
+        """The held-out error at ``best_iteration`` (data units²); ``None`` without held-out selection."""
+        return dict(self.heldout_history).get(self.best_iteration) if self.heldout_history is not None else None
+
+    @property
+    def best_psnr(self) -> float | None:
+        """The PSNR (dB) at ``best_iteration``; ``None`` without ground truth or iterations."""
+        return self.psnr_history[self.best_iteration] if self.psnr_history and self.best_iteration >= 0 else None
+
     def _heldout_summary(self) -> dict:
         """``selection`` (``loss`` or ``heldout``) and, with held-out selection, the error at the kept iterate and
         whether the fit stopped early; the full curve is ``heldout_history``."""
         if self.heldout_history is None:
             return {"selection": "loss"}
-        errors = dict(self.heldout_history)
-        return {
-            "selection": "heldout",
-            "heldout_error": errors.get(self.best_iteration),
-            "stopped_early": self.stopped_early,
-        }
+        return {"selection": "heldout", "heldout_error": self.heldout_error, "stopped_early": self.stopped_early}
 
 
 def tv_anisotropic(x: torch.Tensor, ndim: int | None = None) -> torch.Tensor:

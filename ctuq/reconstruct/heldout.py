@@ -125,12 +125,12 @@ class TVPath:
     Attributes
     ----------
     weight : float
-        The chosen ``λ``: the path's weight with the lowest held-out error, moved to the vertex of the parabola
-        through that error and its two neighbours' (in ``log λ``) when the minimum lies inside the path.
+        The chosen ``λ`` (by ``criterion``; between grid points, see :func:`tv_weight_path`).
     reconstruction : torch.Tensor
-        ``image_shape`` TV image at ``weight`` (original units, on ``op.device``).
+        ``image_shape`` TV image of the path at ``path_weight`` (original units, on ``op.device``): where a caller
+        continues with ``weight`` (``ctuq reconstruct`` runs ``tv.iterations`` more).
     path_weight : float
-        The path's weight with the lowest held-out error (the start of ``weight``'s iterations).
+        The path's weight nearest the choice (the lowest held-out error; for ``discrepancy`` the one just below).
     weights, errors : list[float]
         The path's ``λ`` (decreasing) and the held-out error ``e`` of each (data units²).
     residuals : list[float]
@@ -178,7 +178,6 @@ def tv_weight_path(
     *,
     weights: Sequence[float],
     iterations: int,
-    final_iterations: int = 0,
     x0: torch.Tensor | None = None,
     nonnegative: bool = True,
     isotropic: bool = True,
@@ -197,8 +196,8 @@ def tv_weight_path(
     the ``heldout`` criterion. The ``discrepancy`` criterion (Morozov's principle) takes instead the largest ``λ``
     whose residual on the fitted rows, ``mean (T x − y)²``, is no larger than the lowest held-out error (what the
     held-out rays say noise and model error amount to per measurement), interpolated in ``log λ`` between the two
-    path points around the crossing. The chosen weight then gets ``final_iterations`` more iterations from the end
-    point of the nearest path weight.
+    path points around the crossing. The path's image at the nearest grid weight is returned for the caller to
+    continue at the chosen weight.
 
     Parameters
     ----------
@@ -210,8 +209,6 @@ def tv_weight_path(
         Candidate ``λ > 0`` (see :mod:`ctuq.reconstruct.classical` for its units); tried in decreasing order.
     iterations : int
         PDHG iterations per weight.
-    final_iterations : int
-        Further iterations at the chosen weight.
     x0 : torch.Tensor, optional
         Starting image of the first weight (e.g. the FBP).
     nonnegative, isotropic : bool
@@ -253,7 +250,6 @@ def tv_weight_path(
     y_dev = y.to(op.device, torch.float32)
     psnrs: list[float] | None = [] if ground_truth is not None else None
     images: list[torch.Tensor] = []
-    duals: list = []
     total = 0
     bar = _progress_bar(total=len(grid), desc="TV weight path", disable=None if progress else True)
     try:
@@ -273,7 +269,6 @@ def tv_weight_path(
             total += iterations
             x, dual = res["reconstruction"], res["dual"]
             images.append(x)
-            duals.append(dual)
             errors.append(monitor.error(x))
             with torch.no_grad():
                 residuals.append(float((op(x) - y_dev).double().pow(2).mean()))
@@ -291,25 +286,9 @@ def tv_weight_path(
         weight = _vertex(grid[: len(errors)], errors, best)
     else:
         weight, best = _discrepancy(grid[: len(errors)], residuals, errors)
-    recon = images[best]
-    if final_iterations:
-        res = tv_reconstruction(
-            op,
-            y,
-            weight=weight,
-            iterations=final_iterations,
-            nonnegative=nonnegative,
-            isotropic=isotropic,
-            x0=recon,
-            dual=duals[best],
-            op_norm=op_norm,
-            progress=False,
-        )
-        total += final_iterations
-        recon = res["reconstruction"]
     return TVPath(
         weight=weight,
-        reconstruction=recon,
+        reconstruction=images[best],
         path_weight=grid[best],
         weights=grid[: len(errors)],
         errors=errors,
