@@ -434,6 +434,14 @@ class Tuning(Vocabulary):
     FIXED = "fixed"
 
 
+class WarmStart(Vocabulary):
+    """Where the DIP's weights start (``dip.warm_start``, :mod:`ctuq.reconstruct.warm_start`): as initialised (or
+    ``model.pretrained``), or fitted first to the held-out-tuned TV reconstruction of the same scan."""
+
+    NONE = "none"
+    TV = "tv"
+
+
 class TVCriterion(Vocabulary):
     """How the TV baseline's weight is read off its held-out path (``tv.criterion``,
     :func:`ctuq.reconstruct.heldout.tv_weight_path`): the lowest held-out error, or the discrepancy principle with
@@ -443,4 +451,4 @@ class TVCriterion(Vocabulary):
     DISCREPANCY = "discrepancy"
 
 
-__all__ += ["UQMethod", "TVInit", "Tuning", "TVCriterion"]
+__all__ += ["UQMethod", "TVInit", "Tuning", "TVCriterion", "WarmStart"]

@@ -54,8 +54,10 @@ def test_bundled_configs_load_and_match_top_level_folder():
 def test_default_is_demo_on_cpu():
     cfg = load_config()
     assert cfg.device == "cpu" and cfg.model.preset == "tiny" and cfg.data.path is None
-    # the demo's DIP starts from the FBP as its input and is tuned on held-out angles, as is its TV baseline
-    assert cfg.model.pretrained is None and cfg.model.input == "fbp"
+    # the demo's DIP starts at the held-out-tuned TV image (its input and a warm start), regularised as TV is, and is
+    # tuned on held-out angles, as is its TV baseline
+    assert cfg.model.pretrained is None and cfg.model.input == "tv"
+    assert cfg.dip.warm_start == "tv" and cfg.dip.tv_weight_from_tv
     assert cfg.dip.tuning == cfg.tv.tuning == "heldout"
 
 

@@ -19,6 +19,7 @@ TINY_DATA = ("data.image_shape=[32, 32]", "data.angular_subsampling=2", "data.de
 TINY_SETTINGS = (
     *TINY_DATA,
     "dip.iterations=60",
+    "dip.warm_start_iterations=30",  # the demo's warm start at the TV image, at test size
     "tv.iterations=20",
     "tv.path_iterations=10",  # TV's weight path at test size: 10 PDHG iterations a weight, 2 weights a decade
     "tv.per_decade=2",
@@ -26,7 +27,8 @@ TINY_SETTINGS = (
     "uq.em_steps=3",
 )
 # On top of TINY_SETTINGS: a run that stops after a 2-iteration DIP, for tests of what happens before or around it.
-QUICK = ("dip.iterations=2", "tv.enabled=false", "output.figure=false")
+QUICK = ("dip.iterations=2", "tv.enabled=false", "output.figure=false", *("model.input=fbp", "dip.warm_start=none",
+         "dip.tv_weight_from_tv=false"))  # fmt: skip
 NO_FIGURES = ("output.figure=false",)
 
 

@@ -51,6 +51,7 @@ from ctuq.options import (
     TVCriterion,
     TVInit,
     UQMethod,
+    WarmStart,
     option,
     values,
 )
@@ -132,7 +133,11 @@ class ModelConfig:
     norm_groups: int = option(4, ge=1, help="GroupNorm groups")
     sigmoid: bool = option(False, help="sigmoid on the output")
     dropout: float = option(0.0, ge=0.0, lt=1.0, help="channel dropout after every conv (MC dropout)")
-    input: str = option("noise", choices=("noise", "fbp"), help="fixed network input: seeded noise or the FBP")
+    input: str = option(
+        "noise",
+        choices=("noise", "fbp", "tv"),
+        help="fixed network input: seeded noise, the FBP or the TV image (the FBP, with a warning, without TV)",
+    )
     input_std: float = option(0.1, gt=0.0, help="std of the noise input")
     pretrained: str | None = option(
         None, help="weights to start from: a model file (ctuq pretrain, dip_model.pt) or a DIP checkpoint"
@@ -176,6 +181,21 @@ class DIPConfig:
     heldout_every: int = option(25, ge=1, help="dip.tuning = heldout: score the iterate every this many iterations")
     patience: int | None = option(
         750, ge=1, help="dip.tuning = heldout: stop this many iterations after the lowest held-out error; null: never"
+    )
+    tv_weight_from_tv: bool = option(
+        False,
+        help="γ from the TV baseline's weight λ (held-out-tuned when tv.tuning = heldout) as the same balance of data "
+        "and TV: γ = 2 dip.scale λ / c, c the measurement count; replaces dip.tv_weight(s) (kept, with a warning, "
+        "without the TV baseline)",
+    )
+    warm_start: str = option(
+        "none",
+        choices=values(WarmStart),
+        help="tv: fit the network's output to the TV reconstruction first (dip.warm_start_iterations), so the fit "
+        "starts where TV ended (none, with a warning, without the TV baseline); none: from the initial weights",
+    )
+    warm_start_iterations: int = option(
+        1500, ge=0, help="dip.warm_start = tv: Adam iterations of the warm start (lr 1e-2)"
     )
 
 

@@ -34,7 +34,7 @@ from ctuq.errors import CTUQError, NonFiniteLossError
 from ctuq.metrics.image import image_metrics, psnr
 from ctuq.models import UNet, build_unet, count_parameters, make_net_input, read_model_file, write_model_file
 from ctuq.operators.fbp import fbp, fdk
-from ctuq.options import Tuning, TVCriterion, TVInit
+from ctuq.options import Tuning, TVCriterion, TVInit, WarmStart
 from ctuq.outputs import (
     package_versions,
     result_channels,
@@ -50,6 +50,7 @@ from ctuq.reconstruct.classical import tv_reconstruction
 from ctuq.reconstruct.dip import RESTORE_KEYS, fit_dip, load_checkpoint
 from ctuq.reconstruct.heldout import HeldoutMonitor, tv_weight_path, weight_grid
 from ctuq.reconstruct.pretrain import load_pretrained
+from ctuq.reconstruct.warm_start import fit_to_image
 from ctuq.utils import atomic_path
 
 __all__ = [
@@ -298,12 +299,16 @@ def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
 
 
 def make_input(cfg: Config, state: RunState) -> torch.Tensor:
-    """The fixed network input ``(1, 1, *image_shape)``: seeded noise, or the FBP × ``dip.scale`` (educated
-    DIP, ``model.input = fbp``; needs the FBP phase)."""
-    if cfg.model.input == "fbp":
-        if "fbp" not in state.images:
+    """The fixed network input ``(1, 1, *image_shape)``: seeded noise, or the FBP or TV image × ``dip.scale``
+    (educated DIP, ``model.input = fbp | tv``; the FBP, with a warning, when a run has no TV image)."""
+    source = cfg.model.input
+    if source == "tv" and "tv" not in state.images:
+        state.warn("model.input = 'tv' without the TV baseline (tv.enabled = false, or a volume): the FBP is the input")
+        source = "fbp"
+    if source in ("fbp", "tv"):
+        if source not in state.images:
             raise ConfigError("model.input = 'fbp' needs the FBP phase")
-        return (state.images["fbp"].detach().cpu() * cfg.dip.scale)[None, None].float()
+        return (state.images[source].detach().cpu() * cfg.dip.scale)[None, None].float()
     return make_net_input(state.op.image_shape, channels=1, seed=cfg.seed, std=cfg.model.input_std)
 
 
@@ -314,7 +319,9 @@ def phase_dip(state: RunState) -> None:
     With ``dip.tuning = heldout`` and held-out angles to tune on, the fit keeps its iterate with the lowest held-out
     error (:class:`~ctuq.reconstruct.heldout.HeldoutMonitor`); with ``dip.tv_weights`` too, one fit per candidate TV
     weight γ (each from the same initial weights, each checkpointed in ``dip_checkpoint_tv<i>.pt``) and the one whose
-    kept iterate has the lowest held-out error wins (its checkpoint is copied to ``dip_checkpoint.pt``).
+    kept iterate has the lowest held-out error wins (its checkpoint is copied to ``dip_checkpoint.pt``). With
+    ``dip.warm_start = tv`` the network is first fitted to the TV image (:mod:`ctuq.reconstruct.warm_start`), and with
+    ``dip.tv_weight_from_tv`` its γ is TV's λ in the DIP's units (:func:`_tv_weight_from_tv`).
 
     Raises :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr`` when the loss becomes NaN or infinite.
     """
@@ -323,7 +330,10 @@ def phase_dip(state: RunState) -> None:
     ckpt = state.out_dir / rf.CHECKPOINT_NAME
     monitor = _monitor(state, every=dc.heldout_every, patience=dc.patience) if dc.tuning == Tuning.HELDOUT else None
     gammas = list(dc.tv_weights) if monitor is not None and dc.tv_weights else [dc.tv_weight]
-    if dc.tv_weights and monitor is None:
+    matched = _tv_weight_from_tv(state) if dc.tv_weight_from_tv else None
+    if matched is not None:
+        gammas = [matched]
+    elif dc.tv_weights and monitor is None:
         state.log(f"DIP: no held-out angles to choose among dip.tv_weights; dip.tv_weight = {dc.tv_weight:g}")
     paths = [ckpt]
     if len(gammas) > 1:
@@ -331,6 +341,7 @@ def phase_dip(state: RunState) -> None:
     if state.resume and not any(p.is_file() for p in paths):
         state.log(f"--resume: no checkpoint {paths[0]} yet, starting the DIP from iteration 0")
     model = build_model(cfg, state.op.ndim)
+    start, warm_psnr = _warm_start(state, model, net_input)
     stop = f"at most {dc.iterations} iterations" if monitor is not None else f"{dc.iterations} iterations"
     each = f" for each of {len(gammas)} TV weights γ" if len(gammas) > 1 else ""
     state.log(
@@ -339,7 +350,9 @@ def phase_dip(state: RunState) -> None:
     )
     best, search = None, []
     for i, (gamma, path) in enumerate(zip(gammas, paths)):
-        model = model if i == 0 else build_model(cfg, state.op.ndim)  # the same seeded initial weights
+        if i > 0:  # the same initial weights
+            model = build_model(cfg, state.op.ndim)
+            model.load_state_dict(start)
         result = _fit_dip(state, model, net_input, gamma, path, monitor)
         # the held-out error at the kept iterate (inf without held-out selection: one candidate only then)
         score = result.heldout_error if result.heldout_error is not None else math.inf
@@ -362,6 +375,8 @@ def phase_dip(state: RunState) -> None:
         "n_parameters": count_parameters(model),
         "n_conv_weights": count_parameters(model, conv_weights_only=True),
     }
+    if warm_psnr is not None:
+        state.metrics["dip"]["warm_start_psnr_to_tv"] = warm_psnr
     if search:
         state.metrics["dip"]["tv_weight_search"] = search
     if _psnr_trace(state) is not None:  # output.psnr_trace: the fit's own PSNR after every iteration (dB)
@@ -387,6 +402,46 @@ def phase_dip(state: RunState) -> None:
     if not cfg.output.keep_checkpoint:
         for p in {ckpt, *paths}:
             p.unlink(missing_ok=True)
+
+
+def _tv_weight_from_tv(state: RunState) -> float | None:
+    """The DIP's TV weight ``γ`` that balances data and TV as the TV baseline's ``λ`` does (``dip.tv_weight_from_tv``).
+
+    The DIP minimises ``mean((T x_s − s y)²) + γ TV(x_s)`` with ``x_s = s x`` (:func:`ctuq.reconstruct.dip.fit_dip`);
+    times ``c / (2 s²)`` that is ``½‖Tx − y‖² + (γ c / 2s) TV(x)``, TV's objective with ``λ = γ c / 2s``, so
+    ``γ = 2 s λ / c`` (``c`` measurements, ``s = dip.scale``). Without a TV image: ``None`` (``dip.tv_weight(s)``
+    apply), with a warning."""
+    if "tv" not in state.metrics:
+        state.warn("dip.tv_weight_from_tv without the TV baseline (tv.enabled = false, or a volume): dip.tv_weight(s)")
+        return None
+    lam, c = float(state.metrics["tv"]["weight"]), state.y.numel()
+    gamma = 2.0 * state.cfg.dip.scale * lam / c
+    state.log(f"DIP: γ = {gamma:.3g} from TV's λ = {lam:.3g} (γ = 2 s λ / c, c = {c})")
+    return gamma
+
+
+def _warm_start(state: RunState, model, net_input: torch.Tensor) -> tuple[dict, float | None]:
+    """Apply ``dip.warm_start`` to the freshly built ``model`` (:func:`ctuq.reconstruct.warm_start.fit_to_image` on
+    the TV image); returns its starting weights (a CPU copy, for the other candidates of ``dip.tv_weights``) and the
+    PSNR (dB) of its output against the TV image (``None`` without a warm start)."""
+    dc = state.cfg.dip
+    if dc.warm_start == WarmStart.TV:
+        if "tv" not in state.images:
+            state.warn("dip.warm_start = 'tv' without the TV baseline (tv.enabled = false, or a volume): no warm start")
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, None
+        model.to(state.device)
+        psnr = fit_to_image(
+            model,
+            net_input,
+            state.images["tv"],
+            iterations=dc.warm_start_iterations,
+            scale=dc.scale,
+            seed=state.cfg.seed,
+            progress=state.progress,
+        )
+        state.log(f"DIP: warm start at the TV image, {dc.warm_start_iterations} iterations, {psnr:.1f} dB from it")
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, psnr
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, None
 
 
 def _fit_dip(state: RunState, model, net_input, tv_weight: float, ckpt: Path, monitor):

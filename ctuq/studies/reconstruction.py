@@ -8,11 +8,12 @@ the bundled scan; an image size; an angle count), three runs through the public 
 1. ``fixed/``: the settings before tuning (``tv.tuning = fixed``: ``tv.weight``; ``dip.tuning = fixed``: the lowest
    loss after ``dip.iterations``; ``model.input = noise``), without the uncertainty;
 2. ``tuned/``: the defaults (TV's ``λ`` and the DIP's stopping iteration chosen on the tuning half of the held-out
-   angles; the FBP as the network's input) with the uncertainty, whose std map is scored against the ground truth
+   angles; the DIP started at the TV image, its input, with γ from TV's λ: ``docs/reconstruction.md``) with the
+   uncertainty, whose std map is scored against the ground truth
    (:func:`ctuq.studies.calibration.score_run`) at the new linearisation point;
 3. ``tv/``: the defaults' TV alone (``dip.enabled = false``) with its whole weight path (``tv.path_stop_early =
-   false``): the TV numbers of the study (the DIP and its uncertainty do not depend on TV; a TV rule changed later
-   costs only this run).
+   false``, as in ``tuned/``): the TV numbers of the study (a TV rule changed later reruns this run and, since the
+   DIP starts at TV's image, ``tuned/``).
 
 The runs record each iteration's PSNR (``output.psnr_trace``) and each path weight's, so the oracles come from the
 same fits: the TV weight of the path with the best PSNR, the DIP iterate with the best PSNR. The path also gives the
@@ -47,7 +48,13 @@ SIZES = {
     128: ("data.image_shape=[128,128]", "data.detector_subsampling=2"),
 }
 #: the settings before held-out tuning (what ``ctuq reconstruct`` did until 2026-11-28)
-FIXED_SETS = ("tv.tuning=fixed", "dip.tuning=fixed", "model.input=noise")
+FIXED_SETS = (
+    "tv.tuning=fixed",
+    "dip.tuning=fixed",
+    "model.input=noise",
+    "dip.warm_start=none",
+    "dip.tv_weight_from_tv=false",
+)
 _COMMON_SETS = ("output.psnr_trace=true", "output.figure=false")
 BUNDLED = "bundled"
 
@@ -196,7 +203,8 @@ def report(records: list[dict]) -> str:
         "",
         "PSNR (dB) against the ground truth. fixed: tv.weight, the DIP's lowest-loss iterate from seeded noise; "
         "tuned (the defaults): λ and the DIP's stopping iterate chosen on the tuning half of the held-out angles, "
-        "the FBP as the network's input; oracle: the same fits' best PSNR (TV: over the weight path, whose points have "
+        "the DIP started at the TV image (its input and a warm start) with γ from TV's λ; oracle: the same fits' "
+        "best PSNR (TV: over the weight path, whose points have "
         "tv.path_iterations each, so the gate compares it with the path's point at the chosen weight; DIP: over the "
         "iterations).",
         "",
