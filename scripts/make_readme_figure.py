@@ -7,7 +7,7 @@ reconstruction | |error| | std map, in mm⁻¹).
 The demo is ``ctuq reconstruct --config demo`` (what ``make demo`` runs). Without ``--run`` it runs into a temporary
 folder that is removed afterwards (``--keep PATH`` writes it to ``PATH`` instead and keeps it); it takes 1.5–3
 minutes on 2 CPU cores. Runs are bitwise reproducible on one machine, so the figure comes back byte for byte there
-(the checked-in one is the demo's on a 2-core CPU: DIP 32.4 dB); DIP training amplifies rounding differences between
+(the checked-in one is the demo's on a 2-core CPU: DIP 32.5 dB); DIP training amplifies rounding differences between
 CPU types, so on another CPU its numbers differ slightly (README says so).
 """
 

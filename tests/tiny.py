@@ -26,9 +26,10 @@ TINY_SETTINGS = (
     "uq.samples=64",
     "uq.em_steps=3",
 )
+# On top of TINY_SETTINGS: no TV baseline, and so none of the demo's DIP settings that start from its image.
+NO_TV = ("tv.enabled=false", "model.input=fbp", "dip.warm_start=none", "dip.tv_weight_from_tv=false")
 # On top of TINY_SETTINGS: a run that stops after a 2-iteration DIP, for tests of what happens before or around it.
-QUICK = ("dip.iterations=2", "tv.enabled=false", "output.figure=false", *("model.input=fbp", "dip.warm_start=none",
-         "dip.tv_weight_from_tv=false"))  # fmt: skip
+QUICK = ("dip.iterations=2", *NO_TV, "output.figure=false")
 NO_FIGURES = ("output.figure=false",)
 
 

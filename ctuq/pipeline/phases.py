@@ -300,11 +300,8 @@ def build_model(cfg: Config, ndim: int) -> torch.nn.Module:
 
 def make_input(cfg: Config, state: RunState) -> torch.Tensor:
     """The fixed network input ``(1, 1, *image_shape)``: seeded noise, or the FBP or TV image × ``dip.scale``
-    (educated DIP, ``model.input = fbp | tv``; the FBP, with a warning, when a run has no TV image)."""
-    source = cfg.model.input
-    if source == "tv" and "tv" not in state.images:
-        state.warn("model.input = 'tv' without the TV baseline (tv.enabled = false, or a volume): the FBP is the input")
-        source = "fbp"
+    (educated DIP, ``model.input = fbp | tv``; the FBP when a run has no TV image: :func:`_warn_without_tv`)."""
+    source = "fbp" if cfg.model.input == "tv" and "tv" not in state.images else cfg.model.input
     if source in ("fbp", "tv"):
         if source not in state.images:
             raise ConfigError("model.input = 'fbp' needs the FBP phase")
@@ -326,6 +323,7 @@ def phase_dip(state: RunState) -> None:
     Raises :class:`~ctuq.errors.NonFiniteLossError` naming ``dip.lr`` when the loss becomes NaN or infinite.
     """
     cfg, dc = state.cfg, state.cfg.dip
+    _warn_without_tv(state)
     net_input = make_input(cfg, state)
     ckpt = state.out_dir / rf.CHECKPOINT_NAME
     monitor = _monitor(state, every=dc.heldout_every, patience=dc.patience) if dc.tuning == Tuning.HELDOUT else None
@@ -404,15 +402,31 @@ def phase_dip(state: RunState) -> None:
             p.unlink(missing_ok=True)
 
 
+def _warn_without_tv(state: RunState) -> None:
+    """One warning when the DIP's settings ask for the TV image (``model.input = tv``, ``dip.warm_start = tv``,
+    ``dip.tv_weight_from_tv``) and the run has none (``tv.enabled = false``, or a volume): the DIP then starts from
+    the FBP input, without a warm start, with ``dip.tv_weight(s)``."""
+    if "tv" in state.images:
+        return
+    dc = state.cfg.dip
+    asked = [f"model.input = {state.cfg.model.input}"] if state.cfg.model.input == "tv" else []
+    asked += ["dip.warm_start = tv"] if dc.warm_start == WarmStart.TV else []
+    asked += ["dip.tv_weight_from_tv"] if dc.tv_weight_from_tv else []
+    if asked:
+        state.warn(
+            f"{', '.join(asked)} without the TV baseline (tv.enabled = false, or a volume): the DIP starts from the "
+            "FBP input, without a warm start, with dip.tv_weight"
+        )
+
+
 def _tv_weight_from_tv(state: RunState) -> float | None:
     """The DIP's TV weight ``γ`` that balances data and TV as the TV baseline's ``λ`` does (``dip.tv_weight_from_tv``).
 
     The DIP minimises ``mean((T x_s − s y)²) + γ TV(x_s)`` with ``x_s = s x`` (:func:`ctuq.reconstruct.dip.fit_dip`);
     times ``c / (2 s²)`` that is ``½‖Tx − y‖² + (γ c / 2s) TV(x)``, TV's objective with ``λ = γ c / 2s``, so
     ``γ = 2 s λ / c`` (``c`` measurements, ``s = dip.scale``). Without a TV image: ``None`` (``dip.tv_weight(s)``
-    apply), with a warning."""
+    apply; :func:`_warn_without_tv`)."""
     if "tv" not in state.metrics:
-        state.warn("dip.tv_weight_from_tv without the TV baseline (tv.enabled = false, or a volume): dip.tv_weight(s)")
         return None
     lam, c = float(state.metrics["tv"]["weight"]), state.y.numel()
     gamma = 2.0 * state.cfg.dip.scale * lam / c
@@ -426,8 +440,7 @@ def _warm_start(state: RunState, model, net_input: torch.Tensor) -> tuple[dict, 
     PSNR (dB) of its output against the TV image (``None`` without a warm start)."""
     dc = state.cfg.dip
     if dc.warm_start == WarmStart.TV:
-        if "tv" not in state.images:
-            state.warn("dip.warm_start = 'tv' without the TV baseline (tv.enabled = false, or a volume): no warm start")
+        if "tv" not in state.images:  # :func:`_warn_without_tv` said so
             return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, None
         model.to(state.device)
         psnr = fit_to_image(

@@ -105,6 +105,7 @@ TINY = ReconstructionOptions(
     bundled=False,
     set=(
         "dip.iterations=60",
+        "dip.warm_start_iterations=30",
         "dip.heldout_every=10",
         "dip.checkpoint_every=0",
         "tv.iterations=20",

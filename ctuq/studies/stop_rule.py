@@ -105,6 +105,7 @@ TINY = StopRuleOptions(
         "data.image_shape=[32,32]",
         "data.detector_subsampling=8",
         "dip.iterations=200",
+        "dip.warm_start_iterations=30",
         "tv.path_iterations=10",
         "tv.per_decade=2",
     ),

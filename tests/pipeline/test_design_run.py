@@ -27,6 +27,8 @@ TINY = [
     "--set",
     "dip.iterations=10",
     "--set",
+    "dip.warm_start_iterations=10",
+    "--set",
     "tv.iterations=10",
     "--set",
     "design.std_samples=16",

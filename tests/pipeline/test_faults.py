@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from tiny import NO_FIGURES, tiny_args
+from tiny import NO_FIGURES, NO_TV, tiny_args
 
 import ctuq.utils
 from ctuq.cli import main
@@ -36,7 +36,7 @@ FAST = tiny_args(
     "model.skip_channels=[0, 1]",
     "dip.iterations=20",
     "dip.checkpoint_every=5",
-    "tv.enabled=false",
+    *NO_TV,
     "uq.samples=32",
     "uq.sample_chunk=16",
     "uq.em_steps=2",

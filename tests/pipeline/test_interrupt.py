@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from tiny import NO_FIGURES, sets, tiny_args
+from tiny import NO_FIGURES, NO_TV, sets, tiny_args
 
 from ctuq import interrupt
 from ctuq.cli import main
@@ -33,7 +33,7 @@ FAST = tiny_args(
     "model.skip_channels=[0, 1]",
     "dip.iterations=40",
     "dip.checkpoint_every=10",
-    "tv.enabled=false",
+    *NO_TV,
     "uq.sample_chunk=16",
     "uq.em_tol=0",
     *NO_FIGURES,
