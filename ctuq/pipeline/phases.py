@@ -438,10 +438,8 @@ def _warm_start(state: RunState, model, net_input: torch.Tensor) -> tuple[dict, 
     """Apply ``dip.warm_start`` to the freshly built ``model`` (:func:`ctuq.reconstruct.warm_start.fit_to_image` on
     the TV image); returns its starting weights (a CPU copy, for the other candidates of ``dip.tv_weights``) and the
     PSNR (dB) of its output against the TV image (``None`` without a warm start)."""
-    dc = state.cfg.dip
-    if dc.warm_start == WarmStart.TV:
-        if "tv" not in state.images:  # :func:`_warn_without_tv` said so
-            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, None
+    dc, psnr = state.cfg.dip, None
+    if dc.warm_start == WarmStart.TV and "tv" in state.images:  # without TV, :func:`_warn_without_tv` said so
         model.to(state.device)
         psnr = fit_to_image(
             model,
@@ -453,8 +451,7 @@ def _warm_start(state: RunState, model, net_input: torch.Tensor) -> tuple[dict, 
             progress=state.progress,
         )
         state.log(f"DIP: warm start at the TV image, {dc.warm_start_iterations} iterations, {psnr:.1f} dB from it")
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, psnr
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, None
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, psnr
 
 
 def _fit_dip(state: RunState, model, net_input, tv_weight: float, ckpt: Path, monitor):

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from ctuq.reconstruct.dip import _device_state
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["fit_to_image"]
@@ -106,7 +107,7 @@ def fit_to_image(
             if not math.isfinite(value):
                 raise FloatingPointError(f"fit_to_image: loss became {value} at iteration {it}; lower lr (now {lr})")
             if value < best:  # Adam at this step size spikes now and then: keep the best weights, not the last
-                best, best_state = value, {k: w.detach().clone() for k, w in model.state_dict().items()}
+                best, best_state = value, _device_state(model)
             if it == iterations:
                 break
             loss.backward()
