@@ -40,6 +40,7 @@ __all__ = [
     "plot_uq_comparison",
     "plot_calibration",
     "plot_heldout_calibration",
+    "plot_reliability",
     "plot_joint_ll",
     "plot_error_vs_std",
     "plot_em_trace",
@@ -487,6 +488,56 @@ def plot_heldout_calibration(
     ax_z.legend(fontsize=8)
     if title:
         fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def plot_reliability(
+    path: str | os.PathLike,
+    curves: Mapping[str, tuple],
+    *,
+    ence: Mapping[str, float] | None = None,
+    unit: str | None = IMAGE_UNIT,
+    title: str | None = "inside the object, per decile of std",
+    dpi: int = 120,
+    figsize: tuple[float, float] | None = None,
+) -> Path:
+    """Reliability of std maps: the RMSE of the errors against the RMV the map claims (``sqrt(mean std²)``), one point
+    per equal-count bin of std (:func:`ctuq.metrics.calibration.reliability`), log–log, with the diagonal.
+
+    ``curves``: ``{name: (rmv, rmse)}``, equal-length 1D sequences > 0 (image units). Points above the diagonal
+    are bins whose errors exceed what the map says; a line flatter than the diagonal means the map's contrast is too
+    strong, a steeper one too weak. ``ence``: ``{name: ENCE}`` shown in the legend. Default size 4.8 in wide, 4.4 in
+    plus a line per curve high. Returns ``path``.
+    """
+    where = "plot_reliability"
+    if not isinstance(curves, Mapping) or not curves:
+        raise ValueError(f"{where}: curves must be a non-empty dict name -> (rmv, rmse)")
+    data = {}
+    for name, pair in curves.items():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{where}: curves[{name!r}] must be (rmv, rmse)")
+        rmv, rmse = _curve(pair[0], f"curves[{name!r}] rmv", where), _curve(pair[1], f"curves[{name!r}] rmse", where)
+        if rmv.shape != rmse.shape:
+            raise ValueError(f"{where}: curves[{name!r}] has {rmv.size} RMV values but {rmse.size} RMSE values")
+        if not (np.all(np.isfinite(rmv)) and np.all(np.isfinite(rmse))) or min(rmv.min(), rmse.min()) <= 0:
+            raise ValueError(f"{where}: curves[{name!r}] RMV and RMSE must be finite and > 0")
+        data[name] = (rmv, rmse)
+    values = np.concatenate([np.concatenate(p) for p in data.values()])
+    lo, hi = float(values.min()) / 1.25, float(values.max()) * 1.25
+    fig = new_figure(figsize, (4.8, 4.4 + 0.22 * (len(data) + 1)), dpi)
+    ax = fig.subplots()
+    ax.plot([lo, hi], [lo, hi], color="0.5", ls="--", lw=1, label="RMSE = RMV (calibrated)")
+    for name, (rmv, rmse) in data.items():
+        label = name if not ence or name not in ence else f"{name} (ENCE {ence[name]:.2f})"
+        ax.plot(rmv, rmse, marker="o", ms=4, label=label)
+    suffix = f" ({unit})" if unit else ""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"RMV: root mean std²{suffix}", ylabel=f"RMSE{suffix}", aspect="equal")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize=8, frameon=False)
     return save_figure(fig, path)
 
 

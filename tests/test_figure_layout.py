@@ -117,6 +117,12 @@ def test_curve_figures_have_units_legends_off_the_curves_and_nothing_clipped(tmp
         recalibrated=(levels, levels, 1.44),
     )
     figures.plot_em_trace(tmp_path / "em.png", [{"a": 1.0, "gamma": 3.0, "w_norm2": 2.0, "sigma2": 0.1}] * 3)
+    rmv = np.geomspace(1e-3, 4e-3, 10)
+    figures.plot_reliability(
+        tmp_path / "r.png",
+        {"std.tif (sqrt(std² + τ² M), τ = 0.00214)": (rmv, rmv**0.7 * 0.02), "posterior (uncalibrated)": (rmv, rmv)},
+        ence={"posterior (uncalibrated)": 0.0},
+    )
     for fig in drawn:
         _assert_nothing_clipped(fig)
     cal_fig, err_fig = drawn[0], drawn[1]
@@ -127,3 +133,7 @@ def test_curve_figures_have_units_legends_off_the_curves_and_nothing_clipped(tmp
     assert cal_fig.legends[0].get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
     axis_labels = [a.get_xlabel() for a in err_fig.axes] + [a.get_ylabel() for a in err_fig.axes]
     assert f"std ({UNIT})" in axis_labels and f"|error| ({UNIT})" in axis_labels
+    rel_fig = drawn[-1]
+    (ax,) = rel_fig.axes
+    assert ax.get_legend() is None and rel_fig.legends and f"RMSE ({UNIT})" == ax.get_ylabel()
+    assert "posterior (uncalibrated) (ENCE 0.00)" in [t.get_text() for t in rel_fig.legends[0].get_texts()]

@@ -89,6 +89,10 @@ def test_calibration_joint_ll_error_vs_std_and_em_trace_write_pngs(tmp_path):
             tmp_path / "cal.png", {"a": (lv, cov), "b": (torch.tensor(lv), cov**2)}, dpi=DPI, figsize=(4, 4)
         )
     ) == (4 * DPI, 4 * DPI)
+    rmv = np.geomspace(1e-3, 3e-3, 10)
+    assert _png_shape(
+        F.plot_reliability(tmp_path / "rel.png", {"a": (rmv, rmv), "b": (rmv, 2 * rmv)}, dpi=DPI, figsize=(4, 4))
+    ) == (4 * DPI, 4 * DPI)
     curves = {"a": {str(p): -1.0 - 0.1 * p for p in range(1, 11)}, "b": {1: -2.0, 2: None, 3: -2.5}}
     assert _png_shape(F.plot_joint_ll(tmp_path / "jll.png", curves, dpi=DPI, figsize=(5, 3))) == (3 * DPI, 5 * DPI)
     assert _png_shape(F.plot_error_vs_std(tmp_path / "h1.png", err, std, "inner_square", dpi=DPI, figsize=(4, 3))) == (
@@ -140,6 +144,10 @@ def test_bad_input_raises_clear_errors(tmp_path):
         F.plot_uq_panels(tmp_path / "x.png", rec, err, std, gt, titles=["a", "b", "c"])
     with pytest.raises(ValueError, match=r"methods\['m'\] must be \(reconstruction, abs_error, std\)"):
         F.plot_uq_comparison(tmp_path / "x.png", {"m": (rec, err)})
+    with pytest.raises(ValueError, match=r"curves\['r'\] RMV and RMSE must be finite and > 0"):
+        F.plot_reliability(tmp_path / "x.png", {"r": ([1e-3, 2e-3], [1e-3, 0.0])})
+    with pytest.raises(ValueError, match=r"curves\['r'\] has 2 RMV values but 1 RMSE values"):
+        F.plot_reliability(tmp_path / "x.png", {"r": ([1e-3, 2e-3], [1e-3])})
     with pytest.raises(ValueError, match=r"curves\['c'\] has 3 levels but 2 coverage values"):
         F.plot_calibration(tmp_path / "x.png", {"c": ([0, 0.5, 1], [0, 1])})
     with pytest.raises(ValueError, match="give std inside the dict"):

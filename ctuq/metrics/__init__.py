@@ -15,7 +15,9 @@ Map of the package
 ``likelihoods``     :func:`marginal_log_likelihood`, :func:`patch_joint_log_likelihood` (stabilised patch
                     covariance Σ̂ = (1/2k)[diag(Σ_j x_j²) + Σ_j x_j x_jᵀ] + ηI)
 ``calibration``     :func:`coverage`, :func:`headline_coverage`, :func:`error_std_histogram`,
-                    :func:`rank_correlation`
+                    :func:`rank_correlation`, and the map's contrast (DESIGN.md §8): :func:`reliability`
+                    (RMSE against RMV per std bin, ENCE), :func:`calibrated_spearman` (a perfect map's
+                    Spearman), :func:`error_localisation` (all of them inside the object), :func:`power_fit`
 ``heldout``         :func:`heldout_check` — the check without ground truth: held-out measurements against the
                     posterior predictive (coverage, z-scores, LL, the recalibration scale ``k``,
                     :func:`fit_variance_scale`)
@@ -69,7 +71,18 @@ Centering
 from __future__ import annotations
 
 from ._common import DEFAULT_CHUNK_BYTES, DEFAULT_ETA_REL, DEFAULT_LEVELS, HEADLINE_LEVELS
-from .calibration import ErrorStdHistogram, coverage, error_std_histogram, headline_coverage, rank_correlation
+from .calibration import (
+    ErrorStdHistogram,
+    Reliability,
+    calibrated_spearman,
+    coverage,
+    error_localisation,
+    error_std_histogram,
+    headline_coverage,
+    power_fit,
+    rank_correlation,
+    reliability,
+)
 from .classification import (
     accuracy,
     brier_score,
@@ -105,6 +118,11 @@ __all__ = [
     "ErrorStdHistogram",
     "error_std_histogram",
     "rank_correlation",
+    "Reliability",
+    "reliability",
+    "calibrated_spearman",
+    "error_localisation",
+    "power_fit",
     "uq_summary",
     "uq_summary_from_moments",
     "heldout_check",

@@ -3,8 +3,13 @@
 * :func:`coverage`, :func:`headline_coverage` — empirical coverage of central Gaussian credible intervals;
 * :func:`error_std_histogram` — 2D histogram of ``|error|`` against ``std`` on shared bins;
 * :func:`rank_correlation` — Spearman correlation between ``std`` and ``|error|``;
-* :func:`error_localisation` — whether the std map points at the errors: Spearman inside the object and over the
-  ROI, the AUC of ``std`` for finding the 10 % largest errors, and coverage@0.9 per decile of ``std``.
+* :func:`reliability` — RMSE against the root mean variance (RMV) per equal-count bin of ``std``, and their ENCE;
+* :func:`calibrated_spearman` — the Spearman a perfectly calibrated map with the same ``std`` would get;
+* :func:`error_localisation` — whether the std map points at the errors, by the right amount (DESIGN.md §8): inside
+  the object ENCE, the reliability bins, coverage@0.9 per decile of ``std``, Spearman and its ratio to the calibrated
+  reference, the AUC of ``std`` for finding the 10 % largest errors;
+* :func:`power_fit` — the best ``c·std^γ`` of a map by maximum likelihood against known errors (a study's
+  reference, fitted on the ground truth).
 
 Images are in image units (mm⁻¹ for attenuation images); stds in the same units.
 """
@@ -27,8 +32,13 @@ __all__ = [
     "ErrorStdHistogram",
     "error_std_histogram",
     "rank_correlation",
+    "Reliability",
+    "reliability",
+    "calibrated_spearman",
     "error_localisation",
+    "power_fit",
     "OBJECT_FRACTION",
+    "CONTRAST_BINS",
 ]
 
 
@@ -240,9 +250,173 @@ def _decile_coverage(err: np.ndarray, sd: np.ndarray) -> list[float] | None:
     return [float(np.mean(err[idx] <= _Z90 * sd[idx])) for idx in np.array_split(order, 10)]
 
 
-def error_localisation(std, abs_error, ground_truth, roi: Roi = None, *, top: float = 0.1) -> dict:
-    """Whether the std map points at the errors (DESIGN.md §8): ranks inside the object as well as over the ROI,
-    because over the ROI a map that is only brighter on the object than on the background already scores high.
+#: The bins of :func:`reliability` and of the contrast scores of :func:`error_localisation`: deciles of ``std``.
+CONTRAST_BINS = 10
+_REFERENCE_DRAWS = 8
+
+
+class Reliability(NamedTuple):
+    """RMSE against RMV per equal-count bin of ``std`` (lowest ``std`` first), and the ENCE.
+
+    Attributes
+    ----------
+    rmv : ``(bins,)`` float64 numpy array
+        Root mean variance the map claims in each bin, ``sqrt(mean std²)`` (image units, mm⁻¹).
+    rmse : ``(bins,)`` float64 numpy array
+        Root mean squared error in the same bin (mm⁻¹).
+    ence : float
+        Expected normalised calibration error, ``mean_b |RMV_b − RMSE_b| / RMV_b`` (Levi et al. 2022): 0 when every
+        bin's errors are as large as its std says; ``inf`` when a bin claims zero variance but has errors.
+    """
+
+    rmv: np.ndarray
+    rmse: np.ndarray
+    ence: float
+
+
+def _reliability(err: np.ndarray, sd: np.ndarray, bins: int) -> Reliability | None:
+    if err.size < bins:
+        return None
+    groups = np.array_split(np.argsort(sd, kind="stable"), bins)
+    rmv = np.array([np.sqrt(np.mean(sd[g] ** 2)) for g in groups])
+    rmse = np.array([np.sqrt(np.mean(err[g] ** 2)) for g in groups])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(rmv > 0, np.abs(rmv - rmse) / np.where(rmv > 0, rmv, 1.0), np.where(rmse > 0, np.inf, 0.0))
+    return Reliability(rmv, rmse, float(np.mean(rel)))
+
+
+def reliability(std, abs_error, roi: Roi = None, *, bins: int = CONTRAST_BINS) -> Reliability:
+    """RMSE against RMV in ``bins`` equal-count bins of ``std`` over the ROI pixels, and the ENCE (DESIGN.md §8).
+
+    Parameters
+    ----------
+    std, abs_error : ``(H, W)`` or ``(D, H, W)``
+        The std map and ``|reconstruction − ground truth|``, image units (mm⁻¹), ≥ 0.
+    roi : Roi
+        See :mod:`ctuq.metrics`; default the whole image (a boolean mask selects e.g. the object).
+    bins : int
+        Number of equal-count bins (ties in ``std`` split by position); at most the number of ROI pixels.
+
+    Returns
+    -------
+    Reliability
+        ``rmv``, ``rmse`` (``(bins,)``, mm⁻¹) and ``ence``. A map that is right bin by bin lies on the diagonal
+        ``rmse = rmv`` (:func:`ctuq.figures.plot_reliability`).
+    """
+    where = "reliability"
+    if int(bins) != bins or bins < 1:
+        raise ValueError(f"{where}: bins must be a positive int, got {bins!r}")
+    err_t = _check_image(abs_error, "abs_error", None, where, torch.device("cpu"))
+    shape = tuple(err_t.shape)
+    region = _resolve_roi(roi, shape, where)
+    err = _select(err_t, region).numpy()
+    sd = _select(_check_std(std, shape, torch.device("cpu"), where), region).numpy()
+    out = _reliability(np.abs(err), sd, int(bins))
+    if out is None:
+        raise ValueError(f"{where}: the ROI has {err.size} pixel(s), fewer than bins={bins}")
+    return out
+
+
+def _reference_spearman(sd: np.ndarray, seed: int, draws: int = _REFERENCE_DRAWS) -> float | None:
+    if sd.size < 3 or np.all(sd == sd[0]):
+        return None
+    rng = np.random.default_rng(seed)
+    return float(np.mean([spearmanr(sd, sd * np.abs(rng.standard_normal(sd.size))).statistic for _ in range(draws)]))
+
+
+def calibrated_spearman(std, roi: Roi = None, *, seed: int = 0, draws: int = _REFERENCE_DRAWS) -> float | None:
+    """The Spearman(std, |error|) a perfectly calibrated map with these stds would get: the mean over ``draws``
+    draws of ``z ~ N(0, 1)`` per pixel of Spearman(std, std·|z|).
+
+    Spearman(std, |error|) has a ceiling below 1 even for a perfect map, set by how much ``std`` varies: ``ln|z|``
+    adds variance π²/8 to every pixel's ``ln|error|``, so ``sd(ln std)`` of 0.2 / 0.5 / 1.0 caps it at about
+    0.21 / 0.45 / 0.70 (DESIGN.md §8). The observed Spearman over this reference is the *Spearman ratio*: 1 when the
+    map's spread matches the errors', above 1 too flat, below 1 too contrasty.
+
+    Parameters
+    ----------
+    std : ``(H, W)`` or ``(D, H, W)``
+        The std map (mm⁻¹), ≥ 0.
+    roi : Roi
+        See :mod:`ctuq.metrics`; default the whole image.
+    seed, draws : int
+        The draws' generator seed (numpy) and their number; the reference's Monte Carlo error is about
+        ``1 / sqrt(draws · pixels)``.
+
+    Returns
+    -------
+    float or None
+        ``None`` when the map is constant over the ROI (or has fewer than 3 pixels there).
+    """
+    where = "calibrated_spearman"
+    if int(draws) != draws or draws < 1:
+        raise ValueError(f"{where}: draws must be a positive int, got {draws!r}")
+    sd_t = _check_image(std, "std", None, where, torch.device("cpu"))
+    region = _resolve_roi(roi, tuple(sd_t.shape), where)
+    return _reference_spearman(_select(sd_t, region).numpy(), int(seed), int(draws))
+
+
+def _gaussian_nll(err: np.ndarray, sd: np.ndarray) -> float:
+    return float(np.mean(np.log(sd) + 0.5 * (err / sd) ** 2))
+
+
+def power_fit(std, abs_error, roi: Roi = None, *, gammas=None) -> dict | None:
+    """The map ``c·std^γ`` closest to the errors by maximum likelihood: the Gaussian LL of the errors over the ROI,
+    ``c`` in closed form for each ``γ`` of a grid (``c² = mean(e² / std^{2γ})``), the best ``γ``.
+
+    A study's *reference*, fitted on the ground truth: the best any monotone power of the map can do, which no
+    ground-truth-free method should be expected to beat (issue 44). ``γ = 1`` is a global scale, ``γ = 0`` a
+    constant std.
+
+    Parameters
+    ----------
+    std, abs_error : ``(H, W)`` or ``(D, H, W)``
+        The map and the errors (mm⁻¹); ``std`` > 0 over the ROI.
+    roi : Roi
+        See :mod:`ctuq.metrics` (e.g. the object's boolean mask).
+    gammas : sequence of float, optional
+        The grid of ``γ``; default 0, 0.05, …, 3.
+
+    Returns
+    -------
+    dict or None
+        ``gamma``, ``c`` (in units of mm⁻¹ per (mm⁻¹)^γ) and ``ence`` (of ``c·std^γ`` over the ROI,
+        :data:`CONTRAST_BINS` bins); ``None`` for fewer than :data:`CONTRAST_BINS` pixels.
+    """
+    where = "power_fit"
+    sd_t = _check_image(std, "std", None, where, torch.device("cpu"))
+    shape = tuple(sd_t.shape)
+    region = _resolve_roi(roi, shape, where)
+    sd = _select(sd_t, region).numpy().astype(np.float64)
+    err = np.abs(_roi_values(abs_error, "abs_error", shape, region, where)).astype(np.float64)
+    if sd.size < CONTRAST_BINS:
+        return None
+    if not (np.all(np.isfinite(sd)) and sd.min() > 0):
+        raise ValueError(f"{where}: std must be finite and > 0 over the ROI")
+    grid = np.arange(0.0, 3.0 + 1e-9, 0.05) if gammas is None else np.asarray(gammas, np.float64)
+    # std normalised by its geometric mean, so std^γ neither over- nor underflows for any γ of the grid
+    log_s = np.log(sd) - np.mean(np.log(sd))
+    best = None
+    for g in grid:
+        shape_g = np.exp(g * log_s)
+        c = float(np.sqrt(np.mean(err**2 / shape_g**2)))
+        if c <= 0:
+            continue
+        nll = _gaussian_nll(err, c * shape_g)
+        if best is None or nll < best[0]:
+            best = (nll, float(g), c, c * shape_g)
+    if best is None:
+        return None
+    _, g, c, fitted = best
+    rel = _reliability(err, fitted, CONTRAST_BINS)
+    # c back in the map's own units: c·exp(γ(ln s − m)) = (c·e^{−γm})·s^γ
+    return {"gamma": g, "c": c * float(np.exp(-g * np.mean(np.log(sd)))), "ence": rel.ence}
+
+
+def error_localisation(std, abs_error, ground_truth, roi: Roi = None, *, top: float = 0.1, seed: int = 0) -> dict:
+    """Whether the std map points at the errors, by the right amount (DESIGN.md §8): inside the object as well as
+    over the ROI, because over the ROI a map that is only brighter on the object than on the background already
+    scores high.
 
     Parameters
     ----------
@@ -253,15 +427,25 @@ def error_localisation(std, abs_error, ground_truth, roi: Roi = None, *, top: fl
         :data:`OBJECT_FRACTION` of the ground truth's maximum.
     top : float
         The share of the largest errors the AUC tries to find.
+    seed : int
+        Seeds the draws of the calibrated reference Spearman (:func:`calibrated_spearman`).
 
     Returns
     -------
     dict
-        ``spearman_inside`` and ``spearman_roi`` (Spearman(std, |error|); ``None`` when a map is constant),
-        ``auc_top10`` (ROC AUC of ``std`` for the ``top`` largest |error| inside the object: 0.5 is chance),
-        ``conditional_coverage_0.9`` (coverage of the 90 % intervals in each decile of ``std`` inside the object,
-        lowest first: a map right on average but wrong in its brightest pixels shows here) and its ``_roi`` twin,
-        ``object_fraction`` (of the ROI's pixels).
+        Inside the object:
+
+        * ``ence`` (:func:`reliability`, :data:`CONTRAST_BINS` equal-count bins of ``std``) and ``reliability``
+          (``{"rmv": [...], "rmse": [...]}`` per bin, lowest ``std`` first, mm⁻¹);
+        * ``conditional_coverage_0.9``: coverage of the 90 % intervals in each decile of ``std``, lowest first (a
+          map right on average but wrong in its brightest pixels shows here), and its ``_roi`` twin;
+        * ``spearman_inside`` (Spearman(std, |error|); ``None`` when a map is constant), ``spearman_reference``
+          (what a perfectly calibrated map with these stds would get) and ``spearman_ratio`` (observed over
+          reference: 1 right, > 1 too flat, < 1 too contrasty; ``None`` when the reference is not positive);
+        * ``auc_top10``: ROC AUC of ``std`` for the ``top`` largest |error| (0.5 is chance);
+
+        and ``spearman_roi`` over the whole ROI, ``object_fraction`` (of the ROI's pixels). Each entry is ``None``
+        when the object has too few pixels for it.
     """
     where = "error_localisation"
     sd_t = _check_image(std, "std", None, where, torch.device("cpu"))
@@ -273,8 +457,15 @@ def error_localisation(std, abs_error, ground_truth, roi: Roi = None, *, top: fl
     inside = gt > OBJECT_FRACTION * float(np.max(gt)) if gt.size else np.zeros(0, dtype=bool)
     e_in, s_in = err[inside], sd[inside]
     positive = e_in >= np.quantile(e_in, 1.0 - top) if e_in.size else np.zeros(0, dtype=bool)
+    rel = _reliability(e_in, s_in, CONTRAST_BINS)
+    observed = _spearman(s_in, e_in)
+    reference = _reference_spearman(s_in, seed)
     return {
-        "spearman_inside": _spearman(s_in, e_in),
+        "ence": None if rel is None else rel.ence,
+        "reliability": None if rel is None else {"rmv": rel.rmv.tolist(), "rmse": rel.rmse.tolist()},
+        "spearman_inside": observed,
+        "spearman_reference": reference,
+        "spearman_ratio": observed / reference if observed is not None and reference and reference > 0 else None,
         "spearman_roi": _spearman(sd, err),
         "auc_top10": _auc(s_in, positive),
         "conditional_coverage_0.9": _decile_coverage(e_in, s_in),

@@ -71,6 +71,7 @@ __all__ = [
     "RECONSTRUCTION_FIGURE",
     "UNCERTAINTY_FIGURE",
     "CALIBRATION_FIGURE",
+    "RELIABILITY_FIGURE",
     "JOINT_LL_FIGURE",
     "ERROR_VS_STD_FIGURE",
     "EM_TRACE_FIGURE",
@@ -120,6 +121,7 @@ UQ_SAMPLE_FILE_PATTERN = "samples_{:04d}.pt"
 RECONSTRUCTION_FIGURE = "reconstruction.png"
 UNCERTAINTY_FIGURE = "uncertainty.png"
 CALIBRATION_FIGURE = "calibration.png"
+RELIABILITY_FIGURE = "reliability.png"  # RMSE against RMV per std decile inside the object
 JOINT_LL_FIGURE = "joint_ll.png"
 ERROR_VS_STD_FIGURE = "error_vs_std.png"
 EM_TRACE_FIGURE = "em_trace.png"
@@ -130,6 +132,7 @@ FIGURE_NAMES = (
     RECONSTRUCTION_FIGURE,
     UNCERTAINTY_FIGURE,
     CALIBRATION_FIGURE,
+    RELIABILITY_FIGURE,
     JOINT_LL_FIGURE,
     ERROR_VS_STD_FIGURE,
     EM_TRACE_FIGURE,

@@ -210,12 +210,22 @@ def _score_against_truth(state: RunState, res, calibration: _Calibration, uq_met
     state.metrics["coverage"] = summary["coverage"]
     uq_metrics["summary"] = summary
     state.uq_summary = summary
+    where = summary["localisation"]
     state.log(
         f"UQ: marginal LL {summary['marginal_ll']:.3f}, joint LL (10×10) "
         f"{summary['joint_ll'].get('10', float('nan')) or float('nan'):.3f}, coverage@0.9 "
-        f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f} "
-        f"(inside the object {summary['localisation']['spearman_inside'] or float('nan'):.3f})"
+        f"{summary['coverage']['0.9']:.3f}, Spearman(std, |error|) {summary['spearman']:.3f}; inside the object "
+        f"ENCE {_num(where['ence'], 2)}, coverage@0.9 per std decile {_span(where['conditional_coverage_0.9'])}, "
+        f"Spearman {_num(where['spearman_inside'], 3)} = {_num(where['spearman_ratio'], 2)} × a calibrated map's"
     )
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _span(values: list | None) -> str:
+    return "n/a" if not values else f"{min(values):.2f}–{max(values):.2f}"
 
 
 def _write_files(state: RunState, res, heldout: cal.HeldoutRows | None, calibration: _Calibration) -> None:
@@ -233,6 +243,17 @@ def _write_files(state: RunState, res, heldout: cal.HeldoutRows | None, calibrat
         p.unlink(missing_ok=True)
     if not cfg.output.keep_checkpoint and (state.out_dir / rf.UQ_STATE_NAME).exists():
         (state.out_dir / rf.UQ_STATE_NAME).unlink()
+
+
+def _reliability_figure(path, summary: dict, before: dict | None, applied) -> None:
+    """RMSE against RMV per std decile inside the object for ``std.tif`` and, when it is a recalibration, the
+    posterior's own map (skipped when the object is too small for ten bins or a bin has zero error)."""
+    maps = {"std.tif" if applied is None else f"std.tif ({applied.label()})": summary["localisation"]}
+    if before is not None:
+        maps["posterior (uncalibrated)"] = before["localisation"]
+    curves = {k: (v["reliability"]["rmv"], v["reliability"]["rmse"]) for k, v in maps.items() if v["reliability"]}
+    if curves and all(min(min(a), min(b)) > 0 for a, b in curves.values()):
+        figures.plot_reliability(path, curves, ence={k: maps[k]["ence"] for k in curves})
 
 
 def _method(res, prior: str) -> str:
@@ -349,6 +370,7 @@ def _uq_figures(state: RunState, res, applied: cal.CalibrationMethod | None, sco
             scores = state.metrics["uq"][method.summary_name()]["calibration"]
             curves[method.label(applied=False)] = (scores["levels"], scores["coverage"])
         figures.plot_calibration(out / rf.CALIBRATION_FIGURE, curves)
+        _reliability_figure(out / rf.RELIABILITY_FIGURE, summary, before, applied)
         figures.plot_joint_ll(out / rf.JOINT_LL_FIGURE, {"linearised DIP": summary["joint_ll"]})
         figures.plot_error_vs_std(out / rf.ERROR_VS_STD_FIGURE, abs_err, res.std, roi)
     else:

@@ -65,7 +65,7 @@ from ctuq import calibration as cal
 from ctuq.config import ConfigError, load_config
 from ctuq.data.walnut import SIDECAR_NAME
 from ctuq.metrics import inner_square_roi
-from ctuq.metrics.calibration import error_localisation
+from ctuq.metrics.calibration import OBJECT_FRACTION, error_localisation, power_fit
 from ctuq.options import PhantomKind
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.simulate import simulate
@@ -352,8 +352,11 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     :meth:`~ctuq.calibration.CalibrationMethod.recorded_joint_ll`, ``None`` when it did not) and
     ``oracle_joint_ll_10`` (the oracle is independent across pixels, so its joint LL per pixel equals its marginal
     one), ``spearman`` (std against |err|; ``None`` for a constant std), where the errors are
-    (:func:`ctuq.metrics.calibration.error_localisation`: ``spearman_inside`` the object, ``auc_top10``, and
-    ``decile_coverage`` with its ``_min``/``_max``: coverage@0.9 per decile of std inside the object), ``rmse`` and
+    (:func:`ctuq.metrics.calibration.error_localisation`: ``spearman_inside`` the object, ``auc_top10``,
+    ``decile_coverage`` with its ``_min``/``_max``: coverage@0.9 per decile of std inside the object, ``ence`` and
+    ``reliability`` over the same deciles, ``spearman_reference`` and ``spearman_ratio``), the reference fitted on
+    the truth (:func:`ctuq.metrics.calibration.power_fit` of the posterior's map inside the object: ``power_gamma``
+    and the ENCE of that ``c·std^γ``, ``power_ence``), ``rmse`` and
     ``mean_std`` (mm⁻¹), ``k`` and
     ``tau`` (the method's report entries of those names, the global scale and bias std, mm⁻¹, ``None`` when it has
     none) and ``heldout`` (the held-out check's headline numbers, if the run made one); then, per registered method
@@ -383,6 +386,12 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
     abs_error = np.abs(read[rf.RECONSTRUCTION_NAME] - read[rf.GROUND_TRUTH_NAME])
     where = error_localisation(std_map, abs_error, read[rf.GROUND_TRUTH_NAME], roi)
     deciles = where["conditional_coverage_0.9"] or [None]
+    # the reference no ground-truth-free method is asked to beat: the best c·std^γ of the posterior's own map,
+    # fitted on the truth inside the object (issue 44)
+    truth = read[rf.GROUND_TRUTH_NAME]
+    inside = np.zeros(truth.shape, dtype=bool)
+    inside[roi] = truth[roi] > OBJECT_FRACTION * truth[roi].max()
+    reference = power_fit(read[base], abs_error, inside) or {}
     std = std_map[roi].ravel()
     z = np.abs(err) / std
     rmse = float(np.sqrt(np.mean(err**2)))
@@ -417,6 +426,12 @@ def score_run(run: Path, calibration: str = "none", heldout: cal.HeldoutRows | N
         "decile_coverage_min": min(deciles) if deciles[0] is not None else None,
         "decile_coverage_max": max(deciles) if deciles[0] is not None else None,
         "decile_coverage": where["conditional_coverage_0.9"],
+        "ence": where["ence"],
+        "reliability": where["reliability"],
+        "spearman_reference": where["spearman_reference"],
+        "spearman_ratio": where["spearman_ratio"],
+        "power_gamma": reference.get("gamma"),
+        "power_ence": reference.get("ence"),
         "rmse": rmse,
         "mean_std": float(np.mean(std)),
         "k": applied.get("k"),

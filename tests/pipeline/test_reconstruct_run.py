@@ -68,6 +68,7 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(tiny_run):
         "reconstruction.png",
         "uncertainty.png",
         "calibration.png",
+        "reliability.png",
         "em_trace.png",
         "error_vs_std.png",
         "joint_ll.png",
@@ -105,6 +106,11 @@ def test_reconstruct_with_uncertainty_writes_the_run_folder(tiny_run):
     assert m["uq"]["calibration"]["mode"] == "bias" and m["uq"]["calibration"]["setting"] == "auto"
     std = tifffile.imread(out / "std.tif")
     assert std.shape == (32, 32) and std.dtype.name == "float32" and (std > 0).all()
+    # the contrast scores inside the object (DESIGN.md §8), for std.tif and the posterior's own map
+    for where in (m["uq"]["summary"]["localisation"], m["uq"]["summary_uncalibrated"]["localisation"]):
+        assert where["ence"] >= 0 and len(where["reliability"]["rmv"]) == len(where["conditional_coverage_0.9"]) == 10
+        assert where["spearman_ratio"] == pytest.approx(where["spearman_inside"] / where["spearman_reference"])
+    assert "ENCE" in (out / "ctuq.log").read_text()
 
 
 @pytest.mark.slow

@@ -64,6 +64,10 @@ def test_score_run_against_known_numbers(tmp_path):
     assert abs(s["coverage_0.9"] - 0.589) < 0.02 and abs(s["coverage_0.5"] - 0.261) < 0.02
     assert s["oracle_ll"] > s["marginal_ll"] and s["joint_ll_10"] == 1.0 and len(s["calibration"]) == 20
     assert abs(s["rmse"] - 0.01) < 2e-4 and s["spearman"] is None  # a constant std ranks nothing
+    # inside the object every decile claims half its error (ENCE 1); the truth's best c·std^γ is the RMS error
+    # itself (ENCE ≈ the deciles' sampling error, ~3 % each over ~650 pixels), and a constant map has no reference
+    assert s["ence"] == pytest.approx(1.0, abs=0.05) and s["power_ence"] < 0.06
+    assert s["spearman_reference"] is None and s["spearman_ratio"] is None
 
 
 def test_gates_report_margins():
@@ -158,6 +162,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     for r in res["records"]:
         s = r["scores"]
         assert 0 <= s["coverage_0.9"] <= 1 and s["right_scale"] > 0 and math.isfinite(s["marginal_ll"])
+        assert s["ence"] >= 0 and s["power_ence"] >= 0 and len(s["reliability"]["rmse"]) == 10
     assert any(r["content"] == "textured" for r in res["table"]) and res["options"]["targets"]
     assert [set(g["gates"]) for g in res["gates"]] == [{"right_scale"}] * len(res["gates"]) and res["gates"]
     md = (out / "results.md").read_text()
@@ -165,6 +170,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
         "| 8 | gprior-homoscedastic-none | all | 2 |" in md
         and "## Targets" in md
         and "right_scale ∈ [0.85, 1.15]" in md
+        and "| ENCE (best c·std^γ on the truth, γ) |" in md
     )
     assert (out / "calibration.png").stat().st_size > 10_000
     for name in res["unavailable"]:
