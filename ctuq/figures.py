@@ -27,6 +27,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ctuq import metrics as _metrics
 from ctuq.outputs import central_slice
@@ -491,6 +492,16 @@ def plot_heldout_calibration(
     return save_figure(fig, path)
 
 
+def _power_label(value: float, _pos=None) -> str:
+    """``2×10⁻³`` for a log axis' tick at 2e-3 (``10⁻³`` at a power of ten)."""
+    if not value > 0:
+        return ""
+    exponent = math.floor(math.log10(value) + 1e-9)
+    coefficient = round(value / 10**exponent, 6)
+    power = f"10^{{{exponent}}}"
+    return f"${power}$" if coefficient == 1 else f"${coefficient:g}\\times{power}$"
+
+
 def plot_reliability(
     path: str | os.PathLike,
     curves: Mapping[str, tuple],
@@ -533,6 +544,10 @@ def plot_reliability(
     suffix = f" ({unit})" if unit else ""
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # labels at 1, 2, 5 × 10^k only: minor labels of a short log axis collide
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(_power_label))
+        axis.set_minor_formatter(NullFormatter())
     ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"RMV: root mean std²{suffix}", ylabel=f"RMSE{suffix}", aspect="equal")
     if title:
         ax.set_title(title, fontsize=10)

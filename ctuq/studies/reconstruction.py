@@ -190,6 +190,11 @@ def run_setting(scan: Path | None, size: int, n_angles: int, subsampling: int, o
             "coverage_0.95": scores["coverage_0.95"],
             "marginal_ll": scores["marginal_ll"],
             "oracle_ll": scores["oracle_ll"],
+            # the map's contrast inside the object (DESIGN.md §8) and the truth-fitted reference (issue 44)
+            "ence": scores["ence"],
+            "decile_coverage": scores["decile_coverage"],
+            "spearman_ratio": scores["spearman_ratio"],
+            "power_ence": scores["power_ence"],
         },
     }
     atomic_write_json(out / "result.json", record)
@@ -265,17 +270,24 @@ def report(records: list[dict]) -> str:
         "≥ 0.92, marginal LL above a constant std equal to the RMS error (the oracle).",
         "",
         "| scan | size | angles | calibration | right scale | coverage@0.9 | coverage@0.95 | LL | LL oracle "
-        "| time fixed / tuned (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ENCE (best c·std^γ on the truth) | cov@0.9 per std decile | Spearman ratio | time fixed / tuned (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         u, t = r["uq"], r["time_s"]
+        deciles = u.get("decile_coverage") or []
         lines.append(
             f"| {r['scan']} | {r['size']}² | {r['angles']} | {u['calibration']} | {u['right_scale']:.2f} "
             f"| {u['coverage_0.9']:.3f} | {u['coverage_0.95']:.3f} | {u['marginal_ll']:.3f} | {u['oracle_ll']:.3f} "
+            f"| {_opt(u.get('ence'))} ({_opt(u.get('power_ence'))}) "
+            f"| {(f'{min(deciles):.2f}–{max(deciles):.2f}') if deciles else '—'} | {_opt(u.get('spearman_ratio'))} "
             f"| {t['fixed']:.0f} / {t['tuned']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _opt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _settings(options: ReconstructionOptions, scans: dict[str, Path]) -> list[tuple[str, Path | None, int, int, int]]:

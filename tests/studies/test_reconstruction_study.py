@@ -42,8 +42,10 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     assert rec["oracle"]["tuned"]["tv"]["psnr"] == pytest.approx(max(path["psnr"]))
     assert rec["psnr"]["dip_tuned"] == tuned["psnr"]["dip"] and rec["psnr"]["dip_fixed"] == fixed["psnr"]["dip"]
     assert 0 < rec["uq"]["right_scale"] and 0 <= rec["uq"]["coverage_0.9"] <= 1
+    assert rec["uq"]["ence"] >= 0 and rec["uq"]["power_ence"] >= 0 and len(rec["uq"]["decile_coverage"]) == 10
     md = (out / "results.md").read_text()
     assert "## Gates" in md and "DIP ≥ max(FBP, TV) − 0.3 dB" in md and "| walnut_0 | 32² | 8 |" in md
+    assert "| ENCE (best c·std^γ on the truth) |" in md
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.tif")}
     assert _script().main(["--tiny", "--out", str(out)]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.tif")} == stamps
