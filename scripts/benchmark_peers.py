@@ -65,7 +65,7 @@ from ctuq.utils import atomic_path
 PRIOR_SMOOTHNESS = 10.0
 #: The share of the chain discarded as burn-in, and the thinning of what is kept.
 BURNIN, THINNING = 0.2, 5
-#: Steps of the pilot chain that times a step when the chain's length is matched to ctuq's time.
+#: Steps of the shorter of the two pilot chains that time a step when the chain is matched to ctuq's time.
 PILOT = 300
 
 
