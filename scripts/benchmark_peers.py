@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import importlib.machinery
-import json
 import math
 import sys
 import time
@@ -55,11 +54,12 @@ import tifffile
 import torch
 
 from ctuq.config import load_config
+from ctuq.errors import OutDirError
 from ctuq.metrics import inner_square_roi, marginal_log_likelihood, psnr
 from ctuq.metrics.calibration import error_localisation, headline_coverage
 from ctuq.pipeline import run_folder as rf
 from ctuq.pipeline.scan import load_scan
-from ctuq.utils import atomic_path
+from ctuq.utils import atomic_write_json
 
 #: The prior's gradient is this many times smoother than the likelihood's (σd from it).
 PRIOR_SMOOTHNESS = 10.0
@@ -285,9 +285,10 @@ def main(argv=None) -> int:
     deepinv = import_deepinv()
     results = []
     for run in args.runs:
-        metrics = json.loads((run / rf.METRICS_NAME).read_text()) if (run / rf.METRICS_NAME).is_file() else None
-        if metrics is None:
-            raise SystemExit(f"benchmark_peers: {run / rf.METRICS_NAME} is missing (not a finished run)")
+        try:
+            metrics = rf.read_metrics(run)
+        except OutDirError as exc:  # one line naming the file: not a finished run
+            raise SystemExit(f"benchmark_peers: {exc}") from None
         gt = _read(run, rf.GROUND_TRUTH_NAME)
         rows = {"ctuq (std.tif)": _ctuq_row(run, metrics, gt)}
         label = f"deepinv {args.sampler.upper()} + TV"
@@ -306,8 +307,7 @@ def main(argv=None) -> int:
         print(f"[peers] {run}: {peer['iterations']} steps, {peer['chain_seconds']:.0f} s", file=sys.stderr)
     print(table(results))
     if args.json:
-        with atomic_path(args.json) as tmp:
-            Path(tmp).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+        atomic_write_json(args.json, {"command": " ".join(sys.argv), "results": results})
     return 0
 
 

@@ -1,11 +1,13 @@
 """The tiny run the tests share (imported as ``from tiny import ...``, like tv_toy): one settings list for
 ``ctuq reconstruct`` on conftest's ``tiny_scan``, the argument lists built from it, and a :class:`RunState` restored
-from a finished run folder for tests of one phase.
+from a finished run folder for tests of one phase; and :func:`load_script`, a script of ``scripts/`` as a module.
 
 conftest.py writes the finished runs once per session (``tiny_run``, ``tiny_run_none``); a test that changes a run
 works on a copy (``shutil.copytree``)."""
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -53,3 +55,13 @@ def restored_state(run_dir: Path, *overrides: str) -> RunState:
     phase_load(state)
     phase_restore_dip(state)
     return state
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` executed as a module named ``name`` (the scripts are not a package), for tests that call
+    its ``main`` or its functions."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -51,6 +51,12 @@ def _check_std(std, shape: tuple[int, ...], device, where: str) -> torch.Tensor:
     return std
 
 
+def _check_bins(bins, where: str) -> int:
+    if int(bins) != bins or bins < 1:
+        raise ValueError(f"{where}: bins must be a positive int, got {bins!r}")
+    return int(bins)
+
+
 def _check_levels(levels, where: str) -> np.ndarray:
     lv = np.asarray(DEFAULT_LEVELS if levels is None else levels, dtype=np.float64)
     if lv.ndim != 1 or lv.size == 0 or not np.all(np.isfinite(lv)) or lv.min() < 0 or lv.max() > 1:
@@ -161,8 +167,7 @@ def error_std_histogram(
         counts always sum to the ROI size.
     """
     where = "error_std_histogram"
-    if int(bins) != bins or bins < 1:
-        raise ValueError(f"{where}: bins must be a positive int, got {bins!r}")
+    bins = _check_bins(bins, where)
     err_t = _check_image(abs_error, "abs_error", None, where, torch.device("cpu"))
     shape = tuple(err_t.shape)
     region = _resolve_roi(roi, shape, where)
@@ -189,7 +194,7 @@ def error_std_histogram(
             raise ValueError(
                 f"{where}: range must be finite (lo, hi) with hi > lo (and lo > 0 for log bins), got {range!r}"
             )
-    edges = np.geomspace(lo, hi, int(bins) + 1) if log else np.linspace(lo, hi, int(bins) + 1)
+    edges = np.geomspace(lo, hi, bins + 1) if log else np.linspace(lo, hi, bins + 1)
     # clip into [lo, hi] so no pixel is silently dropped from the figure
     counts, _, _ = np.histogram2d(np.clip(err, lo, hi), np.clip(sd, lo, hi), bins=[edges, edges])
     return ErrorStdHistogram(counts.astype(np.int64), edges)
@@ -242,12 +247,20 @@ def _auc(score: np.ndarray, positive: np.ndarray) -> float | None:
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
+def _std_bins(sd: np.ndarray, bins: int) -> list[np.ndarray] | None:
+    """The pixel indices of ``bins`` equal-count bins of ``sd``, lowest std first (ties split by position: a stable
+    sort); ``None`` for fewer pixels than bins. The bins of the decile coverage and of :func:`reliability`."""
+    if sd.size < bins:
+        return None
+    return np.array_split(np.argsort(sd, kind="stable"), bins)
+
+
 def _decile_coverage(err: np.ndarray, sd: np.ndarray) -> list[float] | None:
     """Coverage@0.9 of the pixels in each decile of ``sd`` (lowest std first); ``None`` for fewer than 10 pixels."""
-    if err.size < 10:
+    groups = _std_bins(sd, 10)
+    if groups is None:
         return None
-    order = np.argsort(sd, kind="stable")
-    return [float(np.mean(err[idx] <= _Z90 * sd[idx])) for idx in np.array_split(order, 10)]
+    return [float(np.mean(err[idx] <= _Z90 * sd[idx])) for idx in groups]
 
 
 #: The bins of :func:`reliability` and of the contrast scores of :func:`error_localisation`: deciles of ``std``.
@@ -275,9 +288,9 @@ class Reliability(NamedTuple):
 
 
 def _reliability(err: np.ndarray, sd: np.ndarray, bins: int) -> Reliability | None:
-    if err.size < bins:
+    groups = _std_bins(sd, bins)
+    if groups is None:
         return None
-    groups = np.array_split(np.argsort(sd, kind="stable"), bins)
     rmv = np.array([np.sqrt(np.mean(sd[g] ** 2)) for g in groups])
     rmse = np.array([np.sqrt(np.mean(err[g] ** 2)) for g in groups])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -304,14 +317,13 @@ def reliability(std, abs_error, roi: Roi = None, *, bins: int = CONTRAST_BINS) -
         ``rmse = rmv`` (:func:`ctuq.figures.plot_reliability`).
     """
     where = "reliability"
-    if int(bins) != bins or bins < 1:
-        raise ValueError(f"{where}: bins must be a positive int, got {bins!r}")
+    bins = _check_bins(bins, where)
     err_t = _check_image(abs_error, "abs_error", None, where, torch.device("cpu"))
     shape = tuple(err_t.shape)
     region = _resolve_roi(roi, shape, where)
     err = _select(err_t, region).numpy()
     sd = _select(_check_std(std, shape, torch.device("cpu"), where), region).numpy()
-    out = _reliability(np.abs(err), sd, int(bins))
+    out = _reliability(np.abs(err), sd, bins)
     if out is None:
         raise ValueError(f"{where}: the ROI has {err.size} pixel(s), fewer than bins={bins}")
     return out

@@ -242,15 +242,11 @@ def test_study_adds_a_reconstruction_method_at_the_recorded_angles(tmp_path):
 
 
 def test_study_script_options_and_images_file(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tiny import load_script
 
     from ctuq.studies.angle_selection import DEFAULTS, load_images
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "angle_selection.py"
-    spec = importlib.util.spec_from_file_location("angle_selection_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("angle_selection")
     assert script.main(["--out", str(tmp_path / "s"), "--tiny", "--acquire", "30"]) == 2
     assert "--acquire: pilot 4 + 30 exceed the 20 candidates" in capsys.readouterr().err
     bad = tmp_path / "bad.npy"

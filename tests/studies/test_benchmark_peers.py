@@ -1,21 +1,15 @@
 """scripts/benchmark_peers.py without deepinv (not a dependency): its scores of a posterior against known answers,
 its table, and the one-line error when deepinv is missing. The chain itself is measured by running the script."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tiny import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("benchmark_peers", ROOT / "scripts" / "benchmark_peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmark_peers")
 
 
 def _disc(seed=0, n=96):

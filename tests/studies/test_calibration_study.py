@@ -3,15 +3,14 @@
 against an oracle on synthetic numbers (seed 0; tolerances stated per check)."""
 
 import dataclasses
-import importlib.util
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tifffile
+from tiny import load_script
 
 from ctuq.calibration import HeldoutRows, joint_ll_at_scale
 from ctuq.config import ConfigError, load_config
@@ -31,14 +30,9 @@ from ctuq.studies.calibration import (
     score_run,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("calibration_study", ROOT / "scripts" / "calibration_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("calibration_study")
 
 
 def _known(key: str, value: str) -> bool:

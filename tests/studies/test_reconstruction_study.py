@@ -1,21 +1,16 @@
 """The reconstruction study (``scripts/reconstruction_study.py --tiny``): both runs of a setting, the oracles from
 the same fits, the report's gates, and a rerun that recomputes nothing; plus what a tuned run records."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from tiny import load_script
 
 from ctuq.pipeline import run_folder as rf
 
 
 def _script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "reconstruction_study.py"
-    spec = importlib.util.spec_from_file_location("reconstruction_study", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("reconstruction_study")
 
 
 @pytest.mark.slow

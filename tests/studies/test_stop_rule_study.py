@@ -1,21 +1,16 @@
 """The stop-rule study (``scripts/stop_rule_study.py --tiny``): every part runs, the report has its gates, and a
 rerun resumes without recomputing a design or a reconstruction."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from tiny import load_script
 
 from ctuq.studies.stop_rule import UPDATES, stop_counts
 
 
 def _script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "stop_rule_study.py"
-    spec = importlib.util.spec_from_file_location("stop_rule_study", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("stop_rule_study")
 
 
 @pytest.mark.slow

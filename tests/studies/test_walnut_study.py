@@ -4,15 +4,14 @@ the versioned model file format), and clear errors. The study machinery lives in
 command line."""
 
 import dataclasses
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tifffile
 import torch
+from tiny import load_script
 
 from ctuq import load_run
 from ctuq.studies import exact_decision
@@ -22,17 +21,13 @@ from ctuq.studies.walnut import TINY as TINY_OPTIONS
 # the whole module shares one tiny study run (~10 s): left out of `make test-fast`
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "walnut_study.py"
 # --tiny with one of its two angle counts (4 and 8): one setting shows every per-setting file and row, in half the time
 SETTINGS = (8,)
 TINY = ["--tiny", "--settings", *map(str, SETTINGS), "--no-progress"]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("walnut_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("walnut_study")
 
 
 study = _load_script()
