@@ -36,6 +36,7 @@ module for torchvision (and says so). Install::
 Examples::
 
     python scripts/benchmark_peers.py RUN [RUN ...] [--sampler ula|skrock] [--iterations N] [--seed S] [--json FILE]
+    [--noise ctuq|photon] [--no-progress]
 """
 
 from __future__ import annotations
@@ -171,13 +172,14 @@ def peer_row(
     iterations: int | None,
     seed: int,
     noise: str = "ctuq",
+    progress: bool = True,
 ) -> dict:
     """Sample the TV posterior of the run's scan with deepinv (module docstring) and score its mean and std.
 
     ``iterations``: the chain's steps; ``None`` matches ctuq's time: the chain gets the seconds ctuq's DIP and
     inference took (``metrics.json["timings"]``; both start from the same TV run), at the per-step time of a
     :data:`PILOT`-step pilot chain. ``noise``: ``σ²`` from ctuq's fitted noise (``ctuq``) or the scan's photon
-    statistics (``photon``; module docstring)."""
+    statistics (``photon``; module docstring). ``progress``: deepinv's bar over the chain's steps (not the pilots')."""
     cfg = load_config(run / rf.CONFIG_NAME)
     data, _, _ = load_scan(cfg, torch.device("cpu"), progress=False, run_dir=run)
     op = data.op
@@ -205,14 +207,13 @@ def peer_row(
     fidelity = deepinv.optim.data_fidelity.L2(sigma=math.sqrt(sigma2))
     # α·(x − D_σd(x))/σd² is the gradient of α/σd · TV_σd: α = (λ/σ²)·σd gives the weight λ/σ²
     common = dict(alpha=weight * sigma_d, sigma=sigma_d, thinning=THINNING)
-    common.update(burnin_ratio=BURNIN, clip=None, verbose=False)
+    common.update(burnin_ratio=BURNIN, clip=None)
 
-    def build(steps: int):
+    def build(steps: int, verbose: bool = False):
+        options = {**common, "max_iter": steps, "verbose": verbose}
         if sampler == "ula":
-            return deepinv.sampling.ULA(prior, fidelity, step_size=step, **{**common, "max_iter": steps})
-        return deepinv.sampling.SKRock(
-            prior, fidelity, step_size=step, inner_iter=10, eta=0.05, **{**common, "max_iter": steps}
-        )
+            return deepinv.sampling.ULA(prior, fidelity, step_size=step, **options)
+        return deepinv.sampling.SKRock(prior, fidelity, step_size=step, inner_iter=10, eta=0.05, **options)
 
     if iterations is None:  # ctuq's DIP + inference seconds, at the pilots' time per step
         budget = sum(float((metrics.get("timings") or {}).get(k) or 0.0) for k in ("dip", "uq"))
@@ -224,7 +225,7 @@ def peer_row(
             seconds.append(time.perf_counter() - t0)
         per_step = max(seconds[1] - seconds[0], 1e-3 * seconds[0]) / PILOT
         iterations = max(PILOT, int((budget - seconds[0] + (seconds[1] - seconds[0])) / per_step))
-    chain = build(iterations)
+    chain = build(iterations, verbose=progress)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -279,6 +280,7 @@ def main(argv=None) -> int:
         help="σ²: the noise variance ctuq's inference fitted (default), or the mean of the scan's per-ray variances",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no bar over the chain's steps")
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < 10:
         parser.error(f"--iterations must be at least 10, got {args.iterations}")
@@ -301,6 +303,7 @@ def main(argv=None) -> int:
             iterations=args.iterations,
             seed=args.seed,
             noise=args.noise,
+            progress=args.progress,
         )
         results.append({"run": str(run), "rows": rows})
         peer = rows[label]

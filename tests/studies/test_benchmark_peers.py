@@ -41,3 +41,13 @@ def test_without_deepinv_the_script_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the torchvision stand-in stays in this test
     with pytest.raises(SystemExit, match="deepinv is not installed"):
         peers.import_deepinv()
+
+
+def test_a_folder_that_is_not_a_finished_run_is_named(tmp_path, monkeypatch, capsys):
+    peers = _script()
+    monkeypatch.setattr(peers, "import_deepinv", lambda: None)  # the check comes before any chain
+    with pytest.raises(SystemExit, match=r"metrics\.json: cannot read the run's metrics"):
+        peers.main([str(tmp_path)])
+    with pytest.raises(SystemExit):
+        peers.main([str(tmp_path), "--iterations", "3"])
+    assert "--iterations must be at least 10, got 3" in capsys.readouterr().err
