@@ -257,6 +257,7 @@ class Baseline(Vocabulary):
     """Angle choices that need no posterior."""
 
     EQUIDISTANT = "equidistant"
+    GOLDEN = "golden"
     RANDOM = "random"
 
 
@@ -332,17 +333,27 @@ __all__ += ["NoiseModel"]
 
 # ---------------------------------------------------------------------------------------------- phantoms (issue 26)
 class PhantomKind(Vocabulary):
-    """The object ``ctuq simulate --phantom`` scans: the ellipsoid walnut (exact analytic line integrals) or the
-    textured z-invariant phantom (multi-scale random texture, voxelised and supersampled line integrals)."""
+    """The object ``ctuq simulate --phantom`` scans: the ellipsoid walnut (exact analytic line integrals), the
+    textured z-invariant phantom (multi-scale random texture, voxelised and supersampled line integrals) or the
+    laminate (parallel plates in a round matrix, exact line integrals)."""
 
     WALNUT = "walnut"
     TEXTURED = "textured"
+    LAMINATE = "laminate"
 
 
 __all__ += ["PhantomKind"]
 
 
 # ------------------------------------------------------------------------------------------ classification (issue 27)
+class Approximation(Vocabulary):
+    """The posterior ``LinearizedLaplace`` forms: over all linearised weights (``full``, the core's solvers) or in
+    ELLA's ``K``-dimensional Nyström subspace of the tangent kernel (``ella``, :mod:`ctuq.inference.ella`)."""
+
+    FULL = "full"
+    ELLA = "ella"
+
+
 class HessianAt(Vocabulary):
     """Where ``LinearizedLaplace`` evaluates the softmax Hessians ``B_i``: at the linearised model's mode at the
     current prior precision (self-consistent Laplace-GLM evidence, the default) or at the trained network (the

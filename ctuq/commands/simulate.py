@@ -69,9 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--phantom",
         default=PhantomKind.WALNUT.value,
         metavar="|".join(values(PhantomKind)),
-        help="object to scan: the ellipsoid walnut (exact line integrals; default) or a textured z-invariant "
+        help="object to scan: the ellipsoid walnut (exact line integrals; default), a textured z-invariant "
         "phantom (multi-scale texture, organs, trabecular bone; line integrals through a fine voxel image with "
-        "sub-rays)",
+        "sub-rays) or a laminate (parallel plates along one seeded direction; exact line integrals)",
     )
     g = p.add_argument_group("scan (override the preset)")
     g.add_argument(

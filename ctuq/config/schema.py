@@ -375,7 +375,8 @@ class DesignConfig:
     criterion: str = option(
         "eig",
         choices=values(Criterion) + values(Baseline),
-        help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: equidistant, random",
+        help="eig (D-optimal), ese (expected squared error), diag_eig, or a baseline: equidistant, golden "
+        "(the golden-angle sequence), random",
     )
     prior: str = option(
         "dip", choices=values(DesignPriorKind), help="image prior: linearised DIP, isotropic, Matérn-1/2"
@@ -397,6 +398,13 @@ class DesignConfig:
     sample_chunk: int = option(256, ge=1, help="samples drawn together by the core sampler")
     jitter: float = option(
         0.01, ge=0.0, help="criteria jitter η as a fraction of the mean diagonal of the candidate blocks"
+    )
+    spread: float = option(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        help="spread constraint of a greedy design: each angle is taken only from the gaps between the chosen "
+        "angles at least this fraction as wide as the widest (0: anywhere; 1: the widest gap)",
     )
     refresh_every: int = option(
         5, ge=0, help="refresh the DIP's weight-prior scales and a every this many angles (0: never)"

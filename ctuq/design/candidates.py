@@ -1,4 +1,5 @@
-"""Candidate angle sets, pilot selection and the two baselines (equidistant and random angles).
+"""Candidate angle sets, pilot selection, the baselines (equidistant, golden-angle and random angles) and the spread
+constraint of a greedy design (:func:`spread_mask`).
 
 A design chooses among the angles of a candidate set ``B_a``: ``n`` angles (radians) over one angular period
 (``π`` for parallel beams, ``2π`` for a full fan-beam orbit such as the walnut scans), each with its own
@@ -20,7 +21,9 @@ __all__ = [
     "DesignError",
     "equidistant_indices",
     "equidistant_angles",
+    "golden_indices",
     "random_indices",
+    "spread_mask",
     "match_angles",
     "check_design_sizes",
 ]
@@ -50,6 +53,57 @@ def equidistant_angles(count: int, period: float = math.pi, start: float = 0.0) 
     if count < 1:
         raise DesignError(f"equidistant: count must be >= 1, got {count}")
     return start + np.arange(count) * period / count
+
+
+GOLDEN_FRACTION = (math.sqrt(5.0) - 1.0) / 2.0
+"""The golden-angle step as a fraction of the period (0.618…): 111.25° of 180°, 222.5° of 360°."""
+
+
+def golden_indices(n_candidates: int, count: int) -> np.ndarray:
+    """The first ``count`` angles of the golden-angle sequence on a grid of ``n_candidates`` equally spaced angles.
+
+    Angle ``k`` lies at the fraction ``frac(k·0.618…)`` of the period (``k = 0, 1, …``), snapped to the nearest
+    candidate not taken yet (ties: the lower index), in acquisition order. Every prefix is spread almost evenly
+    (its largest gap at most about 2.6× the equidistant spacing), so the sequence can stop at any count. Raises
+    :class:`DesignError` when ``count`` is not in ``1 … n_candidates``.
+    """
+    if not 1 <= count <= n_candidates:
+        raise DesignError(f"golden: cannot take {count} of {n_candidates} candidate angles")
+    free = np.ones(n_candidates, dtype=bool)
+    out = []
+    for k in range(count):
+        pos = (k * GOLDEN_FRACTION % 1.0) * n_candidates
+        idx = np.flatnonzero(free)
+        dist = np.abs((idx - pos + n_candidates / 2) % n_candidates - n_candidates / 2)
+        j = int(idx[np.argmin(dist)])  # argmin takes the first: the lower index on a tie
+        free[j] = False
+        out.append(j)
+    return np.asarray(out, dtype=np.int64)
+
+
+def spread_mask(chosen: Sequence[int], n_candidates: int, spread: float) -> np.ndarray:
+    """``(n_candidates,)`` bool: the candidates a design with the spread constraint ``spread`` may take next.
+
+    The chosen angles cut the period (the candidate grid's circle) into gaps; a candidate is allowed when it lies
+    inside a gap at least ``spread`` times as wide as the widest (``design.spread``). ``0`` allows every free
+    candidate (the plain greedy design); ``1`` only those in the widest gaps, which keeps the largest gap of every
+    prefix close to the equidistant spacing. Chosen candidates are never allowed. ``spread`` must lie in [0, 1].
+    """
+    if not 0.0 <= spread <= 1.0:
+        raise DesignError(f"design.spread must be in [0, 1], got {spread}")
+    free = np.ones(n_candidates, dtype=bool)
+    c = np.unique(np.asarray(list(chosen), dtype=np.int64))
+    free[c] = False
+    if spread == 0.0 or c.size == 0:
+        return free
+    nxt = np.roll(c, -1)
+    width = (nxt - c) % n_candidates
+    width[width == 0] = n_candidates  # one chosen angle: the whole circle is one gap
+    allowed = np.zeros(n_candidates, dtype=bool)
+    for start, w in zip(c, width):
+        if w >= spread * width.max() and w > 1:
+            allowed[(start + np.arange(1, w)) % n_candidates] = True
+    return allowed & free
 
 
 def random_indices(n_candidates: int, count: int, exclude: Sequence[int] = (), seed: int = 0) -> np.ndarray:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctuq.design.candidates import DesignError, equidistant_indices, random_indices
+from ctuq.design.candidates import DesignError, equidistant_indices, golden_indices, random_indices, spread_mask
 from ctuq.errors import CheckpointMismatch
 from ctuq.options import Baseline, Criterion
 from ctuq.options import values as option_values
@@ -47,7 +47,7 @@ class DesignResult:
     Attributes
     ----------
     strategy : str
-        ``eig``, ``ese``, ``diag_eig``, ``equidistant`` or ``random``.
+        ``eig``, ``ese``, ``diag_eig``, ``equidistant``, ``golden`` or ``random``.
     pilot, acquired : list of int
         Candidate indices of the pilot and of the acquired angles, in acquisition order.
     steps : list of dict
@@ -146,6 +146,7 @@ def greedy_design(
     before_acquire: Callable | None = None,
     after_step: Callable | None = None,
     desc: str | None = None,
+    spread: float = 0.0,
 ) -> DesignResult:
     """Greedy design: ``n_acquire`` steps of argmax ``criterion`` after the ``pilot`` (candidate indices).
 
@@ -180,6 +181,10 @@ def greedy_design(
         design there (a stop rule). Called on replay too, so a resumed design that had stopped stops again.
     desc : str, optional
         The progress bar's label (default ``design (<criterion>)``).
+    spread : float
+        The spread constraint ``design.spread`` in [0, 1]: each step takes the argmax only among the candidates in
+        gaps at least ``spread`` times as wide as the widest gap of the angles chosen so far
+        (:func:`~ctuq.design.candidates.spread_mask`); 0 (default): among all.
     """
     if criterion not in option_values(Criterion):
         raise DesignError(f"design.criterion must be one of {list(option_values(Criterion))}, got {criterion!r}")
@@ -188,10 +193,13 @@ def greedy_design(
     pilot = [int(b) for b in pilot]
     # n_acquire is not part of it: a greedy design of N steps begins with the design of fewer steps.
     fingerprint = dict(fingerprint or {}, criterion=criterion, pilot=pilot)
+    spread_mask([], len(angles_deg), spread)  # the range check, before any work
+    if spread:  # only then: checkpoints of plain designs keep their fingerprint
+        fingerprint["spread"] = float(spread)
     ckpt = Path(checkpoint) if checkpoint is not None else None
     saved = _load(ckpt, fingerprint, len(angles_deg)) if ckpt is not None and ckpt.is_file() else {"steps": []}
     steps: list[dict] = [dict(s) for s in saved["steps"]][:n_acquire]
-    hooks = _Hooks(n_acquire, updater, update_last, before_acquire, after_step)
+    hooks = _Hooks(n_acquire, updater, update_last, before_acquire, after_step, float(spread))
     t_start = time.perf_counter()
     engine.reset(pilot)
     engine.prepare()  # the set-up's samples are timed as set-up, not as the first step
@@ -236,6 +244,7 @@ class _Hooks:
     update_last: bool
     before_acquire: Callable | None
     after_step: Callable | None
+    spread: float = 0.0
 
     def before(self, engine, step: int, beta: int, replay: bool) -> None:
         if self.before_acquire is not None:
@@ -273,7 +282,13 @@ def _acquire(engine, step: int, criterion: str, jitter: float, angles_deg: np.nd
     the step's record (:class:`DesignResult` ``steps``) and whether the stop rule ends the design here."""
     t0 = time.perf_counter()
     values, eta = engine.criteria(criterion, jitter)
-    beta = int(torch.argmax(values))
+    allowed = None
+    if hooks.spread:
+        allowed = spread_mask(engine.chosen, len(angles_deg), hooks.spread)
+        keep = torch.as_tensor(allowed, device=values.device)
+        beta = int(torch.argmax(torch.where(keep, values, torch.full_like(values, -math.inf))))
+    else:
+        beta = int(torch.argmax(values))
     hooks.before(engine, step, beta, False)
     engine.acquire(beta, step)
     dt = time.perf_counter() - t0
@@ -293,6 +308,8 @@ def _acquire(engine, step: int, criterion: str, jitter: float, angles_deg: np.nd
         "n_chosen": len(engine.chosen),
         "values": [None if not math.isfinite(v) else float(v) for v in values.tolist()],
     }
+    if allowed is not None:
+        rec["allowed"] = int(allowed.sum())  # candidates the spread constraint left to choose from
     return rec, stop
 
 
@@ -301,11 +318,12 @@ def baseline_design(
 ) -> DesignResult:
     """Pilot plus ``n_acquire`` baseline angles (candidate indices).
 
-    ``equidistant``: the ``n_acquire`` candidates evenly spaced over the grid that are farthest from the pilot
-    (the equidistant set of that size among the shifts of the grid whose nearest distance to a pilot angle is
-    largest), so pilot + acquired approximate a denser even spread. ``random``: uniform without replacement
-    among the non-pilot candidates (seeded). For an equidistant set of the *total* count regardless of the pilot,
-    use :func:`ctuq.design.candidates.equidistant_indices`.
+    ``equidistant``: the ``n_acquire`` candidates evenly spaced over the grid that are farthest from the pilot (the
+    equidistant set of that size among the shifts of the grid whose nearest distance to a pilot angle is largest), so
+    pilot + acquired approximate a denser even spread. ``golden``: the golden-angle sequence
+    (:func:`~ctuq.design.candidates.golden_indices`) without the pilot's candidates, in its order. ``random``: uniform
+    without replacement among the non-pilot candidates (seeded). For an equidistant set of the *total* count regardless
+    of the pilot, use :func:`ctuq.design.candidates.equidistant_indices`.
     """
     if strategy not in option_values(Baseline):
         raise DesignError(f"baseline strategy must be one of {list(option_values(Baseline))}, got {strategy!r}")
@@ -313,6 +331,9 @@ def baseline_design(
     pilot = [int(b) for b in pilot]
     if strategy == Baseline.RANDOM:
         picks = random_indices(n_candidates, n_acquire, exclude=pilot, seed=seed)
+    elif strategy == Baseline.GOLDEN:
+        taken = set(pilot)
+        picks = [b for b in golden_indices(n_candidates, n_candidates).tolist() if b not in taken][:n_acquire]
     else:
         best, best_gap = None, -1.0
         for off in range(max(1, n_candidates // n_acquire)):

@@ -16,6 +16,7 @@ OnlineCalibration`), the error forecast after every step, and the :class:`~ctuq.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from ctuq.design.engine import DesignEngine
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule
 from ctuq.design.greedy import greedy_design
 
-__all__ = ["plan_curves", "pilot_rows", "AcquisitionHooks", "refresh_updater"]
+__all__ = ["plan_curves", "recommend", "pilot_rows", "AcquisitionHooks", "refresh_updater"]
 
 
 def _variance(engine: DesignEngine, n: int, seed: int):
@@ -71,6 +72,7 @@ def plan_curves(
     seed: int,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    spread: float = 0.0,
 ) -> dict:
     """The predicted error after each of ``counts`` angles for the designed and the equidistant strategy.
 
@@ -88,7 +90,8 @@ def plan_curves(
         Angle counts (pilot included), ascending, from ``len(pilot)``.
     forecaster : ErrorForecaster
         Fitted at the pilot.
-    criterion, jitter, angles_deg, route, n_samples : as for :func:`greedy_design` / :class:`DesignEngine`.
+    criterion, jitter, angles_deg, route, n_samples, spread : as for :func:`greedy_design` /
+        :class:`DesignEngine`.
     std_samples : int
         Core-sampler draws per variance map.
     seed : int
@@ -115,6 +118,7 @@ def plan_curves(
         criterion=criterion,
         angles_deg=angles_deg,
         jitter=jitter,
+        spread=spread,
         progress=progress,
         log=say,
     )
@@ -135,6 +139,72 @@ def plan_curves(
         "predicted RMS error (mm⁻¹) after "
         + ", ".join(f"{n}: {d['rmse']:.3g}" for n, d in zip(counts, out["designed"]))
         + " angles (designed)"
+    )
+    return out
+
+
+def _count_meeting(counts, records, target) -> float | None:
+    """The angle count at which the predicted curve ``records`` (per count) first meets ``target`` (linear in log
+    error, or in PSNR, between the plan's counts); ``None`` when it never does within them."""
+    if target.kind == "psnr":
+        vals = [r.get("psnr") for r in records]
+        if any(v is None for v in vals):
+            return None
+        ok = [v >= target.value for v in vals]
+        curve, goal = np.asarray(vals, float), target.value
+    else:
+        vals = [r["rmse"] for r in records]
+        ok = [v <= target.value for v in vals]
+        curve, goal = -np.log(vals), -math.log(target.value)  # rising, like the PSNR
+    if not any(ok):
+        return None
+    j = ok.index(True)
+    if j == 0:
+        return float(counts[0])
+    lo, hi = curve[j - 1], curve[j]
+    return float(counts[j - 1] + (counts[j] - counts[j - 1]) * (goal - lo) / (hi - lo))
+
+
+def recommend(planned: dict, target=None) -> dict:
+    """The protocol the plan recommends: designed or equidistant angles.
+
+    With a stop ``target`` (:class:`~ctuq.design.forecast.Target`, an RMS error or a PSNR): the predicted count at
+    which each strategy meets it (linear in log error between the plan's counts; ``None`` beyond them), and the one
+    that needs fewer angles (a tie, or neither meeting it, goes to the equidistant scan: it needs no design).
+    Without one (or a ``min_gain`` target): the one with the lower predicted error at the plan's last count.
+
+    Returns
+    -------
+    dict
+        ``recommended`` (``"designed"`` or ``"equidistant"``), ``target`` (its text or ``None``), ``counts``
+        (strategy → predicted count or ``None``, with a target), ``rmse_last`` (strategy → predicted RMS error
+        at the last count, mm⁻¹), ``ahead`` (strategy → the plan's counts where its predicted error is lower), and
+        ``reason`` (one line).
+    """
+    counts = [int(c) for c in planned["counts"]]
+    des, eq = planned["designed"], planned["equidistant"]
+    last = {"designed": des[-1]["rmse"], "equidistant": eq[-1]["rmse"]}
+    ahead = {
+        "designed": [n for n, d, e in zip(counts, des, eq) if d["rmse"] < e["rmse"]],
+        "equidistant": [n for n, d, e in zip(counts, des, eq) if e["rmse"] < d["rmse"]],
+    }
+    out = {"target": None, "counts": None, "rmse_last": last, "ahead": ahead}
+    if target is not None and target.kind in ("rmse", "psnr"):
+        need = {"designed": _count_meeting(counts, des, target), "equidistant": _count_meeting(counts, eq, target)}
+        d, e = need["designed"], need["equidistant"]
+        best = "designed" if d is not None and (e is None or math.ceil(d) < math.ceil(e)) else "equidistant"
+        if d is None and e is None:
+            why = f"neither is predicted to meet {target.text} within {counts[-1]} angles"
+        else:
+            shown = {k: "not within the plan" if v is None else f"{math.ceil(v)} angles" for k, v in need.items()}
+            why = f"{target.text}: designed {shown['designed']}, equidistant {shown['equidistant']}"
+        out.update(target=target.text, counts=need, recommended=best, reason=why)
+        return out
+    best = "designed" if last["designed"] < last["equidistant"] else "equidistant"
+    ratio = last["designed"] / last["equidistant"]
+    out.update(
+        recommended=best,
+        reason=f"predicted RMS error after {counts[-1]} angles: designed {ratio:.3f} × equidistant",
     )
     return out
 

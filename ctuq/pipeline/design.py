@@ -44,7 +44,7 @@ from ctuq.design.dip_prior import DIPPrior, DIPTracker
 from ctuq.design.engine import DesignEngine, auto_route
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, forecast_counts
 from ctuq.design.greedy import baseline_design, greedy_design
-from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves
+from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves, recommend
 from ctuq.design.plots import plot_design_polar, plot_forecast, plot_online_calibration, plot_std_maps
 from ctuq.design.priors import isotropic_model, matern_model
 from ctuq.options import Criterion, DesignPriorKind, DesignRoute, values
@@ -464,6 +464,7 @@ def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: Desi
             criterion=ds.criterion,
             angles_deg=scan.cand_deg,
             jitter=ds.jitter,
+            spread=ds.spread,
             updater=pilot.updater,
             checkpoint=out / STATE_NAME,
             fingerprint=pilot.fingerprint,
@@ -598,6 +599,9 @@ def _forecast_setup(cfg, scan: DesignScan, pilot: PilotPrior, *, plan: bool, rul
         why = None if plan else rule.reachable(best)
         if why is not None:
             raise DesignError(why)
+        planned["recommendation"] = recommend(planned, rule.target if rule else None)
+        if not plan:  # --plan says it after its table
+            _say_advice(planned["recommendation"], len(scan.pilot), acquiring=True)
     online = OnlineCalibration(forecaster, rows, ds.calibration_update)
     center, source = _center(ds, pilot.prior, rule)
     hooks = AcquisitionHooks(
@@ -612,6 +616,19 @@ def _forecast_setup(cfg, scan: DesignScan, pilot: PilotPrior, *, plan: bool, rul
         log=_log,
     )
     return DesignForecast(forecaster, at_pilot, planned, hooks, rule, source)
+
+
+def _say_advice(advice: dict, n_pilot: int, *, acquiring: bool) -> None:
+    """Log the plan's recommendation (:func:`ctuq.design.plan.recommend`), and how to scan the equidistant protocol
+    when it is the one recommended for a target."""
+    _log(f"the plan recommends {advice['recommended']} angles ({advice['reason']})")
+    need = (advice["counts"] or {}).get("equidistant")
+    if advice["recommended"] == "equidistant" and need is not None:
+        _log(
+            f"for the equidistant protocol: {math.ceil(need)} evenly spaced angles (`--criterion equidistant "
+            f"--acquire {max(1, math.ceil(need) - n_pilot)}` with this pilot)"
+            + ("; the design goes on as asked" if acquiring else "")
+        )
 
 
 def _fit_forecaster(cfg, scan: DesignScan, pilot: PilotPrior, x_pilot: torch.Tensor):
@@ -655,6 +672,7 @@ def _plan(cfg, scan: DesignScan, pilot: PilotPrior, forecaster, x_pilot: torch.T
             forecaster,
             criterion=ds.criterion,
             jitter=ds.jitter,
+            spread=ds.spread,
             angles_deg=scan.cand_deg,
             route=pilot.route,
             n_samples=min(ds.samples, ds.plan_samples),
@@ -798,5 +816,6 @@ def _write_plan(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: D
             f"   {e['rmse']:.4g} [{e['rmse_band'][0]:.3g}, {e['rmse_band'][1]:.3g}]"
         )
     _log("predicted RMS error inside the object (95 % band):\n" + "\n".join(rows))
+    _say_advice(planned["recommendation"], len(pilot_idx), acquiring=False)
     _log(f"planned in {record['timings']['total_s']:.1f} s; wrote {out / DESIGN_NAME} and {out / FORECAST_PNG}")
     return record

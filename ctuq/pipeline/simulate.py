@@ -44,8 +44,9 @@ def simulate(
     ``None`` values ignored) into the folder ``out``.
 
     ``phantom`` (``--phantom``, :class:`ctuq.options.PhantomKind`): ``walnut`` (the ellipsoid walnut, exact
-    analytic line integrals; the default, unchanged) or ``textured`` (:func:`ctuq.data.phantom.textured_phantom`:
-    multi-scale texture, line integrals through its fine voxelised image, sub-rays per detector pixel).
+    analytic line integrals; the default, unchanged), ``textured`` (:func:`ctuq.data.phantom.textured_phantom`:
+    multi-scale texture, line integrals through its fine voxelised image, sub-rays per detector pixel) or ``laminate``
+    (:func:`ctuq.data.phantom.laminate_phantom`: parallel plates, exact line integrals).
 
     ``layouts`` (``--layout``, :func:`ctuq.data.formats.write_layouts`: the layouts of the registered formats): the
     file layouts to write the same scan in (:func:`ctuq.data.simulate.simulate_scan`): one into ``out``, several into
@@ -76,8 +77,9 @@ def simulate(
     work = estimate_work(params)
     hours = work["ray_ellipsoid_pairs"] / PAIRS_PER_SECOND / 3600
     obj = None
-    if phantom == PhantomKind.TEXTURED:
+    if phantom != PhantomKind.WALNUT:
         obj = make_phantom(phantom, params.seed, voxel_size=params.gt_voxel_size)
+    if phantom == PhantomKind.TEXTURED:
         hours = work["rays"] * obj.image.shape[0] / TEXTURED_STEPS_PER_SECOND / 3600
     if hours > 0.5:
         log(

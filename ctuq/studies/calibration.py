@@ -265,10 +265,11 @@ def check_combinations(options: CalibrationOptions, combos: list[Combination]) -
 
 
 def scan_names(options) -> list[tuple[str, str, int]]:
-    """``(name, kind, seed)`` of every scan of ``options`` (its ``walnut_seeds`` and ``textured_seeds``):
-    ``walnut_<seed>`` and ``textured_<seed>``."""
+    """``(name, kind, seed)`` of every scan of ``options`` (its ``walnut_seeds``, ``textured_seeds`` and, where the
+    study has them, ``laminate_seeds``): ``walnut_<seed>``, ``textured_<seed>``, ``laminate_<seed>``."""
     out = [(f"walnut_{s}", PhantomKind.WALNUT.value, int(s)) for s in options.walnut_seeds]
-    return out + [(f"textured_{s}", PhantomKind.TEXTURED.value, int(s)) for s in options.textured_seeds]
+    out += [(f"textured_{s}", PhantomKind.TEXTURED.value, int(s)) for s in options.textured_seeds]
+    return out + [(f"laminate_{s}", PhantomKind.LAMINATE.value, int(s)) for s in getattr(options, "laminate_seeds", ())]
 
 
 def prepare_scans(options, out: Path, log: Log) -> dict[str, Path]:

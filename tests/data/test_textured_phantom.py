@@ -135,5 +135,5 @@ def test_cli_phantom_textured_and_a_bad_value(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "--phantom", "cow", "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "ctuq simulate: --phantom 'cow': unknown phantom; valid: walnut, textured"
+    assert err == "ctuq simulate: --phantom 'cow': unknown phantom; valid: walnut, textured, laminate"
     assert not (tmp_path / "c").exists()

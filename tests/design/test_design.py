@@ -16,8 +16,10 @@ from ctuq.design.candidates import (
     check_design_sizes,
     equidistant_angles,
     equidistant_indices,
+    golden_indices,
     match_angles,
     random_indices,
+    spread_mask,
 )
 from ctuq.design.criteria import (
     criteria_from_blocks,
@@ -401,6 +403,55 @@ def test_equidistant_and_random_baselines():
     assert r1.tolist() != random_indices(200, 35, exclude=[0, 40], seed=2).tolist()
     counts = np.bincount(np.concatenate([random_indices(10, 3, seed=s) for s in range(3000)]), minlength=10)
     assert counts.min() > 0.8 * counts.mean()  # uniform: each index ≈ 900 times (seeds 0…2999)
+
+
+def test_golden_angle_baseline_spreads_every_prefix():
+    """The golden-angle sequence: distinct candidates, every prefix's largest gap within 2.6× the equidistant spacing
+    (the three-gap theorem bounds it by 1/0.618² = 2.62× before snapping to the grid), the baseline continuing it
+    after a pilot without repeating a pilot angle."""
+    n = 120
+    g = golden_indices(n, n)
+    assert sorted(g.tolist()) == list(range(n)) and g[:4].tolist() == [0, 74, 28, 102]
+    for k in range(3, 81):
+        s = np.sort(g[:k])
+        widest = np.diff(np.r_[s, s[0] + n]).max()
+        assert widest <= 2.62 * n / k + 1, k
+    res = baseline_design("golden", n, [0, 60], 5, angles_deg=np.arange(n) * 1.5)
+    assert res.acquired == [74, 28, 102, 57, 11] and not {0, 60} & set(res.acquired)
+    with pytest.raises(DesignError, match="golden: cannot take 0 of 120"):
+        golden_indices(n, 0)
+
+
+def test_spread_mask_allows_only_the_wide_gaps():
+    free = spread_mask([0, 10, 60], 120, 0.0)
+    assert free.sum() == 117 and not free[[0, 10, 60]].any()
+    # gaps 10, 50 and 60 wide: spread 0.5 keeps the last two (≥ 30), spread 1 only the widest (60 → 119)
+    assert np.flatnonzero(spread_mask([0, 10, 60], 120, 0.5)).tolist() == [*range(11, 60), *range(61, 120)]
+    assert np.flatnonzero(spread_mask([0, 10, 60], 120, 1.0)).tolist() == list(range(61, 120))
+    assert spread_mask([5], 12, 1.0).sum() == 11  # one angle: the whole circle is one gap
+    with pytest.raises(DesignError, match=r"design.spread must be in \[0, 1\], got 1.5"):
+        spread_mask([0], 12, 1.5)
+
+
+def test_greedy_design_with_spread_takes_its_angles_in_the_widest_gaps(op):
+    """``spread = 1``: every acquisition lies in a widest gap of the angles before it, so no gap of the design is
+    ever wider than the widest after the pilot; the criterion still chooses within the gap (the first pick is the
+    argmax over that gap), and the fingerprint keeps a plain design from resuming a spread one."""
+    model = dense_model(op)
+    kw = dict(criterion="eig", angles_deg=np.arange(N_ANG) * 15.0, jitter=0.0, progress=False)
+    res = greedy_design(DesignEngine(model, "exact"), [0, 3], 5, spread=1.0, **kw)
+    chosen = [0, 3]
+    for step in res.steps:
+        assert spread_mask(chosen, N_ANG, 1.0)[step["candidate"]], (chosen, step["candidate"])
+        assert step["allowed"] == int(spread_mask(chosen, N_ANG, 1.0).sum())
+        chosen.append(step["candidate"])
+    first = np.array([-np.inf if v is None else v for v in res.steps[0]["values"]])
+    allowed = spread_mask([0, 3], N_ANG, 1.0)
+    assert res.acquired[0] == int(np.flatnonzero(allowed)[np.argmax(first[allowed])])
+    plain = greedy_design(DesignEngine(model, "exact"), [0, 3], 5, **kw)
+    assert "allowed" not in plain.steps[0] and plain.acquired != res.acquired
+    with pytest.raises(DesignError, match="design.spread must be in"):
+        greedy_design(DesignEngine(model, "exact"), [0, 3], 1, spread=-0.1, **kw)
 
 
 def test_bad_design_inputs_name_the_option():

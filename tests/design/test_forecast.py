@@ -195,6 +195,37 @@ def test_bad_targets_get_one_line_naming_the_option(kind, text, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_plan_recommends_the_protocol_that_meets_the_target_with_fewer_angles():
+    from ctuq.design.plan import recommend
+
+    def curve(errors):
+        return [{"rmse": e, "psnr": 20 - 20 * math.log10(e / 0.01)} for e in errors]
+
+    planned = {
+        "counts": [10, 20, 40],
+        "designed": curve([4e-3, 2e-3, 1e-3]),
+        "equidistant": curve([4e-3, 2.5e-3, 0.9e-3]),
+    }
+    # 2e-3/mm: designed at 20 angles; equidistant between 20 and 40 (log-linear: 20 + 20·ln(1.25)/ln(2.5/0.9) = 24.4)
+    r = recommend(planned, parse_target("rmse", "2e-3/mm"))
+    assert r["recommended"] == "designed" and r["counts"]["designed"] == pytest.approx(20.0)
+    assert r["counts"]["equidistant"] == pytest.approx(20 + 20 * math.log(1.25) / math.log(2.5 / 0.9))
+    assert r["reason"] == "2e-3/mm: designed 20 angles, equidistant 25 angles"
+    # 0.95e-3/mm: only equidistant meets it within 40 angles
+    r = recommend(planned, parse_target("rmse", "0.95e-3/mm"))
+    assert r["recommended"] == "equidistant" and r["counts"]["designed"] is None
+    # the same on the PSNR scale (34 dB = 2e-3 here), a tie in whole angles goes to the equidistant scan
+    r = recommend(planned, parse_target("psnr", "33.98dB"))
+    assert r["recommended"] == "designed" and r["counts"]["designed"] == pytest.approx(20.0, abs=0.1)
+    tie = dict(planned, equidistant=curve([4e-3, 2e-3, 1e-3]))
+    assert recommend(tie, parse_target("rmse", "2e-3/mm"))["recommended"] == "equidistant"
+    assert recommend(planned, parse_target("rmse", "1e-5/mm"))["reason"].startswith("neither is predicted")
+    # without a target: the lower predicted error at the last count, and where each is ahead
+    r = recommend(planned)
+    assert r["recommended"] == "equidistant" and r["ahead"] == {"designed": [20], "equidistant": [40]}
+    assert r["reason"] == "predicted RMS error after 40 angles: designed 1.111 × equidistant"
+
+
 def test_stop_rule_decisions():
     hist = [{"rmse": 0.01, "psnr": 20.0}, {"rmse": 0.006, "psnr": 24.0}, {"rmse": 0.0058, "psnr": 24.2}]
     assert not StopRule.from_settings(target_rmse="0.005/mm").met(hist)
@@ -269,6 +300,9 @@ def test_plan_writes_the_forecast_without_acquiring(tiny_scan, tmp_path):
         assert all(r["rmse_band"][0] <= r["rmse"] <= r["rmse_band"][1] for r in plan[name])
         assert rmse[-1] < rmse[0]  # more angles, smaller predicted error
     assert len(plan["designed_order"]) == 6
+    advice = plan["recommendation"]  # no target: the strategy with the lower predicted error after 10 angles
+    lower = min(("designed", "equidistant"), key=lambda k: plan[k][-1]["rmse"])
+    assert advice["recommended"] == lower and advice["target"] is None
     assert (out / "forecast.png").stat().st_size > 0
     assert not (out / "designed").exists() and not (out / "std_design.tif").exists()
     # a target the plan says cannot be reached is refused before acquiring anything
@@ -286,6 +320,8 @@ def test_plan_writes_the_forecast_without_acquiring(tiny_scan, tmp_path):
     assert len(got["forecast"]["online"]) == len(got["acquired"]) == stop["n_angles"] - 4
     assert (out3 / "online_calibration.png").stat().st_size > 0
     assert got["forecast"]["predicted_from"].startswith("the tracked DIP (300 ")  # a stop target tracks the DIP
+    advice = got["forecast"]["plan"]["recommendation"]  # for the target: the predicted count of each protocol
+    assert advice["target"] == f"{target}/mm" and advice["counts"]["designed"] is not None
     # resumed: the same stop, nothing more acquired
     assert _cli([*args, *extra, "--target-rmse", f"{target}/mm", "--out", str(out3), "--resume"]) == 0
     again = json.loads((out3 / "design.json").read_text())
