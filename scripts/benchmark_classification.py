@@ -110,10 +110,12 @@ def run_map(model, d, shifts, idx=None, name="MAP"):
 
 
 def make_laplace(
-    model, args, exact: bool, log=None, hessian_at="linear_mode", weights="all", a0=1.0
+    model, args, exact: bool, log=None, hessian_at="linear_mode", weights="all", a0=1.0, ella=False
 ) -> LinearizedLaplace:
     """ctuq's g-prior Laplace as benchmarked: the dense exact solver, or CG with the rank-``--rank`` Nyström
-    preconditioner; softmax Hessians ``hessian_at``."""
+    preconditioner; softmax Hessians ``hessian_at``; ``ella``: ELLA's subspace (``--ella-landmarks``,
+    ``--ella-rank``), the posterior exact in it."""
+    extra = dict(approximation="ella", landmarks=args.ella_landmarks, rank=args.ella_rank) if ella else {}
     return LinearizedLaplace(
         model,
         prior="gprior",
@@ -127,6 +129,7 @@ def make_laplace(
         dtype=getattr(torch, args.dtype),
         dense_features=args.dense_features,
         log=log,
+        **extra,
     )
 
 
@@ -175,12 +178,21 @@ def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
     return out
 
 
-def run_ctuq(model, d, shifts, args, exact: bool, hessian_at="linear_mode", weights="all", name=None, a0=1.0):
+def run_ctuq(
+    model, d, shifts, args, exact: bool, hessian_at="linear_mode", weights="all", name=None, a0=1.0, ella=False
+):
     """Fit, EM (sampled or exact) from ``a = a0`` and the rows of one ctuq variant; returns ``(rows, la)``."""
     name = name or f"ctuq {hessian_at.replace('_', '-')} {'exact' if exact else 'sampled'} EM"
     t0, c0 = time.perf_counter(), time.process_time()
     la = make_laplace(
-        model, args, exact, log=lambda m: print(f"    {m}", flush=True), hessian_at=hessian_at, weights=weights, a0=a0
+        model,
+        args,
+        exact,
+        log=lambda m: print(f"    {m}", flush=True),
+        hessian_at=hessian_at,
+        weights=weights,
+        a0=a0,
+        ella=ella,
     )
     la.fit(loader(d["X"], d["y"]))
     t_fit = time.perf_counter() - t0
@@ -201,7 +213,8 @@ def run_ctuq(model, d, shifts, args, exact: bool, hessian_at="linear_mode", weig
     )
     la.posterior_samples(args.samples, args.seed)  # the prediction samples belong to the timed part
     t_total = time.perf_counter() - t0
-    return ctuq_rows(la, name, d, shifts, args, (t_total, t_fit, t_em), mc64=not exact and weights == "all"), la
+    mc64 = not exact and weights == "all" and not ella
+    return ctuq_rows(la, name, d, shifts, args, (t_total, t_fit, t_em), mc64=mc64), la
 
 
 def run_gridsearch(la, d, shifts, args, val_idx, eval_idx):
@@ -226,24 +239,39 @@ def run_gridsearch(la, d, shifts, args, val_idx, eval_idx):
 def _lt_worker(queue, state, d, shifts, subset, structure, args):
     torch.set_num_threads(args.threads)
     try:
-        from laplace import Laplace
+        from laplace import ELLA, Laplace
 
         model = make_model(args.model_kind, args.dataset_name)
         model.load_state_dict(state)
         model.eval()
         t0 = time.perf_counter()
-        la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
-        la.fit(loader(d["X"], d["y"]))
-        la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+        if structure == "ella":  # the same M and K as ctuq's; its prior by grid search on the validation rows
+            la = ELLA(model, "classification", subsample_size=args.ella_landmarks, n_eigenvalues=args.ella_rank)
+            la.fit(loader(d["X"], d["y"]))
+            val = loader(d["Xt"][args.val_idx], d["yt"][args.val_idx])
+            la.optimize_prior_precision(
+                pred_type="gp",
+                method="gridsearch",
+                val_loader=val,
+                log_prior_prec_min=-2,
+                log_prior_prec_max=6,
+                grid_size=25,
+            )
+            pred = "gp"
+        else:
+            la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
+            la.fit(loader(d["X"], d["y"]))
+            la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+            pred = "glm"
         g = torch.Generator().manual_seed(args.seed)
-        logits = la.functional_samples(d["Xt"], pred_type="glm", n_samples=args.samples, generator=g).detach()
+        logits = la.functional_samples(d["Xt"], pred_type=pred, n_samples=args.samples, generator=g).detach()
         t_total = time.perf_counter() - t0
         res = []
         for link in ("probit", "mc"):
-            probs = la(d["Xt"], pred_type="glm", link_approx=link, n_samples=args.samples).detach().double()
+            probs = la(d["Xt"], pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
             rows = {"test": metric_row(probs, d["yt"], logits)}
             for kind, sev, X in shifts:
-                p = la(X, pred_type="glm", link_approx=link, n_samples=args.samples).detach().double()
+                p = la(X, pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
                 rows[f"{kind}={sev}"] = metric_row(p, d["yt"], kappas=[1])
             res.append(
                 {
@@ -513,7 +541,7 @@ def main(argv=None):
         "--methods",
         nargs="+",
         default=["network", "linear", "last_layer", "gridsearch"],
-        choices=["network", "linear", "last_layer", "gridsearch"],
+        choices=["network", "linear", "last_layer", "gridsearch", "ella"],
         help="ctuq rows besides the exact EM: network-Hessian sampled EM, linear-mode sampled EM, last layer, "
         "grid search",
     )
@@ -521,6 +549,16 @@ def main(argv=None):
         "--shifts", action=argparse.BooleanOptionalAction, default=True, help="evaluate the corrupted test sets"
     )
     ap.add_argument("--laplace-torch", dest="lt", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--lt-variants",
+        nargs="+",
+        metavar="SUBSET:STRUCTURE",
+        help="laplace-torch variants to run (default: "
+        + " ".join(f"{a}:{b}" for a, b in LT_VARIANTS)
+        + ", and all:ella with --methods ella)",
+    )
+    ap.add_argument("--ella-landmarks", type=int, default=1000, help="ELLA's M (--methods ella; laplace-torch's too)")
+    ap.add_argument("--ella-rank", type=int, default=20, help="ELLA's K (--methods ella; laplace-torch's too)")
     ap.add_argument("--lt-timeout", type=float, default=600.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="precision of ctuq's posterior")
@@ -559,6 +597,12 @@ def main(argv=None):
             f"--marglik-rounds must be >= 0 and --marglik-epochs >= 1, got {args.marglik_rounds} and "
             f"{args.marglik_epochs}"
         )
+    known = [f"{a}:{b}" for a, b in [*LT_VARIANTS, ("all", "ella")]]
+    bad = [v for v in args.lt_variants or [] if v not in known]
+    if bad:
+        ap.error(f"--lt-variants {' '.join(bad)}: each must be one of {', '.join(known)}")
+    if not 1 <= args.ella_rank <= args.ella_landmarks:
+        ap.error(f"--ella-rank {args.ella_rank} must be in [1, --ella-landmarks {args.ella_landmarks}]")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("CTUQ_NO_PROGRESS", "1")
     out = Path(args.out)
@@ -631,6 +675,18 @@ def main(argv=None):
                 name = "ctuq last-layer linear-mode exact EM"
                 entries += run_ctuq(model, d, shifts, args, exact=True, weights="last_layer", name=name)[0]
                 print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
+            if "ella" in args.methods:
+                gc.collect()
+                name = f"ctuq ELLA (M {args.ella_landmarks}, K {args.ella_rank}) network-B exact EM"
+                rows, la_e = run_ctuq(model, d, shifts, args, exact=True, hessian_at="network", name=name, ella=True)
+                entries += rows
+                t0 = time.perf_counter()
+                grid = la_e.optimize_prior("gridsearch", val_loader=loader(d["Xt"][val_idx], d["yt"][val_idx]))
+                t = time.perf_counter() - t0 + rows[0]["time_s"]
+                print(f"  ctuq ELLA gridsearch: a = {grid['a']:.4g} (validation NLL {grid['nll']:.4f})", flush=True)
+                entries += ctuq_rows(la_e, name.replace("exact EM", "gridsearch"), d, shifts, args, (t, 0.0, t))
+                la_e = None
+                print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
             if "gridsearch" in args.methods:
                 gc.collect()
                 if la_s is None:
@@ -648,7 +704,11 @@ def main(argv=None):
             if have_lt:
                 state = {k: v.clone() for k, v in model.state_dict().items()}
                 args.model_kind, args.dataset_name = kind, ds
-                for subset, structure in LT_VARIANTS:
+                args.val_idx = val_idx
+                variants = LT_VARIANTS + ([("all", "ella")] if "ella" in args.methods else [])
+                if args.lt_variants:
+                    variants = [tuple(v.split(":", 1)) for v in args.lt_variants]
+                for subset, structure in variants:
                     got = run_laplace_torch(state, d, shifts, subset, structure, args)
                     entries += got if isinstance(got, list) else [got]
                     e = got[0] if isinstance(got, list) else got

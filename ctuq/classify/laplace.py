@@ -61,21 +61,26 @@ from ctuq.inference import (
     DenseFeatures,
     LinearizedFeatures,
     LinearizedPosterior,
+    NystromBasis,
+    ScaledFeatures,
     Workload,
     dense_features_fit,
+    ella_features,
+    nystrom_basis,
     solver_choices,
 )
 from ctuq.inference.priors import GPrior
 from ctuq.linearize import LinearizedNetwork
 from ctuq.memory import Budget, memory_budget
-from ctuq.options import DenseFeatures as DenseChoice
 from ctuq.options import (
+    Approximation,
     HessianAt,
     HessianRoot,
     LinearModel,
     SolverAlias,
     values,
 )
+from ctuq.options import DenseFeatures as DenseChoice
 from ctuq.registry import PRIORS
 
 __all__ = [
@@ -130,6 +135,20 @@ def _prior_options(prior, options: dict | None) -> dict:
     if issubclass(cls, GPrior):
         options.setdefault("floor", GPRIOR_FLOOR)
     return options
+
+
+def _check_forward_mode(model: nn.Module, x: torch.Tensor, names, where: str) -> None:
+    """One Jacobian-vector product on one input: a model whose operations have no forward-mode rule gets one line
+    now (the linearised model's mode and ELLA's features run on JVPs), not a traceback from deep in the fit."""
+    net = LinearizedNetwork(model, x, param_names=list(names), mode="recompute")
+    try:
+        net.jvp(torch.zeros((1, net.d), dtype=next(model.parameters()).dtype))
+    except (NotImplementedError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{where}: the model does not support forward-mode differentiation (torch.func.jvp), which the "
+            f"linearised model's mode and ELLA's features need: {first}"
+        ) from None
 
 
 def exact_solver(solver: str) -> bool:
@@ -191,6 +210,15 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         ``max_iter``, ``gtol`` of the mode finder.
     jacobian_chunk : int
         Examples per batch of per-example Jacobians.
+    approximation : {"full", "ella"}
+        ``"full"`` (default): the posterior over all ``d`` linearised weights, through the core's solvers.
+        ``"ella"``: ELLA (Deng, Zhou & Zhu 2022): the Nyström eigenbasis ``V`` (``d × K``) of the tangent kernel
+        ``Ψ Ψᵀ`` from ``landmarks`` sampled rows (``M`` (input, class) pairs: ``M`` vector-Jacobian products), the
+        features ``Ψ V`` (``K`` Jacobian-vector products over the data) and the posterior of ``w = V u`` in ``K``
+        dimensions with an exact solver (:mod:`ctuq.inference.ella`); the prior scales, ``a``, its EM, evidence and
+        grid search, the mode and the predictive are the full route's, applied in the subspace.
+    landmarks, rank : int
+        ELLA's ``M`` and ``K`` (``K ≤ M ≤ n·C``; ``K`` at most the rank the landmark rows have).
     dense_features : {"auto", "always", "never"}
         Whether ``Ψ₀`` (``n·C × d``) is assembled from per-example Jacobians (``C`` backward passes over the data;
         then every solver product is a GEMM) or applied through Jacobian products over all ``n`` inputs. ``"auto"``:
@@ -222,6 +250,9 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         mode_options: dict | None = None,
         jacobian_chunk: int = 32,
         dense_features: str = "auto",
+        approximation: str = "full",
+        landmarks: int = 2000,
+        rank: int = 20,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"LinearizedLaplace: model must be an nn.Module, got {type(model).__name__}")
@@ -234,9 +265,18 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
             ("hessian_at", hessian_at, values(HessianAt)),
             ("solver", solver, solver_choices()),
             ("dense_features", dense_features, values(DenseChoice)),
+            ("approximation", approximation, values(Approximation)),
         ):
             if value not in allowed:
                 raise ValueError(f"LinearizedLaplace: {name} must be one of {list(allowed)}, got {value!r}")
+        for name, value in (("landmarks", landmarks), ("rank", rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LinearizedLaplace: {name} must be a positive int, got {value!r}")
+        if approximation == Approximation.ELLA and landmarks < rank:
+            raise ValueError(
+                f"LinearizedLaplace(approximation='ella'): landmarks M = {landmarks} must be at least the rank "
+                f"K = {rank}"
+            )
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"LinearizedLaplace: dtype must be torch.float32 or torch.float64, got {dtype}")
         self.model = model
@@ -257,6 +297,9 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         self.mode_options = dict(mode_options or {})
         self.jacobian_chunk = int(jacobian_chunk)
         self.dense_features = dense_features
+        self.approximation = str(approximation)
+        self.landmarks, self.rank = int(landmarks), int(rank)
+        self.basis: NystromBasis | None = None  # ELLA's subspace (fit or a loaded state)
         # set by fit() / load_state_dict()
         self.posterior: LinearizedPosterior | None = None
         self.scales: torch.Tensor | None = None
@@ -389,6 +432,7 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
             self._net = LinearizedNetwork(self._model, X, param_names=self.param_names)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        _check_forward_mode(self._model, X[:1], self.param_names, where)
         self._root = root = SoftmaxHessianRoot(torch.softmax(logits.double(), 1), self.hessian_root)
         self._trace_net = mean_hessian_trace(root.p)
         # A network's fit can take minutes (every product runs over all n training inputs): say what runs.
@@ -423,6 +467,8 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         targets = self._refresh_mode(a, self._mode_w)
         if self._linear_mode:  # the features with B at the linear model's mode (the g-prior kept the network's)
             base = self._whitened_base(exact_solver(self.solver))
+        if self._ella and self.basis is None:  # else restored from a state
+            self.basis = self._ella_basis(base, n * C)
         pending, self._pending_posterior = self._pending_posterior, None
         self.posterior = self._new_posterior(base, targets, a, self.solver, self.solver_options, pending)
         if self._precond_trace is None or pending is None:  # else restored with the preconditioner it describes
@@ -435,12 +481,45 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
     def _linear_mode(self) -> bool:
         return self.hessian_at == HessianAt.LINEAR_MODE
 
+    @property
+    def _ella(self) -> bool:
+        return self.approximation == Approximation.ELLA
+
+    def _ella_basis(self, base, c: int) -> NystromBasis:
+        """ELLA's basis from ``landmarks`` rows of ``Ψ = Ψ₀ diag(s)`` (one-line errors naming M, K and the rank)."""
+        t0 = time.perf_counter()
+        try:
+            basis = nystrom_basis(
+                ScaledFeatures(base, self.scales.to(base.dtype)), min(self.landmarks, c), self.rank, seed=self.seed
+            )
+        except ValueError as exc:
+            raise ValueError(f"LinearizedLaplace(approximation='ella'): {exc}") from None
+        if self.landmarks > c:
+            self.say(f"ELLA: {self.landmarks} landmarks asked, the training data have {c} rows: all of them")
+        self.say(
+            f"ELLA: {self.rank} of the {basis.rank_found} eigenpairs of {basis.rows.numel()} landmark rows: "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        return basis
+
+    def _lift(self, W: torch.Tensor) -> torch.Tensor:
+        """Scaled weights ``(B, d)`` of the posterior's samples ``W``: ``V u`` for ELLA's ``K`` coordinates."""
+        return self.basis.lift(W.to(self.basis.V.dtype)).double() if self._ella else W
+
     def _new_posterior(self, base, targets, a, solver, solver_options, pending=None) -> LinearizedPosterior:
-        """A set-up posterior on ``base`` (``Ψ₀``) with ``targets`` at ``a`` (a stored posterior state resumes)."""
+        """A set-up posterior on ``base`` (``Ψ₀``) with ``targets`` at ``a`` (a stored posterior state resumes). ELLA:
+        on the features ``Ψ₀ diag(s) V`` of its ``K`` coordinates (unit scales), with an exact solver."""
+        prior = self.scales.to(self.dtype)
+        if self._ella:
+            t0 = time.perf_counter()
+            base = ella_features(ScaledFeatures(base, prior.to(base.dtype)), self.basis)  # fit checked the JVPs
+            self.say(f"ELLA: features Ψ V ({base.n_outputs} × {base.n_features}): {time.perf_counter() - t0:.1f} s")
+            prior = torch.ones(base.n_features, dtype=self.dtype)
+            solver, solver_options = SolverAlias.EXACT.value, None
         post = LinearizedPosterior(
             base,
             targets.to(self.dtype),
-            prior=self.scales.to(self.dtype),
+            prior=prior,
             likelihood=CategoricalLikelihood(),
             a=a,
             solver=solver,
@@ -621,5 +700,6 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         return (
             f"LinearizedLaplace(d={self.n_params}, prior={prior}, "
             f"a={self.prior_precision:.4g}, hessian_at={self.hessian_at!r}, solver={self.solver!r}, "
-            f"fitted={self.posterior is not None})"
+            + (f"approximation='ella', landmarks={self.landmarks}, rank={self.rank}, " if self._ella else "")
+            + f"fitted={self.posterior is not None})"
         )

@@ -79,7 +79,7 @@ def link_probabilities(f: torch.Tensor, Z: torch.Tensor, link: str = "mc") -> to
 
 class PredictiveMixin:
     """The prediction methods of :class:`~ctuq.classify.LinearizedLaplace` (it provides ``posterior``,
-    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress`` and ``_require``)."""
+    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress``, ``_require`` and ``_lift``)."""
 
     def posterior_samples(self, n: int, seed: int = 0) -> torch.Tensor:
         """``n`` zero-mean posterior samples ``ζ`` ``(n, d)`` of the scaled weights (cached per ``(n, seed, a)``)."""
@@ -95,6 +95,7 @@ class PredictiveMixin:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"LinearizedLaplace: the number of samples must be a positive int, got {n!r}")
         W = torch.cat([ps.weights.double() for _, ps in self.posterior.sample(n, chunk_size=64, seed=seed)])
+        W = self._lift(W)  # ELLA's K coordinates → the d scaled weights
         self._samples = {"n": n, "seed": seed, "a": float(self.posterior.a), "weights": W}
         return W
 

@@ -1,14 +1,14 @@
 """State of a :class:`~ctuq.classify.LinearizedLaplace` as plain values and tensors (``weights_only`` loadable).
 
 Holds the settings, a fingerprint of the model's weights and buffers (a state never silently attaches to another
-network), the prior scales, ``a``, the linearised model's mode, the posterior's own state (EM trace and generator,
-CG preconditioner; exact decompositions are left out: they are recomputed from the data on :meth:`fit`) and the
-cached posterior samples, with which a loaded object predicts without the training data; where the softmax
-Hessians were evaluated (``hessian_at``), the curvature diagnostic (mean ``tr B`` at the network and at the
-linearised model's mode, the ``a`` of that mode), the grid search's trace, the prior's options (``prior_options``)
-and a SHA-256 checksum of everything else (:func:`state_checksum`): a state edited after it was written is refused
-with one line (:class:`ClassifierStateError`), as a damaged model file is. A state of another version is refused
-the same way (refit to regenerate it).
+network), the prior scales, ``a``, the linearised model's mode, the posterior's own state (EM trace and generator, CG
+preconditioner; exact decompositions are left out: they are recomputed from the data on :meth:`fit`) and the cached
+posterior samples, with which a loaded object predicts without the training data; where the softmax Hessians were
+evaluated (``hessian_at``), the curvature diagnostic (mean ``tr B`` at the network and at the linearised model's mode,
+the ``a`` of that mode), the grid search's trace, the prior's options (``prior_options``), ELLA's settings and basis
+(``approximation``, ``landmarks``, ``rank``, ``V``) and a SHA-256 checksum of everything else (:func:`state_checksum`):
+a state edited after it was written is refused with one line (:class:`ClassifierStateError`), as a damaged model file
+is. A state of another version is refused the same way (refit to regenerate it).
 
 Files: :func:`save_state` writes a state atomically; :func:`load_state` reads one with ``weights_only=True`` and
 names the file in every error.
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ctuq.errors import CheckpointMismatch
+from ctuq.inference.ella import NystromBasis
 from ctuq.utils import atomic_torch_save
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
     "load_state",
 ]
 
-STATE_VERSION = 3
+STATE_VERSION = 4  # 4: the approximation (ELLA's settings and basis)
 _KIND = "ctuq.classify.LinearizedLaplace"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -118,6 +119,17 @@ def state_dict(la) -> dict:
             "dtype": str(la.dtype).replace("torch.", ""),
             "seed": la.seed,
             "prior_precision": la.a0,
+            "approximation": la.approximation,
+            "landmarks": la.landmarks,
+            "rank": la.rank,
+        },
+        "ella_basis": None
+        if la.basis is None
+        else {
+            "V": la.basis.V.detach().cpu(),
+            "eigenvalues": la.basis.eigenvalues.detach().cpu(),
+            "rows": la.basis.rows.detach().cpu(),
+            "rank_found": int(la.basis.rank_found),
         },
         "model": model_fingerprint(la.model, la.param_names),
         "n_classes": la.n_classes,
@@ -189,7 +201,7 @@ def load_state_dict(la, state: dict) -> None:
                 f"(weight {key} {now[key]:.8g} vs {saved[key]:.8g})"
             )
     stored = state["settings"]
-    for key in ("linear_model", "hessian_root", "hessian_at", "dtype"):
+    for key in ("linear_model", "hessian_root", "hessian_at", "dtype", "approximation", "landmarks", "rank"):
         mine = str(la.dtype).replace("torch.", "") if key == "dtype" else getattr(la, key)
         if stored[key] != mine:
             raise ClassifierStateError(f"{where}: the state has {key}={stored[key]!r}, this object {mine!r}")
@@ -204,6 +216,8 @@ def load_state_dict(la, state: dict) -> None:
     la._trace_net, la._trace_mode, la._hessian_a = hess["trace_network"], hess["trace_mode"], hess["a"]
     la._precond_trace = hess["preconditioner_trace"]
     la.gridsearch_trace = [dict(r) for r in state["gridsearch"]]
+    ella = state["ella_basis"]
+    la.basis = None if ella is None else NystromBasis(ella["V"], ella["eigenvalues"], ella["rows"], ella["rank_found"])
     la._model = copy.deepcopy(la.model).to(la.dtype)
 
 

@@ -3,6 +3,7 @@ softmax-Hessian roots, features and g-prior, pseudo-targets (posterior mean = th
 trained network when it is that mode), exact posterior and predictive, EM fixed point, evidence, and sampled vs
 exact predictive."""
 
+import copy
 import math
 import warnings
 
@@ -465,3 +466,111 @@ def test_overfit_warning_when_the_network_memorises_labels_its_linearisation_cal
         warnings.simplefilter("error", OverfitWarning)
         la.optimize_prior("exact", max_steps=20, tol=1e-6)
     assert la.overfit_fraction == 0.0
+
+
+# ------------------------------------------------------------------------------------------ ELLA route
+def _centred(cov):
+    """``P Σ P`` with ``P = I − 11ᵀ/C`` per input ``(N, C, C)``: the logit covariance the softmax sees (a uniform
+    shift of all logits, which no training label constrains, changes no probability)."""
+    C = cov.shape[-1]
+    P = torch.eye(C, dtype=cov.dtype) - 1.0 / C
+    return P @ cov @ P
+
+
+def test_ella_with_every_direction_the_data_see_is_the_exact_linearised_predictive(tiny, ref):
+    """M = n·C landmark rows and K = the rank they have: V spans the row space of Ψ, and ELLA's logit covariance at
+    the test inputs equals the exact linearised Laplace's up to the uniform logit shift (which the softmax ignores,
+    and along which only the prior speaks) to round-off; its sampled predictive agrees within Monte Carlo error."""
+    la = _fit(tiny, prior_precision=3.0, approximation="ella", landmarks=72, rank=44)
+    assert la.basis.rank_found == 44 and la.posterior.n_features == 44 and la.posterior.exact
+    Phi = la.posterior.features.to_dense()
+    Sigma_u = torch.linalg.inv(Phi.T @ Phi + 3.0 * torch.eye(44, dtype=torch.float64))
+    G = ref.Jt * ref.s
+    GV = G @ la.basis.V
+    ella = (GV @ Sigma_u @ GV.T).reshape(9, 3, 9, 3).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    exact = (G @ ref.covariance(3.0) @ G.T).reshape(9, 3, 9, 3).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    torch.testing.assert_close(_centred(ella), _centred(exact), rtol=1e-8, atol=1e-12)
+    k = 4000
+    mean, cov = la.predict_logits(tiny["Xt"], n_samples=k, seed=3)
+    torch.testing.assert_close(mean, ref.ft)
+    scale = ella.diagonal(dim1=1, dim2=2).sqrt()
+    err = (cov - ella) / (scale[:, :, None] * scale[:, None, :])
+    assert float(err.abs().max()) < 5 * (2 / k) ** 0.5, float(err.abs().max())  # as the exact route's test
+
+
+def test_ella_error_falls_with_rank_and_its_state_round_trips(tiny, ref, tmp_path):
+    """Fewer directions, a larger error of the centred logit variances; a saved ELLA predicts the same from its
+    file; the EM runs in the K coordinates."""
+    G = ref.Jt * ref.s
+    exact = _centred((G @ ref.covariance(3.0) @ G.T).reshape(9, 3, 9, 3).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
+    errors = []
+    for k in (4, 12, 44):
+        la = _fit(tiny, prior_precision=3.0, approximation="ella", landmarks=72, rank=k)
+        Phi = la.posterior.features.to_dense()
+        GV = G @ la.basis.V
+        cov = GV @ torch.linalg.inv(Phi.T @ Phi + 3.0 * torch.eye(k, dtype=torch.float64)) @ GV.T
+        var = _centred(cov.reshape(9, 3, 9, 3).diagonal(dim1=0, dim2=2).permute(2, 0, 1)).diagonal(dim1=1, dim2=2)
+        errors.append(float(((var - exact.diagonal(dim1=1, dim2=2)).abs() / exact.diagonal(dim1=1, dim2=2)).mean()))
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-8, errors
+    la.optimize_prior("exact", max_steps=3)
+    assert la.em_trace and la.prior_precision != 3.0
+    p = la.predict(tiny["Xt"], link="probit", samples=32)
+    path = la.save(tmp_path / "ella.pt")
+    again = LinearizedLaplace.load(tiny["model"], path)
+    assert again.approximation == "ella" and again.rank == 44 and torch.equal(again.basis.V, la.basis.V)
+    torch.testing.assert_close(again.predict(tiny["Xt"], link="probit", samples=32), p)
+    assert "approximation='ella', landmarks=72, rank=44" in repr(again)
+
+
+def test_ella_at_the_linear_mode_rebuilds_its_features_in_the_same_subspace(tiny):
+    la = _fit(tiny, approximation="ella", landmarks=72, rank=20, hessian_at="linear_mode")
+    V = la.basis.V.clone()
+    before = la.posterior.features.to_dense().clone()
+    la.optimize_prior("exact", max_steps=2)
+    assert torch.equal(la.basis.V, V) and la.posterior.n_features == 20
+    assert not torch.allclose(la.posterior.features.to_dense(), before)  # B moved with the mode: Ψ V rebuilt
+    assert la.predict(tiny["Xt"], samples=16).shape == (9, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(landmarks=5, rank=10), r"landmarks M = 5 must be at least the rank K = 10"),
+        (dict(landmarks=72, rank=50), r"rank K = 50 exceeds the rank 44 of the 72 landmark rows"),
+        (dict(approximation="nystrom"), r"approximation must be one of \['full', 'ella'\]"),
+        (dict(rank=0), "rank must be a positive int, got 0"),
+    ],
+)
+def test_ella_bad_settings_are_one_line_errors(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _fit(tiny, **{"approximation": "ella", **kwargs})
+
+
+@pytest.mark.parametrize("approximation", ["full", "ella"])
+def test_a_model_without_forward_mode_support_is_one_line_before_the_fit(tiny, approximation):
+    class NoForward(torch.autograd.Function):  # backward and vmap, no jvp
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return torch.tanh(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(output)
+
+        @staticmethod
+        def backward(ctx, g):
+            (out,) = ctx.saved_tensors
+            return g * (1 - out**2)
+
+    class Act(nn.Module):
+        def forward(self, x):
+            return NoForward.apply(x)
+
+    model = copy.deepcopy(tiny["model"])
+    model[1] = Act()
+    with pytest.raises(ValueError, match="does not support forward-mode differentiation"):
+        LinearizedLaplace(
+            model, approximation=approximation, landmarks=20, rank=5, hessian_at="network", solver="exact"
+        ).fit(_loader(tiny["X"], tiny["y"]))
