@@ -16,8 +16,9 @@ angles), in ``OUT/<scan>/``, everything through the public API:
    golden_indices`); PSNR and RMS error inside the pilot DIP's object mask against the ground truth;
 4. ``result.json``: the scan's record, derived from those folders.
 
-The report (:func:`report`) gives, per content kind and count, the DIP and TV PSNR of every protocol, the designed
-minus equidistant difference, and the plan's ranking: the sign of its predicted designed − equidistant error
+The report (:func:`report`) gives, per content kind and count, the DIP and TV PSNR of every protocol, each minus
+equidistant (and the protocol the plan recommends, :func:`ctuq.design.plan.recommend`'s margin), and the plan's
+ranking: the sign of its predicted designed − equidistant error
 against the sign of the actual one where the actual PSNR differs by more than 0.3 dB. A rerun of the same command
 resumes (every design and run is asked of the API with ``resume=True, reuse=True``). The options are one frozen
 dataclass, :class:`ProtocolOptions` (:data:`DEFAULTS`, :data:`TINY`), recorded in ``OUT/study.json``.
@@ -34,6 +35,7 @@ import numpy as np
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import equidistant_indices, golden_indices
+from ctuq.design.plan import RECOMMEND_MARGIN
 from ctuq.pipeline.design import rmse_inside
 from ctuq.run import design_angles, reconstruct
 from ctuq.scan import load_scan
@@ -236,6 +238,15 @@ def _dip(rec: dict, protocol: str, n: int) -> float:
     return rec["actual"][protocol][str(n)]["psnr"]["dip"]
 
 
+def _recommended(rec: dict, design: str, n: int) -> str:
+    """What the plan recommends at count ``n`` (:func:`ctuq.design.plan.recommend`'s rule): ``design`` where it
+    predicts at least :data:`~ctuq.design.plan.RECOMMEND_MARGIN` less RMS error than equidistant angles, else
+    ``"equidistant"``."""
+    plan = rec["plan"][design]
+    ratio = plan["designed"][str(n)] / plan["equidistant"][str(n)]
+    return design if ratio <= 1.0 - RECOMMEND_MARGIN else "equidistant"
+
+
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
@@ -262,6 +273,11 @@ def report(records: list[dict]) -> str:
         for p in others:
             diffs = [_mean([_dip(r, p, n) - _dip(r, "equidistant", n) for r in recs]) for n in counts]
             lines.append(f"| {kind} | {p} | " + " | ".join(f"{d:+.2f}" for d in diffs) + " |")
+        for p in [q for q in protocols if q.startswith("designed")]:  # the plan's pick at each count
+            diffs = [
+                _mean([_dip(r, _recommended(r, p, n), n) - _dip(r, "equidistant", n) for r in recs]) for n in counts
+            ]
+            lines.append(f"| {kind} | recommended ({p}) | " + " | ".join(f"{d:+.2f}" for d in diffs) + " |")
     lines += [
         "",
         f"## The plan's ranking of designed against equidistant (pairs whose actual DIP PSNR differs by > "

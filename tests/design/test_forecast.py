@@ -223,7 +223,13 @@ def test_the_plan_recommends_the_protocol_that_meets_the_target_with_fewer_angle
     # without a target: the lower predicted error at the last count, and where each is ahead
     r = recommend(planned)
     assert r["recommended"] == "equidistant" and r["ahead"] == {"designed": [20], "equidistant": [40]}
-    assert r["reason"] == "predicted RMS error after 40 angles: designed 1.111 × equidistant"
+    assert r["reason"] == "predicted RMS error after 40 angles: designed 1.111 × equidistant (margin 2%)"
+    # a design predicted 1 % better meets the target first but inside the margin: the equidistant scan
+    close = dict(planned, equidistant=curve([4e-3, 2.02e-3, 1.01e-3]))
+    r = recommend(close, parse_target("rmse", "2e-3/mm"))
+    assert r["recommended"] == "equidistant" and r["counts"]["designed"] == pytest.approx(20.0)
+    assert r["reason"].endswith("(the design's predicted gain is below the 2% margin)")
+    assert recommend(close, parse_target("rmse", "2e-3/mm"), margin=0.005)["recommended"] == "designed"
 
 
 def test_stop_rule_decisions():

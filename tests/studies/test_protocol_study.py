@@ -36,8 +36,9 @@ def test_report_tables_and_the_plans_ranking():
     b = _record(
         "laminate_0",
         {"designed_0": [30.0, 31.0, 33.0], "equidistant": [30.0, 32.0, 34.0], "golden": [29.0, 31.5, 34.0]},
-        # predicted designed better at 20 and 40; actual −1.0 dB both: ranked wrong twice
-        {"designed": [2e-3, 1.0e-3, 0.5e-3], "equidistant": [2e-3, 1.1e-3, 0.55e-3]},
+        # predicted designed better at 20 and (by 1 %, inside the recommendation's margin) at 40; actual −1.0 dB
+        # both: ranked wrong twice, and the plan recommends the equidistant scan at 40
+        {"designed": [2e-3, 1.0e-3, 0.5445e-3], "equidistant": [2e-3, 1.1e-3, 0.55e-3]},
     )
     md = report([a, b])
     assert "| walnut_0 | 20 | 33.00 | 32.00 | 31.00 |" in md  # DIP table: designed, equidistant, golden
@@ -45,8 +46,10 @@ def test_report_tables_and_the_plans_ranking():
     assert "| laminate | designed_0 | +0.00 | -1.00 | -1.00 |" in md
     assert "| all | designed_0 | +0.00 | +0.00 | -0.60 |" in md
     assert "| all | golden | -1.00 | -0.75 | -0.10 |" in md
+    assert "| laminate | recommended (designed_0) | +0.00 | -1.00 | +0.00 |" in md
+    assert "| all | recommended (designed_0) | +0.00 | +0.00 | -0.10 |" in md
     # three ranked pairs (walnut 20, laminate 20 and 40), one right
-    assert "| designed_0 | 3 | 33 % | laminate_0, 20: -1.00, 0.909; laminate_0, 40: -1.00, 0.909 |" in md
+    assert "| designed_0 | 3 | 33 % | laminate_0, 20: -1.00, 0.909; laminate_0, 40: -1.00, 0.990 |" in md
 
 
 @pytest.mark.parametrize(
