@@ -48,8 +48,8 @@ image-space sample ``x_j = Φ(s ⊙ ζ_j)``               :meth:`LinearizedPoste
 ``γ̂ = (1/k) Σ ‖Ψζ_j‖²/σ²``; ``a ← γ̂/‖w*‖²``;          :class:`SampledEM` (uses ``Ψζ_j = ε_j − σ²C⁻¹(ε_j − Ψw₀_j)``
 ``σ² ← ‖ỹ − Ψw*‖²/(c − γ̂)``                           and ``‖w*‖² = a⁻¹(uᵀỹ − σ²‖u‖²)``: no VJPs)
 dense float64 reference (primal form)                 :class:`DenseLinearGaussian`
-ELLA: ``V = Ψ_Rᵀ U_K Λ_K^(−1/2)`` from ``M`` landmark      :func:`nystrom_basis`, :class:`NystromBasis`;
-rows; features ``Ψ V`` of ``K`` weights ``w = V u``      :func:`ella_features`, :class:`ProjectedFeatures` (``ella.py``)
+ELLA: ``V = Ψ_Rᵀ U_K Λ_K^(−1/2)`` (``M`` rows);       :func:`nystrom_basis`, :class:`NystromBasis`;
+features ``Ψ V`` of ``K`` weights, ``w = V u``        :func:`ella_features`, :class:`ProjectedFeatures` (``ella.py``)
 ====================================================  =========================================================
 
 Product accounting: every feature operator counts rows multiplied by ``Ψ`` (``n_matvec``, = JVPs for a
