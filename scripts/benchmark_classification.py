@@ -3,10 +3,10 @@
 What it reproduces: the tables of docs/classification.md §2 (each names its command) and the earlier rows of
 docs/notebook/classification.md (§2.1 sweep, rows before the ridge, §A with ``hessian_at="network"``).
 
-For each data set (scikit-learn digits; MNIST-1D from its offline generator) and model (MLP ~9k weights; CNN with
-batch norm ~31-34k weights) it trains the MAP network (``--recipe bench``: Adam lr 1e-3, no weight decay;
-``--recipe issue``: Adam lr 1e-2, weight decay 1e-4; 200 epochs, seed 0; cached in ``--out``), then evaluates side
-by side
+For each data set (scikit-learn digits; MNIST-1D from its offline generator) and model (MLP ~9k weights; CNN with batch
+norm ~31-34k weights; ``wide_cnn``, the same with twice the channels, 117k / 129k weights) it trains the MAP network
+(``--recipe bench``: Adam lr 1e-3, no weight decay; ``--recipe issue``: Adam lr 1e-2, weight decay 1e-4; 200 epochs,
+seed 0; cached in ``--out``), then evaluates side by side
 
 * MAP;
 * ctuq, all weights, g-prior, sampled EM (CG solver, ``--em-steps`` damped EM steps with ``--em-samples`` posterior
@@ -17,13 +17,18 @@ by side
 * ctuq linear mode, last layer only (exact EM);
 * ctuq linear mode with ``a`` by grid search on validation data (post-hoc calibration: a third of the test split,
   stratified; these rows, and MAP and the linear-mode sampled EM beside them, are scored on the other two thirds);
+* the default with the held-out guard (``--methods guard``: ``optimize_prior(val_loader=...)`` on the same
+  validation third, scored on the other two);
+* ELLA (``--methods ella``: ``approximation="ella"`` with ``--ella-landmarks`` and ``--ella-rank``, exact EM and
+  grid search in ``K`` dimensions; laplace-torch's ELLA with the same M and K beside it);
 * laplace-torch 0.3 if importable: last-layer KFAC, all-weights diag, all-weights KFAC, all-weights full GGN, each
   with ``optimize_prior_precision(method="marglik")`` and probit / MC predictives, each in a subprocess limited to
   ``--lt-timeout`` seconds;
 
-on the test set (NLL, accuracy, ECE with 15 bins, Brier, κ-tuple joint log-likelihood κ = 1…10 with dyadic
-sampling, wall time of fit + prior optimisation + test predictive) and along input corruptions (digits: rotation,
-noise, blur; MNIST-1D: noise, blur, translation; NLL and ECE). For the exact-tractable cases it also reports the
+on the test set (NLL, accuracy, ECE with 15 bins, Brier, κ-tuple joint log-likelihood κ = 1…10 with dyadic sampling,
+wall time of fit + prior optimisation + posterior samples, of the test split's logit deviations (``predict``), the
+process's peak resident memory so far) and along input corruptions (digits: rotation, noise, blur; MNIST-1D: noise,
+blur, translation; NLL and ECE). For the exact-tractable cases it also reports the
 fidelity of the sampled method to the exact one (ratio of the prior precisions, symmetrised KL between the two MC
 predictives), and for the digits MLP the acceptance gates of issue 27. Prints markdown tables; writes
 ``results.json`` and one reliability-diagram figure per data set and model (``--figures``).
@@ -48,6 +53,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -143,12 +149,40 @@ def cached_model(path: Path, model, train):
     return model, seconds
 
 
+_DEVIATIONS: dict = {}
+"""The last full-test-split logit deviations ``{"last": (weakref to la, (a, samples, seed), (f, Z), shifted, seconds
+of the test split's)}``: the test-subset rows of the same object at the same ``a`` are sliced from them instead of
+recomputed."""
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident memory so far (GB; Linux reports KiB): a high-water mark, so a method's own peak
+    only where it is the first heavy one of the run (``--methods linear`` alone for the default's)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
     """Rows (MC, optionally MC with the first 64 samples, probit) of a fitted ``la`` on the test set (or its rows
     ``idx``) and the shifted sets; ``times``: ``(total, fit, prior optimisation)`` seconds."""
     sel = slice(None) if idx is None else idx
-    f, Z = la.logit_deviations(d["Xt"][sel], args.samples, seed=args.seed)
-    shifted = [(f"{kind}={sev}", *la.logit_deviations(X[sel], args.samples, seed=args.seed)) for kind, sev, X in shifts]
+    key = (la.prior_precision, args.samples, args.seed)
+    cached = _DEVIATIONS.get("last")
+    # the whole test split's deviations at this a: rows idx of them (minutes saved on a CNN)
+    if cached is not None and cached[0]() is la and cached[1] == key:
+        f, Z = cached[2][0][sel], cached[2][1][:, sel]
+        shifted = [(label, fs[sel], Zs[:, sel]) for label, fs, Zs in cached[3]]
+        t_predict = cached[4]
+    else:
+        t0 = time.perf_counter()
+        f, Z = la.logit_deviations(d["Xt"][sel], args.samples, seed=args.seed)
+        t_predict = time.perf_counter() - t0
+        shifted = [
+            (f"{kind}={sev}", *la.logit_deviations(X[sel], args.samples, seed=args.seed)) for kind, sev, X in shifts
+        ]
+        if idx is None:  # one method's at a time (the CNNs' are ~0.1 GB); a weak reference: la's Ψ₀ is freed
+            _DEVIATIONS["last"] = (weakref.ref(la), key, (f, Z), shifted, t_predict)
     links = [("mc", args.samples), ("probit", args.samples)] + ([("mc", 64)] if mc64 and args.samples > 64 else [])
     out = []
     for link, k in links:
@@ -164,6 +198,7 @@ def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
                 "time_s": times[0],
                 "fit_s": times[1],
                 "em_s": times[2],
+                "predict_s": t_predict,  # the test split's deviations (all rows' samples), not the shifted sets'
                 "a": la.prior_precision,
                 "em_steps": len(trace),
                 "gamma": trace[-1]["gamma"] if trace else None,
@@ -172,6 +207,7 @@ def ctuq_rows(la, name, d, shifts, args, times, idx=None, mc64=False):
                 "mode_kl": la.mode_kl,
                 "a_trace": [r["a_new"] for r in trace],
                 "solver": la.posterior.solver_name,
+                "peak_rss_gb": peak_rss_gb(),
                 "probs": link_probabilities(f, Z[:k], link),
             }
         )
@@ -233,6 +269,32 @@ def run_gridsearch(la, d, shifts, args, val_idx, eval_idx):
     rows = ctuq_rows(la, "ctuq linear-mode gridsearch", d, shifts, args, (t, 0.0, t), idx=eval_idx)
     for r in rows:
         r["grid"] = out["trace"]
+    return rows
+
+
+def run_guard(la, d, shifts, args, val_idx, eval_idx, t_default):
+    """The default with the held-out guard (``optimize_prior(val_loader=...)`` after the sampled EM of a fitted
+    ``la``): the validation rows ``val_idx`` of the test split; rows on ``eval_idx``. ``t_default``: the default's
+    seconds, to which the guard's are added."""
+    t0 = time.perf_counter()
+    la.optimize_prior(
+        "sampled_em",
+        max_steps=0,  # the EM has run: only the guard
+        val_loader=loader(d["Xt"][val_idx], d["yt"][val_idx]),
+        link="probit",
+        samples=args.grid_samples,
+    )
+    g = la.guard
+    t = time.perf_counter() - t0
+    steps = ", ".join(f"{r['a']:.4g}: {r['nll']:.4f}" for r in g["trace"])
+    print(
+        f"  held-out guard: a {g['a_em']:.4g} -> {g['a']:.4g} (validation NLL, probit: {steps}; the network's "
+        f"{g['network_nll']:.4f}), {t:.1f} s",
+        flush=True,
+    )
+    rows = ctuq_rows(la, "ctuq default + held-out guard", d, shifts, args, (t_default + t, 0.0, t), idx=eval_idx)
+    for r in rows:
+        r["guard"] = g
     return rows
 
 
@@ -371,18 +433,22 @@ def fmt(v, nd=3):
 
 def print_tables(title, entries, shifts):
     print(f"\n### {title}\n")
-    print("| method | link | a | NLL | acc | ECE | Brier | JLL κ=1 | κ=2 | κ=5 | κ=10 | time (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| method | link | a | NLL | acc | ECE | Brier | JLL κ=1 | κ=2 | κ=5 | κ=10 | time (s) | predict (s) "
+        "| peak RSS (GB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in entries:
         if "error" in e:
-            print(f"| {e['method']} | — | — | {e['error']} | | | | | | | | |")
+            print(f"| {e['method']} | — | — | {e['error']} | | | | | | | | | | |")
             continue
         r = e["rows"]["test"]
         j = r["joint_ll"]
         print(
             f"| {e['method']} | {e['link']} | {fmt(e['a'], 3) if e['a'] is not None else '—'} | {fmt(r['nll'])} | "
             f"{fmt(r['accuracy'])} | {fmt(r['ece'])} | {fmt(r['brier'])} | {fmt(j[1])} | {fmt(j[2])} | {fmt(j[5])} | "
-            f"{fmt(j[10])} | {fmt(e['time_s'], 1)} |"
+            f"{fmt(j[10])} | {fmt(e['time_s'], 1)} | {fmt(e['predict_s'], 1) if e.get('predict_s') else '—'} | "
+            f"{fmt(e['peak_rss_gb'], 2) if e.get('peak_rss_gb') else '—'} |"
         )
     keys = [f"{k}={s}" for k, s, _ in shifts]
     for metric in ("nll", "ece") if keys else ():
@@ -541,9 +607,10 @@ def main(argv=None):
         "--methods",
         nargs="+",
         default=["network", "linear", "last_layer", "gridsearch"],
-        choices=["network", "linear", "last_layer", "gridsearch", "ella"],
-        help="ctuq rows besides the exact EM: network-Hessian sampled EM, linear-mode sampled EM, last layer, "
-        "grid search",
+        choices=["network", "linear", "last_layer", "gridsearch", "guard", "ella"],
+        help="ctuq rows besides the exact EM: network-Hessian sampled EM, linear-mode sampled EM (the default), last "
+        "layer, grid search, the default with the held-out guard (validation: a third of the test split, rows on the "
+        "rest), ELLA",
     )
     ap.add_argument(
         "--shifts", action=argparse.BooleanOptionalAction, default=True, help="evaluate the corrupted test sets"
@@ -687,16 +754,19 @@ def main(argv=None):
                 entries += ctuq_rows(la_e, name.replace("exact EM", "gridsearch"), d, shifts, args, (t, 0.0, t))
                 la_e = None
                 print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
-            if "gridsearch" in args.methods:
+            if "gridsearch" in args.methods or "guard" in args.methods:
                 gc.collect()
                 if la_s is None:
-                    _, la_s = run_ctuq(model, d, shifts, args, exact=False)
-                sub = [run_map(model, d, shifts, idx=eval_idx, name="MAP (gridsearch test subset)")]
+                    lin_rows, la_s = run_ctuq(model, d, shifts, args, exact=False)
+                sub = [run_map(model, d, shifts, idx=eval_idx, name="MAP (test subset)")]
                 sub += [
-                    dict(e, method="ctuq linear-mode sampled EM (gridsearch test subset)")
+                    dict(e, method="ctuq linear-mode sampled EM (test subset)")
                     for e in ctuq_rows(la_s, "", d, shifts, args, (0.0, 0.0, 0.0), idx=eval_idx)
                 ]
-                sub += run_gridsearch(la_s, d, shifts, args, val_idx, eval_idx)
+                if "guard" in args.methods:  # before the grid search, which moves a
+                    sub += run_guard(la_s, d, shifts, args, val_idx, eval_idx, lin_rows[0]["time_s"])
+                if "gridsearch" in args.methods:
+                    sub += run_gridsearch(la_s, d, shifts, args, val_idx, eval_idx)
                 entries += sub
                 print_tables(f"{key} (recipe {args.recipe}, so far)", entries, shifts)
             la_s = None

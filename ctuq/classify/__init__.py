@@ -32,6 +32,7 @@ from ctuq.classify.laplace import (
 )
 from ctuq.classify.mode import LinearMode, ModeResult, OverfitWarning, mean_kl, overfit_fraction
 from ctuq.classify.predictive import link_probabilities, logit_samples
+from ctuq.classify.prior_fit import GUARD_TOLERANCE, GuardWarning
 from ctuq.classify.state import ClassifierStateError
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "exact_solver",
     "DEFAULT_GRID",
     "GPRIOR_FLOOR",
+    "GUARD_TOLERANCE",
+    "GuardWarning",
     "HESSIAN_RATIO_WARNING",
     "HessianMismatchWarning",
     "OVERFIT_WARNING",

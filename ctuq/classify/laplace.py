@@ -314,6 +314,7 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         self._hessian_a: float | None = None
         self._precond_trace: float | None = None  # mean tr B_i at which the CG preconditioner was built
         self.gridsearch_trace: list[dict] = []
+        self.guard: dict | None = None  # the held-out guard's record (optimize_prior(val_loader=...))
         self._mode_finder: LinearMode | None = None
         self._mode = None  # ModeResult at the current a
         self._mode_w: torch.Tensor | None = None  # restored from a state before fit

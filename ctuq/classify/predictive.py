@@ -79,7 +79,8 @@ def link_probabilities(f: torch.Tensor, Z: torch.Tensor, link: str = "mc") -> to
 
 class PredictiveMixin:
     """The prediction methods of :class:`~ctuq.classify.LinearizedLaplace` (it provides ``posterior``,
-    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress``, ``_require`` and ``_lift``)."""
+    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress``, ``_require``, ``_lift``, ``_ella`` and
+    ``basis``)."""
 
     def posterior_samples(self, n: int, seed: int = 0) -> torch.Tensor:
         """``n`` zero-mean posterior samples ``ζ`` ``(n, d)`` of the scaled weights (cached per ``(n, seed, a)``)."""
@@ -103,16 +104,22 @@ class PredictiveMixin:
         self._require(where, samples_ok=True)
         X = collect_inputs(x, where=f"LinearizedLaplace.{where}")
         W = self.posterior_samples(n_samples, seed)
-        return logit_samples(
+        basis = self.basis if self._ella else None
+        # ELLA: the K feature directions J(x)(s ⊙ V) by K Jacobian-vector products per input, then the samples'
+        # coordinates u = Vᵀw combine them (w = V u); not one product per sample as for the other routes
+        f, Z = logit_samples(
             self._model,
             self.param_names,
             X,
-            W,
+            W if basis is None else basis.V.T.double(),
             self.scales,
             batch_size=batch_size,
             progress=self.progress,
             where=f"LinearizedLaplace.{where}",
         )
+        if basis is not None:
+            Z = torch.einsum("nk,kbc->nbc", basis.project(W).to(Z.dtype), Z)
+        return f, Z
 
     def logit_deviations(self, x, n_samples: int = 64, *, seed: int = 0, batch_size: int = 256):
         """``(f (N, C), Z (n_samples, N, C))``: the network's logits at ``x`` and the zero-mean linearised

@@ -149,6 +149,7 @@ def state_dict(la) -> dict:
             "preconditioner_trace": la._precond_trace,
         },
         "gridsearch": [dict(r) for r in la.gridsearch_trace],
+        "guard": None if la.guard is None else {**la.guard, "trace": [dict(r) for r in la.guard["trace"]]},
     }
     state["checksum"] = state_checksum(state)
     return state
@@ -216,6 +217,8 @@ def load_state_dict(la, state: dict) -> None:
     la._trace_net, la._trace_mode, la._hessian_a = hess["trace_network"], hess["trace_mode"], hess["a"]
     la._precond_trace = hess["preconditioner_trace"]
     la.gridsearch_trace = [dict(r) for r in state["gridsearch"]]
+    guard = state.get("guard")  # optional: version-4 states written before the guard have none
+    la.guard = None if guard is None else {**guard, "trace": [dict(r) for r in guard["trace"]]}
     ella = state["ella_basis"]
     la.basis = None if ella is None else NystromBasis(ella["V"], ella["eigenvalues"], ella["rows"], ella["rank_found"])
     la._model = copy.deepcopy(la.model).to(la.dtype)

@@ -231,6 +231,66 @@ def test_state_round_trip_with_weights_only_loading(mlp, tmp_path):
         LinearizedLaplace(model).load_state_dict({"version": 1})
 
 
+# ------------------------------------------------------------------------------------------ held-out guard
+def test_the_heldout_guard_keeps_the_widest_prior_that_matches_the_network(mlp, tmp_path):
+    """Validation data on which the network is right (its own training inputs): the EM's width costs NLL there, so the
+    guard raises ``a`` by √10 per step until the predictive's validation NLL is within the tolerance of the network's,
+    and not one step further; each recorded NLL is that of a fresh object set to the recorded ``a``. With an infinite
+    tolerance the EM's ``a`` stands. The record survives save/load."""
+    model, X, y = mlp
+    kw = {"solver": "exact", "seed": 1}
+    val = _loader(X, y)
+    la = LinearizedLaplace(model, **kw).fit(_loader(X, y))
+    em = la.optimize_prior("exact", max_steps=10, val_loader=val, link="probit", samples=16, tolerance=0.01)
+    g = la.guard
+    assert g["a_em"] == em.a and g["a"] == la.prior_precision and len(g["trace"]) >= 2, g
+    assert [r["a"] for r in g["trace"]] == pytest.approx([em.a * 10 ** (k / 2) for k in range(len(g["trace"]))])
+    limit = (1 + 0.01) * g["network_nll"]
+    assert all(r["nll"] > limit for r in g["trace"][:-1]) and g["trace"][-1]["nll"] <= limit, g
+    with torch.no_grad():
+        net = float(-torch.log_softmax(model(X).double(), 1)[torch.arange(len(y)), y].mean())
+    assert g["network_nll"] == pytest.approx(net, rel=1e-6)  # the float32 network's logits
+    for r in g["trace"]:
+        other = LinearizedLaplace(model, **kw).fit(_loader(X, y)).set_prior_precision(r["a"])
+        p = other.predict(X, link="probit", samples=16, seed=1)
+        assert r["nll"] == pytest.approx(float(-p[torch.arange(len(y)), y].log().mean()), rel=1e-4)
+    again = LinearizedLaplace.load(model, la.save(tmp_path / "guarded.pt"))
+    assert again.guard == g and again.prior_precision == la.prior_precision
+    loose = LinearizedLaplace(model, **kw).fit(_loader(X, y))
+    em2 = loose.optimize_prior("exact", max_steps=10, val_loader=val, tolerance=1e9)
+    assert loose.prior_precision == em2.a == em.a and len(loose.guard["trace"]) == 1
+
+
+def test_the_heldout_guard_warns_when_no_prior_reaches_the_network(mlp, monkeypatch):
+    """A zero tolerance on data the network fits cannot be met by any positive width: after ``GUARD_STEPS`` steps
+    the guard warns and leaves ``a`` at the last one."""
+    import ctuq.classify.prior_fit as prior_fit
+    from ctuq.classify import GuardWarning
+
+    model, X, y = mlp
+    monkeypatch.setattr(prior_fit, "GUARD_STEPS", 2)
+    la = LinearizedLaplace(model, solver="exact", seed=1).fit(_loader(X, y))
+    with pytest.warns(GuardWarning, match="the held-out guard raised a to"):
+        em = la.optimize_prior("exact", max_steps=10, val_loader=_loader(X, y), tolerance=0.0)
+    assert len(la.guard["trace"]) == 3 and la.prior_precision == pytest.approx(em.a * 10.0)
+
+
+def test_the_heldout_guard_refuses_bad_settings_before_the_em(mlp):
+    model, X, y = mlp
+    la = LinearizedLaplace(model, solver="exact").fit(_loader(X, y))
+    val = _loader(X[:6], y[:6])
+    for kwargs, message in [
+        (dict(tolerance=-0.1), "tolerance must be >= 0 and finite"),
+        (dict(link="laplace"), "link must be one of"),
+        (dict(samples=0), "samples must be a positive int"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            la.optimize_prior("exact", val_loader=val, **kwargs)
+    with pytest.raises(ValueError, match=r"labels must lie in 0..2"):
+        la.optimize_prior("exact", val_loader=_loader(X[:6], y[:6] + 3))
+    assert la.em_trace == [] and la.guard is None  # nothing ran
+
+
 # ------------------------------------------------------------------------------------------ grid search
 def test_gridsearch_picks_the_lowest_validation_nll(mlp):
     """Every grid value is scored by the predictive's validation NLL (same posterior samples seed); the chosen ``a``
@@ -280,8 +340,8 @@ def test_gridsearch_bad_input(mlp):
         la.optimize_prior("gridsearch", val_loader=_loader(X[:6], y[:6] + 3), grid=[1.0])
     with pytest.raises(ValueError, match="yielded no examples"):
         la.optimize_prior("gridsearch", val_loader=[], grid=[1.0])
-    with pytest.raises(ValueError, match="val_loader and grid belong to method='gridsearch'"):
-        la.optimize_prior("exact", val_loader=val)
+    with pytest.raises(ValueError, match="grid belongs to method='gridsearch'"):
+        la.optimize_prior("exact", grid=[1.0])
     with pytest.raises(ValueError, match="hessian_at must be one of"):
         LinearizedLaplace(model, hessian_at="map")
     with pytest.raises(ValueError, match="a must be positive and finite"):

@@ -522,6 +522,30 @@ def test_ella_error_falls_with_rank_and_its_state_round_trips(tiny, ref, tmp_pat
     assert "approximation='ella', landmarks=72, rank=44" in repr(again)
 
 
+def test_ella_predicts_from_k_feature_directions_what_its_lifted_samples_give(tiny, monkeypatch):
+    """ELLA's predictive takes K Jacobian-vector products per input (the directions J(x)(s ⊙ V)) and combines them
+    with the samples' coordinates; the same deviations as one product per lifted sample w = V u, to round-off."""
+    import ctuq.classify.predictive as predictive
+    from ctuq.classify import logit_samples
+
+    la = _fit(tiny, approximation="ella", landmarks=40, rank=12)
+    tangents = []
+
+    class Counting(predictive.LinearizedNetwork):
+        def jvp(self, U):
+            tangents.append(U.shape[0])
+            return super().jvp(U)
+
+    monkeypatch.setattr(predictive, "LinearizedNetwork", Counting)
+    f, Z = la.logit_deviations(tiny["Xt"], 48, seed=2)
+    assert tangents == [12] and Z.shape == (48, 9, 3)
+    monkeypatch.undo()
+    f_ref, Z_ref = logit_samples(la._model, la.param_names, tiny["Xt"], la.posterior_samples(48, 2), la.scales)
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=0)
+    torch.testing.assert_close(Z, Z_ref, rtol=1e-10, atol=1e-12)
+    assert float(Z.abs().max()) > 1e-3  # deviations, not zeros
+
+
 def test_ella_at_the_linear_mode_rebuilds_its_features_in_the_same_subspace(tiny):
     la = _fit(tiny, approximation="ella", landmarks=72, rank=20, hessian_at="linear_mode")
     V = la.basis.V.clone()

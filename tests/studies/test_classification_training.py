@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from ctuq.studies.classification import shifted_inputs, train_map, validation_split
+from ctuq.models import count_parameters
+from ctuq.studies.classification import make_model, shifted_inputs, train_map, validation_split
 
 
 def _data_and_model(seed=0):
@@ -80,3 +81,16 @@ def test_corruptions_and_the_validation_split():
     assert sorted(val.tolist() + rest.tolist()) == list(range(30))  # disjoint, covering
     assert torch.bincount(y[val]).tolist() == [3, 3, 3]  # stratified
     assert torch.equal(val, validation_split(y, fraction=1 / 3, seed=0)[0])  # seeded
+
+
+@pytest.mark.parametrize(
+    ("dataset", "shape", "weights"), [("digits", (1, 8, 8), 117_066), ("mnist1d", (1, 40), 129_290)]
+)
+def test_the_wide_cnn_has_over_100k_weights_and_ten_logits(dataset, shape, weights):
+    """The benchmark's third network (issues 46/49 ask for a batch-norm CNN of at least ~100k weights)."""
+    model = make_model("wide_cnn", dataset)
+    assert count_parameters(model) == weights
+    assert any(isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)) for m in model.modules())
+    assert model.eval()(torch.zeros(3, *shape)).shape == (3, 10)
+    with pytest.raises(ValueError, match=r"unknown model 'vit'; valid: \['mlp', 'cnn', 'wide_cnn'\]"):
+        make_model("vit", dataset)
