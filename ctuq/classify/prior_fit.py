@@ -30,7 +30,8 @@ DEFAULT_GRID = tuple(float(10.0**e) for e in torch.linspace(-2.0, 6.0, 25).tolis
 
 GUARD_TOLERANCE = 0.02
 """The held-out guard's tolerance: the EM's ``a`` stands while its validation NLL is at most ``1 + 0.02`` times the
-network's own (docs/classification.md §2.5 for the measurements behind it)."""
+network's own (a margin below 5 % for the noise of a few hundred held-out examples; docs/classification.md §2.5 for
+its effect on the benchmark's networks)."""
 
 GUARD_STEP = 10.0**0.5
 """Factor by which the held-out guard raises ``a`` per step (two steps a decade)."""
