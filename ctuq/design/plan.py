@@ -27,7 +27,15 @@ from ctuq.design.engine import DesignEngine
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule
 from ctuq.design.greedy import greedy_design
 
-__all__ = ["plan_curves", "recommend", "RECOMMEND_MARGIN", "pilot_rows", "AcquisitionHooks", "refresh_updater"]
+__all__ = [
+    "plan_curves",
+    "recommend",
+    "RECOMMEND_MARGIN",
+    "designed_ahead",
+    "pilot_rows",
+    "AcquisitionHooks",
+    "refresh_updater",
+]
 
 
 def _variance(engine: DesignEngine, n: int, seed: int):
@@ -172,6 +180,12 @@ predicted 2.2–5 % less error, and the DIP's differences at predicted gains bel
 with designs as often behind as ahead (a threshold read off those three scans)."""
 
 
+def designed_ahead(designed: float, equidistant: float, margin: float = RECOMMEND_MARGIN) -> bool:
+    """Whether a predicted RMS error of designed angles (mm⁻¹) is at least ``margin`` (a fraction) below the
+    equidistant one at the same count: the rule by which :func:`recommend` picks designed angles."""
+    return designed / equidistant <= 1.0 - margin
+
+
 def _rmse_at(counts, records, n: float) -> float:
     """A predicted curve's RMS error at count ``n`` (linear in log error between the plan's counts)."""
     return float(np.exp(np.interp(n, counts, np.log([r["rmse"] for r in records]))))
@@ -208,7 +222,7 @@ def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN) -> d
         need = {"designed": _count_meeting(counts, des, target), "equidistant": _count_meeting(counts, eq, target)}
         d, e = need["designed"], need["equidistant"]
         fewer = d is not None and (e is None or math.ceil(d) < math.ceil(e))
-        clear = fewer and _rmse_at(counts, des, d) <= (1.0 - margin) * _rmse_at(counts, eq, d)
+        clear = fewer and designed_ahead(_rmse_at(counts, des, d), _rmse_at(counts, eq, d), margin)
         best = "designed" if clear else "equidistant"
         if d is None and e is None:
             why = f"neither is predicted to meet {target.text} within {counts[-1]} angles"
@@ -220,7 +234,7 @@ def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN) -> d
         out.update(target=target.text, counts=need, recommended=best, reason=why)
         return out
     ratio = last["designed"] / last["equidistant"]
-    best = "designed" if ratio <= 1.0 - margin else "equidistant"
+    best = "designed" if designed_ahead(last["designed"], last["equidistant"], margin) else "equidistant"
     out.update(
         recommended=best,
         reason=f"predicted RMS error after {counts[-1]} angles: designed {ratio:.3f} × equidistant "

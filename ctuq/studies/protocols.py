@@ -35,7 +35,7 @@ import numpy as np
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import equidistant_indices, golden_indices
-from ctuq.design.plan import RECOMMEND_MARGIN
+from ctuq.design.plan import designed_ahead
 from ctuq.pipeline.design import rmse_inside
 from ctuq.run import design_angles, reconstruct
 from ctuq.scan import load_scan
@@ -239,12 +239,11 @@ def _dip(rec: dict, protocol: str, n: int) -> float:
 
 
 def _recommended(rec: dict, design: str, n: int) -> str:
-    """What the plan recommends at count ``n`` (:func:`ctuq.design.plan.recommend`'s rule): ``design`` where it
-    predicts at least :data:`~ctuq.design.plan.RECOMMEND_MARGIN` less RMS error than equidistant angles, else
-    ``"equidistant"``."""
+    """What the plan recommends at count ``n`` (:func:`ctuq.design.plan.designed_ahead`, the rule of
+    :func:`~ctuq.design.plan.recommend`): ``design`` where it predicts clearly less RMS error than equidistant
+    angles, else ``"equidistant"``."""
     plan = rec["plan"][design]
-    ratio = plan["designed"][str(n)] / plan["equidistant"][str(n)]
-    return design if ratio <= 1.0 - RECOMMEND_MARGIN else "equidistant"
+    return design if designed_ahead(plan["designed"][str(n)], plan["equidistant"][str(n)]) else "equidistant"
 
 
 def _mean(values) -> float:
