@@ -45,6 +45,14 @@ class GuardWarning(UserWarning):
     data."""
 
 
+def _check_predictive(where: str, link: str, samples: int) -> None:
+    """The held-out predictive's settings of the grid search and the guard: a known ``link``, ``samples`` >= 1."""
+    if link not in values(Link):
+        raise ValueError(f"{where}: link must be one of {list(values(Link))}, got {link!r}")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"{where}: samples must be a positive int, got {samples!r}")
+
+
 class PriorFitMixin:
     """The prior-precision methods of :class:`~ctuq.classify.LinearizedLaplace` (it inherits them): they read and
     rebuild its posterior, mode and pseudo-targets."""
@@ -262,18 +270,14 @@ class PriorFitMixin:
         where = "LinearizedLaplace.optimize_prior(method='gridsearch')"
         if val_loader is None:
             raise ValueError(f"{where}: needs val_loader=, (x, y) batches of held-out data")
-        if link not in values(Link):
-            raise ValueError(f"{where}: link must be one of {list(values(Link))}, got {link!r}")
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-            raise ValueError(f"{where}: samples must be a positive int, got {samples!r}")
+        _check_predictive(where, link, samples)
         try:
             values_ = torch.as_tensor(DEFAULT_GRID if grid is None else grid, dtype=torch.float64).reshape(-1)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: grid must be a sequence of prior precisions, got {grid!r}") from exc
         if values_.numel() == 0 or not torch.isfinite(values_).all() or (values_ <= 0).any():
             raise ValueError(f"{where}: grid must hold at least one positive finite precision, got {grid!r}")
-        Xv, yv = collect_loader(val_loader, where=where)
-        check_labels(yv, self.n_classes, where=where)
+        Xv, yv = self._held_out(val_loader, where)
         trace = []
         for a in sorted(set(values_.tolist())):  # ascending: each mode warm-starts the next
             self.set_prior_precision(a)
@@ -285,17 +289,18 @@ class PriorFitMixin:
         self.gridsearch_trace = trace
         return {"a": best["a"], "nll": best["nll"], "trace": trace}
 
-    def _guard_data(self, val_loader, link: str, samples: int, tolerance: float):
-        where = "LinearizedLaplace.optimize_prior(val_loader=...)"
-        if link not in values(Link):
-            raise ValueError(f"{where}: link must be one of {list(values(Link))}, got {link!r}")
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-            raise ValueError(f"{where}: samples must be a positive int, got {samples!r}")
-        if not (float(tolerance) >= 0 and math.isfinite(float(tolerance))):
-            raise ValueError(f"{where}: tolerance must be >= 0 and finite, got {tolerance!r}")
+    def _held_out(self, val_loader, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Xv, yv)``: the held-out inputs and labels of ``val_loader`` (labels checked against the classes)."""
         Xv, yv = collect_loader(val_loader, where=where)
         check_labels(yv, self.n_classes, where=where)
         return Xv, yv
+
+    def _guard_data(self, val_loader, link: str, samples: int, tolerance: float):
+        where = "LinearizedLaplace.optimize_prior(val_loader=...)"
+        _check_predictive(where, link, samples)
+        if not (float(tolerance) >= 0 and math.isfinite(float(tolerance))):
+            raise ValueError(f"{where}: tolerance must be >= 0 and finite, got {tolerance!r}")
+        return self._held_out(val_loader, where)
 
     def _heldout_guard(self, Xv, yv, *, link: str, samples: int, tolerance: float) -> dict:
         """The held-out guard of :meth:`optimize_prior` (its docstring) on validation inputs ``Xv`` and labels
