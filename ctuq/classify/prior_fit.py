@@ -308,6 +308,8 @@ class PriorFitMixin:
         a_em = self.prior_precision
         trace: list[dict] = []
         network = None
+        # at most GUARD_STEPS + 1 evaluations, each a mode, B and samples on a CNN (tens of seconds)
+        bar = _progress_bar(total=GUARD_STEPS + 1, desc="held-out guard") if self.progress else None
         for k in range(GUARD_STEPS + 1):
             if k:
                 self.set_prior_precision(a_em * GUARD_STEP**k)
@@ -319,6 +321,8 @@ class PriorFitMixin:
                 f"held-out guard: a = {trace[-1]['a']:.4g}, validation NLL ({link}) {trace[-1]['nll']:.4f}, "
                 f"the network's {network:.4f}"
             )
+            if bar is not None:
+                bar.update(1)
             if trace[-1]["nll"] <= (1.0 + float(tolerance)) * network:
                 break
         else:
@@ -330,6 +334,8 @@ class PriorFitMixin:
                 GuardWarning,
                 stacklevel=3,
             )
+        if bar is not None:
+            bar.close()
         self.guard = {
             "a_em": a_em,
             "a": self.prior_precision,
