@@ -23,13 +23,63 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
-from ctuq.classify.jacobians import DenseJacobian, assemble_jacobian, assemble_whitened_jacobian, ggn_diagonal
-from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures
+from ctuq.classify.jacobians import (
+    DenseJacobian,
+    assemble_jacobian,
+    assemble_whitened_jacobian,
+    example_jacobians,
+    ggn_diagonal,
+)
+from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures, RowSubsetFeatures
 from ctuq.inference.priors import DiagonalPrior, PriorProblem
 from ctuq.linearize import eval_mode
 from ctuq.registry import PRIORS
 
-__all__ = ["whitened_features", "prior_scales", "forward_flops_per_example", "assembly_pays", "whitened_matrix"]
+__all__ = [
+    "whitened_features",
+    "prior_scales",
+    "forward_flops_per_example",
+    "assembly_pays",
+    "whitened_matrix",
+    "WhitenedProducts",
+]
+
+
+class WhitenedProducts(LinearizedFeatures):
+    """``Ψ₀ = blockdiag(L_iᵀ) J`` through Jacobian products over the ``n`` training inputs, whose row ``i·C + k``
+    depends on example ``i`` alone: :meth:`restrict` assembles the rows asked for from the per-example Jacobians of
+    the examples they belong to (``C`` backward passes each), not by one product over all ``n`` inputs per row
+    (ELLA's ``M`` landmark rows: at most ``M`` examples' Jacobians instead of ``M`` passes over the data).
+
+    Parameters
+    ----------
+    net : LinearizedNetwork
+        ``J`` on the training inputs ``X`` (products).
+    root : SoftmaxHessianRoot
+        ``L_i`` of the ``n`` examples.
+    model, X, names :
+        The network, its training inputs ``(n, ...)`` and the linearised parameters (per-example Jacobians).
+    chunk_size : int
+        Examples per batch of per-example Jacobians.
+    """
+
+    def __init__(self, net, root: SoftmaxHessianRoot, model, X: torch.Tensor, names, chunk_size: int = 32):
+        super().__init__(net, output_map=root.apply_transpose, output_adjoint=root.apply, n_outputs=net.d_out)
+        self._root, self._model, self._X, self._names, self._chunk = root, model, X, list(names), int(chunk_size)
+
+    def restrict(self, rows) -> DenseFeatures:
+        """``Ψ₀[rows]`` ``(len(rows), d)`` assembled (rows: an integer index or a boolean mask over the ``n·C``
+        outputs, no duplicates)."""
+        idx = RowSubsetFeatures(self, rows).rows.cpu()  # checked as every restriction is
+        C = self._root.C
+        examples, position = torch.unique(idx // C, return_inverse=True)
+        root = SoftmaxHessianRoot(self._root.p[examples], self._root.root, self._root.prob_floor, self._root.eig_floor)
+        out = torch.empty((idx.numel(), self.n_features), dtype=self.dtype)
+        for start, J in example_jacobians(self._model, self._X[examples], self._names, chunk_size=self._chunk):
+            whitened = root.transpose_blocks(J.double(), start)  # (m, C, d)
+            mine = (position >= start) & (position < start + J.shape[0])
+            out[mine] = whitened[position[mine] - start, idx[mine] % C].to(self.dtype)
+        return DenseFeatures(out)
 
 
 def forward_flops_per_example(model, X: torch.Tensor, batch: int = 64) -> float:
@@ -97,11 +147,7 @@ def whitened_features(
         for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
             sq += P0[lo : lo + 4096].double().pow(2).sum(0)
         return DenseFeatures(P0), sq, net
-    return (
-        LinearizedFeatures(net, output_map=root.apply_transpose, output_adjoint=root.apply, n_outputs=net.d_out),
-        None,
-        net,
-    )
+    return WhitenedProducts(net, root, model, X, names, chunk_size), None, net
 
 
 def whitened_matrix(jac: DenseJacobian, root: SoftmaxHessianRoot) -> torch.Tensor:

@@ -15,6 +15,7 @@ Memory: one chunk holds ``chunk_size · C · d`` numbers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -171,9 +172,40 @@ class DenseJacobian:
             J = self.matrix[start * C : (start + step) * C].double().reshape(-1, C, self.d)
             yield start, root.transpose_blocks(J, start)
 
+    @classmethod
+    def of_subspace(cls, network, scales: torch.Tensor, V: torch.Tensor, chunk_size: int = 64) -> DenseJacobian:
+        """ELLA's Jacobian in its ``K`` coordinates ``u`` (``w = V u``): ``G = J diag(s) V`` ``(n·C, K)`` by ``K``
+        Jacobian-vector products through ``network`` (``chunk_size`` at a time), held densely, with the trained
+        weights' coordinates ``u₀ = Vᵀ(ṽ / s)`` as its :meth:`params` (zero where ``s = 0``): the mode finder of the
+        ``K``-dimensional model starts there (and the affine model expands there). ``scales`` ``s`` ``(d,)``,
+        ``V`` ``(d, K)``."""
+        s = scales.double()
+        tangents = (V.double() * s[:, None]).T.to(network.dtype)
+        cols = [network.jvp(tangents[k : k + chunk_size]) for k in range(0, tangents.shape[0], chunk_size)]
+        v = network.params().double()
+        trained = torch.where(s > 0, v / torch.where(s > 0, s, 1.0), torch.zeros_like(v))
+        coordinates = _Coordinates(trained @ V.double(), int(network.d_out))
+        return cls(torch.cat(cols, 0).T.contiguous(), coordinates)
+
     def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:
         """Columns ``start … stop − 1`` of ``J`` times ``values`` as rows ``(stop − start, n·C)`` (a slice, no
         products; what an exact solver's assembly of ``Ψ₀`` asks for); counts ``stop − start`` JVPs."""
         cols = self.matrix[:, start:stop].T
         self.n_jvp += stop - start
         return cols.clone() if values is None else cols * values.to(self.dtype)[:, None]
+
+
+@dataclasses.dataclass
+class _Coordinates:
+    """The weights of a Jacobian held in subspace coordinates (:meth:`DenseJacobian.of_subspace`): what
+    :class:`DenseJacobian` reads of a network (``d``, ``d_out``, ``params``)."""
+
+    u0: torch.Tensor
+    d_out: int
+
+    @property
+    def d(self) -> int:
+        return int(self.u0.shape[0])
+
+    def params(self) -> torch.Tensor:
+        return self.u0.clone()

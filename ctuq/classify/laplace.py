@@ -65,7 +65,6 @@ from ctuq.inference import (
     ScaledFeatures,
     Workload,
     dense_features_fit,
-    ella_features,
     nystrom_basis,
     solver_choices,
 )
@@ -213,10 +212,12 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
     approximation : {"full", "ella"}
         ``"full"`` (default): the posterior over all ``d`` linearised weights, through the core's solvers.
         ``"ella"``: ELLA (Deng, Zhou & Zhu 2022): the Nyström eigenbasis ``V`` (``d × K``) of the tangent kernel
-        ``Ψ Ψᵀ`` from ``landmarks`` sampled rows (``M`` (input, class) pairs: ``M`` vector-Jacobian products), the
-        features ``Ψ V`` (``K`` Jacobian-vector products over the data) and the posterior of ``w = V u`` in ``K``
-        dimensions with an exact solver (:mod:`ctuq.inference.ella`); the prior scales, ``a``, its EM, evidence and
-        grid search, the mode and the predictive are the full route's, applied in the subspace.
+        ``Ψ Ψᵀ`` (``Ψ = Ψ₀ diag(s)``, ``B`` at the network) from ``landmarks`` sampled rows (``M`` (input, class)
+        pairs: ``M`` vector-Jacobian products; :mod:`ctuq.inference.ella`), then ``G = J diag(s) V`` (``n·C × K``,
+        ``K`` Jacobian-vector products over the data), on which everything else runs in the ``K`` coordinates
+        ``u`` of ``w = V u``: the linearised model's mode, the features ``blockdiag(L_iᵀ) G``, the posterior (exact
+        solver), its EM, evidence and grid search. The prior scales ``s`` and the predictive are the full route's;
+        ``Ψ₀`` is never assembled and no product over the data runs after ``G``.
     landmarks, rank : int
         ELLA's ``M`` and ``K`` (``K ≤ M ≤ n·C``; ``K`` at most the rank the landmark rows have).
     dense_features : {"auto", "always", "never"}
@@ -462,14 +463,19 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
             )
             what = "given" if made is None else f"{made.label}, {made.method}"
             self.say(f"prior scales ({what}): {time.perf_counter() - t0:.1f} s")
-        self._jnet = mode_net
-        self._mode_finder = LinearMode(mode_net, self.scales, y, logits, kind=self.linear_model, **self.mode_options)
+        self._jnet, scales = mode_net, self.scales
+        if self._ella:
+            # ELLA's model lives in its K coordinates: the basis from Ψ₀ diag(s) with B at the network, then
+            # G = J diag(s) V (K JVPs) carries the mode, the features and the EM; nothing of size d after that
+            if self.basis is None:  # else restored from a state
+                self.basis = self._ella_basis(base, n * C)
+            self._jnet = self._subspace_jacobian(mode_net)
+            scales = torch.ones(self.rank, dtype=torch.float64)
+        self._mode_finder = LinearMode(self._jnet, scales, y, logits, kind=self.linear_model, **self.mode_options)
         a = self.prior_precision
         targets = self._refresh_mode(a, self._mode_w)
-        if self._linear_mode:  # the features with B at the linear model's mode (the g-prior kept the network's)
-            base = self._whitened_base(exact_solver(self.solver))
-        if self._ella and self.basis is None:  # else restored from a state
-            self.basis = self._ella_basis(base, n * C)
+        if self._linear_mode or self._ella:  # features with B at the linear model's mode; ELLA's: blockdiag(Lᵀ) G
+            base = self._whitened_base(exact_solver(self.solver) or self._ella)
         pending, self._pending_posterior = self._pending_posterior, None
         self.posterior = self._new_posterior(base, targets, a, self.solver, self.solver_options, pending)
         if self._precond_trace is None or pending is None:  # else restored with the preconditioner it describes
@@ -503,18 +509,22 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         )
         return basis
 
+    def _subspace_jacobian(self, net) -> DenseJacobian:
+        """ELLA's ``G = J diag(s) V`` ``(n·C, K)``: ``K`` Jacobian-vector products over the training inputs."""
+        t0 = time.perf_counter()
+        jac = DenseJacobian.of_subspace(net, self.scales, self.basis.V)
+        self.say(f"ELLA: J diag(s) V ({jac.d_out} × {jac.d}): {time.perf_counter() - t0:.1f} s")
+        return jac
+
     def _lift(self, W: torch.Tensor) -> torch.Tensor:
         """Scaled weights ``(B, d)`` of the posterior's samples ``W``: ``V u`` for ELLA's ``K`` coordinates."""
         return self.basis.lift(W.to(self.basis.V.dtype)).double() if self._ella else W
 
     def _new_posterior(self, base, targets, a, solver, solver_options, pending=None) -> LinearizedPosterior:
         """A set-up posterior on ``base`` (``Ψ₀``) with ``targets`` at ``a`` (a stored posterior state resumes). ELLA:
-        on the features ``Ψ₀ diag(s) V`` of its ``K`` coordinates (unit scales), with an exact solver."""
+        ``base`` is ``Ψ₀ diag(s) V`` of its ``K`` coordinates (unit scales), solved exactly."""
         prior = self.scales.to(self.dtype)
         if self._ella:
-            t0 = time.perf_counter()
-            base = ella_features(ScaledFeatures(base, prior.to(base.dtype)), self.basis)  # fit checked the JVPs
-            self.say(f"ELLA: features Ψ V ({base.n_outputs} × {base.n_features}): {time.perf_counter() - t0:.1f} s")
             prior = torch.ones(base.n_features, dtype=self.dtype)
             solver, solver_options = SolverAlias.EXACT.value, None
         post = LinearizedPosterior(
@@ -607,6 +617,8 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
                     f"GiB; use dtype=torch.float32, dense_features='auto', or fewer training examples"
                 )
         elif self.dense_features == DenseChoice.NEVER:
+            dense = False
+        elif self._ella:  # the basis takes M rows of Ψ₀ and G = J diag(s) V K columns: products, never all of it
             dense = False
         elif exact:
             dense = dense_features_fit(c, d, "cpu")

@@ -39,7 +39,8 @@ __all__ = [
     "load_state",
 ]
 
-STATE_VERSION = 4  # 4: the approximation (ELLA's settings and basis)
+# 4: the approximation (ELLA's settings and basis); 5: the held-out guard's record, ELLA's mode in its K coordinates
+STATE_VERSION = 5
 _KIND = "ctuq.classify.LinearizedLaplace"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -217,7 +218,7 @@ def load_state_dict(la, state: dict) -> None:
     la._trace_net, la._trace_mode, la._hessian_a = hess["trace_network"], hess["trace_mode"], hess["a"]
     la._precond_trace = hess["preconditioner_trace"]
     la.gridsearch_trace = [dict(r) for r in state["gridsearch"]]
-    guard = state.get("guard")  # optional: version-4 states written before the guard have none
+    guard = state["guard"]
     la.guard = None if guard is None else {**guard, "trace": [dict(r) for r in guard["trace"]]}
     ella = state["ella_basis"]
     la.basis = None if ella is None else NystromBasis(ella["V"], ella["eigenvalues"], ella["rows"], ella["rank_found"])

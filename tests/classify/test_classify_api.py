@@ -411,7 +411,7 @@ def test_linear_mode_state_round_trips_bitwise_and_tampered_files_are_refused(tm
         ("edited.pt", "modified after it was written"),
         ("truncated.pt", "not a readable torch file"),
         ("foreign.pt", "not a LinearizedLaplace state"),
-        ("older.pt", "state version 2; this ctuq reads version 4"),
+        ("older.pt", "state version 2; this ctuq reads version 5"),
     ):
         with pytest.raises(ClassifierStateError, match=match) as info:
             LinearizedLaplace.load(model, tmp_path / name)

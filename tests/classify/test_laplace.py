@@ -546,6 +546,61 @@ def test_ella_predicts_from_k_feature_directions_what_its_lifted_samples_give(ti
     assert float(Z.abs().max()) > 1e-3  # deviations, not zeros
 
 
+def test_whitened_products_restrict_rows_from_their_own_examples(tiny, ref):
+    """Rows of Ψ₀ through products, restricted: the dense reference's B^(1/2) J rows, with no product over the
+    training inputs (an index and a boolean mask alike)."""
+    from ctuq.classify.build import WhitenedProducts
+    from ctuq.classify.hessian import SoftmaxHessianRoot
+    from ctuq.linearize import LinearizedNetwork
+
+    model, X = tiny["model"], tiny["X"]
+    names = [n for n, _ in model.named_parameters()]
+    net = LinearizedNetwork(model, X, param_names=names)
+    with torch.no_grad():
+        root = SoftmaxHessianRoot(torch.softmax(model(X).double(), 1), "symmetric")
+    features = WhitenedProducts(net, root, model, X, names, chunk_size=5)
+    rows = torch.tensor([70, 3, 4, 41, 0, 29, 71])
+    got = features.restrict(rows)
+    torch.testing.assert_close(got.matrix, (ref.Bhalf @ ref.J)[rows], rtol=1e-10, atol=1e-12)
+    mask = torch.zeros(72, dtype=torch.bool)
+    mask[rows] = True
+    torch.testing.assert_close(features.restrict(mask).matrix, (ref.Bhalf @ ref.J)[rows.sort().values])
+    assert net.counters() == {"jvp": 0, "vjp": 0}
+    with pytest.raises(ValueError, match="duplicates"):
+        features.restrict(torch.tensor([1, 1]))
+
+
+def _subspace_mode(ref, V, a, iters=60):
+    """Newton's mode of the tangent model restricted to ``w = V u``: ``argmin_u Σ CE(J s V u) + ½ a ‖u‖²``."""
+    G = (ref.J * ref.s) @ V
+    u = torch.zeros(V.shape[1], dtype=torch.float64)
+    for _ in range(iters):
+        q = torch.softmax((G @ u).reshape(ref.n, ref.C), 1)
+        H = G.T @ torch.block_diag(*softmax_hessian(q)) @ G + a * torch.eye(len(u), dtype=torch.float64)
+        u = u - torch.linalg.solve(H, G.T @ (q - ref.Y).reshape(-1) + a * u)
+    return u
+
+
+@pytest.mark.parametrize("rank", [12, 44])
+def test_ella_runs_its_mode_and_em_in_the_k_coordinates(tiny, ref, rank):
+    """ELLA's linearised model is the tangent model restricted to w = V u: its mode is that K-dimensional problem's
+    (Newton on the dense reference); at the full rank of the rows V u* is the full route's mode (w* lies in Ψ's
+    row space). The exact posterior's mean is u* (the pseudo-targets' identity Φᵀρ = a u*). After G = J diag(s) V
+    (K JVPs over the training inputs) no product with the network over the data runs: an EM costs none. The M
+    landmark rows come from their examples' own Jacobians, not from a product over all inputs per row."""
+    la = _fit(tiny, prior_precision=3.0, approximation="ella", landmarks=72, rank=rank)
+    counts = la._net.counters()
+    assert counts == {"jvp": rank, "vjp": 0}  # the K columns of G only
+    u = _subspace_mode(ref, la.basis.V, 3.0)
+    assert la._mode.w.shape == (rank,)
+    torch.testing.assert_close(la._mode.w, u, rtol=1e-6, atol=1e-7)  # L-BFGS to gtol 1e-10
+    if rank == 44:
+        torch.testing.assert_close(la.basis.lift(u[None])[0], ref.mode(3.0), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(la.posterior.mean().double(), u, rtol=1e-6, atol=1e-7)
+    la.optimize_prior("exact", max_steps=3)
+    assert la._net.counters() == counts and len(la.em_trace) == 3
+
+
 def test_ella_at_the_linear_mode_rebuilds_its_features_in_the_same_subspace(tiny):
     la = _fit(tiny, approximation="ella", landmarks=72, rank=20, hessian_at="linear_mode")
     V = la.basis.V.clone()
