@@ -537,9 +537,20 @@ def test_ella_predicts_from_k_feature_directions_what_its_lifted_samples_give(ti
             return super().jvp(U)
 
     monkeypatch.setattr(predictive, "LinearizedNetwork", Counting)
-    f, Z = la.logit_deviations(tiny["Xt"], 48, seed=2)
+    X = tiny["Xt"].clone()
+    f, Z = la.logit_deviations(X, 48, seed=2)
     assert tangents == [12] and Z.shape == (48, 9, 3)
+    # the directions do not depend on a: the same inputs again (a grid search, the guard) take no product
+    la.set_prior_precision(7.0)
+    f7, Z7 = la.logit_deviations(X, 48, seed=2)
+    assert tangents == [12] and not torch.allclose(Z7, Z)
+    X[0] += 0.5  # modified in place, or other inputs: the directions again
+    la.logit_deviations(X, 8, seed=2)
+    la.logit_deviations(tiny["Xt"][:4], 8, seed=2)
+    assert tangents == [12, 12, 12]
     monkeypatch.undo()
+    torch.testing.assert_close(la.logit_deviations(tiny["Xt"].clone(), 48, seed=2)[1], Z7, rtol=0, atol=0)
+    la.set_prior_precision(2.0)
     f_ref, Z_ref = logit_samples(la._model, la.param_names, tiny["Xt"], la.posterior_samples(48, 2), la.scales)
     torch.testing.assert_close(f, f_ref, rtol=0, atol=0)
     torch.testing.assert_close(Z, Z_ref, rtol=1e-10, atol=1e-12)
