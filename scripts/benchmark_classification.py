@@ -33,8 +33,9 @@ wall time of fit + prior optimisation + posterior samples, of the test split's l
 process's peak resident memory so far) and along input corruptions (digits: rotation, noise, blur; MNIST-1D: noise,
 blur, translation; NLL and ECE). For the exact-tractable cases it also reports the fidelity of the sampled method to
 the exact one (ratio of the prior precisions, symmetrised KL between the two MC predictives), and for the digits MLP
-the acceptance gates of issue 27. Prints markdown tables; writes ``results.json`` and one reliability-diagram figure
-per data set and model (``--figures``).
+the acceptance gates of issue 27. Prints markdown tables; writes ``results_<recipe>.json`` (per data set and model; a
+later run on the same cached network adds its methods' rows and replaces those it repeats) and one reliability-diagram
+figure per data set and model (``--figures``).
 
     python scripts/benchmark_classification.py                       # everything (long on 2 CPU cores)
     python scripts/benchmark_classification.py --datasets digits --models mlp [--recipe issue]
@@ -568,7 +569,9 @@ def main(argv=None):
     )
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--out", default="runs/classification", help="folder for cached MAP networks and results.json")
+    ap.add_argument(
+        "--out", default="runs/classification", help="folder for cached MAP networks and results_<recipe>.json"
+    )
     ap.add_argument("--figures", default=None, help="folder for the reliability diagrams (default: --out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=200)
@@ -856,7 +859,21 @@ def main(argv=None):
                     print(f"  {line}")
             for e in entries:
                 e.pop("probs", None)
-            results[key] = {"entries": entries, "fidelity": fidelity, "d": count_parameters(model), "n": n}
+            # rows of an earlier run on the same network (same cached weights) whose method this run did not repeat
+            # stay: `--methods ella` after `--methods linear guard` adds to the table instead of replacing it
+            network = {"cache": cache.name, "marglik": args.marglik_rounds, "d": count_parameters(model), "n": n}
+            old = results.get(key, {})
+            fresh = {(e["method"], e.get("link")) for e in entries}
+            kept = [e for e in old.get("entries", []) if (e.get("method"), e.get("link")) not in fresh]
+            if old.get("network") != network:
+                kept = []
+            results[key] = {
+                "entries": kept + entries,
+                "fidelity": fidelity or (old.get("fidelity") if kept else None),
+                "network": network,
+                "d": network["d"],
+                "n": n,
+            }
             with atomic_path(results_path) as tmp:
                 Path(tmp).write_text(json.dumps(results, indent=1, default=float))
     print(f"\nload average at the end {os.getloadavg()}; results in {results_path}")
