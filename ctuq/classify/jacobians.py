@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ctuq.classify.hessian import SoftmaxHessianRoot
+from ctuq.classify.mode import scaled_weights
 from ctuq.inference import DenseFeatures
 from ctuq.linearize import eval_mode
 from ctuq.utils import progress as _progress
@@ -182,9 +183,7 @@ class DenseJacobian:
         s = scales.double()
         tangents = (V.double() * s[:, None]).T.to(network.dtype)
         cols = [network.jvp(tangents[k : k + chunk_size]) for k in range(0, tangents.shape[0], chunk_size)]
-        v = network.params().double()
-        trained = torch.where(s > 0, v / torch.where(s > 0, s, 1.0), torch.zeros_like(v))
-        coordinates = _Coordinates(trained @ V.double(), int(network.d_out))
+        coordinates = _Coordinates(scaled_weights(network.params(), s) @ V.double(), int(network.d_out))
         return cls(torch.cat(cols, 0).T.contiguous(), coordinates)
 
     def jvp_basis(self, start: int, stop: int, values: torch.Tensor | None = None) -> torch.Tensor:

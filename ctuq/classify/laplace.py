@@ -326,6 +326,7 @@ class LinearizedLaplace(PriorFitMixin, PredictiveMixin):
         self._pending_a: float | None = None
         self._old_trace: list[dict] = []
         self._rho: torch.Tensor | None = None
+        self._ella_directions: tuple | None = None  # ELLA's last inputs' K directions (the predictive's cache)
 
     # ------------------------------------------------------------------------------------------ properties
     @property

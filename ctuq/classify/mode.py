@@ -29,7 +29,7 @@ import torch
 
 from ctuq.options import LinearModel, values
 
-__all__ = ["LinearMode", "ModeResult", "OverfitWarning", "overfit_fraction", "mean_kl"]
+__all__ = ["LinearMode", "ModeResult", "OverfitWarning", "overfit_fraction", "mean_kl", "scaled_weights"]
 
 
 class OverfitWarning(UserWarning):
@@ -56,6 +56,13 @@ def overfit_fraction(network_logits: torch.Tensor, mode_logits: torch.Tensor, la
         )
     y = labels.long()
     return float(((network_logits.argmax(1) == y) & (mode_logits.argmax(1) != y)).double().mean())
+
+
+def scaled_weights(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The scaled weights ``w = v / s`` ``(d,)`` float64 of network weights ``v`` under prior scales ``s`` (both
+    ``(d,)``); zero where ``s = 0`` (a weight the prior fixes cannot move, and its coordinate is not used)."""
+    v, s = v.double(), s.double()
+    return torch.where(s > 0, v / torch.where(s > 0, s, 1.0), torch.zeros_like(v))
 
 
 def mean_kl(network_logits: torch.Tensor, mode_logits: torch.Tensor) -> float:
@@ -121,8 +128,7 @@ class LinearMode:
         self.kind = kind
         self.max_iter = int(max_iter)
         self.gtol = float(gtol)
-        v = network.params().double()
-        self.w_trained = torch.where(self.s > 0, v / torch.where(self.s > 0, self.s, 1.0), torch.zeros_like(v))
+        self.w_trained = scaled_weights(network.params(), self.s)
         self._offset = None
         if kind == LinearModel.AFFINE:  # f̃ − J ṽ (zero-scale weights cannot move and stay at ṽ)
             self._offset = self.f - self.jvp(self.w_trained).reshape(self.n, self.C)

@@ -80,8 +80,8 @@ def link_probabilities(f: torch.Tensor, Z: torch.Tensor, link: str = "mc") -> to
 
 class PredictiveMixin:
     """The prediction methods of :class:`~ctuq.classify.LinearizedLaplace` (it provides ``posterior``,
-    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress``, ``_require``, ``_lift``, ``_ella`` and
-    ``basis``)."""
+    ``_samples``, ``_model``, ``param_names``, ``scales``, ``progress``, ``_require``, ``_lift``, ``_ella``,
+    ``basis`` and the cache ``_ella_directions``)."""
 
     def posterior_samples(self, n: int, seed: int = 0) -> torch.Tensor:
         """``n`` zero-mean posterior samples ``ζ`` ``(n, d)`` of the scaled weights (cached per ``(n, seed, a)``)."""
@@ -121,7 +121,7 @@ class PredictiveMixin:
         # coordinates u = Vᵀw combine them (w = V u); not one product per sample as for the other routes. The
         # directions do not depend on a: the last inputs' are kept, so that a grid search or the held-out guard
         # takes them once for all its a (the same tensor, not modified in place since)
-        kept = getattr(self, "_ella_directions", None)
+        kept = self._ella_directions
         if kept is not None and kept[0]() is X and kept[1] == X._version and kept[2] is basis.V:
             f, D = kept[3], kept[4]
         else:
