@@ -340,21 +340,22 @@ def _lt_worker(queue, state, d, shifts, subset, structure, args):
         logits = la.functional_samples(d["Xt"], pred_type=pred, n_samples=args.samples, generator=g).detach()
         t_total = time.perf_counter() - t0
         res = []
+        a = float(torch.as_tensor(la.prior_precision).mean())
         for link in ("probit", "mc"):
             probs = la(d["Xt"], pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
+            shifted = {
+                f"{kind}={sev}": la(X, pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
+                for kind, sev, X in shifts
+            }
             rows = {"test": metric_row(probs, d["yt"], logits)}
-            for kind, sev, X in shifts:
-                p = la(X, pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
-                rows[f"{kind}={sev}"] = metric_row(p, d["yt"], kappas=[1])
-            a = float(torch.as_tensor(la.prior_precision).mean())
-            res.append({"method": f"laplace-torch {subset} {structure}", "link": link, "rows": rows, "time_s": t_total})
-            res[-1]["a"] = a
+            rows.update({label: metric_row(p, d["yt"], kappas=[1]) for label, p in shifted.items()})
+            res.append(
+                {"method": f"laplace-torch {subset} {structure}", "link": link, "rows": rows, "time_s": t_total, "a": a}
+            )
             if structure == "ella":  # its grid saw the validation third: scored on the other two, as ctuq's are
-                idx = args.eval_idx
+                idx = args.eval_idx  # rows of the same predictions, as ctuq's subset rows are
                 sub = {"test": metric_row(probs[idx], d["yt"][idx], logits[:, idx])}
-                for kind, sev, X in shifts:
-                    p = la(X[idx], pred_type=pred, link_approx=link, n_samples=args.samples).detach().double()
-                    sub[f"{kind}={sev}"] = metric_row(p, d["yt"][idx], kappas=[1])
+                sub.update({label: metric_row(p[idx], d["yt"][idx], kappas=[1]) for label, p in shifted.items()})
                 name = f"laplace-torch {subset} {structure} (test subset)"
                 res.append({"method": name, "link": link, "rows": sub, "time_s": t_total, "a": a})
         queue.put(res)
@@ -776,11 +777,12 @@ def main(argv=None):
                 la_e = None
                 # laplace-torch's prior shape (isotropic, no g-prior scales), its a by the same grid
                 gc.collect()
-                iso = name.replace("network-B exact EM", "isotropic prior, network-B")
+                iso = name.replace("network-B exact EM", "isotropic prior, network-B exact EM")
                 rows_i, la_i = run_ctuq(
                     model, d, shifts, args, exact=True, hessian_at="network", name=iso, ella=True, prior="isotropic"
                 )
-                grid = f"{iso} gridsearch (test subset)"
+                entries += rows_i  # its exact EM's rows (whole test split), computed by run_ctuq anyway
+                grid = iso.replace("exact EM", "gridsearch (test subset)")
                 t_i = rows_i[0]["time_s"]
                 entries += run_gridsearch(la_i, d, shifts, args, val_idx, eval_idx, name=grid, t_fit=t_i)
                 la_i = None
