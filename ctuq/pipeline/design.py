@@ -2,9 +2,10 @@
 
 The runner of the command: it takes the scan and the pilot reconstruction from the pipeline
 (:mod:`ctuq.pipeline.scan`, :mod:`ctuq.pipeline.phases`) and the design itself from :mod:`ctuq.design`. A run is a
-sequence of named steps (``_run_design``) that pass typed objects along: :class:`DesignScan` (the scan, its
-candidate angles and the pilot), :class:`PilotPrior` (the pilot reconstruction, the prior and the design engine on
-it) and, for a greedy criterion, :class:`DesignForecast` (the error forecast, its plan and the acquisition hooks).
+sequence of named steps (``_run_design``) that pass typed objects along: the scan, its candidate angles and the pilot
+(:class:`~ctuq.pipeline.design_scan.DesignScan`), the pilot reconstruction with the prior and the design engine on it
+(:class:`~ctuq.pipeline.design_scan.PilotPrior`) and, for a greedy criterion, the error forecast with its plan and the
+acquisition hooks (:class:`DesignForecast`).
 
 The output folder (``--out``) holds::
 
@@ -26,58 +27,47 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ctuq import __version__, interrupt
-from ctuq.design.candidates import DesignError, check_design_sizes, equidistant_indices, match_angles
-from ctuq.design.dip_prior import DIPPrior, DIPTracker
-from ctuq.design.engine import DesignEngine, auto_route
+from ctuq.design.candidates import DesignError, equidistant_indices
+from ctuq.design.dip_prior import DIPTracker
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, forecast_counts
 from ctuq.design.greedy import baseline_design, greedy_design
 from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves, recommend
 from ctuq.design.plots import plot_design_polar, plot_forecast, plot_online_calibration, plot_std_maps
-from ctuq.design.priors import isotropic_model, matern_model
-from ctuq.options import Criterion, DesignPriorKind, DesignRoute, values
-from ctuq.outputs import read_tiff, voxel_size_of, write_metrics, write_tiff
+from ctuq.options import Criterion, values
+from ctuq.outputs import voxel_size_of, write_metrics, write_tiff
 from ctuq.pipeline import run_folder as rf
+from ctuq.pipeline.design_scan import (
+    WORK_DIR,
+    DesignScan,
+    PilotPrior,
+    load_candidates,
+    pilot_prior,
+    read_angles_file,
+    reconstruct_angles,
+    rmse_inside,
+)
 from ctuq.pipeline.lock import run_lock
-from ctuq.pipeline.phases import Phase, RunState, phase_dip, phase_fbp, phase_restore_dip, phase_tv, phase_write
-from ctuq.pipeline.runner import run_phases, write_config
-from ctuq.pipeline.scan import check_device, load_scan
+from ctuq.pipeline.runner import write_config
+from ctuq.pipeline.scan import check_device
 from ctuq.registry import CALIBRATIONS
 from ctuq.utils import atomic_path, resolve_device
 
-if TYPE_CHECKING:
-    from ctuq.data.problem import CTData
-    from ctuq.operators.base import RayTransform
-
-__all__ = [
-    "rmse_inside",
-    "run_design",
-    "read_angles_file",
-    "reconstruct_angles",
-    "DESIGN_NAME",
-    "ANGLES_NAME",
-    "WORK_DIR",
-    "STATE_NAME",
-]
+__all__ = ["run_design", "read_angles_file", "DESIGN_NAME", "ANGLES_NAME", "STATE_NAME", "TRACK_ITERATIONS"]
 
 DESIGN_NAME = "design.json"
 FORECAST_PNG = "forecast.png"
 TRACK_ITERATIONS = 300  # design.track_iterations with a stop target (notebook/experimental_design.md)
 ONLINE_PNG = "online_calibration.png"
 ANGLES_NAME = "angles.txt"
-WORK_DIR = "work"
 STATE_NAME = f"{WORK_DIR}/design_state.pt"
 
 
@@ -86,138 +76,6 @@ _logger = logging.getLogger(__name__)
 
 def _log(msg: str) -> None:
     _logger.info(msg)
-
-
-def read_angles_file(path) -> np.ndarray:
-    """Angles in degrees from a text file (one per line or whitespace-separated, ``#`` comments) or ``.npy``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--pilot-angles {path}: no such file")
-    try:
-        if path.suffix == ".npy":
-            values = np.load(path).astype(np.float64).ravel()
-        else:
-            lines = [ln.split("#", 1)[0] for ln in path.read_text().splitlines()]
-            values = np.array([float(v) for ln in lines for v in ln.split()], dtype=np.float64)
-    except (ValueError, OSError) as exc:
-        raise DesignError(f"--pilot-angles {path}: not a list of angles in degrees ({exc})") from None
-    if values.size == 0:
-        raise DesignError(f"--pilot-angles {path}: holds no angles")
-    return values
-
-
-def _read_metrics(path: Path) -> dict:
-    """A finished reconstruction's ``metrics.json``, or a :class:`DesignError` naming it (and how to recover)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DesignError(f"{path} could not be read as JSON ({exc}); delete it to recompute that part") from exc
-
-
-def reconstruct_angles(cfg, folder: Path, op, y, gt, device, progress: bool, *, need_model: bool):
-    """A run folder of FBP/TV/DIP from ``op``/``y`` (the pipeline's phases); reused when already finished."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = RunState(
-        cfg=cfg,
-        out_dir=folder,
-        device=device,
-        resume=(folder / rf.CHECKPOINT_NAME).is_file(),
-        uq=False,
-        progress=progress,
-        command="design",
-    )
-    state.op, state.y, state.ground_truth = op, y.to(device), None if gt is None else gt.to(device)
-    state.metrics["data"] = {
-        "angles_deg": np.degrees(op.angles).tolist(),
-        "measurement_shape": list(op.measurement_shape),
-    }
-    if rf.is_finished_run(folder):
-        if need_model:
-            run_phases(state, [Phase("restore_dip", phase_restore_dip)])
-        return state, _read_metrics(folder / rf.METRICS_NAME)
-    phases = [Phase("fbp", phase_fbp)] + ([Phase("tv", phase_tv)] if cfg.tv.enabled else [])
-    run_phases(state, phases + [Phase("dip", phase_dip), Phase("write", phase_write)])
-    return state, _read_metrics(folder / rf.METRICS_NAME)
-
-
-@dataclasses.dataclass
-class DesignScan:
-    """The scan of one design, its candidate angles and the pilot (:func:`_load_candidates`).
-
-    Attributes
-    ----------
-    data : CTData
-        The loaded scan (``op``, ``y`` in data units, ``ground_truth`` in mm⁻¹ or ``None``).
-    path : Path
-        Where it was loaded from.
-    device : torch.device
-        Where it lives and the reconstructions and the design compute.
-    period : float
-        The angular period (rad): π for parallel beam, else 2π.
-    cand_idx : np.ndarray
-        ``(n,)`` scan indices of the candidate angles (``design.candidates`` equidistant ones, or all).
-    cand_deg : np.ndarray
-        ``(n,)`` the candidates' angles in degrees, in ``[0, period)``.
-    pilot : list of int
-        The pilot's candidate indices.
-    cand_op : RayTransform
-        The ray transform of the candidates.
-    y_cand : torch.Tensor
-        ``(n, …)`` the candidates' measurements (data units).
-    """
-
-    data: CTData
-    path: Path
-    device: torch.device
-    period: float
-    cand_idx: np.ndarray
-    cand_deg: np.ndarray
-    pilot: list[int]
-    cand_op: RayTransform
-    y_cand: torch.Tensor
-
-    @property
-    def gt(self) -> torch.Tensor | None:
-        """The scan's ground truth (image shape, mm⁻¹), or ``None``."""
-        return self.data.ground_truth
-
-    def degrees(self, candidates) -> list[float]:
-        """The angles (degrees) of the candidate indices ``candidates``, in their order."""
-        return self.cand_deg[candidates].tolist()
-
-
-@dataclasses.dataclass
-class PilotPrior:
-    """The pilot reconstruction and the design's prior and engine built on it (:func:`_pilot_prior`).
-
-    Attributes
-    ----------
-    state : RunState
-        The pilot run folder's state (its images; with ``design.prior = dip`` the fitted network).
-    metrics : dict
-        The pilot run's ``metrics.json``.
-    prior : DIPPrior or None
-        The linearised-DIP prior (``design.prior = dip``), else ``None``.
-    updater : callable or None
-        The prior's update after an acquisition (refresh / retrain), else ``None``.
-    route : str
-        The design engine's route (``design.route``, ``auto`` resolved).
-    engine : DesignEngine
-        The engine over the prior's design model.
-    fingerprint : dict
-        The design checkpoint's fingerprint: the scan, candidates, settings and the prior's ``a``, ``σ²`` at the pilot.
-    seconds : float
-        Time to build the prior and the engine (``design.json["timings"]["prior_s"]``).
-    """
-
-    state: RunState
-    metrics: dict
-    prior: DIPPrior | None
-    updater: Callable | None
-    route: str
-    engine: DesignEngine
-    fingerprint: dict
-    seconds: float
 
 
 @dataclasses.dataclass
@@ -246,40 +104,6 @@ class DesignForecast:
     hooks: AcquisitionHooks
     rule: StopRule
     predicted_from: str
-
-
-def _prior_model(cfg, scan: DesignScan, pilot_state: RunState, work: Path, progress: bool):
-    """``(DesignModel, updater, DIPPrior or None)`` of the image prior ``design.prior`` at the pilot."""
-    ds, scale = cfg.design, float(cfg.dip.scale)
-    cand_op, y_cand, pilot = scan.cand_op, scan.y_cand, scan.pilot
-    nv = ds.noise_variance
-    if ds.prior == DesignPriorKind.DIP:
-        prior = DIPPrior(
-            pilot_state.model,
-            pilot_state.net_input,
-            cand_op,
-            y_cand,
-            scale,
-            settings=ds,
-            sigma2=None if nv is None else nv * scale**2,
-            dip_settings=cfg.dip,
-            work_dir=work,
-            seed=cfg.seed,
-            progress=progress,
-            log=_log,
-        )
-        return prior.build(pilot, n_steps=ds.acquire), prior.updater, prior
-    if nv is None:  # the pilot DIP's mean squared residual, data units
-        op_p = cand_op.subset(pilot)
-        r = op_p.forward_flat(pilot_state.images["dip"].reshape(1, -1).to(op_p.dtype)) - y_cand[pilot].reshape(1, -1)
-        nv = float(r.double().pow(2).mean())
-    y_p = y_cand[pilot].reshape(-1).double()
-    if ds.prior == DesignPriorKind.ISOTROPIC:
-        return isotropic_model(cand_op, pilot, y_p, nv, prior_scale=ds.prior_scale), None, None
-    model = matern_model(
-        cand_op, pilot, y_p, nv, lengthscales=ds.matern_lengthscales, prior_scale=ds.prior_scale, log=_log
-    )
-    return model, None, None
 
 
 def run_design(
@@ -324,8 +148,8 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
     device = resolve_device(cfg.device)
     check_device(cfg, device)
     out = _prepare_out(cfg, out_dir, resume)
-    scan = _load_candidates(cfg, device, pilot_angles, progress, out)
-    pilot = _pilot_prior(cfg, out, scan, progress)
+    scan = load_candidates(cfg, device, pilot_angles, progress, out)
+    pilot = pilot_prior(cfg, out, scan, progress)
     forecast = None
     if cfg.design.criterion in values(Criterion) and cfg.design.forecast:  # greedy: the forecast, plan, stop rule
         forecast = _forecast_setup(cfg, scan, pilot, plan=plan, rule=rule, progress=progress)
@@ -370,73 +194,6 @@ def _prepare_out(cfg, out_dir, resume: bool) -> Path:
     (out / WORK_DIR).mkdir(exist_ok=True)
     write_config(cfg, out)
     return out
-
-
-def _load_candidates(cfg, device, pilot_angles, progress: bool, out: Path) -> DesignScan:
-    """The scan (no held-out rows), its candidate angles (``design.candidates``) and the pilot (``--pilot-angles``
-    matched to the candidates, or ``design.pilot`` equidistant ones), after checking their sizes."""
-    ds = cfg.design
-    data, scan_path, warnings = load_scan(cfg, device, progress=progress, heldout=False, run_dir=out)
-    for w in warnings:
-        _logger.warning(w)
-    op = data.op
-    n_scan = op.n_angles
-    period = math.pi if op.geometry is not None and op.geometry.is_parallel else 2 * math.pi
-    if ds.candidates is not None and ds.candidates > n_scan:
-        raise DesignError(f"--candidates: {ds.candidates} candidate angles but the scan {scan_path} has {n_scan}")
-    cand_idx = np.arange(n_scan) if ds.candidates is None else equidistant_indices(n_scan, ds.candidates)
-    cand_deg = np.mod(np.degrees(op.angles[cand_idx]), math.degrees(period))
-    if pilot_angles is not None:
-        match_angles(pilot_angles, op.angles, period, what="--pilot-angles (the scan's angles)")
-        pilot = match_angles(pilot_angles, op.angles[cand_idx], period, what="--pilot-angles").tolist()
-    else:
-        check_design_sizes(len(cand_idx), ds.pilot, ds.acquire)
-        pilot = equidistant_indices(len(cand_idx), ds.pilot).tolist()
-    check_design_sizes(len(cand_idx), len(pilot), ds.acquire)
-    cand_op = op if ds.candidates is None else op.subset(cand_idx)
-    y_cand = data.y[torch.as_tensor(cand_idx)]
-    _log(
-        f"{scan_path}: {n_scan} angles × {op.measurement_shape[1]} detector pixels; {len(cand_idx)} candidates, "
-        f"pilot {len(pilot)}, acquiring {ds.acquire} ({ds.criterion}, prior {ds.prior})"
-    )
-    return DesignScan(data, scan_path, device, period, cand_idx, cand_deg, pilot, cand_op, y_cand)
-
-
-def _pilot_prior(cfg, out: Path, scan: DesignScan, progress: bool) -> PilotPrior:
-    """The pilot's reconstructions (``pilot/``, reused when finished), the prior ``design.prior`` on them and the
-    design engine over it (``design.route``; ``auto``: :func:`ctuq.design.engine.auto_route`)."""
-    ds, pilot = cfg.design, scan.pilot
-    pilot_state, pilot_metrics = reconstruct_angles(
-        cfg,
-        out / "pilot",
-        scan.cand_op.subset(pilot),
-        scan.y_cand[pilot],
-        scan.gt,
-        scan.device,
-        progress,
-        need_model=True,
-    )
-    t0 = time.perf_counter()
-    model, updater, prior = _prior_model(cfg, scan, pilot_state, out / WORK_DIR, progress)
-    refreshed = updater is not None and bool(ds.refresh_every or ds.retrain_every)
-    route = auto_route(model, refreshed) if ds.route == DesignRoute.AUTO else ds.route
-    engine = DesignEngine(model, route=route, n_samples=ds.samples, seed=cfg.seed, sample_chunk=ds.sample_chunk)
-    seconds = time.perf_counter() - t0
-    fingerprint = {
-        "scan": str(scan.path),
-        "y_sum": float(scan.data.y.double().sum()),
-        "candidates": scan.cand_idx.tolist(),
-        "prior": ds.prior,
-        "route": route,
-        "samples": ds.samples,
-        "jitter": ds.jitter,
-        "refresh_every": ds.refresh_every,
-        "retrain_every": ds.retrain_every,
-        "seed": cfg.seed,
-        "sigma2": float(model.sigma2),
-        "a": float(model.a),
-    }
-    return PilotPrior(pilot_state, pilot_metrics, prior, updater, route, engine, fingerprint, seconds)
 
 
 def _acquire(cfg, out: Path, scan: DesignScan, pilot: PilotPrior, forecast: DesignForecast | None, progress: bool):
@@ -707,20 +464,6 @@ def _describe_fit(rep: dict) -> str:
     """The forecaster's fit (:meth:`ErrorForecaster.report`) in a log line: its method's fitted parameters."""
     keys = [k for k in CALIBRATIONS[rep["method"]].parameters if rep.get(k) is not None]
     return ", ".join(f"{k} = {rep[k]:.3g}" for k in keys) + f" on {rep['n_rows']} rows"
-
-
-def rmse_inside(folder: Path, truth, mask) -> dict:
-    """RMS error (mm⁻¹) inside ``mask`` (image shape, 0/1) of each reconstruction of the run folder ``folder``
-    (``fbp``, ``tv``, ``dip``, those present) against ``truth`` (image shape, mm⁻¹; torch or numpy)."""
-    mask = np.asarray(mask) > 0
-    truth = truth.detach().cpu().double().numpy() if isinstance(truth, torch.Tensor) else np.asarray(truth, np.float64)
-    truth = truth.reshape(mask.shape)
-    out = {}
-    for name, file in (("fbp", rf.FBP_NAME), ("tv", rf.TV_NAME), ("dip", rf.RECONSTRUCTION_NAME)):
-        if (folder / file).is_file():
-            x, _ = read_tiff(folder / file)
-            out[name] = float(np.sqrt(np.mean((np.asarray(x, np.float64).reshape(mask.shape) - truth)[mask] ** 2)))
-    return out
 
 
 def _forecast_record(forecast: DesignForecast | None, result, comparison: dict) -> dict | None:

@@ -36,7 +36,7 @@ from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import equidistant_indices, golden_indices
 from ctuq.design.plan import designed_ahead
-from ctuq.pipeline.design import rmse_inside
+from ctuq.pipeline.design_scan import rmse_inside
 from ctuq.run import design_angles, reconstruct
 from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans

@@ -34,7 +34,8 @@ import numpy as np
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import equidistant_indices
-from ctuq.pipeline.design import TRACK_ITERATIONS, rmse_inside
+from ctuq.pipeline.design import TRACK_ITERATIONS
+from ctuq.pipeline.design_scan import rmse_inside
 from ctuq.registry import CALIBRATIONS
 
 # the public API (ctuq.design_angles, ctuq.reconstruct, ctuq.load_scan), imported from its home modules
