@@ -163,7 +163,10 @@ def _run_design(cfg, out_dir, *, pilot_angles, resume: bool, progress: bool, pla
         _forecast_figures(out, record["forecast"], comparison)
     write_metrics(out / DESIGN_NAME, record)
     n_acquired = len(result.acquired)
-    _log(f"chose {n_acquired} angle{'' if n_acquired == 1 else 's'} in {result.timings['total_s']:.1f} s; wrote {out}")
+    _log(
+        f"acquired {n_acquired} angle{'' if n_acquired == 1 else 's'} ({len(result.chosen)} with the pilot) in "
+        f"{result.timings['total_s']:.1f} s; wrote {out}"
+    )
     return record
 
 

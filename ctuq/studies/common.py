@@ -19,15 +19,19 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ctuq.data import simulate_scan
 from ctuq.data.walnut import SIDECAR_NAME
+from ctuq.design.candidates import equidistant_indices
 from ctuq.errors import CTUQError
 from ctuq.inference import Workload, estimate_solver_costs
 from ctuq.log import ensure_console_logging
 from ctuq.memory import GIB, Budget, memory_budget
+from ctuq.pipeline.design_scan import rmse_inside
 from ctuq.pipeline.lock import hold_until_exit
+from ctuq.run import reconstruct
 from ctuq.utils import atomic_write_json, json_digest
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "angular_subsampling",
     "exact_decision",
     "setting_dir",
+    "reconstruct_protocols",
 ]
 
 _log = logging.getLogger(__name__)
@@ -295,3 +300,59 @@ def exact_decision(mode: str, c: int, d: int, options, device: torch.device) -> 
 def setting_dir(out: Path, n_angles: int) -> Path:
     """The folder of one angle-count setting in the study folder ``out``: ``out/angles_<n_angles>``."""
     return out / f"angles_{n_angles}"
+
+
+def reconstruct_protocols(
+    whole, cand: np.ndarray, orders: dict, counts, *, sets: list[str], options, out: Path, mask, log: Log, name: str
+) -> dict[str, dict[int, dict]]:
+    """FBP, TV and the DIP from the first ``n`` angles of each protocol, for every ``n`` of ``counts``.
+
+    Parameters
+    ----------
+    whole : Scan
+        The whole scan (:func:`ctuq.load_scan`); a protocol's angles are ``whole.subset(whole.angles[cand[idx]])``.
+    cand : np.ndarray
+        ``(n_cand,)`` scan indices of the design's candidate angles.
+    orders : dict
+        Protocol name → its candidate indices in acquisition order (the first ``n`` are taken), or ``None`` for
+        ``n`` equidistant candidates (not nested across counts).
+    sets : list of str
+        The config overrides of every reconstruction (``KEY=VALUE``).
+    options
+        Reads ``config`` and ``progress``.
+    out : Path
+        Run folders go to ``out/<protocol>_<n:03d>`` (resumed, reused when finished).
+    mask : array
+        Image-shaped object mask of the RMS errors (:func:`ctuq.pipeline.design_scan.rmse_inside`).
+
+    Returns
+    -------
+    dict
+        ``{protocol: {n: {"rmse": {method: mm⁻¹}, "psnr": {method: dB}, "angles_deg": [...]}}}``; the same set of
+        angles (the pilot, shared by all protocols) is reconstructed once.
+    """
+    actual: dict = {p: {} for p in orders}
+    done: dict[tuple, dict] = {}
+    for n in counts:
+        for protocol, order in orders.items():
+            idx = sorted(equidistant_indices(len(cand), n).tolist() if order is None else order[:n])
+            if tuple(idx) not in done:
+                run = reconstruct(
+                    whole.subset(cand[idx]),
+                    config=options.config,
+                    set=sets,
+                    out=out / f"{protocol}_{n:03d}",
+                    uq=False,
+                    resume=True,
+                    reuse=True,
+                    progress=options.progress,
+                )
+                if not run.reused:
+                    log(f"{name}: FBP, TV and DIP from {n} {protocol} angles")
+                done[tuple(idx)] = {
+                    "rmse": rmse_inside(run.path, run.ground_truth, mask),
+                    "psnr": {k: float(v) for k, v in run.metrics["psnr"].items()},
+                    "angles_deg": [float(a) for a in whole.angles[cand[idx]]],
+                }
+            actual[protocol][n] = done[tuple(idx)]
+    return actual

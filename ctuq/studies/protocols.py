@@ -34,13 +34,20 @@ import numpy as np
 
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
-from ctuq.design.candidates import equidistant_indices, golden_indices
+from ctuq.design.candidates import golden_indices
 from ctuq.design.plan import designed_ahead
-from ctuq.pipeline.design_scan import rmse_inside
-from ctuq.run import design_angles, reconstruct
+from ctuq.run import design_angles
 from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
-from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.common import (
+    NEUTRAL_OPTIONS,
+    Log,
+    StudyError,
+    check_study_folder,
+    read_json,
+    reconstruct_protocols,
+    study_fingerprint,
+)
 from ctuq.studies.study_options import freeze, option, plain
 from ctuq.utils import atomic_write_json
 
@@ -169,7 +176,7 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
         reuse=True,
         progress=options.progress,
     )
-    orders: dict[str, list[int]] = {}
+    orders: dict[str, list[int] | None] = {}
     plans: dict[str, dict] = {}
     mask = cand = None
     for spread in options.spreads:
@@ -183,35 +190,13 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
         if mask is None:
             cand = np.asarray(des.record["candidates"]["scan_indices"])
             mask = object_mask(np.asarray(des.pilot_images["dip"], np.float64)) > 0
-    n_cand = len(cand)
-    orders["equidistant"] = []  # per count: not nested
-    orders["golden"] = golden_indices(n_cand, options.counts[-1]).tolist()
-    whole = load_scan(scan)
-    actual: dict = {p: {} for p in orders}
-    done_sets: dict[tuple, dict] = {}  # the same angles (the pilot: equidistant) are reconstructed once
-    for n in options.counts:
-        for protocol, order in orders.items():
-            idx = sorted(equidistant_indices(n_cand, n).tolist() if protocol == "equidistant" else order[:n])
-            if tuple(idx) not in done_sets:
-                run = reconstruct(
-                    whole.subset(cand[idx]),
-                    config=options.config,
-                    set=_sets(options),
-                    out=sdir / "actual" / f"{protocol}_{n:03d}",
-                    uq=False,
-                    resume=True,
-                    reuse=True,
-                    progress=options.progress,
-                )
-                if not run.reused:
-                    log(f"{name}: FBP, TV and DIP from {n} {protocol} angles")
-                rmse = rmse_inside(run.path, run.ground_truth, mask)
-                done_sets[tuple(idx)] = {
-                    "rmse": rmse,
-                    "psnr": {k: float(v) for k, v in run.metrics["psnr"].items()},
-                    "angles_deg": [float(a) for a in whole.angles[cand[idx]]],
-                }
-            actual[protocol][str(n)] = done_sets[tuple(idx)]
+    orders["equidistant"] = None  # per count: not nested
+    orders["golden"] = golden_indices(len(cand), options.counts[-1]).tolist()
+    by_count = reconstruct_protocols(
+        load_scan(scan), cand, orders, options.counts, sets=_sets(options), options=options, out=sdir / "actual",
+        mask=mask, log=log, name=name,
+    )  # fmt: skip
+    actual = {p: {str(n): rec for n, rec in runs.items()} for p, runs in by_count.items()}
     record = {
         "scan": name,
         "kind": name.split("_")[0],

@@ -33,16 +33,22 @@ import numpy as np
 
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
-from ctuq.design.candidates import equidistant_indices
 from ctuq.pipeline.design import TRACK_ITERATIONS
-from ctuq.pipeline.design_scan import rmse_inside
 from ctuq.registry import CALIBRATIONS
 
 # the public API (ctuq.design_angles, ctuq.reconstruct, ctuq.load_scan), imported from its home modules
-from ctuq.run import design_angles, reconstruct
+from ctuq.run import design_angles
 from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
-from ctuq.studies.common import NEUTRAL_OPTIONS, Log, StudyError, check_study_folder, read_json, study_fingerprint
+from ctuq.studies.common import (
+    NEUTRAL_OPTIONS,
+    Log,
+    StudyError,
+    check_study_folder,
+    read_json,
+    reconstruct_protocols,
+    study_fingerprint,
+)
 from ctuq.studies.study_options import freeze, option, plain
 from ctuq.utils import atomic_write_json
 
@@ -144,30 +150,14 @@ def run_scan(name: str, scan: Path, options: StopRuleOptions, out: Path, log: Lo
     extra = ["design.reconstruct=false", f"design.track_iterations={TRACK_ITERATIONS}"]
     acq = design_angles(scan, set=[*_sets(options), *extra], out=sdir / "acquire", **design)
     log(f"{name}: acquisition {'loaded' if acq.reused else 'done'}")
-    whole = load_scan(scan)
     cand = np.asarray(acq.record["candidates"]["scan_indices"])
     mask = object_mask(np.asarray(acq.pilot_images["dip"], np.float64)) > 0
     order = acq.record["pilot"]["candidates"] + [a["candidate"] for a in acq.record["acquired"]]
-    actual: dict = {"designed": {}, "equidistant": {}}
-    done_sets: dict[tuple, float] = {}  # the same angles (the pilot: equidistant) are reconstructed once
-    for n in options.counts:
-        for strategy in ("designed", "equidistant"):
-            idx = sorted(order[:n] if strategy == "designed" else equidistant_indices(len(cand), n).tolist())
-            if tuple(idx) not in done_sets:
-                run = reconstruct(
-                    whole.subset(cand[idx]),
-                    config=options.config,
-                    set=_sets(options),
-                    out=sdir / "actual" / f"{strategy}_{n:03d}",
-                    uq=False,
-                    resume=True,
-                    reuse=True,
-                    progress=options.progress,
-                )
-                if not run.reused:
-                    log(f"{name}: DIP from {n} {strategy} angles")
-                done_sets[tuple(idx)] = rmse_inside(run.path, run.ground_truth, mask)["dip"]
-            actual[strategy][n] = done_sets[tuple(idx)]
+    by_count = reconstruct_protocols(
+        load_scan(scan), cand, {"designed": order, "equidistant": None}, options.counts, sets=_sets(options),
+        options=options, out=sdir / "actual", mask=mask, log=log, name=name,
+    )  # fmt: skip
+    actual = {s: {n: rec["rmse"]["dip"] for n, rec in runs.items()} for s, runs in by_count.items()}
     record = {
         "scan": name,
         "counts": list(options.counts),
