@@ -413,6 +413,18 @@ def _passed_minimum(state: _FitState, monitor: HeldoutMonitor | None, it: int) -
     return monitor is not None and monitor.patience is not None and it - state.best_iteration >= monitor.patience
 
 
+def check_fit_settings(where: str, iterations, lr, scale) -> None:
+    """``ValueError`` naming ``where`` and the first bad setting of an Adam fit of a network: ``iterations`` a
+    non-negative int, ``lr`` and ``scale`` positive and finite (:func:`fit_dip`, the warm start's
+    :func:`~ctuq.reconstruct.warm_start.fit_to_image`)."""
+    if not isinstance(iterations, int) or iterations < 0:
+        raise ValueError(f"{where}: iterations must be a non-negative int, got {iterations!r}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}: lr must be positive, got {lr}")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"{where}: scale must be positive, got {scale}")
+
+
 def _checked_device(
     op, y, net_input, ground_truth, device, iterations, lr, tv_weight, scale, clip_grad_norm, checkpoint_every
 ) -> torch.device:
@@ -421,14 +433,9 @@ def _checked_device(
     device = torch.device(device) if device is not None else op.device
     if device.type != op.device.type:
         raise ValueError(f"fit_dip: operator lives on {op.device} but device={device} was requested")
-    if not isinstance(iterations, int) or iterations < 0:
-        raise ValueError(f"fit_dip: iterations must be a non-negative int, got {iterations!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"fit_dip: lr must be positive, got {lr}")
+    check_fit_settings("fit_dip", iterations, lr, scale)
     if not (tv_weight >= 0 and math.isfinite(tv_weight)):
         raise ValueError(f"fit_dip: tv_weight must be >= 0, got {tv_weight}")
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"fit_dip: scale must be positive, got {scale}")
     if clip_grad_norm is not None and clip_grad_norm < 0:
         raise ValueError(f"fit_dip: clip_grad_norm must be >= 0 or None, got {clip_grad_norm}")
     if tuple(y.shape) != tuple(op.measurement_shape):

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from ctuq.reconstruct.dip import _device_state
+from ctuq.reconstruct.dip import _device_state, check_fit_settings
 from ctuq.utils import progress as _progress_bar
 
 __all__ = ["fit_to_image"]
@@ -84,12 +84,7 @@ def fit_to_image(
         raise ValueError(
             f"fit_to_image: target has shape {tuple(target.shape)}; the input's image shape is {image_shape}"
         )
-    if not isinstance(iterations, int) or iterations < 0:
-        raise ValueError(f"fit_to_image: iterations must be a non-negative int, got {iterations!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"fit_to_image: lr must be positive, got {lr}")
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"fit_to_image: scale must be positive, got {scale}")
+    check_fit_settings("fit_to_image", iterations, lr, scale)
     device = next(model.parameters()).device
     v = net_input.to(device=device, dtype=torch.float32)
     t = (target.to(device=device, dtype=torch.float32) * scale).contiguous()
