@@ -310,7 +310,8 @@ def reconstruct_protocols(
     Parameters
     ----------
     whole : Scan
-        The whole scan (:func:`ctuq.load_scan`); a protocol's angles are ``whole.subset(whole.angles[cand[idx]])``.
+        The whole scan (:func:`ctuq.load_scan`); a protocol's ``n`` angles are ``whole.subset(cand[idx])``, the
+        rest of the scan held out.
     cand : np.ndarray
         ``(n_cand,)`` scan indices of the design's candidate angles.
     orders : dict
