@@ -49,6 +49,7 @@ __all__ = [
 
 WORK_DIR = "work"
 
+# the runner's logger: these steps are part of ctuq design and log under its name (the "[ctuq design]" prefix)
 _logger = logging.getLogger("ctuq.pipeline.design")
 
 
