@@ -49,7 +49,7 @@ __all__ = [
 
 WORK_DIR = "work"
 
-# the runner's logger: these steps are part of ctuq design and log under its name (the "[ctuq design]" prefix)
+# the runner's logger, as before these steps moved here: a filter on ctuq design's records still gets theirs
 _logger = logging.getLogger("ctuq.pipeline.design")
 
 
