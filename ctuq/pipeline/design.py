@@ -382,6 +382,12 @@ def _say_advice(advice: dict, n_pilot: int, *, acquiring: bool) -> None:
     """Log the plan's recommendation (:func:`ctuq.design.plan.recommend`), and how to scan the equidistant protocol
     when it is the one recommended for a target."""
     _log(f"the plan recommends {advice['recommended']} angles ({advice['reason']})")
+    if advice["recommended"] == "designed":  # the forecast is the DIP's; FBP sees the designs' gaps
+        _log(
+            "the designed angles serve the DIP and TV: FBP from them is worse than from as many equidistant angles "
+            "(2-6 dB in the protocol study, docs/experimental_design.md §9); for an FBP protocol take the "
+            "equidistant scan"
+        )
     need = (advice["counts"] or {}).get("equidistant")
     if advice["recommended"] == "equidistant" and need is not None:
         _log(

@@ -347,3 +347,20 @@ def test_bad_stop_inputs_are_one_line_before_any_work(tmp_path, capsys):
         assert _cli([*args, "--set", "design.forecast=false", "--out", str(tmp_path / "c")]) == 2
         assert "needs the error forecast, but design.forecast = false" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_a_recommendation_of_designed_angles_says_they_are_not_for_fbp(caplog):
+    """The log line after a recommendation: designed angles come with the FBP caveat (FBP from them was 2-6 dB
+    below equidistant angles in the protocol study); the equidistant recommendation gives the command instead."""
+    import logging
+
+    from ctuq.pipeline.design import _say_advice
+
+    with caplog.at_level(logging.INFO, logger="ctuq.pipeline.design"):
+        _say_advice({"recommended": "designed", "reason": "r", "counts": {"designed": 20.0}}, 10, acquiring=True)
+    assert any("FBP from them is worse" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ctuq.pipeline.design"):
+        _say_advice({"recommended": "equidistant", "reason": "r", "counts": {"equidistant": 31.2}}, 10, acquiring=False)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "FBP" not in text and "--criterion equidistant --acquire 22" in text
