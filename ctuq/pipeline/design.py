@@ -385,7 +385,7 @@ def _say_advice(advice: dict, n_pilot: int, *, acquiring: bool) -> None:
     if advice["recommended"] == "designed":  # the forecast is the DIP's; FBP sees the designs' gaps
         _log(
             "the designed angles serve the DIP and TV: FBP from them is worse than from as many equidistant angles "
-            "(2-6 dB in the protocol study, docs/experimental_design.md §9); for an FBP protocol take the "
+            "(up to 6 dB in the protocol study, docs/experimental_design.md §9); for an FBP protocol take the "
             "equidistant scan"
         )
     need = (advice["counts"] or {}).get("equidistant")

@@ -350,8 +350,8 @@ def test_bad_stop_inputs_are_one_line_before_any_work(tmp_path, capsys):
 
 
 def test_a_recommendation_of_designed_angles_says_they_are_not_for_fbp(caplog):
-    """The log line after a recommendation: designed angles come with the FBP caveat (FBP from them was 2-6 dB
-    below equidistant angles in the protocol study); the equidistant recommendation gives the command instead."""
+    """The log line after a recommendation: designed angles come with the FBP caveat (FBP from them was up to 6
+    dB below equidistant angles in the protocol study); the equidistant recommendation gives the command instead."""
     import logging
 
     from ctuq.pipeline.design import _say_advice
