@@ -36,7 +36,7 @@ from ctuq.config import ConfigError, load_config
 from ctuq.pipeline.design import TRACK_ITERATIONS
 from ctuq.registry import CALIBRATIONS
 
-# the public API (ctuq.design_angles, ctuq.reconstruct, ctuq.load_scan), imported from its home modules
+# the public API (ctuq.design_angles, ctuq.load_scan), imported from its home modules
 from ctuq.run import design_angles
 from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
