@@ -106,17 +106,21 @@ class PredictiveMixin:
         X = collect_inputs(x, where=f"LinearizedLaplace.{where}")
         W = self.posterior_samples(n_samples, seed)
         basis = self.basis if self._ella else None
-        if basis is None:
+
+        def deviations(weights: torch.Tensor):
             return logit_samples(
                 self._model,
                 self.param_names,
                 X,
-                W,
+                weights,
                 self.scales,
                 batch_size=batch_size,
                 progress=self.progress,
                 where=f"LinearizedLaplace.{where}",
             )
+
+        if basis is None:
+            return deviations(W)
         # ELLA: the K feature directions J(x)(s ⊙ V) by K Jacobian-vector products per input, then the samples'
         # coordinates u = Vᵀw combine them (w = V u); not one product per sample as for the other routes. The
         # directions do not depend on a: the last inputs' are kept, so that a grid search or the held-out guard
@@ -125,16 +129,7 @@ class PredictiveMixin:
         if kept is not None and kept[0]() is X and kept[1] == X._version and kept[2] is basis.V:
             f, D = kept[3], kept[4]
         else:
-            f, D = logit_samples(
-                self._model,
-                self.param_names,
-                X,
-                basis.V.T.double(),
-                self.scales,
-                batch_size=batch_size,
-                progress=self.progress,
-                where=f"LinearizedLaplace.{where}",
-            )
+            f, D = deviations(basis.V.T.double())
             self._ella_directions = (weakref.ref(X), X._version, basis.V, f, D)
         return f.clone(), torch.einsum("nk,kbc->nbc", basis.project(W).to(D.dtype), D)
 
