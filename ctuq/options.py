@@ -363,7 +363,7 @@ class HessianAt(Vocabulary):
     NETWORK = "network"
 
 
-__all__ += ["HessianAt"]
+__all__ += ["Approximation", "HessianAt"]
 
 
 # ---------------------------------------------------------------------------------------------- data formats (issue 28)

@@ -138,6 +138,9 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
         ("dip=3", "'dip' is a section"),
         ("dip.lr.x=3", "'dip.lr' is a value"),
         ("dip.tv_weight=.nan", "dip.tv_weight must be finite"),
+        ("uq.approximation=nystrom", "uq.approximation must be one of ['full', 'ella']"),
+        # ELLA is the classifier's route: a CT run refuses it with the measured reason (scripts/benchmark_ella_ct.py)
+        ("uq.approximation=ella", "uq.approximation = 'ella' is for classifiers (ctuq.classify)"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

@@ -36,6 +36,7 @@ from ctuq.config.engine import (
 )
 from ctuq.options import (
     UNET_PRESETS,
+    Approximation,
     Baseline,
     Criterion,
     DenseFeatures,
@@ -69,6 +70,15 @@ __all__ = [
     "OutputConfig",
     "load_config",
 ]
+
+#: Why ``uq.approximation = ella`` is refused on CT, measured on the bundled scan (docs/classification.md, "ELLA on CT";
+#: ``scripts/benchmark_ella_ct.py``): one line, the config error.
+ELLA_ON_CT = (
+    "uq.approximation = 'ella' is for classifiers (ctuq.classify): on CT its subspace keeps an eighth of the "
+    "posterior's pixel variance at K = 100 and at most half where float32 Jacobian products stop (~300 directions), "
+    "and the exact route is faster on the bundled scan (docs/classification.md, 'ELLA on CT'); use "
+    "uq.approximation = full"
+)
 
 
 # ----------------------------------------------------------------------------------------------- sections
@@ -355,6 +365,12 @@ class UQConfig:
         choices=CALIBRATIONS.choices,
         help=lambda: _calibration_help(),
     )
+    approximation: str = option(
+        "full",
+        choices=values(Approximation),
+        help="full: the posterior over all linearised weights; ella is the classifier's Nyström route and CT runs "
+        "refuse it (docs/classification.md, 'ELLA on CT')",
+    )
     save_samples: bool = option(
         False, help="also write every image sample to the run folder (samples/, large); statistics never need them"
     )
@@ -521,6 +537,8 @@ class Config:
     def validate(self) -> None:
         if self.data.ndim == 3 and self.device == "cpu":
             raise ConfigError("data.ndim = 3 (volumes) needs device 'cuda': ASTRA has no 3D projectors on CPU")
+        if self.uq.approximation == Approximation.ELLA:
+            raise ConfigError(ELLA_ON_CT)
         if self.uq.method == UQMethod.MC_DROPOUT and not self.model.dropout > 0:
             raise ConfigError(
                 "uq.method = 'mc_dropout' needs a DIP fitted with dropout: set model.dropout > 0 (e.g. 0.05); "

@@ -56,6 +56,14 @@ class NystromBasis:
         """``K``."""
         return int(self.V.shape[1])
 
+    def leading(self, rank: int) -> NystromBasis:
+        """The basis of the top ``rank`` eigenpairs alone: the same as :func:`nystrom_basis` with that ``rank`` on the
+        same rows (the QR that orthonormalises ``V`` is nested in its columns), without forming the rows again.
+        ``ValueError`` unless ``1 ≤ rank ≤ K``."""
+        if not 1 <= rank <= self.rank:
+            raise ValueError(f"NystromBasis.leading: rank must lie in [1, {self.rank}], got {rank}")
+        return NystromBasis(self.V[:, :rank], self.eigenvalues[:rank], self.rows, self.rank_found)
+
     def lift(self, U: torch.Tensor) -> torch.Tensor:
         """Weights ``w = V u`` ``(B, d)`` of subspace coordinates ``U`` ``(B, K)``."""
         if U.ndim != 2 or U.shape[1] != self.rank:
@@ -72,7 +80,7 @@ class NystromBasis:
 def nystrom_basis(
     features: FeatureOperator,
     landmarks: int,
-    rank: int,
+    rank: int | None,
     *,
     seed: int = 0,
     rows: torch.Tensor | None = None,
@@ -88,8 +96,8 @@ def nystrom_basis(
     landmarks : int
         ``M``, rows drawn uniformly without replacement from the ``c`` outputs (seeded by ``seed``), or the
         length of ``rows``. At most ``c``.
-    rank : int
-        ``K ≤ M``: the eigenpairs kept.
+    rank : int or None
+        ``K ≤ M``: the eigenpairs kept; ``None``: all that the landmark rows span (``K`` = the rank found).
     rows : torch.Tensor, optional
         ``(M,)`` the landmark rows themselves (e.g. stratified by class), in place of the seeded draw.
     rtol : float, optional
@@ -106,20 +114,20 @@ def nystrom_basis(
         among the landmark rows (the message gives that rank).
     """
     c = features.n_outputs
-    if rank < 1:
+    if rank is not None and rank < 1:
         raise ValueError(f"ELLA: rank K must be >= 1, got {rank}")
     if rows is None:
-        if not rank <= landmarks <= c:
+        if not (rank or 1) <= landmarks <= c:
             raise ValueError(
-                f"ELLA: landmarks M = {landmarks} must lie between the rank K = {rank} and the {c} outputs of Ψ"
+                f"ELLA: landmarks M = {landmarks} must lie between the rank K = {rank or 1} and the {c} outputs of Ψ"
             )
         g = torch.Generator().manual_seed(int(seed))
         rows = torch.randperm(c, generator=g)[:landmarks]
     else:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        if rows.numel() < rank or len(torch.unique(rows)) != rows.numel() or rows.min() < 0 or rows.max() >= c:
+        if rows.numel() < (rank or 1) or len(torch.unique(rows)) != rows.numel() or rows.min() < 0 or rows.max() >= c:
             raise ValueError(
-                f"ELLA: rows must be at least K = {rank} distinct indices in [0, {c}), got {rows.numel()} of them"
+                f"ELLA: rows must be at least K = {rank or 1} distinct indices in [0, {c}), got {rows.numel()} of them"
             )
     m = int(rows.numel())
     PsiR = _landmark_rows(features, rows.to(features.device), chunk_size).double()
@@ -129,6 +137,10 @@ def nystrom_basis(
     lam, U = lam.flip(0), U.flip(1)  # descending
     top = float(lam[0]) if m else 0.0
     found = int((lam > rtol * max(top, 0.0)).sum()) if top > 0 else 0
+    if rank is None:
+        if found == 0:
+            raise ValueError(f"ELLA: the {m} landmark rows of Ψ are all zero: there is no subspace to keep")
+        rank = found
     if rank > found:
         raise ValueError(
             f"ELLA: rank K = {rank} exceeds the rank {found} of the {m} landmark rows of Ψ (eigenvalues above "

@@ -41,8 +41,11 @@ UQ_STATE_VERSION = 2  # 1: ctuq 0.1 (samples kept per chunk, routes dense/exact/
 
 # Settings that do not change the numbers of the inference (what is done with them afterwards, or how the work is
 # chunked in memory): left out of the fingerprint, so that a run may resume with other values of them. ``method``: only
-# the linearised inference (uq.method = linearised) writes these checkpoints.
-_NOT_FINGERPRINTED = frozenset({"calibration", "memory_budget_gb", "chunk_size", "save_samples", "method"})
+# the linearised inference (uq.method = linearised) writes these checkpoints; ``approximation``: a CT run has one value
+# (``full``; the config refuses ``ella``), and runs checkpointed before the key existed must still resume.
+_NOT_FINGERPRINTED = frozenset(
+    {"calibration", "memory_budget_gb", "chunk_size", "save_samples", "method", "approximation"}
+)
 
 
 def uq_fingerprint(net, op, y: torch.Tensor, scale: float, seed: int, settings: UQConfig) -> dict:

@@ -104,3 +104,22 @@ def test_bad_sizes_are_one_line_errors(kwargs, message):
         nystrom_basis(DenseFeatures(Psi), **kwargs)
     with pytest.raises(ValueError, match=r"NystromBasis.lift: U must be \(B, 8\)"):
         NystromBasis(torch.eye(8, dtype=torch.float64), torch.ones(8), torch.arange(8), 8).lift(torch.ones(2, 3))
+
+
+def test_all_found_eigenpairs_and_their_leading_subsets():
+    """``rank=None`` keeps every eigenpair the landmark rows span; :meth:`NystromBasis.leading` of it is the basis
+    that ``rank=K`` builds on the same rows (the QR is nested in its columns), so a K sweep forms the rows once."""
+    Psi = _matrix(40, 12, decay=0.7)
+    F = DenseFeatures(Psi)
+    full = nystrom_basis(F, landmarks=9, rank=None, seed=4)
+    assert full.rank == full.rank_found == 9  # 9 rows of a rank-12 matrix span 9 directions
+    for k in (1, 4, 9):
+        direct = nystrom_basis(F, landmarks=9, rank=k, seed=4)
+        sub = full.leading(k)
+        assert sub.rank == k and sub.rows.tolist() == direct.rows.tolist()
+        torch.testing.assert_close(sub.V, direct.V, rtol=0, atol=1e-10)
+        torch.testing.assert_close(sub.eigenvalues, direct.eigenvalues)
+    with pytest.raises(ValueError, match=r"NystromBasis.leading: rank must lie in \[1, 9\], got 10"):
+        full.leading(10)
+    with pytest.raises(ValueError, match="landmark rows of Ψ are all zero"):
+        nystrom_basis(DenseFeatures(torch.zeros(6, 3, dtype=torch.float64)), landmarks=4, rank=None)
