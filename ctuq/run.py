@@ -71,7 +71,7 @@ def _config(config, settings, flags: dict[str, Any], first: Sequence[str] = ()) 
         cfg, where = copy.deepcopy(config), "the given Config"
     else:
         cfg = load_config(config)
-        where = f"config {config}"
+        where = f"config {config}" if config is not None else "the bundled config demo (the default)"
     # a Config's attributes may have been assigned unchecked: it is checked also without overrides
     apply_overrides(cfg, where, [*first, *strings], values=values, flags=flags, check=isinstance(config, Config))
     return cfg

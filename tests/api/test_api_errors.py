@@ -277,6 +277,22 @@ def test_set_keys_and_values_that_do_not_exist(scan, tmp_path, settings, kind, f
     assert not (tmp_path / "run").exists()
 
 
+def test_a_cross_field_error_of_the_default_config_names_it(scan, tmp_path):
+    """``config=None`` (what ``ctuq reconstruct`` passes without ``--config``) is the bundled demo config, and a refused
+    combination says so (not "config None")."""
+    _raises(
+        ConfigError,
+        "the bundled config demo (the default) with overrides uq.approximation='ella', data.path='scan/scan.yaml': "
+        "uq.approximation = 'ella' is for classifiers",
+        ctuq.reconstruct,
+        scan,
+        config=None,
+        set={"uq.approximation": "ella"},
+        out=tmp_path / "run",
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_design_angles_names_the_bad_set_key(scan):
     _raises(
         ConfigError,
