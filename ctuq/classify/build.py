@@ -29,6 +29,7 @@ from ctuq.classify.jacobians import (
     assemble_whitened_jacobian,
     example_jacobians,
     ggn_diagonal,
+    rows_per_chunk,
 )
 from ctuq.inference import DenseFeatures, FeatureOperator, LinearizedFeatures, RowSubsetFeatures
 from ctuq.inference.priors import DiagonalPrior, PriorProblem
@@ -152,8 +153,9 @@ def whitened_features(
     if dense:
         P0 = assemble_whitened_jacobian(model, X, names, root, chunk_size=chunk_size, progress=progress, dtype=dtype)
         sq = torch.zeros(P0.shape[1], dtype=torch.float64)
-        for lo in range(0, P0.shape[0], 4096):  # float64 sums without a float64 copy of Ψ₀
-            sq += P0[lo : lo + 4096].double().pow(2).sum(0)
+        step = rows_per_chunk(P0.shape[1] * 8)
+        for lo in range(0, P0.shape[0], step):  # float64 sums without a float64 copy of Ψ₀
+            sq += P0[lo : lo + step].double().pow(2).sum(0)
         return DenseFeatures(P0), sq, net
     return WhitenedProducts(net, root, model, X, names, chunk_size, progress), None, net
 

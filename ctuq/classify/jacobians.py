@@ -28,7 +28,23 @@ from ctuq.inference import DenseFeatures
 from ctuq.linearize import eval_mode
 from ctuq.utils import progress as _progress
 
-__all__ = ["example_jacobians", "ggn_diagonal", "assemble_whitened_jacobian", "assemble_jacobian", "DenseJacobian"]
+__all__ = [
+    "example_jacobians",
+    "ggn_diagonal",
+    "assemble_whitened_jacobian",
+    "assemble_jacobian",
+    "DenseJacobian",
+    "CHUNK_BYTES",
+    "rows_per_chunk",
+]
+
+#: Bytes of float64 rows one pass over an assembled Jacobian takes at a time (its temporaries are a few times this).
+CHUNK_BYTES = 256 * 2**20
+
+
+def rows_per_chunk(bytes_per_item: int, max_bytes: int = CHUNK_BYTES) -> int:
+    """How many items of ``bytes_per_item`` bytes fit ``max_bytes`` (at least one)."""
+    return max(1, int(max_bytes) // max(1, int(bytes_per_item)))
 
 
 def example_jacobians(
@@ -164,11 +180,15 @@ class DenseJacobian:
         self.n_vjp += R.shape[0]
         return self.dense.rmatvec(R)
 
-    def whitened_chunks(self, root: SoftmaxHessianRoot, rows: int = 4096) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(start, L_iᵀ J_i)`` float64 ``(m, C, d)`` for examples ``start … start + m − 1``, about ``rows``
-        rows of ``J`` at a time: ``Ψ₀ = blockdiag(L_iᵀ) J`` chunk by chunk, without a float64 copy of ``J``."""
+    def whitened_chunks(
+        self, root: SoftmaxHessianRoot, max_bytes: int = CHUNK_BYTES
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(start, L_iᵀ J_i)`` float64 ``(m, C, d)`` for examples ``start … start + m − 1``: ``Ψ₀ =
+        blockdiag(L_iᵀ) J`` chunk by chunk, without a float64 copy of ``J``. A chunk's float64 rows take at most
+        ``max_bytes`` (at least one example's): the root's arithmetic holds a few temporaries of that size, so a
+        fixed row count would take gigabytes where ``d`` is large (117k weights: 3.8 GB per 4096 rows)."""
         C = root.C
-        step = max(1, rows // C)
+        step = rows_per_chunk(C * self.d * 8, max_bytes)
         for start in range(0, root.n, step):
             J = self.matrix[start * C : (start + step) * C].double().reshape(-1, C, self.d)
             yield start, root.transpose_blocks(J, start)

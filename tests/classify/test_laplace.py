@@ -197,6 +197,30 @@ def test_hessian_roots_factor_the_softmax_hessian_and_solve_for_residuals(root):
     assert float(rho.norm()) == pytest.approx(float(other.residual_targets(labels, q).norm()), rel=1e-9)
 
 
+def test_whitened_chunks_are_bounded_in_bytes_not_rows():
+    """A pass over an assembled ``J`` takes chunks of at most ``max_bytes`` float64 rows (one example's at least), so a
+    wide network's ``d`` does not make a fixed row count gigabytes (117k weights: 3.8 GB per 4096 rows, which ran the
+    wide digits CNN out of 24 GB); the chunks still make up ``blockdiag(L_iᵀ) J``."""
+    from types import SimpleNamespace
+
+    from ctuq.classify.build import whitened_matrix
+    from ctuq.classify.jacobians import DenseJacobian
+
+    g = torch.Generator().manual_seed(0)
+    n, C, d = 9, 4, 50
+    p = torch.softmax(2 * torch.randn(n, C, generator=g, dtype=torch.float64), 1)
+    J = torch.randn(n * C, d, generator=g, dtype=torch.float32)
+    jac = DenseJacobian(J, SimpleNamespace(d=d, d_out=n * C))
+    root = SoftmaxHessianRoot(p)
+    reference = (root.dense() @ J.double()).reshape(n, C, d)
+    for max_bytes, per_chunk in ((2 * C * d * 8, 2), (C * d * 8 - 1, 1), (10**9, n)):
+        chunks = list(jac.whitened_chunks(root, max_bytes=max_bytes))
+        assert [s for s, _ in chunks] == list(range(0, n, per_chunk))
+        assert all(rows.shape[0] <= per_chunk and rows.dtype == torch.float64 for _, rows in chunks)
+        torch.testing.assert_close(torch.cat([rows for _, rows in chunks]), reference)
+    torch.testing.assert_close(whitened_matrix(jac, root).double(), reference.reshape(n * C, d), rtol=1e-6, atol=1e-6)
+
+
 def test_underflowed_probabilities_are_floored_not_divided_by_zero():
     p = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]], dtype=torch.float64)
     r = SoftmaxHessianRoot(p)
