@@ -41,6 +41,8 @@ figure per data set and model (``--figures``).
     python scripts/benchmark_classification.py --datasets digits --models mlp [--recipe issue]
     python scripts/benchmark_classification.py --datasets mnist1d --models cnn --exact none --no-laplace-torch \
         --dtype float32 --dense-features always           # the CNN through an assembled Ψ₀ (5.4 GB)
+    python scripts/benchmark_classification.py --datasets digits --models wide_cnn --methods linear guard \
+        --exact none --no-laplace-torch --dtype float32 --dense-features always  # 117k weights: J 5.9 GB, 7.7 GB peak
     python scripts/benchmark_classification.py --datasets digits --models mlp --exact none --no-laplace-torch \
         --a-multiples 1 3 10 30 100 1000 [--weight-decay 10]     # evidence optimum vs predictive optimum
     python scripts/benchmark_classification.py --datasets digits --models mlp --exact none --no-laplace-torch \
