@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     if args.dense and isinstance(posterior.features, DenseFeatures):
         # the run's assembled float64 Ψ with every row: ELLA's subspace as the float64 round-off allows, K up to d
         routes.append(("float64", posterior.features, posterior.n_outputs))
+    elif args.dense:
+        print(f"--dense: this run's solver ({posterior.solver_name}) did not assemble Ψ; the float64 rows are skipped")
     for route, feats, m in routes:
         m = min(m, posterior.n_outputs)
         t0 = time.perf_counter()
