@@ -585,7 +585,12 @@ def main(argv=None):
         help="MAP training: bench = Adam lr 1e-3, no weight decay; issue = Adam lr 1e-2, weight decay 1e-4",
     )
     ap.add_argument("--samples", type=int, default=256, help="prediction samples")
-    ap.add_argument("--grid-samples", type=int, default=64, help="posterior samples per grid point (gridsearch)")
+    ap.add_argument(
+        "--grid-samples",
+        type=int,
+        default=64,
+        help="posterior samples per grid point (gridsearch) and per step of the held-out guard (guard)",
+    )
     ap.add_argument(
         "--grid",
         type=float,
