@@ -39,6 +39,7 @@ The rebuilt posterior is set up from a temporary copy of the run's checkpoint; t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -200,8 +201,7 @@ def main(argv=None) -> int:
             std = np.sqrt(np.maximum(pixel, 0.0)).reshape(gt.shape)
             kept = float((std[roi] ** 2).mean() / (std_exact[roi] ** 2).mean())
             rel = float(np.median(np.abs(std[roi] / std_exact[roi] - 1.0)))
-            rows = read_rows(run_dir / rf.HELDOUT_ROWS_NAME)
-            rows.variance = row_var
+            rows = dataclasses.replace(saved, variance=row_var)  # the run's rows, ELLA's image variance
             entry = {
                 "route": route,
                 "M": m,

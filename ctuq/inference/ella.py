@@ -116,18 +116,19 @@ def nystrom_basis(
     c = features.n_outputs
     if rank is not None and rank < 1:
         raise ValueError(f"ELLA: rank K must be >= 1, got {rank}")
+    least = 1 if rank is None else rank  # the fewest landmark rows that can hold the eigenpairs asked for
     if rows is None:
-        if not (rank or 1) <= landmarks <= c:
+        if not least <= landmarks <= c:
             raise ValueError(
-                f"ELLA: landmarks M = {landmarks} must lie between the rank K = {rank or 1} and the {c} outputs of Ψ"
+                f"ELLA: landmarks M = {landmarks} must lie between the rank K = {least} and the {c} outputs of Ψ"
             )
         g = torch.Generator().manual_seed(int(seed))
         rows = torch.randperm(c, generator=g)[:landmarks]
     else:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        if rows.numel() < (rank or 1) or len(torch.unique(rows)) != rows.numel() or rows.min() < 0 or rows.max() >= c:
+        if rows.numel() < least or len(torch.unique(rows)) != rows.numel() or rows.min() < 0 or rows.max() >= c:
             raise ValueError(
-                f"ELLA: rows must be at least K = {rank or 1} distinct indices in [0, {c}), got {rows.numel()} of them"
+                f"ELLA: rows must be at least K = {least} distinct indices in [0, {c}), got {rows.numel()} of them"
             )
     m = int(rows.numel())
     PsiR = _landmark_rows(features, rows.to(features.device), chunk_size).double()
