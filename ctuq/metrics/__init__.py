@@ -26,7 +26,8 @@ Map of the package
 ``image``           image quality against a ground truth: :func:`psnr` (torch), :func:`psnr_from_mse`,
                     :func:`image_metrics` (PSNR and SSIM with ``skimage``, for ``metrics.json``)
 ``classification``  NLL, accuracy, ECE, Brier score, reliability diagrams, joint log-likelihood of κ-tuples
-                    (:func:`nll`, :func:`expected_calibration_error`, …, :func:`classification_summary`)
+                    (:func:`nll`, :func:`expected_calibration_error`, …, :func:`classification_summary`), and
+                    :func:`paired_bootstrap` (two predictives' differences, with intervals)
 ==================  =====================================================================================
 
 Shapes and units
@@ -91,6 +92,7 @@ from .classification import (
     joint_log_likelihood,
     joint_log_likelihoods,
     nll,
+    paired_bootstrap,
     reliability_diagram,
 )
 from .heldout import HELDOUT_LEVELS, fit_variance_scale, heldout_check, projected_variance
@@ -134,6 +136,7 @@ __all__ = [
     "expected_calibration_error",
     "reliability_diagram",
     "brier_score",
+    "paired_bootstrap",
     "joint_log_likelihood",
     "joint_log_likelihoods",
     "classification_summary",

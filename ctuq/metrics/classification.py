@@ -9,6 +9,9 @@ estimate is ``S = 1``). Tensors or numpy arrays; results are Python floats (nats
 * ECE (Guo et al. 2017): ``Σ_b (|B_b|/N) |acc(B_b) − conf(B_b)|`` over ``n_bins`` (default 15) equal-width bins
   ``(b/n_bins, (b+1)/n_bins]`` of the top-class confidence.
 * Brier score: ``(1/N) Σ_i Σ_c (p_ic − 1[y_i = c])²`` (0 … 2).
+* Paired bootstrap (:func:`paired_bootstrap`): the NLL and ECE of one predictive minus another's on the same inputs,
+  with the spread of those differences over resamples of the inputs (Efron & Tibshirani 1993, §16): whether a test
+  set this size can tell two predictives apart at all.
 * Joint log-likelihood of κ-tuples (Osband et al. 2022, "Evaluating high-order predictive distributions in deep
   learning"; used for linearised Laplace by Antorán, Padhy et al. 2023): for a tuple ``τ`` of κ test points,
   ``log (1/S) Σ_s Π_{i∈τ} p_s(y_i | x_i)`` divided by κ (nats per point, so κ = 1 is the usual test log-likelihood),
@@ -34,6 +37,7 @@ __all__ = [
     "expected_calibration_error",
     "reliability_diagram",
     "brier_score",
+    "paired_bootstrap",
     "joint_log_likelihood",
     "joint_log_likelihoods",
     "classification_summary",
@@ -98,6 +102,59 @@ def brier_score(probs, labels) -> float:
     p, y = _probs(probs, labels, "brier_score")
     onehot = torch.nn.functional.one_hot(y, p.shape[1]).double()
     return float((p - onehot).pow(2).sum(1).mean())
+
+
+def paired_bootstrap(probs, reference, labels, *, n_resamples: int = 2000, seed: int = 0, n_bins: int = 15) -> dict:
+    """NLL and ECE of ``probs`` minus those of ``reference`` on the same ``N`` inputs, with bootstrap intervals.
+
+    Each of ``n_resamples`` resamples draws ``N`` inputs with replacement (numpy ``default_rng(seed)``) and scores
+    both predictives on the same draw, so what the two share (the hard inputs) cancels. ``probs`` and ``reference``
+    are ``(N, C)``, ``labels`` ``(N,)``.
+
+    Returns ``{"nll": …, "ece": …, "n": N, "n_resamples": …}``; each metric is ``{"difference"`` (on all ``N``
+    inputs; negative: ``probs`` is better), ``"interval_95"`` (the 2.5 / 97.5 % percentiles over the resamples),
+    ``"p_better"`` (the fraction of resamples in which ``probs`` scores lower)``}``.
+    """
+    p, y = _probs(probs, labels, "paired_bootstrap")
+    q, _ = _probs(reference, labels, "paired_bootstrap")
+    if q.shape != p.shape:
+        raise ValueError(
+            f"paired_bootstrap: probs and reference must have one shape, got {tuple(p.shape)} and {tuple(q.shape)}"
+        )
+    if not isinstance(n_resamples, int) or n_resamples < 1:
+        raise ValueError(f"paired_bootstrap: n_resamples must be a positive int, got {n_resamples!r}")
+    n = len(y)
+    rows = torch.arange(n)
+    # per-input terms, so that every resample is a weighted sum: the NLL's −log p, and ECE's signed
+    # (correct − confidence) in its confidence bin (ECE is Σ_b |Σ_{i∈b} (correct_i − conf_i)| / N)
+    terms = {}
+    for name, r in (("probs", p), ("reference", q)):
+        conf, pred = r.max(1)
+        b = torch.clamp(torch.ceil(conf * n_bins).long() - 1, 0, n_bins - 1)
+        gap = torch.zeros(n, n_bins, dtype=torch.float64)
+        gap[rows, b] = (pred == y).double() - conf
+        terms[name] = (-r[rows, y].clamp_min(1e-300).log().numpy(), gap.numpy())
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
+    weights = np.zeros((n_resamples, n))
+    np.add.at(weights, (np.arange(n_resamples)[:, None], idx), 1.0)
+    full = np.ones((1, n))
+    out: dict = {"n": n, "n_resamples": n_resamples}
+    for metric in ("nll", "ece"):
+        scores = {}
+        for name, (lp, gap) in terms.items():
+            if metric == "nll":
+                scores[name] = [w @ lp / n for w in (full, weights)]
+            else:
+                scores[name] = [np.abs(w @ gap).sum(1) / n for w in (full, weights)]
+        diff_full = float((scores["probs"][0] - scores["reference"][0])[0])
+        diff = scores["probs"][1] - scores["reference"][1]
+        lo, hi = np.percentile(diff, [2.5, 97.5])
+        out[metric] = {
+            "difference": diff_full,
+            "interval_95": (float(lo), float(hi)),
+            "p_better": float((diff < 0).mean()),
+        }
+    return out
 
 
 def _label_log_probs(sample_log_probs, labels, where: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ctuq.metrics import (
     joint_log_likelihood,
     joint_log_likelihoods,
     nll,
+    paired_bootstrap,
     reliability_diagram,
 )
 
@@ -68,3 +69,40 @@ def test_classification_summary_keys():
     y = torch.randint(0, 3, (30,), generator=g)
     s = classification_summary(lp.exp().mean(0), y, lp, kappas=range(1, 4))
     assert set(s) == {"nll", "accuracy", "ece", "brier", "joint_ll"} and set(s["joint_ll"]) == {1, 2, 3}
+
+
+def _two_predictives(n=120, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(n, 4, generator=g, dtype=torch.float64)
+    y = torch.distributions.Categorical(logits=logits).sample()  # labels drawn from p: p is calibrated
+    p = torch.softmax(logits, 1)
+    q = torch.softmax(2.5 * logits, 1)  # over-confident
+    return p, q, y
+
+
+def test_paired_bootstrap_matches_a_loop_over_resampled_test_sets():
+    # reference: the same resamples (default_rng(seed).integers), each scored by nll() and
+    # expected_calibration_error() on its own resampled test set
+    p, q, y = _two_predictives()
+    out = paired_bootstrap(p, q, y, n_resamples=300, seed=7)
+    idx = np.random.default_rng(7).integers(0, len(y), size=(300, len(y)))
+    for metric, f in (("nll", nll), ("ece", expected_calibration_error)):
+        diffs = np.array([f(p[i], y[i]) - f(q[i], y[i]) for i in idx])
+        assert out[metric]["difference"] == pytest.approx(f(p, y) - f(q, y), abs=1e-12)
+        assert out[metric]["interval_95"] == pytest.approx(tuple(np.percentile(diffs, [2.5, 97.5])), abs=1e-12)
+        assert out[metric]["p_better"] == pytest.approx(float((diffs < 0).mean()))
+    # the calibrated predictive beats the over-confident one on NLL in (nearly) every resample
+    assert out["nll"]["difference"] < 0 and out["nll"]["p_better"] > 0.95 and out["nll"]["interval_95"][1] < 0
+
+
+def test_paired_bootstrap_of_a_predictive_with_itself_is_zero_and_errors_name_the_shape():
+    p, _, y = _two_predictives()
+    out = paired_bootstrap(p, p, y, n_resamples=50)
+    assert out["n"] == len(y) and out["n_resamples"] == 50
+    for metric in ("nll", "ece"):
+        assert out[metric]["difference"] == 0.0 and out[metric]["interval_95"] == (0.0, 0.0)
+        assert out[metric]["p_better"] == 0.0
+    with pytest.raises(ValueError, match=r"one shape, got \(120, 4\) and \(120, 3\)"):
+        paired_bootstrap(p, p[:, :3] / p[:, :3].sum(1, keepdim=True), y.clamp_max(2))
+    with pytest.raises(ValueError, match="n_resamples must be a positive int, got 0"):
+        paired_bootstrap(p, p, y, n_resamples=0)

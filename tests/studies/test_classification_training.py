@@ -94,3 +94,39 @@ def test_the_wide_cnn_has_over_100k_weights_and_ten_logits(dataset, shape, weigh
     assert model.eval()(torch.zeros(3, *shape)).shape == (3, 10)
     with pytest.raises(ValueError, match=r"unknown model 'vit'; valid: \['mlp', 'cnn', 'wide_cnn'\]"):
         make_model("vit", dataset)
+
+
+def test_benchmark_pairs_each_row_with_the_map_row_on_the_same_images(capsys):
+    # scripts/benchmark_classification.py: rows on the whole test split pair with "MAP", rows on the validation
+    # split's other part with "MAP (test subset)"; the stored differences are paired_bootstrap's
+    from tiny import load_script
+
+    from ctuq.metrics import paired_bootstrap
+
+    script = load_script("benchmark_classification")
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (30,), generator=g)
+    eval_idx = torch.arange(10, 30)
+    p = [torch.softmax(torch.randn(30, 3, generator=g, dtype=torch.float64), 1) for _ in range(3)]
+    entries = [
+        {"method": "MAP", "link": "-", "probs": p[0]},
+        {"method": "MAP (test subset)", "link": "-", "probs": p[0][eval_idx]},
+        {"method": "whole", "link": "mc", "probs": p[1]},
+        {"method": "subset", "link": "probit", "probs": p[2][eval_idx]},
+        {"method": "failed", "error": "killed"},
+    ]
+    script.paired_with_map("t", entries, labels, eval_idx, seed=4)
+    whole, subset = entries[2]["vs_map"], entries[3]["vs_map"]
+    assert {k: whole[k] for k in ("nll", "ece")} == {
+        k: paired_bootstrap(p[1], p[0], labels, seed=4)[k] for k in ("nll", "ece")
+    }
+    ref = paired_bootstrap(p[2][eval_idx], p[0][eval_idx], labels[eval_idx], seed=4)
+    assert subset["nll"] == ref["nll"] and subset["ece"] == ref["ece"] and subset["n"] == 20
+    conf, pred = p[2][eval_idx].max(1)
+    assert subset["confidence_gap"] == pytest.approx(float(conf.mean() - (pred == labels[eval_idx]).double().mean()))
+    top = p[0][eval_idx].argmax(1)
+    lowered = p[2][eval_idx][torch.arange(20), top] < p[0][eval_idx][torch.arange(20), top]
+    assert subset["less_confident"] == pytest.approx(float(lowered.double().mean()))
+    assert all("vs_map" not in e for e in (entries[0], entries[1], entries[4]))
+    table = capsys.readouterr().out
+    assert "| whole | mc | 30 |" in table and "| subset | probit | 20 |" in table
