@@ -104,6 +104,9 @@ def brier_score(probs, labels) -> float:
     return float((p - onehot).pow(2).sum(1).mean())
 
 
+_BOOTSTRAP_BLOCK = 2**22  # resample multiplicities held at once by paired_bootstrap (float64: 32 MB)
+
+
 def paired_bootstrap(probs, reference, labels, *, n_resamples: int = 2000, seed: int = 0, n_bins: int = 15) -> dict:
     """NLL and ECE of ``probs`` minus those of ``reference`` on the same ``N`` inputs, with bootstrap intervals.
 
@@ -134,20 +137,29 @@ def paired_bootstrap(probs, reference, labels, *, n_resamples: int = 2000, seed:
         gap = torch.zeros(n, n_bins, dtype=torch.float64)
         gap[rows, b] = (pred == y).double() - conf
         terms[name] = (-r[rows, y].clamp_min(1e-300).log().numpy(), gap.numpy())
-    idx = np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
-    weights = np.zeros((n_resamples, n))
-    np.add.at(weights, (np.arange(n_resamples)[:, None], idx), 1.0)
-    full = np.ones((1, n))
+
+    def score(weights):  # (R, n) multiplicities → {metric: (R,) probs' score − reference's}
+        return {
+            "nll": weights @ (terms["probs"][0] - terms["reference"][0]) / n,
+            "ece": (np.abs(weights @ terms["probs"][1]).sum(1) - np.abs(weights @ terms["reference"][1]).sum(1)) / n,
+        }
+
+    # the resamples' multiplicities a block at a time (~32 MB of float64 whatever n_resamples), drawn row by row from
+    # one generator, so the draws are those of one (n_resamples, n) call
+    rng = np.random.default_rng(seed)
+    block = max(1, min(n_resamples, _BOOTSTRAP_BLOCK // n))
+    diffs = {"nll": [], "ece": []}
+    for start in range(0, n_resamples, block):
+        r = min(block, n_resamples - start)
+        idx = rng.integers(0, n, size=(r, n)) + n * np.arange(r)[:, None]
+        weights = np.bincount(idx.ravel(), minlength=r * n).reshape(r, n).astype(np.float64)
+        for metric, d in score(weights).items():
+            diffs[metric].append(d)
+    full = score(np.ones((1, n)))
     out: dict = {"n": n, "n_resamples": n_resamples}
     for metric in ("nll", "ece"):
-        scores = {}
-        for name, (lp, gap) in terms.items():
-            if metric == "nll":
-                scores[name] = [w @ lp / n for w in (full, weights)]
-            else:
-                scores[name] = [np.abs(w @ gap).sum(1) / n for w in (full, weights)]
-        diff_full = float((scores["probs"][0] - scores["reference"][0])[0])
-        diff = scores["probs"][1] - scores["reference"][1]
+        diff_full = float(full[metric][0])
+        diff = np.concatenate(diffs[metric])
         lo, hi = np.percentile(diff, [2.5, 97.5])
         out[metric] = {
             "difference": diff_full,

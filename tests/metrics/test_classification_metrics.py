@@ -80,9 +80,13 @@ def _two_predictives(n=120, seed=3):
     return p, q, y
 
 
-def test_paired_bootstrap_matches_a_loop_over_resampled_test_sets():
-    # reference: the same resamples (default_rng(seed).integers), each scored by nll() and
+@pytest.mark.parametrize("block", [2**22, 7 * 120])  # one block, and blocks of 7 resamples (the last one short)
+def test_paired_bootstrap_matches_a_loop_over_resampled_test_sets(block, monkeypatch):
+    # reference: the same resamples (one default_rng(seed).integers call), each scored by nll() and
     # expected_calibration_error() on its own resampled test set
+    import ctuq.metrics.classification as cm
+
+    monkeypatch.setattr(cm, "_BOOTSTRAP_BLOCK", block)
     p, q, y = _two_predictives()
     out = paired_bootstrap(p, q, y, n_resamples=300, seed=7)
     idx = np.random.default_rng(7).integers(0, len(y), size=(300, len(y)))
