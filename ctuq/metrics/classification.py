@@ -68,15 +68,20 @@ def accuracy(probs, labels) -> float:
     return float((p.argmax(1) == y).double().mean())
 
 
+def _confidence_bins(conf: torch.Tensor, n_bins, where: str) -> torch.Tensor:
+    """The equal-width bin of each top-class confidence, ``(b/n_bins, (b+1)/n_bins] → b`` (the ECE's bins)."""
+    if not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"{where}: n_bins must be a positive int, got {n_bins!r}")
+    return torch.clamp(torch.ceil(conf * n_bins).long() - 1, 0, n_bins - 1)
+
+
 def reliability_diagram(probs, labels, n_bins: int = 15) -> dict:
     """Per-bin ``confidence``, ``accuracy`` and ``count`` (arrays of length ``n_bins``; empty bins NaN / 0) and
     the bin ``edges`` (``n_bins + 1``) of the top-class confidence."""
     p, y = _probs(probs, labels, "reliability_diagram")
-    if not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"reliability_diagram: n_bins must be a positive int, got {n_bins!r}")
     conf, pred = p.max(1)
     correct = (pred == y).double()
-    idx = torch.clamp(torch.ceil(conf * n_bins).long() - 1, 0, n_bins - 1)  # (b/n, (b+1)/n] → b
+    idx = _confidence_bins(conf, n_bins, "reliability_diagram")
     count = torch.bincount(idx, minlength=n_bins).double()
     conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, conf)
     acc_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, correct)
@@ -133,7 +138,7 @@ def paired_bootstrap(probs, reference, labels, *, n_resamples: int = 2000, seed:
     terms = {}
     for name, r in (("probs", p), ("reference", q)):
         conf, pred = r.max(1)
-        b = torch.clamp(torch.ceil(conf * n_bins).long() - 1, 0, n_bins - 1)
+        b = _confidence_bins(conf, n_bins, "paired_bootstrap")
         gap = torch.zeros(n, n_bins, dtype=torch.float64)
         gap[rows, b] = (pred == y).double() - conf
         terms[name] = (-r[rows, y].clamp_min(1e-300).log().numpy(), gap.numpy())

@@ -110,3 +110,5 @@ def test_paired_bootstrap_of_a_predictive_with_itself_is_zero_and_errors_name_th
         paired_bootstrap(p, p[:, :3] / p[:, :3].sum(1, keepdim=True), y.clamp_max(2))
     with pytest.raises(ValueError, match="n_resamples must be a positive int, got 0"):
         paired_bootstrap(p, p, y, n_resamples=0)
+    with pytest.raises(ValueError, match="paired_bootstrap: n_bins must be a positive int, got 0"):
+        paired_bootstrap(p, p, y, n_bins=0)
