@@ -31,7 +31,10 @@ __all__ = [
     "plan_curves",
     "recommend",
     "RECOMMEND_MARGIN",
+    "TRUSTED_PER_SIDE",
     "designed_ahead",
+    "trusted_count",
+    "recommends_designed",
     "pilot_rows",
     "AcquisitionHooks",
     "refresh_updater",
@@ -182,8 +185,36 @@ with designs as often behind as ahead (a threshold read off those three scans)."
 
 def designed_ahead(designed: float, equidistant: float, margin: float = RECOMMEND_MARGIN) -> bool:
     """Whether a predicted RMS error of designed angles (mm⁻¹) is at least ``margin`` (a fraction) below the
-    equidistant one at the same count: the rule by which :func:`recommend` picks designed angles."""
+    equidistant one at the same count: the first rule by which :func:`recommend` picks designed angles."""
     return designed / equidistant <= 1.0 - margin
+
+
+TRUSTED_PER_SIDE = 1.0 / 3.0
+"""The plan recommends designed angles only up to this fraction of the image side (pixels) in angles
+(:func:`trusted_count`: 21 at 64², 42 at 128²). In the protocol study at 64² (docs/experimental_design.md §9: three
+sets of three scans) the designs were ahead of as many equidistant angles at 20 angles, and from 40 angles their DIP
+was as often behind as ahead, by up to 1.6 dB where the plan predicted them 5–6 % ahead; with TV's weight chosen on
+the truth the same designed angles were ahead there: above this count the 64² runs' held-out tuning, not the angles'
+information, decided (it picks a weight further from the best one for designed angles, whose rows the coarse grid
+fits worse). The limit was read off two of the sets and held on the third. At 128² the designs were ahead at every
+count up to 80, so there it is conservative."""
+
+
+def trusted_count(image_shape) -> int:
+    """The largest angle count at which :func:`recommend` may pick designed angles: :data:`TRUSTED_PER_SIDE` times
+    the image's larger in-plane side (pixels; ``image_shape`` ``(ny, nx)`` or ``(nz, ny, nx)``), at least 1."""
+    side = max(int(n) for n in tuple(image_shape)[-2:])
+    return max(1, int(side * TRUSTED_PER_SIDE))
+
+
+def recommends_designed(
+    designed: float, equidistant: float, count: float, *, max_designed: int | None, margin: float = RECOMMEND_MARGIN
+) -> bool:
+    """The rule of :func:`recommend` at one count: designed angles when their predicted RMS error is at least
+    ``margin`` below the equidistant one's (:func:`designed_ahead`) and the count, rounded up to whole angles, is at
+    most ``max_designed`` (:func:`trusted_count`; ``None``: no limit)."""
+    within = max_designed is None or math.ceil(count) <= max_designed
+    return within and designed_ahead(designed, equidistant, margin)
 
 
 def _rmse_at(counts, records, n: float) -> float:
@@ -191,24 +222,24 @@ def _rmse_at(counts, records, n: float) -> float:
     return float(np.exp(np.interp(n, counts, np.log([r["rmse"] for r in records]))))
 
 
-def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN) -> dict:
+def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN, max_designed: int | None = None) -> dict:
     """The protocol the plan recommends: designed or equidistant angles.
 
     Designed angles are recommended only where the plan predicts them at least ``margin`` (a fraction,
-    :data:`RECOMMEND_MARGIN`) below equidistant ones in RMS error; otherwise the equidistant scan, which needs no
-    design. With a stop ``target`` (:class:`~ctuq.design.forecast.Target`, an RMS error or a PSNR): the predicted
-    count at which each strategy meets it (linear in log error between the plan's counts; ``None`` beyond them);
-    the designed scan is recommended when it meets the target with fewer whole angles and its predicted error
-    at that count is below ``1 − margin`` times the equidistant one's. Without one (or a ``min_gain`` target): at the
-    plan's last count.
+    :data:`RECOMMEND_MARGIN`) below equidistant ones in RMS error, and only up to ``max_designed`` angles
+    (:func:`trusted_count` of the image; ``None``: no limit); otherwise the equidistant scan, which needs no design
+    (:func:`recommends_designed`). With a stop ``target`` (:class:`~ctuq.design.forecast.Target`, an RMS error or a
+    PSNR): the predicted count at which each strategy meets it (linear in log error between the plan's counts;
+    ``None`` beyond them); the designed scan is recommended when it meets the target with fewer whole angles and
+    the rule holds at that count. Without one (or a ``min_gain`` target): at the plan's last count.
 
     Returns
     -------
     dict
-        ``recommended`` (``"designed"`` or ``"equidistant"``), ``margin``, ``target`` (its text or ``None``), ``counts``
-        (strategy → predicted count or ``None``, with a target), ``rmse_last`` (strategy → predicted RMS error
-        at the last count, mm⁻¹), ``ahead`` (strategy → the plan's counts where its predicted error is lower), and
-        ``reason`` (one line).
+        ``recommended`` (``"designed"`` or ``"equidistant"``), ``margin``, ``max_designed``, ``target`` (its text or
+        ``None``), ``counts`` (strategy → predicted count or ``None``, with a target), ``rmse_last`` (strategy →
+        predicted RMS error at the last count, mm⁻¹), ``ahead`` (strategy → the plan's counts where its predicted
+        error is lower), and ``reason`` (one line).
     """
     counts = [int(c) for c in planned["counts"]]
     des, eq = planned["designed"], planned["equidistant"]
@@ -217,12 +248,16 @@ def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN) -> d
         "designed": [n for n, d, e in zip(counts, des, eq) if d["rmse"] < e["rmse"]],
         "equidistant": [n for n, d, e in zip(counts, des, eq) if e["rmse"] < d["rmse"]],
     }
-    out = {"margin": float(margin), "target": None, "counts": None, "rmse_last": last, "ahead": ahead}
+    limit = None if max_designed is None else int(max_designed)
+    out = {"margin": float(margin), "max_designed": limit, "target": None, "counts": None}
+    out.update(rmse_last=last, ahead=ahead)
+    beyond = f"designed angles are recommended up to {limit} angles at this image size"
     if target is not None and target.kind in ("rmse", "psnr"):
         need = {"designed": _count_meeting(counts, des, target), "equidistant": _count_meeting(counts, eq, target)}
         d, e = need["designed"], need["equidistant"]
         fewer = d is not None and (e is None or math.ceil(d) < math.ceil(e))
-        clear = fewer and designed_ahead(_rmse_at(counts, des, d), _rmse_at(counts, eq, d), margin)
+        rates = (_rmse_at(counts, des, d), _rmse_at(counts, eq, d)) if fewer else None
+        clear = fewer and recommends_designed(*rates, d, max_designed=limit, margin=margin)
         best = "designed" if clear else "equidistant"
         if d is None and e is None:
             why = f"neither is predicted to meet {target.text} within {counts[-1]} angles"
@@ -230,16 +265,16 @@ def recommend(planned: dict, target=None, margin: float = RECOMMEND_MARGIN) -> d
             shown = {k: "not within the plan" if v is None else f"{math.ceil(v)} angles" for k, v in need.items()}
             why = f"{target.text}: designed {shown['designed']}, equidistant {shown['equidistant']}"
             if fewer and not clear:
-                why += f" (the design's predicted gain is below the {margin:.0%} margin)"
+                gain_ok = designed_ahead(*rates, margin)
+                why += f" ({beyond})" if gain_ok else f" (the design's predicted gain is below the {margin:.0%} margin)"
         out.update(target=target.text, counts=need, recommended=best, reason=why)
         return out
     ratio = last["designed"] / last["equidistant"]
-    best = "designed" if designed_ahead(last["designed"], last["equidistant"], margin) else "equidistant"
-    out.update(
-        recommended=best,
-        reason=f"predicted RMS error after {counts[-1]} angles: designed {ratio:.3f} × equidistant "
-        f"(margin {margin:.0%})",
-    )
+    clear = recommends_designed(last["designed"], last["equidistant"], counts[-1], max_designed=limit, margin=margin)
+    why = f"predicted RMS error after {counts[-1]} angles: designed {ratio:.3f} × equidistant (margin {margin:.0%})"
+    if not clear and designed_ahead(last["designed"], last["equidistant"], margin):
+        why += f"; {beyond}"
+    out.update(recommended="designed" if clear else "equidistant", reason=why)
     return out
 
 

@@ -40,7 +40,7 @@ from ctuq.design.candidates import DesignError, equidistant_indices
 from ctuq.design.dip_prior import DIPTracker
 from ctuq.design.forecast import ErrorForecaster, OnlineCalibration, RowPredictor, StopRule, forecast_counts
 from ctuq.design.greedy import baseline_design, greedy_design
-from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves, recommend
+from ctuq.design.plan import AcquisitionHooks, pilot_rows, plan_curves, recommend, trusted_count
 from ctuq.design.plots import plot_design_polar, plot_forecast, plot_online_calibration, plot_std_maps
 from ctuq.options import Criterion, values
 from ctuq.outputs import voxel_size_of, write_metrics, write_tiff
@@ -359,7 +359,8 @@ def _forecast_setup(cfg, scan: DesignScan, pilot: PilotPrior, *, plan: bool, rul
         why = None if plan else rule.reachable(best)
         if why is not None:
             raise DesignError(why)
-        planned["recommendation"] = recommend(planned, rule.target if rule else None)
+        limit = trusted_count(engine.model.op.image_shape)
+        planned["recommendation"] = recommend(planned, rule.target if rule else None, max_designed=limit)
         if not plan:  # --plan says it after its table
             _say_advice(planned["recommendation"], len(scan.pilot), acquiring=True)
     online = OnlineCalibration(forecaster, rows, ds.calibration_update)

@@ -329,8 +329,9 @@ def reconstruct_protocols(
     Returns
     -------
     dict
-        ``{protocol: {n: {"rmse": {method: mm⁻¹}, "psnr": {method: dB}, "angles_deg": [...]}}}``; the same set of
-        angles (the pilot, shared by all protocols) is reconstructed once.
+        ``{protocol: {n: {"rmse": {method: mm⁻¹}, "psnr": {method: dB}, "angles_deg": [...], "scan_indices":
+        [...]}}}`` (the angles in degrees and as indices into ``whole.angles``); the same set of angles (the pilot,
+        shared by all protocols) is reconstructed once.
     """
     actual: dict = {p: {} for p in orders}
     done: dict[tuple, dict] = {}
@@ -354,6 +355,7 @@ def reconstruct_protocols(
                     "rmse": rmse_inside(run.path, run.ground_truth, mask),
                     "psnr": {k: float(v) for k, v in run.metrics["psnr"].items()},
                     "angles_deg": [float(a) for a in whole.angles[cand[idx]]],
+                    "scan_indices": [int(i) for i in cand[idx]],
                 }
             actual[protocol][n] = done[tuple(idx)]
     return actual

@@ -14,12 +14,15 @@ angles), in ``OUT/<scan>/``, everything through the public API:
    design's (``designed_<spread>``), ``n`` equidistant candidates (:func:`~ctuq.design.candidates.
    equidistant_indices`) and the first ``n`` of the golden-angle sequence (:func:`~ctuq.design.candidates.
    golden_indices`); PSNR and RMS error inside the pilot DIP's object mask against the ground truth;
-4. ``result.json``: the scan's record, derived from those folders.
+4. ``tv_best.json``: TV from the same angles at its best weight, chosen on the ground truth (:func:`best_tv`): what
+   the angles allow apart from how a run tunes its reconstruction on the held-out angles;
+5. ``result.json``: the scan's record, derived from those folders.
 
-The report (:func:`report`) gives, per content kind and count, the DIP and TV PSNR of every protocol, each minus
-equidistant (and the protocol the plan recommends, :func:`ctuq.design.plan.recommend`'s margin), and the plan's
-ranking: the sign of its predicted designed − equidistant error
-against the sign of the actual one where the actual PSNR differs by more than 0.3 dB. A rerun of the same command
+The report (:func:`report`) gives, per content kind and count, the DIP, TV and best-weight TV PSNR of every
+protocol, each minus equidistant (and the protocol the plan recommends, :func:`ctuq.design.plan.recommend`'s rule:
+its margin and :func:`~ctuq.design.plan.trusted_count`), and the plan's ranking: the sign of its predicted designed
+− equidistant error against the sign of the actual one (the DIP's, and the best-weight TV's) where the PSNR differs
+by more than 0.3 dB. A rerun of the same command
 resumes (every design and run is asked of the API with ``resume=True, reuse=True``). The options are one frozen
 dataclass, :class:`ProtocolOptions` (:data:`DEFAULTS`, :data:`TINY`), recorded in ``OUT/study.json``.
 """
@@ -35,7 +38,8 @@ import numpy as np
 from ctuq.calibration.maps import object_mask
 from ctuq.config import ConfigError, load_config
 from ctuq.design.candidates import golden_indices
-from ctuq.design.plan import designed_ahead
+from ctuq.design.plan import recommends_designed, trusted_count
+from ctuq.reconstruct.heldout import weight_grid
 from ctuq.run import design_angles
 from ctuq.scan import load_scan
 from ctuq.studies.calibration import prepare_scans
@@ -49,12 +53,24 @@ from ctuq.studies.common import (
     study_fingerprint,
 )
 from ctuq.studies.study_options import freeze, option, plain
-from ctuq.utils import atomic_write_json
+from ctuq.utils import atomic_path, atomic_write_json
 
-__all__ = ["ProtocolOptions", "DEFAULTS", "TINY", "BASELINES", "run_study", "run_scan", "report", "protocol_name"]
+__all__ = [
+    "ProtocolOptions",
+    "DEFAULTS",
+    "TINY",
+    "BASELINES",
+    "run_study",
+    "run_scan",
+    "report",
+    "protocol_name",
+    "best_tv",
+]
 
 BASELINES = ("equidistant", "golden")
 RANK_MARGIN_DB = 0.3  # the issue's margin: pairs whose actual difference is smaller are not ranked
+BEST_TV_PER_DECADE = 8  # weights a decade of the best-TV search (the runs' own path has 4)
+BEST_TV_ITERATIONS = 300  # PDHG iterations per weight: the runs' path stops at 60, far from converged at 64²
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +212,7 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
         load_scan(scan), cand, orders, options.counts, sets=_sets(options), options=options, out=sdir / "actual",
         mask=mask, log=log, name=name,
     )  # fmt: skip
+    _best_tv_all(load_scan(scan), by_count, options, sdir / "tv_best.json", log, name)
     actual = {p: {str(n): rec for n, rec in runs.items()} for p, runs in by_count.items()}
     record = {
         "scan": name,
@@ -210,6 +227,7 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
             }
             for p, rec in plans.items()
         },
+        "max_designed": trusted_count(mask.shape),
         "orders": {p: o for p, o in orders.items() if o},
         "actual": actual,
     }
@@ -218,65 +236,125 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
     return read_json(done)
 
 
+def best_tv(op, y, truth, weights, *, iterations: int = BEST_TV_ITERATIONS) -> dict:
+    """The TV image of the highest PSNR over ``weights``: what the angles allow TV when its weight is chosen on the
+    ground truth, apart from how a run chooses it (the held-out angles). A study's diagnostic, never a method.
+
+    From the largest weight down, each starts from the previous one's image (a warm path,
+    :func:`ctuq.reconstruct.classical.tv_reconstruction`, ``iterations`` PDHG iterations each) and the path stops
+    once the PSNR has fallen for two weights in a row past its best.
+
+    Parameters
+    ----------
+    op, y : RayTransform, torch.Tensor
+        ``T`` and the sinogram ``op.measurement_shape`` (data units).
+    truth : array
+        ``op.image_shape`` ground truth (mm⁻¹).
+    weights : sequence of float
+        Candidate ``λ > 0``, any order.
+
+    Returns
+    -------
+    dict
+        ``weight`` (the best λ), ``psnr`` (dB), ``weights`` and ``psnrs`` along the path as run.
+    """
+    import torch
+
+    from ctuq.metrics.image import psnr
+    from ctuq.reconstruct.classical import tv_reconstruction
+
+    truth = torch.as_tensor(np.asarray(truth), dtype=torch.float32)
+    x, run, scores = None, [], []
+    for w in sorted((float(v) for v in weights), reverse=True):
+        x = tv_reconstruction(op, y, weight=w, iterations=iterations, x0=x, progress=False)["reconstruction"]
+        run.append(w)
+        scores.append(float(psnr(x.detach().cpu(), truth)))
+        if len(scores) - 1 - int(np.argmax(scores)) >= 2:
+            break
+    best = int(np.argmax(scores))
+    return {"weight": run[best], "psnr": scores[best], "weights": run, "psnrs": scores}
+
+
+def _best_tv_all(whole, by_count: dict, options: ProtocolOptions, cache: Path, log: Log, name: str) -> None:
+    """:func:`best_tv` of every protocol's angles at every count into its record (``rec["tv_best"]``), kept in
+    ``cache`` (JSON, by the angles' scan indices, with the search's weights and iterations: another search starts
+    afresh; written after each new one, so an interruption loses one)."""
+    cfg = load_config(options.config, _sets(options))
+    weights = weight_grid(cfg.tv.weight_min, cfg.tv.weight_max, BEST_TV_PER_DECADE)
+    settings = {"weights": weights, "iterations": BEST_TV_ITERATIONS}
+    kept = read_json(cache) if cache.exists() else {}
+    if kept.get("settings") != settings:  # another search: start afresh
+        kept = {"settings": settings, "sets": {}}
+    for runs in by_count.values():
+        for rec in runs.values():
+            key = ",".join(str(i) for i in rec["scan_indices"])
+            if key not in kept["sets"]:
+                data = whole.subset(rec["scan_indices"]).load(
+                    image_shape=cfg.data.image_shape,
+                    detector_subsampling=cfg.data.detector_subsampling,
+                    slice_index=cfg.data.slice_index,
+                    heldout=False,
+                )
+                kept["sets"][key] = best_tv(data.op, data.y, data.ground_truth, weights)
+                atomic_write_json(cache, kept)
+                log(
+                    f"{name}: best-weight TV from {len(rec['scan_indices'])} angles: {kept['sets'][key]['psnr']:.2f} dB"
+                )
+            rec["tv_best"] = {k: kept["sets"][key][k] for k in ("weight", "psnr")}
+
+
 def _dip(rec: dict, protocol: str, n: int) -> float:
     """The DIP's PSNR (dB) from the first ``n`` angles of ``protocol`` in the scan's record."""
     return rec["actual"][protocol][str(n)]["psnr"]["dip"]
 
 
+def _tv_best(rec: dict, protocol: str, n: int) -> float:
+    """The PSNR (dB) of TV at its best weight (:func:`best_tv`) from the same angles."""
+    return rec["actual"][protocol][str(n)]["tv_best"]["psnr"]
+
+
 def _recommended(rec: dict, design: str, n: int) -> str:
-    """What the plan recommends at count ``n`` (:func:`ctuq.design.plan.designed_ahead`, the rule of
+    """What the plan recommends at count ``n`` (:func:`ctuq.design.plan.recommends_designed`, the rule of
     :func:`~ctuq.design.plan.recommend`): ``design`` where it predicts clearly less RMS error than equidistant
-    angles, else ``"equidistant"``."""
+    angles and ``n`` is within the image's :func:`~ctuq.design.plan.trusted_count`, else ``"equidistant"``."""
     plan = rec["plan"][design]
-    return design if designed_ahead(plan["designed"][str(n)], plan["equidistant"][str(n)]) else "equidistant"
+    designed, equidistant = plan["designed"][str(n)], plan["equidistant"][str(n)]
+    return design if recommends_designed(designed, equidistant, n, max_designed=rec["max_designed"]) else "equidistant"
 
 
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
 
-def report(records: list[dict]) -> str:
-    """The study's tables (markdown): PSNR per protocol, designed − equidistant per kind and count, the gates."""
-    counts = records[0]["counts"]
-    protocols = [p for p in records[0]["actual"] if p.startswith("designed")] + list(BASELINES)
-    lines = ["# Protocol study: designed against equidistant and golden-angle scans", ""]
-    for method in ("dip", "tv"):
-        lines += [f"## {method.upper()} PSNR (dB) per scan and count", ""]
-        lines += ["| scan | n | " + " | ".join(protocols) + " |", "|---|---|" + "---|" * len(protocols)]
-        for rec in records:
-            for n in counts:
-                cells = [f"{rec['actual'][p][str(n)]['psnr'][method]:.2f}" for p in protocols]
-                lines.append(f"| {rec['scan']} | {n} | " + " | ".join(cells) + " |")
-        lines.append("")
-    kinds = sorted({rec["kind"] for rec in records})
-    lines += ["## Each protocol minus equidistant, DIP PSNR (dB), mean over the scans of a kind", ""]
-    others = [p for p in protocols if p != "equidistant"]
-    lines += ["| kind | protocol | " + " | ".join(str(n) for n in counts) + " |", "|---|---|" + "---|" * len(counts)]
-    for kind in [*kinds, "all"]:
+def _differences(records, protocols, counts, score, recommended: bool) -> list[str]:
+    """Rows of each protocol minus equidistant under ``score`` (:func:`_dip`, :func:`_tv_best`), mean over the scans
+    of each kind and of all; with ``recommended`` also the protocol the plan recommends at each count."""
+    lines = ["| kind | protocol | " + " | ".join(str(n) for n in counts) + " |", "|---|---|" + "---|" * len(counts)]
+    for kind in [*sorted({rec["kind"] for rec in records}), "all"]:
         recs = [r for r in records if kind in ("all", r["kind"])]
-        for p in others:
-            diffs = [_mean([_dip(r, p, n) - _dip(r, "equidistant", n) for r in recs]) for n in counts]
+        for p in [q for q in protocols if q != "equidistant"]:
+            diffs = [_mean([score(r, p, n) - score(r, "equidistant", n) for r in recs]) for n in counts]
             lines.append(f"| {kind} | {p} | " + " | ".join(f"{d:+.2f}" for d in diffs) + " |")
-        for p in [q for q in protocols if q.startswith("designed")]:  # the plan's pick at each count
+        for p in [q for q in protocols if q.startswith("designed") and recommended]:  # the plan's pick per count
             diffs = [
-                _mean([_dip(r, _recommended(r, p, n), n) - _dip(r, "equidistant", n) for r in recs]) for n in counts
+                _mean([score(r, _recommended(r, p, n), n) - score(r, "equidistant", n) for r in recs]) for n in counts
             ]
             lines.append(f"| {kind} | recommended ({p}) | " + " | ".join(f"{d:+.2f}" for d in diffs) + " |")
-    lines += [
-        "",
-        f"## The plan's ranking of designed against equidistant (pairs whose actual DIP PSNR differs by > "
-        f"{RANK_MARGIN_DB} dB)",
-        "",
+    return lines
+
+
+def _ranking(records, protocols, counts, score) -> list[str]:
+    """Rows of the plan's ranking of each design against equidistant angles where ``score`` differs by more than
+    :data:`RANK_MARGIN_DB`: the share with the sign the plan predicted, and the misses."""
+    lines = [
         "| design | pairs | ranked right | wrong (scan, n: actual dB, predicted error ratio designed/equidistant) |",
         "|---|---|---|---|",
     ]
-    for p in protocols:
-        if not p.startswith("designed"):
-            continue
+    for p in [q for q in protocols if q.startswith("designed")]:
         right, wrong = 0, []
         for rec in records:
             for n in counts[1:]:
-                act = _dip(rec, p, n) - _dip(rec, "equidistant", n)
+                act = score(rec, p, n) - score(rec, "equidistant", n)
                 if abs(act) <= RANK_MARGIN_DB:
                     continue
                 pred = rec["plan"][p]["designed"][str(n)] / rec["plan"][p]["equidistant"][str(n)]
@@ -287,6 +365,50 @@ def report(records: list[dict]) -> str:
         total = right + len(wrong)
         share = f"{100 * right / total:.0f} %" if total else "–"
         lines.append(f"| {p} | {total} | {share} | {'; '.join(wrong) or '–'} |")
+    return lines
+
+
+def report(records: list[dict]) -> str:
+    """The study's tables (markdown): PSNR per protocol, designed − equidistant per kind and count (DIP, and TV at
+    its best weight), the protocol the plan recommends, and the plan's ranking against both."""
+    counts = records[0]["counts"]
+    protocols = [p for p in records[0]["actual"] if p.startswith("designed")] + list(BASELINES)
+    lines = ["# Protocol study: designed against equidistant and golden-angle scans", ""]
+    scores = {
+        "DIP": lambda rec, p, n: _dip(rec, p, n),
+        "TV": lambda rec, p, n: rec["actual"][p][str(n)]["psnr"]["tv"],
+        "TV at its best weight (chosen on the truth)": _tv_best,
+    }
+    for title, score in scores.items():
+        lines += [f"## {title}: PSNR (dB) per scan and count", ""]
+        lines += ["| scan | n | " + " | ".join(protocols) + " |", "|---|---|" + "---|" * len(protocols)]
+        for rec in records:
+            for n in counts:
+                cells = [f"{score(rec, p, n):.2f}" for p in protocols]
+                lines.append(f"| {rec['scan']} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    limits = sorted({rec["max_designed"] for rec in records})
+    lines += ["## Each protocol minus equidistant, DIP PSNR (dB), mean over the scans of a kind", ""]
+    lines += _differences(records, protocols, counts, _dip, recommended=True)
+    lines += [
+        "",
+        f"The recommended protocol: designed where the plan predicts at least the margin less error and the count is "
+        f"at most {', '.join(map(str, limits))} angles (`ctuq.design.plan.trusted_count`), else equidistant.",
+        "",
+        "## Each protocol minus equidistant, TV at its best weight (chosen on the truth), PSNR (dB)",
+        "",
+        "What the angles allow apart from how a run tunes its reconstruction.",
+        "",
+        *_differences(records, protocols, counts, _tv_best, recommended=False),
+    ]
+    for title, score in (("actual DIP", _dip), ("TV at its best weight", _tv_best)):
+        lines += [
+            "",
+            f"## The plan's ranking of designed against equidistant: pairs whose {title} PSNR differs by > "
+            f"{RANK_MARGIN_DB} dB",
+            "",
+            *_ranking(records, protocols, counts, score),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -303,6 +425,7 @@ def run_study(options: ProtocolOptions, out: Path, log: Log | None = None) -> st
     records = [run_scan(name, path, options, out, log) for name, path in scans.items()]
     text = report(records)
     atomic_write_json(out / "results.json", {"records": records})
-    (out / "results.md").write_text(text)
+    with atomic_path(out / "results.md") as tmp:
+        tmp.write_text(text)
     log(f"wrote {out / 'results.md'}")
     return text

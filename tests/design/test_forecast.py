@@ -232,6 +232,42 @@ def test_the_plan_recommends_the_protocol_that_meets_the_target_with_fewer_angle
     assert recommend(close, parse_target("rmse", "2e-3/mm"), margin=0.005)["recommended"] == "designed"
 
 
+def test_the_plan_recommends_designed_angles_only_up_to_the_trusted_count():
+    """Above :func:`trusted_count` (a third of the image side) the equidistant scan is recommended however far
+    ahead the plan predicts the design; at or below it the margin rule alone decides."""
+    from ctuq.design.plan import recommend, recommends_designed, trusted_count
+
+    def curve(errors):
+        return [{"rmse": e, "psnr": 20 - 20 * math.log10(e / 0.01)} for e in errors]
+
+    assert [trusted_count(s) for s in [(64, 64), (128, 128), (1, 96, 128), (32, 20), (2, 2)]] == [21, 42, 42, 10, 1]
+    planned = {
+        "counts": [10, 20, 40],
+        "designed": curve([4e-3, 2e-3, 1e-3]),
+        "equidistant": curve([4e-3, 2.5e-3, 1.2e-3]),
+    }
+    # 2e-3/mm: the design meets it at 20 angles (equidistant at ~25): within 21, above 19
+    assert recommend(planned, parse_target("rmse", "2e-3/mm"), max_designed=21)["recommended"] == "designed"
+    r = recommend(planned, parse_target("rmse", "2e-3/mm"), max_designed=19)
+    assert (
+        r["recommended"] == "equidistant" and r["max_designed"] == 19 and r["counts"]["designed"] == pytest.approx(20)
+    )
+    assert r["reason"].endswith("(designed angles are recommended up to 19 angles at this image size)")
+    # without a target: the last count, 40 angles, with the design predicted 17 % ahead
+    assert recommend(planned)["recommended"] == "designed" and recommend(planned)["max_designed"] is None
+    r = recommend(planned, max_designed=21)
+    assert r["recommended"] == "equidistant"
+    assert r["reason"] == (
+        "predicted RMS error after 40 angles: designed 0.833 × equidistant (margin 2%); designed angles are "
+        "recommended up to 21 angles at this image size"
+    )
+    # a count is rounded up to whole angles before the comparison; the margin still applies below the limit
+    assert recommends_designed(0.9, 1.0, 21.0, max_designed=21) and not recommends_designed(
+        0.9, 1.0, 21.2, max_designed=21
+    )
+    assert not recommends_designed(0.99, 1.0, 10, max_designed=21)
+
+
 def test_stop_rule_decisions():
     hist = [{"rmse": 0.01, "psnr": 20.0}, {"rmse": 0.006, "psnr": 24.0}, {"rmse": 0.0058, "psnr": 24.2}]
     assert not StopRule.from_settings(target_rmse="0.005/mm").met(hist)
