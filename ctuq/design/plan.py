@@ -196,8 +196,8 @@ sets of three scans) the designs were ahead of as many equidistant angles at 20 
 was as often behind as ahead, by up to 1.6 dB where the plan predicted them 5–6 % ahead; with TV's weight chosen on
 the truth the same designed angles were ahead there: above this count the 64² runs' held-out tuning, not the angles'
 information, decided (it picks a weight further from the best one for designed angles, whose rows the coarse grid
-fits worse). The limit was read off two of the sets and held on the third. At 128² the designs were ahead at every
-count up to 80, so there it is conservative."""
+fits worse). The limit was read off two of the sets and held on the third. At 128² the designs were ahead on the
+mean of three scans at every count up to 80, so there it is conservative."""
 
 
 def trusted_count(image_shape) -> int:
