@@ -345,6 +345,7 @@ def test_plan_writes_the_forecast_without_acquiring(tiny_scan, tmp_path):
     advice = plan["recommendation"]  # no target: the strategy with the lower predicted error after 10 angles
     lower = min(("designed", "equidistant"), key=lambda k: plan[k][-1]["rmse"])
     assert advice["recommended"] == lower and advice["target"] is None
+    assert advice["max_designed"] == 10  # trusted_count of the 32² grid: the 10 angles are within it
     assert (out / "forecast.png").stat().st_size > 0
     assert not (out / "designed").exists() and not (out / "std_design.tif").exists()
     # a target the plan says cannot be reached is refused before acquiring anything
