@@ -208,11 +208,12 @@ def run_scan(name: str, scan: Path, options: ProtocolOptions, out: Path, log: Lo
             mask = object_mask(np.asarray(des.pilot_images["dip"], np.float64)) > 0
     orders["equidistant"] = None  # per count: not nested
     orders["golden"] = golden_indices(len(cand), options.counts[-1]).tolist()
+    whole = load_scan(scan)
     by_count = reconstruct_protocols(
-        load_scan(scan), cand, orders, options.counts, sets=_sets(options), options=options, out=sdir / "actual",
+        whole, cand, orders, options.counts, sets=_sets(options), options=options, out=sdir / "actual",
         mask=mask, log=log, name=name,
     )  # fmt: skip
-    _best_tv_all(load_scan(scan), by_count, options, sdir / "tv_best.json", log, name)
+    _best_tv_all(whole, by_count, options, sdir / "tv_best.json", log, name)
     actual = {p: {str(n): rec for n, rec in runs.items()} for p, runs in by_count.items()}
     record = {
         "scan": name,
@@ -375,7 +376,7 @@ def report(records: list[dict]) -> str:
     protocols = [p for p in records[0]["actual"] if p.startswith("designed")] + list(BASELINES)
     lines = ["# Protocol study: designed against equidistant and golden-angle scans", ""]
     scores = {
-        "DIP": lambda rec, p, n: _dip(rec, p, n),
+        "DIP": _dip,
         "TV": lambda rec, p, n: rec["actual"][p][str(n)]["psnr"]["tv"],
         "TV at its best weight (chosen on the truth)": _tv_best,
     }
